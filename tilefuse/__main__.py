@@ -1,0 +1,5 @@
+import sys
+
+from tilefuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""Argument validation shared by the public ops.
+
+Every check raises ``ValueError`` naming the argument, what was expected and what was given, so
+bad input fails in Python before any kernel launches (never a CUDA fault or a wrong answer).
+Checks only read metadata (dtype, shape, strides, device), so they are safe under
+``torch.compile`` tracing and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT16S = (torch.float16, torch.bfloat16)
+
+
+def _fmt_dtypes(dtypes: Sequence[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, value, *, dtypes: Sequence[torch.dtype] | None = None,
+                 ndim: int | None = None, min_ndim: int | None = None) -> torch.Tensor:
+    """``value`` is a tensor with one of ``dtypes`` and the given rank."""
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {_fmt_dtypes([value.dtype])}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(value.shape)}")
+    if min_ndim is not None and value.dim() < min_ndim:
+        raise ValueError(f"{name}: expected at least {min_ndim} dimensions, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_shape(name: str, value: torch.Tensor, expected: Sequence[int | None], what: str = "") -> None:
+    """``value.shape`` equals ``expected``; ``None`` entries match any size.
+
+    ``what`` spells the expected shape symbolically, e.g. ``"[2I, H]"``.
+    """
+    shape = tuple(value.shape)
+    ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape))
+    if not ok:
+        want = what or "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {shape}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors live on one device; returns it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    device = items[0][1].device
+    for name, t in items[1:]:
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (like {items[0][0]}), got {t.device}")
+    return device
+
+
+def check_contiguous(name: str, value: torch.Tensor, *, last_dim_only: bool = False) -> None:
+    """Row-major layout (or unit stride in the last dimension only)."""
+    ok = value.stride(-1) == 1 if last_dim_only else value.is_contiguous()
+    if not ok:
+        kind = "unit stride in the last dimension" if last_dim_only else "a contiguous tensor"
+        raise ValueError(f"{name}: expected {kind}, got strides {tuple(value.stride())}")
+
+
+def check_multiple(name: str, size: int, multiple: int, what: str) -> None:
+    """``size`` (the dimension ``what`` of ``name``) is a multiple of ``multiple``."""
+    if size % multiple:
+        raise ValueError(f"{name}: expected {what} to be a multiple of {multiple}, got {size}")
+
+
+def check_choice(name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")

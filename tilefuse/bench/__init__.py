@@ -1,0 +1,1 @@
+"""Benchmarks: ``harness`` (timing, ceilings), ``runner`` (CLI loop, JSON, table), one module per family."""

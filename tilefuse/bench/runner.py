@@ -1,0 +1,119 @@
+"""``tilefuse bench``: run families' cases, print a table, write JSON and a plot per family."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from tilefuse.bench.harness import Ceilings, Timer, measure_ceilings, run_case
+
+FAMILIES = ("swiglu", "mla", "vq")
+DEFAULT_OUT = Path("bench/results")
+
+
+def machine_info(device: torch.device) -> dict:
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+    }
+
+
+def _slug(name: str) -> str:
+    return "".join(c.lower() if c.isalnum() else "-" for c in name).strip("-").replace("nvidia-", "")
+
+
+def _fmt(x, spec=".1f"):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_table(rows: list[dict], file=sys.stdout) -> None:
+    """One line per (case, impl): time, graph time, TFLOP/s, GB/s, roofline fraction, speedups."""
+    by_case: dict[str, list[dict]] = {}
+    for row in rows:
+        by_case.setdefault(json.dumps(row["params"], sort_keys=True), []).append(row)
+    print(f"{'case':<52} {'impl':<22} {'us':>9} {'graph us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'roof':>5}  vs tilefuse",
+          file=file)
+    for key, group in by_case.items():
+        ours = next((r for r in group if r["impl"] == "tilefuse" and r.get("median_us")), None)
+        case = " ".join(f"{k}={v}" for k, v in group[0]["params"].items())[:52]
+        for row in group:
+            speed = ""
+            if ours and row is not ours and row.get("median_us"):
+                speed = f"{row['median_us'] / ours['median_us']:.2f}x"
+            if row.get("error"):
+                speed = "ERROR " + row["error"][:60]
+            print(f"{case:<52} {row['impl']:<22} {_fmt(row.get('median_us')):>9} {_fmt(row.get('graph_us')):>9} "
+                  f"{_fmt(row.get('tflops')):>8} {_fmt(row.get('gbps'), '.0f'):>7} "
+                  f"{_fmt(row.get('roofline_frac'), '.2f'):>5}  {speed}", file=file)
+            case = ""
+
+
+def run_family(family: str, device: torch.device, quick: bool, timer: Timer, ceilings: Ceilings,
+               only: str | None = None) -> list[dict]:
+    module = importlib.import_module(f"tilefuse.bench.{family}")
+    cases = module.cases(device, quick)
+    if only:
+        cases = [c for c in cases if only in json.dumps(c.params)]
+    rows = []
+    for i, case in enumerate(cases, 1):
+        print(f"[{family} {i}/{len(cases)}] {case.params}", file=sys.stderr, flush=True)
+        rows.extend(run_case(case, family, timer, ceilings))
+    return rows
+
+
+def write_results(family: str, rows: list[dict], machine: dict, ceilings: Ceilings, out_dir: Path,
+                  extra: dict | None = None) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{family}-{_slug(machine['gpu'])}.json"
+    payload = {
+        "machine": machine,
+        "ceilings": {"copy_gbps": ceilings.copy_gbps, "gemm_bf16_tflops": ceilings.gemm_bf16_tflops},
+        "rows": rows,
+    }
+    if extra:
+        payload.update(extra)
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    try:
+        from tilefuse.bench.plot import plot_family
+
+        plot_family(family, rows, path.with_suffix(".png"))
+    except ImportError as exc:
+        print(f"(no plot: {exc})", file=sys.stderr)
+    return path
+
+
+def main(families: list[str], quick: bool, out_dir: Path, only: str | None = None, rep_ms: float | None = None) -> int:
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != "cuda":
+        print("No CUDA GPU here: running the reference path on small CPU shapes "
+              "(timings are CPU timings, for checking the pipeline only).", file=sys.stderr)
+    machine = machine_info(device)
+    print(f"machine: {machine}", file=sys.stderr)
+    ceilings = measure_ceilings(device, quick)
+    print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 GEMM {ceilings.gemm_bf16_tflops:.0f} TFLOP/s",
+          file=sys.stderr)
+    timer = Timer(device, rep_ms=rep_ms or (20.0 if quick else 50.0))
+    for family in families:
+        rows = run_family(family, device, quick, timer, ceilings, only)
+        print_table(rows)
+        module = importlib.import_module(f"tilefuse.bench.{family}")
+        summary = module.summarize(rows) if hasattr(module, "summarize") else None
+        if summary:
+            print(json.dumps(summary, indent=1))
+        path = write_results(family, rows, machine, ceilings, out_dir, {"summary": summary} if summary else None)
+        print(f"wrote {path}", file=sys.stderr)
+    return 0

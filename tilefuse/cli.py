@@ -1,0 +1,74 @@
+"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,all}``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from pathlib import Path
+
+
+def info() -> int:
+    import torch
+
+    from tilefuse._backend import triton_available
+
+    usable, why = triton_available()
+    print(f"python   {platform.python_version()}  torch {torch.__version__}  "
+          f"triton {importlib.import_module('triton').__version__ if usable else '-'}")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        props = torch.cuda.get_device_properties(dev)
+        print(f"gpu      {props.name}  sm_{props.major}{props.minor}  {props.multi_processor_count} SMs  "
+              f"{props.total_memory / 2**30:.1f} GiB  L2 {getattr(props, 'L2_cache_size', 0) / 2**20:.0f} MiB")
+        print(f"cuda     runtime {torch.version.cuda}  driver {_driver_version()}")
+    else:
+        dev = torch.device("cpu")
+        print("gpu      none: ops run their PyTorch reference (TRITON_INTERPRET=1 with "
+              "TILEFUSE_BACKEND=triton interprets the kernels on the CPU)")
+    print("kernels:")
+    for family in ("swiglu", "mla", "vq"):
+        try:
+            status = importlib.import_module(f"tilefuse.ops.{family}.op").kernel_status(dev)
+        except (ImportError, AttributeError) as exc:
+            status = {"*": f"not implemented ({exc.__class__.__name__})"}
+        for variant, state in status.items():
+            print(f"  {family:<7} {variant:<14} {state}")
+    return 0
+
+
+def _driver_version() -> str:
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "?"
+    except Exception:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES
+
+    parser = argparse.ArgumentParser(prog="tilefuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="GPU, versions, and which kernels run here")
+    bench = sub.add_parser("bench", help="time tilefuse against baselines and the chip's ceilings")
+    bench.add_argument("family", choices=[*FAMILIES, "all"])
+    bench.add_argument("--quick", action="store_true", help="a few representative cases, shorter timings")
+    bench.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    bench.add_argument("--only", default=None, help="only cases whose params JSON contains this text")
+    bench.add_argument("--rep-ms", type=float, default=None, help="milliseconds of repeats per measurement")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return info()
+    from tilefuse.bench.runner import main as bench_main
+
+    families = list(FAMILIES) if args.family == "all" else [args.family]
+    return bench_main(families, args.quick, args.out, args.only, args.rep_ms)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+from tilefuse.ops.swiglu.op import swiglu  # noqa: F401

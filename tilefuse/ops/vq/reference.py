@@ -1,0 +1,43 @@
+"""AQLM 2x8 vector-quantized linear layer in plain PyTorch: the executable spec of ``tilefuse.vq_matmul``.
+
+Format (AQLM's, ``num_codebooks=2, nbits_per_codebook=8, in_group_size=8, out_group_size=1``):
+
+* codes     ``[N, K/8, 2]`` uint8, or int8 as AQLM stores them (two's complement: int8 -1 is code 255)
+* codebooks ``[2, 256, 1, 8]`` fp16/bf16
+* scales    ``[N, 1, 1, 1]``
+* bias      ``[N]`` or None
+
+``W[n, 8g:8g+8] = scales[n] * (C0[codes[n, g, 0]] + C1[codes[n, g, 1]])`` and ``y = x @ W^T + bias``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def codes_as_index(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 or int8 codes -> int64 indices in [0, 256)."""
+    return codes.to(torch.int64) & 0xFF
+
+
+def dequantize(codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor, *,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dense weight ``[N, K]`` in ``dtype`` (the codebooks' dtype by default)."""
+    dtype = dtype or codebooks.dtype
+    num_rows, num_groups, num_codebooks = codes.shape
+    index = codes_as_index(codes)                            # [N, G, 2]
+    books = codebooks.to(dtype)[:, :, 0, :]                   # [2, 256, 8]
+    groups = sum(books[c][index[..., c]] for c in range(num_codebooks))   # [N, G, 8]
+    weight = groups * scales.to(dtype).reshape(num_rows, 1, 1)
+    return weight.reshape(num_rows, num_groups * books.shape[-1])
+
+
+def vq_matmul_reference(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None = None, *, compute_dtype: torch.dtype = torch.float32,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W^T + bias``. x: [..., K]; returns [..., N] in ``out_dtype`` (x's dtype by default)."""
+    weight = dequantize(codes, codebooks, scales, dtype=compute_dtype)
+    out = x.to(compute_dtype) @ weight.T
+    if bias is not None:
+        out = out + bias.to(compute_dtype)
+    return out.to(out_dtype or x.dtype)

@@ -7,9 +7,30 @@ Public ops (PyTorch custom ops under ``torch.ops.tilefuse``):
 * :func:`get_mla_metadata`, :func:`flash_mla_with_kvcache` -- MLA decode over a paged cache (paper 3)
 
 :func:`force` pins the backend (``"triton"`` / ``"reference"``) or a kernel variant for a block.
+Each family is imported on first use, so ``import tilefuse`` stays cheap and side-effect free.
 """
 
+import importlib
+
 from tilefuse._backend import force  # noqa: F401
-from tilefuse.ops.swiglu import swiglu  # noqa: F401
 
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "swiglu": "tilefuse.ops.swiglu.op",
+    "pack_gate_up": "tilefuse.ops.swiglu.op",
+    "vq_matmul": "tilefuse.ops.vq.op",
+    "get_mla_metadata": "tilefuse.ops.mla.op",
+    "flash_mla_with_kvcache": "tilefuse.ops.mla.op",
+    "nn": "tilefuse.nn",
+    "vq": "tilefuse.vq",
+}
+
+__all__ = ["force", *_PUBLIC]
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'tilefuse' has no attribute {name!r}")
+    module = importlib.import_module(_PUBLIC[name])
+    return module if module.__name__ == f"tilefuse.{name}" else getattr(module, name)

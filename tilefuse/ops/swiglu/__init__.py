@@ -1,1 +1,0 @@
-from tilefuse.ops.swiglu.op import swiglu  # noqa: F401

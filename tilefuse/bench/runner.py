@@ -77,9 +77,10 @@ def run_family(module, family: str, device: torch.device, quick: bool, timer: Ti
 
 
 def write_results(family: str, rows: list[dict], machine: dict, ceilings: Ceilings, out_dir: Path,
-                  extra: dict | None = None) -> Path:
+                  extra: dict | None = None, quick: bool = False) -> Path:
+    """``<out_dir>/<family>-<gpu>[-quick].json`` and a PNG beside it; returns the JSON path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{family}-{_slug(machine['gpu'])}.json"
+    path = out_dir / f"{family}-{_slug(machine['gpu'])}{'-quick' if quick else ''}.json"
     payload = {
         "machine": machine,
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "gemm_bf16_tflops": ceilings.gemm_bf16_tflops},
@@ -119,6 +120,7 @@ def main(families: list[str], quick: bool, out_dir: Path, only: str | None = Non
         summary = module.summarize(rows) if hasattr(module, "summarize") else None
         if summary:
             print(json.dumps(summary, indent=1))
-        path = write_results(family, rows, machine, ceilings, out_dir, {"summary": summary} if summary else None)
+        path = write_results(family, rows, machine, ceilings, out_dir, {"summary": summary} if summary else None,
+                             quick=quick)
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -1,23 +1,188 @@
-"""``tilefuse.swiglu``: validation, dispatch and custom-op registration.
+"""``tilefuse.swiglu`` and ``tilefuse.pack_gate_up``: validation, launchers, dispatch, custom op.
 
-Kernels live in ``kernels.py`` (Triton), the spec in ``reference.py``.
+Kernels live in ``kernels.py`` (Triton), the configuration table in ``configs.py``, the spec in
+``reference.py``. Dispatch: ``configs.choose(M, H, I)`` picks the small-M (split-K, pointer) or the
+large-M (persistent, TMA, warp-specialized) kernel and its tiles; ``tilefuse.force(variant=...)``
+pins ``"small_m"`` or ``"large_m"``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tilefuse import _checks
-from tilefuse._backend import choose_backend
+from tilefuse._backend import choose_backend, forced_variant, interpreting
 from tilefuse._library import tilefuse_op
+from tilefuse.ops.swiglu import configs
 from tilefuse.ops.swiglu.reference import swiglu_reference
 
 LAYOUTS = ("merged", "packed")
+VARIANTS = ("small_m", "large_m")
+PACK = 64  # == kernels.PACK (kept here so importing op.py does not import triton)
 
 
+# ----------------------------------------------------------------------------- packed layout
+def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """Interleave gate and up weights into the block layout of ``layout="packed"``.
+
+    Parameters
+    ----------
+    w_gate, w_up : [I, H] bf16 or fp16 (fp32 accepted too; same dtype, device); I a multiple of 64, H of 8.
+
+    Returns
+    -------
+    [2I, H], contiguous: for each block b = 0 .. I/64 - 1, the 64 gate rows ``w_gate[64b:64b+64]``
+    followed by the 64 matching up rows ``w_up[64b:64b+64]``. Row ``128 b + j`` is gate row
+    ``64 b + j`` and row ``128 b + 64 + j`` is up row ``64 b + j``. One GEMM tile of ``2 * 64 k``
+    weight rows therefore holds matching gate and up columns, and the large-M kernel feeds them to
+    the tensor cores as a single dot.
+    """
+    _checks.check_tensor("w_gate", w_gate, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=2)
+    _checks.check_tensor("w_up", w_up, dtypes=(w_gate.dtype,), ndim=2)
+    _checks.check_shape("w_up", w_up, tuple(w_gate.shape), f"[I, H] = {tuple(w_gate.shape)} like w_gate")
+    _checks.check_same_device(w_gate=w_gate, w_up=w_up)
+    inter, hidden = w_gate.shape
+    _checks.check_multiple("w_gate", inter, PACK, "I (rows) for the packed layout")
+    _checks.check_multiple("w_gate", hidden, 8, "H (columns)")
+    blocks = inter // PACK
+    return torch.stack((w_gate.reshape(blocks, PACK, hidden), w_up.reshape(blocks, PACK, hidden)),
+                       dim=1).reshape(2 * inter, hidden).contiguous()
+
+
+def unpack_gate_up(w_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_gate_up`: ``[2I, H]`` packed -> (w_gate ``[I, H]``, w_up ``[I, H]``)."""
+    rows, hidden = w_packed.shape
+    pairs = w_packed.reshape(rows // (2 * PACK), 2, PACK, hidden)
+    return pairs[:, 0].reshape(rows // 2, hidden), pairs[:, 1].reshape(rows // 2, hidden)
+
+
+# ----------------------------------------------------------------------------- launchers
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 split-K tickets (the kernel re-arms each to 0 after use)."""
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
+def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
+                   cfg: configs.SmallMConfig) -> torch.Tensor:
+    """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I] (unit last stride)."""
+    from tilefuse.ops.swiglu.kernels import swiglu_small_m_kernel
+
+    m, h = x.shape
+    inter = w.shape[0] // 2
+    grid = (triton_cdiv(inter, cfg.block_n), triton_cdiv(m, cfg.block_m), cfg.split_k)
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, 2, m, inter), dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, grid[0] * grid[1])
+    else:
+        ws = locks = out  # unused
+    swiglu_small_m_kernel[grid](
+        x, w, bias if bias is not None else w, out, ws, locks,
+        m, inter, h,
+        x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
+                   cfg: configs.LargeMConfig) -> torch.Tensor:
+    """Same contract as :func:`launch_small_m`; x, w and out must be 16-byte aligned (TMA)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from tilefuse.ops.swiglu.kernels import swiglu_large_m_kernel
+
+    m, h = x.shape
+    inter = w.shape[0] // 2
+    if packed and cfg.block_n % PACK:
+        raise ValueError(f"config: packed layout needs block_n a multiple of {PACK}, got {cfg.block_n}")
+    w_rows = 2 * cfg.block_n if packed else cfg.block_n
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [w_rows, cfg.block_k])
+    out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg.block_m, cfg.block_n])
+    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)
+    grid = (min(num_sms, tiles),)
+    swiglu_large_m_kernel[grid](
+        x_desc, w_desc, out_desc, bias if bias is not None else w,
+        m, inter, h,
+        HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, NUM_SMS=grid[0], WARP_SPECIALIZE=cfg.warp_specialize and x.is_cuda,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: str = "merged",
+               variant: str | None = None, config=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the Triton kernels on a 2-D problem (tests, tuning): ``x2d [M, H] -> out [M, I]``.
+
+    ``variant``/``config`` pin the kernel and its tiles (``None``: the op's own choice); ``out``
+    (``[M, I]``, unit last stride) receives the result when given.
+    """
+    m, h = x2d.shape
+    inter = w.shape[0] // 2
+    if out is None:
+        out = torch.empty((m, inter), dtype=x2d.dtype, device=x2d.device)
+    if m == 0:
+        return out
+    if config is None:
+        num_sms = _num_sms(x2d.device.index or 0) if x2d.is_cuda else configs.NUM_SMS_H200
+        variant, config = configs.choose(m, h, inter, variant, num_sms)
+    elif variant is None:
+        variant = "small_m" if isinstance(config, configs.SmallMConfig) else "large_m"
+    packed = layout == "packed"
+    if variant == "large_m":
+        if packed and config.block_n % PACK:
+            config = configs.LargeMConfig(**{**config.__dict__, "block_n": 128})
+        if not _tma_ok(x2d, w, out):
+            x2d = x2d.contiguous() if x2d.data_ptr() % 16 == 0 else x2d.clone()
+            if not _tma_ok(x2d, w, out):  # an unaligned `out`: compute aside, then copy
+                return out.copy_(run_kernel(x2d, w, bias, layout, variant, config))
+        return launch_large_m(x2d, w, bias, out, packed, config)
+    return launch_small_m(x2d, w, bias, out, packed, config)
+
+
+# ----------------------------------------------------------------------------- status, custom op
 def kernel_status(device: torch.device) -> dict[str, str]:
     """Which SwiGLU kernel variants run on ``device`` ("ok" or why not)."""
-    return {"*": "not implemented yet: reference path"}
+    from tilefuse._backend import triton_available
+
+    usable, why = triton_available()
+    if not usable:
+        return {v: why for v in VARIANTS}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        large = "ok" if major >= 9 else f"needs sm_90+ (TMA), this GPU is sm_{major}{minor}"
+        return {"small_m": "ok", "large_m": large}
+    if interpreting():
+        return {"small_m": "ok (interpreter)", "large_m": "ok (interpreter, no warp specialization)"}
+    return {v: "no CUDA GPU: reference path (TRITON_INTERPRET=1 interprets the kernels)" for v in VARIANTS}
 
 
 def _swiglu_fake(x, w_gate_up, bias, layout):
@@ -26,9 +191,17 @@ def _swiglu_fake(x, w_gate_up, bias, layout):
 
 @tilefuse_op("swiglu", fake=_swiglu_fake)
 def _swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
-    if choose_backend(x.device) == "triton":
-        raise NotImplementedError("the Triton SwiGLU kernels are not implemented yet")
-    return swiglu_reference(x, w_gate_up, bias)
+    inter = w_gate_up.shape[0] // 2
+    if choose_backend(x.device) != "triton":
+        if layout == "packed":
+            w_gate, w_up = unpack_gate_up(w_gate_up)
+            w_gate_up = torch.cat((w_gate, w_up))
+        return swiglu_reference(x, w_gate_up, bias)
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    out = run_kernel(x2d, w_gate_up, bias, layout, forced_variant())
+    return out.reshape(*x.shape[:-1], inter)
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -37,14 +210,23 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
 
     Parameters
     ----------
-    x : [..., H] bf16 or fp16
-    w_gate_up : [2I, H], x's dtype. ``layout="merged"``: vLLM's layout, the I gate rows then the
-        I up rows. ``layout="packed"``: the output of :func:`tilefuse.pack_gate_up`.
-    bias : [2I] or None, in the same row order as ``w_gate_up``.
+    x : [..., H] bf16 or fp16 (any leading shape, M = their product, M = 0 allowed)
+    w_gate_up : [2I, H], x's dtype, contiguous. ``layout="merged"``: vLLM's layout, the I gate rows
+        then the I up rows. ``layout="packed"``: the output of :func:`pack_gate_up`
+        (64-row gate/up blocks; I a multiple of 64).
+    bias : [2I] or None, x's dtype: the I gate biases then the I up biases (this merged order for
+        both layouts).
+    layout : "merged" or "packed".
 
     Returns
     -------
     [..., I] in x's dtype. SiLU is computed in fp32 on the fp32 accumulator, one rounding at the end.
+
+    Examples
+    --------
+    >>> w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])      # [2I, H]
+    >>> h = tilefuse.swiglu(x, w)                                       # [..., I]
+    >>> y = h @ mlp.down_proj.weight.T
     """
     _checks.check_tensor("x", x, dtypes=_checks.FLOAT16S, min_ndim=1)
     _checks.check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=2)
@@ -53,9 +235,15 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
     _checks.check_shape("w_gate_up", w_gate_up, (None, hidden), f"[2I, H={hidden}]")
     _checks.check_multiple("x", hidden, 8, "H (last dimension)")
     _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 16, "2I (rows; I a multiple of 8)")
+    if w_gate_up.shape[0] == 0:
+        raise ValueError("w_gate_up: expected at least 16 rows (2I with I >= 8), got 0")
+    if layout == "packed":
+        _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 2 * PACK,
+                               "2I (rows) for layout='packed' (I a multiple of 64)")
     if bias is not None:
         _checks.check_tensor("bias", bias, dtypes=(x.dtype,), ndim=1)
         _checks.check_shape("bias", bias, (w_gate_up.shape[0],), f"[2I={w_gate_up.shape[0]}]")
+        _checks.check_contiguous("bias", bias)
     _checks.check_same_device(x=x, w_gate_up=w_gate_up, bias=bias)
     _checks.check_contiguous("w_gate_up", w_gate_up)
     return _swiglu(x, w_gate_up, bias, layout)

@@ -1,0 +1,229 @@
+"""Triton kernels of the fused SwiGLU gate/up projection: ``h = silu(x Wg^T + bg) * (x Wu^T + bu)``.
+
+Both kernels keep the gate and the up accumulators of one output tile in registers (fp32), apply
+SiLU * mul there and round once to the output dtype, so the ``[M, 2I]`` intermediate never reaches
+HBM (paper 1). They differ in how they feed the tensor cores:
+
+* :func:`swiglu_small_m_kernel` (the paper's Kernel-2, "interleaved"): one program per output tile
+  and K slice, pointer loads, optional split-K with an in-kernel fix-up (the last K slice of a tile
+  to finish sums the fp32 partials and runs the epilogue), so even M = 1 fills all 132 SMs.
+  Decode-sized M is memory-bound: what matters is bytes in flight, not MMA shape.
+* :func:`swiglu_large_m_kernel` (Kernel-1, "ping-pong"): persistent grid of one program per SM,
+  host-side TMA descriptors, grouped tile order for L2 reuse, and Triton's Hopper warp
+  specialization (a producer partition issues TMA loads while the MMA partition runs WGMMA and the
+  epilogue of one tile overlaps the loads of the next).
+
+Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
+
+* merged (vLLM): gate rows ``[0, I)``, up rows ``[I, 2I)``; a tile reads the gate rows ``n`` and the
+  up rows ``I + n`` through two pointer sets / two TMA boxes and runs two dots.
+* packed (:func:`tilefuse.pack_gate_up`): blocks of ``2 * PACK`` rows, ``PACK`` gate rows then the
+  matching ``PACK`` up rows; the large-M kernel loads one ``[2 BLOCK_N, BLOCK_K]`` box holding both
+  and runs a single dot of N = 2 BLOCK_N, then splits the accumulator's columns in the epilogue.
+"""
+
+import triton
+import triton.language as tl
+
+# Rows per gate (and per up) run in the packed layout. 64 lets the large-M kernel's BLOCK_N be 64 or
+# 128 (one or two packed blocks per TMA box) and keeps every Qwen/Llama intermediate size whole.
+PACK = 64
+
+
+@triton.jit
+def _silu_mul(gate, up):
+    # fp32 in, fp32 out: silu(g) * u = g * sigmoid(g) * u, on the accumulator, before any rounding.
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def _packed_row(offs_n, PACK: tl.constexpr):
+    # Row of gate column n in the packed layout (the matching up row is PACK further down).
+    return (offs_n // PACK) * (2 * PACK) + offs_n % PACK
+
+
+@triton.jit
+def swiglu_small_m_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
+    # sizes
+    M, I, H,
+    # strides (the last dimension of every tensor has unit stride)
+    stride_xm, stride_wn, stride_om,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One program = one [BLOCK_M, BLOCK_N] output tile over one K slice (of SPLIT_K).
+
+    Grid: (cdiv(I, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K); n fastest so neighbouring programs share
+    the x rows in L2. Tile shape: M <= 256 means few x rows and a weight stream that dominates the
+    bytes, so BLOCK_N is small (16-64) to make enough programs and BLOCK_K large (128-256) so each
+    load moves wide 16-byte vectors and several are in flight per SM.
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows/columns are clamped to the last valid one (loads stay in bounds, no masks
+    # in the inner loop); their results are dropped by the store mask.
+    rows_x = tl.minimum(offs_m, M - 1)
+    cols = tl.minimum(offs_n, I - 1)
+    if PACKED:
+        rows_g = _packed_row(cols, PACK)
+        rows_u = rows_g + PACK
+    else:
+        rows_g = cols
+        rows_u = cols + I
+
+    # This program's K slice, in whole BLOCK_K steps.
+    k_steps = tl.cdiv(H, BLOCK_K)
+    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_begin = pid_k * steps_per_split
+    k_end = tl.minimum(k_begin + steps_per_split, k_steps)
+
+    offs_k = k_begin * BLOCK_K + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
+    wg_ptrs = w_ptr + rows_g[:, None] * stride_wn + offs_k[None, :]
+    wu_ptrs = w_ptr + rows_u[:, None] * stride_wn + offs_k[None, :]
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Main loop: HBM -> registers (software-pipelined through SMEM by num_stages); x [BM, BK] is
+    # shared by both dots, the gate and up weight tiles [BN, BK] stream once each.
+    for ks in range(k_begin, k_end):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+        else:
+            k_ok = (ks * BLOCK_K + tl.arange(0, BLOCK_K)) < H
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
+    if SPLIT_K > 1:
+        # Split-K fix-up: park the fp32 partials in the workspace [SPLIT_K, 2, M, I], take a ticket
+        # for this tile; the last slice to arrive adds the others' partials to its own and runs
+        # the epilogue, then re-arms the ticket (so the counter buffer stays zero between calls
+        # and CUDA-graph replays).
+        plane = M * I
+        ws_offs = offs_m[:, None] * I + offs_n[None, :]
+        tl.store(ws_ptr + (2 * pid_k) * plane + ws_offs, acc_g, mask=out_mask)
+        tl.store(ws_ptr + (2 * pid_k + 1) * plane + ws_offs, acc_u, mask=out_mask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            for s in range(SPLIT_K):
+                other = out_mask & (s != pid_k)
+                acc_g += tl.load(ws_ptr + (2 * s) * plane + ws_offs, mask=other, other=0.0,
+                                 cache_modifier=".cg")
+                acc_u += tl.load(ws_ptr + (2 * s + 1) * plane + ws_offs, mask=other, other=0.0,
+                                 cache_modifier=".cg")
+            _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, stride_om,
+                              out_mask, HAS_BIAS)
+            tl.atomic_xchg(lock_ptr + tile, 0)
+    else:
+        _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, stride_om,
+                          out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, stride_om, out_mask,
+                      HAS_BIAS: tl.constexpr):
+    # Registers -> HBM: bias (merged order: gate bias at n, up bias at I + n), SiLU * mul in fp32,
+    # one rounding to the output dtype, a masked store of the [BM, BN] tile.
+    if HAS_BIAS:
+        acc_g += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_ptr + I + cols).to(tl.float32)[None, :]
+    h = _silu_mul(acc_g, acc_u)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    # Grouped order: GROUP_M row-tiles sweep the N tiles together, so a weight tile loaded by one
+    # program is still in L2 when the other GROUP_M - 1 programs of its group need it.
+    group_size = GROUP_M * num_pid_n
+    first_m = (tile_id // group_size) * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile_id % group_size) % rows
+    pid_n = (tile_id % group_size) // rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def swiglu_large_m_kernel(
+    # TMA descriptors (host-side) and plain pointers
+    x_desc, w_desc, out_desc, bias_ptr,
+    # sizes
+    M, I, H,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """Persistent: program p handles tiles p, p + NUM_SMS, ... in grouped order.
+
+    Tile shape: BLOCK_M x BLOCK_N output columns means a BLOCK_M x 2 BLOCK_N GEMM tile (gate and
+    up), e.g. 128 x 256 for BLOCK_N = 128: the shape CUTLASS's ping-pong kernels use on Hopper, big
+    enough that WGMMA is fed from SMEM at full rate while TMA streams the next K step.
+    x_desc boxes [BLOCK_M, BLOCK_K]; w_desc boxes [BLOCK_N, BLOCK_K] (merged) or
+    [2 BLOCK_N, BLOCK_K] (packed); out_desc boxes [BLOCK_M, BLOCK_N].
+    """
+    start = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    k_steps = tl.cdiv(H, BLOCK_K)
+    dtype = out_desc.dtype
+    tile_epi = start - NUM_SMS
+
+    for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        # Main loop: HBM -TMA-> SMEM (multi-stage ring) -WGMMA-> fp32 registers. TMA zero-fills
+        # out-of-range rows and the K tail, so there are no masks here.
+        if PACKED:
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for ks in range(k_steps):
+                x = x_desc.load([off_m, ks * BLOCK_K])
+                w = w_desc.load([2 * off_n, ks * BLOCK_K])
+                acc = tl.dot(x, w.T, acc)
+            # Columns come as [block, gate|up, PACK]: move gate|up last and split it off.
+            acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK)
+            gate, up = tl.split(acc.permute(0, 1, 3, 2))
+            gate = gate.reshape(BLOCK_M, BLOCK_N)
+            up = up.reshape(BLOCK_M, BLOCK_N)
+        else:
+            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ks in range(k_steps):
+                x = x_desc.load([off_m, ks * BLOCK_K])
+                wg = w_desc.load([off_n, ks * BLOCK_K])
+                wu = w_desc.load([I + off_n, ks * BLOCK_K])
+                gate = tl.dot(x, wg.T, gate)
+                up = tl.dot(x, wu.T, up)
+
+        # Epilogue (registers -> SMEM -TMA-> HBM): recompute the tile from its own counter, as
+        # the flattened, warp-specialized loop may run it while the next tile's loads are issued.
+        tile_epi += NUM_SMS
+        pid_m, pid_n = _grouped_tile(tile_epi, num_pid_m, num_pid_n, GROUP_M)
+        if HAS_BIAS:
+            cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), I - 1)
+            gate += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + I + cols).to(tl.float32)[None, :]
+        h = _silu_mul(gate, up)
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(dtype))

@@ -1,0 +1,12 @@
+"""Quantizers for the 2-bit VQ format (AQLM 2x8) and the baselines of the quality study.
+
+* :func:`quantize` -- dense weight -> (codes, codebooks, scales) in AQLM's 2x8 format
+* :func:`rtn` -- round-to-nearest, asymmetric min-max per group (baseline)
+* :func:`kmeans_vq` -- one plain k-means codebook over short vectors (baseline)
+* :func:`relative_output_error` -- ``||X (W - W_hat)^T|| / ||X W^T||`` from ``X^T X``
+"""
+
+from tilefuse.vq.baselines import kmeans_vq, relative_output_error, rtn
+from tilefuse.vq.quantize import quantize
+
+__all__ = ["quantize", "rtn", "kmeans_vq", "relative_output_error"]

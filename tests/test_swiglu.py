@@ -1,0 +1,147 @@
+"""Fused SwiGLU gate/up GEMM on the CPU: kernels in the Triton interpreter, API, errors.
+
+Interpreter runs use fp16 and fp32 (the interpreter computes bf16 ``tl.dot`` from raw bits) on
+small shapes, including H and I that are not multiples of any tile.
+
+Tolerances (against the fp64 spec):
+* fp16 output: the kernels accumulate in fp32 (relative error ~H * 2^-24, far below fp16's ulp) and
+  round once, so each element is within 0.5 ulp + that; ``rtol = 2^-10`` (1 fp16 ulp) with
+  ``atol = 1e-4`` for results in fp16's subnormal range (ulp 2^-24 there). A wrong row, column,
+  layout or a missing SiLU is off by O(1) and fails.
+* fp32 output: fp32 arithmetic throughout; ``rtol = atol = 1e-5`` (~H * 2^-24 with H <= 200).
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.swiglu import configs
+from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel, unpack_gate_up
+from tilefuse.testing import assert_close, frac_beyond_ulp, poisoned
+from tilefuse.testing.swiglu import make_inputs, reference_f64
+
+TOL = {torch.float16: dict(atol=1e-4, rtol=2 ** -10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
+
+# (M, H, I): M = 1, 3, 37, 130; H and I not multiples of the tiles (BLOCK_K 32-128, BLOCK_N 16-64).
+SHAPES = [(1, 72, 40), (3, 200, 136), (37, 136, 72), (130, 64, 56)]
+SMALL_CFGS = [
+    None,                                            # the op's own choice (heuristic)
+    configs.SmallMConfig(16, 16, 32, split_k=3),     # split-K with an uneven K split
+    configs.SmallMConfig(32, 32, 64, split_k=2),
+]
+LARGE_CFGS = [configs.LargeMConfig(32, 32, 32, group_m=2, num_stages=2, num_warps=4, warp_specialize=False),
+              configs.LargeMConfig(64, 16, 64, group_m=4, num_stages=2, num_warps=4, warp_specialize=False)]
+
+
+def _check(out, x, w, bias, dtype):
+    ref = reference_f64(x, w, bias)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert_close(out, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cfg", SMALL_CFGS, ids=["auto", "split3", "split2"])
+def test_small_m_kernel(interpret, shape, dtype, cfg):
+    m, h, i = shape
+    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=cfg is not None and cfg.split_k == 2)
+    out = poisoned((m, i), dtype, interpret)
+    run_kernel(x, w, bias, "merged", "small_m", cfg, out=out)
+    _check(out, x, w, bias, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 72, 40), (37, 136, 72), (130, 64, 56)])
+@pytest.mark.parametrize("cfg", LARGE_CFGS, ids=["32x32", "64x16"])
+def test_large_m_kernel(interpret, shape, dtype, cfg):
+    m, h, i = shape
+    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=cfg.block_n == 16)
+    out = poisoned((m, i), dtype, interpret)
+    run_kernel(x, w, bias, "merged", "large_m", cfg, out=out)
+    _check(out, x, w, bias, dtype)
+
+
+@pytest.mark.parametrize("variant,cfg", [
+    ("small_m", configs.SmallMConfig(16, 32, 32, split_k=2)),
+    ("small_m", configs.SmallMConfig(16, 64, 64)),
+    ("large_m", configs.LargeMConfig(32, 64, 32, 2, 2, 4, False)),
+    ("large_m", configs.LargeMConfig(32, 128, 32, 2, 2, 4, False)),
+], ids=["small-split2", "small-64", "large-64", "large-128"])
+@pytest.mark.parametrize("m", [3, 37])
+def test_packed_layout(interpret, variant, cfg, m):
+    h, i = 88, 192  # 3 packed blocks: a BLOCK_N = 128 tile straddles the end of I
+    x, w, bias = make_inputs(m, h, i, torch.float16, interpret, bias=True)
+    packed = pack_gate_up(w[:i], w[i:])
+    out = poisoned((m, i), torch.float16, interpret)
+    run_kernel(x, packed, bias, "packed", variant, cfg, out=out)
+    _check(out, x, w, bias, torch.float16)
+
+
+def test_pack_roundtrip_and_layout():
+    w_gate, w_up = torch.randn(128, 16), torch.randn(128, 16)
+    packed = pack_gate_up(w_gate, w_up)
+    assert packed.shape == (256, 16) and packed.is_contiguous()
+    assert torch.equal(packed[64:128], w_up[:64]) and torch.equal(packed[128:192], w_gate[64:])
+    g, u = unpack_gate_up(packed)
+    assert torch.equal(g, w_gate) and torch.equal(u, w_up)
+
+
+@pytest.mark.parametrize("layout", ["merged", "packed"])
+def test_public_op_dispatch(interpret, layout):
+    """The public op on a 3-D input, through dispatch (small M) and a forced large-M run."""
+    x, w, bias = make_inputs(0, 64, 128, torch.float16, interpret, bias=True, lead=(2, 3))
+    wk = w if layout == "merged" else pack_gate_up(w[:128], w[128:])
+    ref = reference_f64(x, w, bias)
+    assert_close(tilefuse.swiglu(x, wk, bias, layout=layout), ref, **TOL[torch.float16])
+    with tilefuse.force(variant="large_m"):
+        assert_close(tilefuse.swiglu(x, wk, bias, layout=layout), ref, **TOL[torch.float16])
+
+
+def test_reference_backend_and_accuracy_measure():
+    """Reference path (bf16 on CPU): packed equals merged; one rounding stays within 1 ulp."""
+    x, w, _ = make_inputs(5, 64, 128, torch.bfloat16, "cpu")
+    with tilefuse.force(backend="reference"):
+        merged = tilefuse.swiglu(x, w)
+        packed = tilefuse.swiglu(x, pack_gate_up(w[:128], w[128:]), layout="packed")
+    assert torch.equal(merged, packed)
+    assert frac_beyond_ulp(merged, reference_f64(x, w)) == 0.0
+    # The unfused recipe rounds gate, up and silu(gate) to bf16: the measure must see that.
+    g, u = (x @ w[:128].T), (x @ w[128:].T)
+    unfused = torch.nn.functional.silu(g) * u
+    assert frac_beyond_ulp(unfused, reference_f64(x, w)) > 0.01
+
+
+def test_empty_batch(interpret):
+    x, w, _ = make_inputs(0, 64, 64, torch.float16, interpret, lead=(0,))
+    assert tilefuse.swiglu(x, w).shape == (0, 64)
+
+
+def test_config_choice_is_cached_and_covers_m():
+    for m in (1, 16, 100, 256, 257, 5000):
+        variant, cfg = configs.choose(m, 896, 4864)
+        assert variant in ("small_m", "large_m")
+        assert configs.choose(m, 896, 4864) == (variant, cfg)
+    assert configs.choose(1, 896, 4864, variant="large_m")[0] == "large_m"
+    assert configs.choose(9000, 896, 4864, variant="small_m")[0] == "small_m"
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: tilefuse.swiglu(x.float(), w.float()), "x: expected dtype"),
+    (lambda x, w: tilefuse.swiglu(x, w.half()), "w_gate_up: expected dtype bfloat16"),
+    (lambda x, w: tilefuse.swiglu(x, w[:, :32]), r"w_gate_up: expected shape \[2I, H=64\]"),
+    (lambda x, w: tilefuse.swiglu(x[:, :60], w[:, :60].contiguous()), "x: expected H"),
+    (lambda x, w: tilefuse.swiglu(x, w[:120]), "w_gate_up: expected 2I"),
+    (lambda x, w: tilefuse.swiglu(x, w.t().contiguous().t()), "w_gate_up: expected a contiguous"),
+    (lambda x, w: tilefuse.swiglu(x, w, layout="interleaved"), "layout: expected one of"),
+    (lambda x, w: tilefuse.swiglu(x, w[:64], layout="packed"), "layout='packed'"),
+    (lambda x, w: tilefuse.swiglu(x, w, torch.zeros(7, dtype=x.dtype)), r"bias: expected shape \[2I=128\]"),
+    (lambda x, w: tilefuse.swiglu(x, w, torch.zeros(128)), "bias: expected dtype"),
+    (lambda x, w: tilefuse.swiglu("x", w), "x: expected a torch.Tensor"),
+    (lambda x, w: pack_gate_up(w[:40], w[40:80]), "w_gate: expected I"),
+    (lambda x, w: pack_gate_up(w[:64], w[64:96]), "w_up: expected shape"),
+])
+def test_errors_name_the_argument(call, match):
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    w = torch.randn(128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        call(x, w)

@@ -1,0 +1,172 @@
+"""``tilefuse bench swiglu``: fused SwiGLU gate/up GEMM against PyTorch and the bare cuBLAS GEMM.
+
+Implementations per case (Qwen2.5 shape x M, bf16):
+
+* ``tilefuse`` (dispatch, merged layout), ``tilefuse:packed`` (dispatch, packed layout),
+  ``tilefuse:small_m`` / ``tilefuse:large_m`` (each schedule forced, merged layout) where they apply;
+* ``torch_unfused`` = ``silu(F.linear(x, Wg)) * F.linear(x, Wu)``;
+* ``torch_merged`` = one GEMM on ``[2I, H]`` then ``silu(y[:, :I]) * y[:, I:]``;
+* ``torch_compile`` = ``torch.compile(dynamic=True)`` of the unfused code, compiled once for all
+  shapes (dynamic shapes; M = 1 gets its own graph because dynamo specializes size 1);
+* ``cublas_gemm`` = the bare merged GEMM ``F.linear(x, W)``: the floor a fused kernel must reach.
+
+Accuracy columns: ``frac_beyond_1ulp``, the fraction of outputs more than 1 ulp (bf16) away from the
+fp64 reference, on the first ``ACC_ROWS`` rows of the case.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from tilefuse.bench.harness import Case
+from tilefuse.testing.compare import frac_beyond_ulp
+from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES, make_inputs, reference_f64
+
+ACC_ROWS = 512
+SMALL_MODELS = ("0.5B", "1.5B", "3B")
+
+
+def _unfused(x, w_gate, w_up):
+    return F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_unfused, dynamic=True)
+
+
+def _merged(x, w, inter):
+    y = F.linear(x, w)
+    return F.silu(y[:, :inter]) * y[:, inter:]
+
+
+def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloat16, on_gpu=True) -> Case:
+    import tilefuse
+    from tilefuse.ops.swiglu.op import pack_gate_up
+
+    state: dict = {}  # the case's inputs, handed from setup() to extras() and dropped there
+
+    def setup():
+        x, w, _ = make_inputs(m, hidden, inter, dtype, device)
+        w_gate, w_up = w[:inter], w[inter:]
+        w_packed = pack_gate_up(w_gate, w_up) if inter % 64 == 0 else None
+        state.update(x=x, w=w)
+
+        def forced(variant):
+            def run():
+                with tilefuse.force(variant=variant):
+                    return tilefuse.swiglu(x, w)
+            return run
+
+        impls = {"tilefuse": lambda: tilefuse.swiglu(x, w)}
+        if w_packed is not None:
+            impls["tilefuse:packed"] = lambda: tilefuse.swiglu(x, w_packed, layout="packed")
+        if on_gpu:
+            if m <= 1024:
+                impls["tilefuse:small_m"] = forced("small_m")
+            if m >= 128:
+                impls["tilefuse:large_m"] = forced("large_m")
+        impls["torch_unfused"] = lambda: _unfused(x, w_gate, w_up)
+        impls["torch_merged"] = lambda: _merged(x, w, inter)
+        if on_gpu:
+            compiled = _compiled()
+            impls["torch_compile"] = lambda: compiled(x, w_gate, w_up)
+        impls["cublas_gemm"] = lambda: F.linear(x, w)
+        return impls
+
+    def extras(impls):
+        try:
+            rows = min(m, ACC_ROWS)
+            ref = reference_f64(state["x"][:rows], state["w"])
+            return {name: {"frac_beyond_1ulp": frac_beyond_ulp(fn()[:rows], ref)}
+                    for name, fn in impls.items() if name != "cublas_gemm"}
+        finally:
+            state.clear()
+
+    return Case(params={"model": model, "H": hidden, "I": inter, "M": m, "dtype": str(dtype).replace("torch.", "")},
+                flops=2.0 * m * 2 * inter * hidden,
+                bytes=2.0 * (m * hidden + 2 * inter * hidden + m * inter),
+                setup=setup, graph=on_gpu and m <= 16, extras=extras)
+
+
+def cases(device: torch.device, quick: bool) -> list[Case]:
+    """The 42 Qwen2.5 cases on a GPU (quick: 0.5B/7B/72B at M = 1, 128, 4096); tiny ones on a CPU."""
+    if device.type != "cuda":
+        # CPU: the reference path on toy shapes, to check the pipeline end to end.
+        return [_case("toy", 64, 128, m, device, torch.bfloat16, on_gpu=False)
+                for m in (1, 16)]
+    models = ("0.5B", "7B", "72B") if quick else tuple(QWEN25_SHAPES)
+    ms = (1, 128, 4096) if quick else BENCH_M
+    return [_case(name, *QWEN25_SHAPES[name], m, device) for name in models for m in ms]
+
+
+# ----------------------------------------------------------------------------- summary
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The issue's target checks, from one run's rows."""
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        p = row["params"]
+        by_case.setdefault((p["model"], p["M"]), {})[row["impl"]] = row
+
+    def t(impls, name):
+        row = impls.get(name)
+        return row.get("median_us") if row else None
+
+    ratios, vs_unfused, vs_compile, acc_fused, acc_unfused, packed = {}, {}, {}, [], [], []
+    for (model, m), impls in by_case.items():
+        key = f"{model} M={m}"
+        ours, floor = t(impls, "tilefuse"), t(impls, "cublas_gemm")
+        unfused, compiled = t(impls, "torch_unfused"), t(impls, "torch_compile")
+        if ours and floor:
+            ratios[key] = ours / floor
+        if ours and unfused and model in SMALL_MODELS and m <= 1024:
+            # "wherever the floor allows": the bare GEMM itself must be >= 2.5x under unfused.
+            vs_unfused[key] = {"speedup": unfused / ours,
+                               "floor_allows": bool(floor and unfused / floor >= 2.5)}
+        if ours and compiled and unfused and compiled > unfused:
+            vs_compile[key] = compiled / ours
+        if ours and t(impls, "tilefuse:packed"):
+            packed.append(t(impls, "tilefuse:packed") / ours)
+        for name, row in impls.items():
+            frac = row.get("frac_beyond_1ulp")
+            if frac is None:
+                continue
+            (acc_fused if name.startswith("tilefuse") else acc_unfused if name == "torch_unfused" else []).append(frac)
+
+    geo = _geomean(list(ratios.values()))
+    worst = max(ratios.items(), key=lambda kv: kv[1]) if ratios else (None, None)
+    applicable = {k: v for k, v in vs_unfused.items() if v["floor_allows"]}
+    return {
+        "vs_cublas_gemm": {
+            "shapes": len(ratios), "geomean": geo, "max": worst[1], "worst_shape": worst[0],
+            "geomean_target_0.97": bool(geo is not None and geo <= 0.97),
+            "max_target_1.05": bool(worst[1] is not None and worst[1] <= 1.05),
+            "per_shape": {k: round(v, 4) for k, v in ratios.items()},
+        },
+        "vs_unfused_small_models_m<=1024": {
+            "per_shape": {k: round(v["speedup"], 3) for k, v in vs_unfused.items()},
+            "floor_allows_2.5x": sorted(applicable),
+            "target_2.5x_met_where_allowed": (all(v["speedup"] >= 2.5 for v in applicable.values())
+                                              if applicable else None),
+            "min_where_allowed": min((v["speedup"] for v in applicable.values()), default=None),
+        },
+        "vs_torch_compile_where_compile_slower_than_eager": {
+            "per_shape": {k: round(v, 3) for k, v in vs_compile.items()},
+            "min": min(vs_compile.values(), default=None),
+            "target_3x_met": all(v >= 3 for v in vs_compile.values()) if vs_compile else None,
+        },
+        "accuracy_frac_beyond_1ulp": {
+            "fused_max": max(acc_fused, default=None), "unfused_min": min(acc_unfused, default=None),
+            "unfused_max": max(acc_unfused, default=None),
+            "fused_target_1e-4": bool(acc_fused and max(acc_fused) <= 1e-4),
+        },
+        "packed_over_merged_geomean": _geomean(packed),
+    }

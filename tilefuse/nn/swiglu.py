@@ -1,0 +1,81 @@
+"""``FusedSwiGLUMLP``: an LLaMA/Qwen-style MLP whose gate/up projection runs as one fused kernel."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tilefuse.ops.swiglu.op import LAYOUTS, pack_gate_up, swiglu
+
+
+class FusedSwiGLUMLP(nn.Module):
+    """``y = down_proj(silu(x Wg^T + bg) * (x Wu^T + bu))`` with the gate/up part fused.
+
+    Parameters
+    ----------
+    hidden_size, intermediate_size : H and I (multiples of 8; of 64 for ``layout="packed"``).
+    bias : whether gate/up carry a bias ([2I], gate biases then up biases).
+    down_bias : whether ``down_proj`` carries a bias.
+    layout : "merged" (``gate_up_weight`` = gate rows then up rows) or "packed"
+        (:func:`tilefuse.pack_gate_up`).
+
+    Shapes: ``x: [..., H]`` bf16/fp16 -> ``[..., H]``. ``gate_up_weight: [2I, H]``,
+    ``down_proj.weight: [H, I]``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 down_bias: bool = False, layout: str = "merged", device=None, dtype=None):
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size, self.intermediate_size, self.layout = hidden_size, intermediate_size, layout
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size, **factory))
+        self.gate_up_bias = nn.Parameter(torch.zeros(2 * intermediate_size, **factory)) if bias else None
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=down_bias, **factory)
+        nn.init.normal_(self.gate_up_weight, std=hidden_size ** -0.5)
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module, layout: str = "merged") -> FusedSwiGLUMLP:
+        """Build from an HF-style MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear).
+
+        No second copy of the weights stays alive: ``down_proj`` is the same module (shared), and
+        with ``layout="merged"`` the original ``gate_proj.weight``/``up_proj.weight`` are re-pointed
+        at views of the new ``[2I, H]`` tensor, so both modules share one storage (only one layer's
+        gate/up exists twice, during the conversion). With ``layout="packed"`` the originals are left
+        as they are and freed when the caller drops ``mlp``.
+        """
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if gate.weight.shape != up.weight.shape:
+            raise ValueError(f"mlp.up_proj.weight: expected shape {tuple(gate.weight.shape)} like "
+                             f"gate_proj.weight, got {tuple(up.weight.shape)}")
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("mlp.up_proj.bias: expected a bias on both gate_proj and up_proj or on neither")
+        inter, hidden = gate.weight.shape
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.hidden_size, new.intermediate_size, new.layout = hidden, inter, layout
+        with torch.no_grad():
+            if layout == "packed":
+                weight = pack_gate_up(gate.weight.detach(), up.weight.detach())
+            elif layout == "merged":
+                weight = torch.cat((gate.weight.detach(), up.weight.detach()))
+                gate.weight.data, up.weight.data = weight[:inter], weight[inter:]
+            else:
+                raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+            new.gate_up_weight = nn.Parameter(weight, requires_grad=False)
+            bias = None
+            if gate.bias is not None:
+                bias = torch.cat((gate.bias.detach(), up.bias.detach()))
+                gate.bias.data, up.bias.data = bias[:inter], bias[inter:]
+            new.gate_up_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        new.down_proj = down
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"layout={self.layout!r}, bias={self.gate_up_bias is not None}")

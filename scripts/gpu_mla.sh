@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device call for the MLA family: GPU tests, then a config sweep and/or the full benchmark.
+#   scripts/gpu_mla.sh [tests] [sweep] [bench] [quick]     (default: tests bench)
+# Logs and JSON go to $OUT (the device tool brings them back).
+set -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/mla_out}; mkdir -p "$OUT"
+steps="${*:-tests bench}"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/log.txt"
+for step in $steps; do
+  case $step in
+    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_gpu.py 2>&1 | tail -40 | tee -a "$OUT/log.txt" ;;
+    sweep) timeout 200 python3 -m tilefuse.bench.mla --sweep 2>&1 | tee "$OUT/sweep.txt" ;;
+    bench) timeout 420 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -150 ;;
+    quick) timeout 200 python3 -m tilefuse bench mla --quick --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
+  esac
+done

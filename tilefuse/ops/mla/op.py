@@ -1,0 +1,267 @@
+"""``tilefuse.get_mla_metadata`` and ``tilefuse.flash_mla_with_kvcache``: FlashMLA's API.
+
+Kernels live in ``kernels.py``, the spec in ``reference.py``.
+
+Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
+
+* ``tile_scheduler_metadata``: int32 ``[num_sm_parts + b, 4]``, one row per *slot* (a program of
+  the split kernel): ``(request, first page, end page, splits of that request)``; request ``-1``
+  marks an unused slot. The pages of the whole batch are cut into chunks of
+  ``ceil(total_pages / num_sm_parts)`` pages, so every slot does about the same work whatever the
+  mix of lengths, and ``num_sm_parts + b`` bounds the slot count (static shape: no host sync).
+* ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
+  ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
+
+Dispatch: ``s_q * h_q < 64`` -> the transposed (ETAP) kernel, else the standard one with 64-row
+head tiles; ``tilefuse.force(variant="transposed" | "standard")`` pins one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tilefuse import _checks
+from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse._library import tilefuse_op
+from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
+
+HEAD_DIM = 576
+HEAD_DIM_V = 512
+VARIANTS = ("transposed", "standard")
+# Per-(variant) launch settings; chosen from the H200 sweep recorded in bench/results/mla-*.
+CONFIGS = {
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2),
+    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+}
+# Target slots per SM for the split-KV schedule (memory-bound: more parallel streams per SM).
+PARTS_PER_SM = 1
+
+
+def kernel_status(device: torch.device) -> dict[str, str]:
+    """Which MLA kernel variants run on ``device`` ("ok" or why not)."""
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        why = "ok" if major >= 8 else f"needs sm_80+ (tl.dot on bf16), got sm_{major}x"
+    elif interpreting():
+        why = "ok (Triton interpreter)"
+    else:
+        why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernels)"
+    return {v: why for v in VARIANTS}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4   # interpreter / CPU: a few parts so the tests exercise the split and the combine
+
+
+def choose_variant(rows: int) -> str:
+    """Transposed (ETAP) for s_q * h_q < 64 rows, standard 64-row head tiles otherwise."""
+    return forced_variant() if forced_variant() in VARIANTS else ("transposed" if rows < 64 else "standard")
+
+
+def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> int:
+    """Target chunks: the SMs (times PARTS_PER_SM) shared among the head tiles of a request."""
+    head_tiles = max(1, math.ceil(num_q_tokens_per_head_k / 64))
+    return max(1, _sm_count(device) * PARTS_PER_SM // head_tiles)
+
+
+# ---------------------------------------------------------------------------------- metadata
+
+
+def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
+    batch = cache_seqlens.shape[0]
+    pages = (cache_seqlens.long() + PAGE_SIZE - 1) // PAGE_SIZE
+    chunk = ((pages.sum() + num_parts - 1) // num_parts).clamp_min(1)
+    splits = ((pages + chunk - 1) // chunk).clamp_min(1)
+    cu = torch.zeros(batch + 1, dtype=torch.long, device=cache_seqlens.device)
+    cu[1:] = splits.cumsum(0)
+    slot = torch.arange(num_parts + batch, device=cache_seqlens.device)
+    req = torch.searchsorted(cu[1:], slot, right=True)
+    valid = req < batch
+    req_c = req.clamp_max(batch - 1)
+    begin = torch.minimum((slot - cu[req_c]) * chunk, pages[req_c])
+    end = torch.minimum(begin + chunk, pages[req_c])
+    meta = torch.stack([torch.where(valid, req_c, -1), begin * valid, end * valid, splits[req_c] * valid], 1)
+    return meta.to(torch.int32), cu.to(torch.int32)
+
+
+def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts):
+    batch = cache_seqlens.shape[0]
+    return (cache_seqlens.new_empty(num_sm_parts + batch, 4), cache_seqlens.new_empty(batch + 1))
+
+
+@tilefuse_op("get_mla_metadata", fake=_metadata_fake)
+def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
+                      num_sm_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if choose_backend(cache_seqlens.device) != "triton":
+        return _metadata_torch(cache_seqlens, num_sm_parts)
+    import triton
+
+    from tilefuse.ops.mla.kernels import mla_metadata_kernel
+
+    batch = cache_seqlens.shape[0]
+    num_slots = num_sm_parts + batch
+    meta = torch.empty(num_slots, 4, dtype=torch.int32, device=cache_seqlens.device)
+    num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
+    block_b = max(16, triton.next_power_of_2(batch))
+    block_p = max(16, min(256, 8192 // block_b))
+    mla_metadata_kernel[(1,)](cache_seqlens, meta, num_splits, batch, num_sm_parts, num_slots,
+                              BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4)
+    return meta, num_splits
+
+
+def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
+                     num_sm_parts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV schedule for :func:`flash_mla_with_kvcache`, computed on the device (no host sync).
+
+    Parameters
+    ----------
+    cache_seqlens : [b] int32, the requests' cache lengths (on the device that runs attention).
+    num_q_tokens_per_head_k : s_q * h_q // h_kv, the query rows of one request.
+    num_heads_k : h_kv (1 for MLA).
+    num_sm_parts : chunks to cut the batch's pages into; default: the SM count divided by the
+        number of 64-row head tiles.
+
+    Returns
+    -------
+    tile_scheduler_metadata : [num_sm_parts + b, 4] int32 (format in this module's docstring).
+    num_splits : [b + 1] int32, cumulative split counts.
+
+    The shapes depend on ``b`` and the SM count only, so a decode step that calls this then
+    :func:`flash_mla_with_kvcache` can be captured in a CUDA graph and replayed with new lengths.
+    """
+    _checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+    if num_heads_k != 1:
+        raise ValueError(f"num_heads_k: expected 1 (MLA has one latent KV head), got {num_heads_k}")
+    if num_q_tokens_per_head_k < 1:
+        raise ValueError(f"num_q_tokens_per_head_k: expected >= 1, got {num_q_tokens_per_head_k}")
+    if cache_seqlens.shape[0] > 8192:
+        raise ValueError(f"cache_seqlens: expected at most 8192 requests, got {cache_seqlens.shape[0]}")
+    parts = num_sm_parts or default_num_sm_parts(cache_seqlens.device, num_q_tokens_per_head_k)
+    return _get_mla_metadata(cache_seqlens.contiguous(), int(num_q_tokens_per_head_k), int(num_heads_k), int(parts))
+
+
+# ---------------------------------------------------------------------------------- attention
+
+
+def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, variant):
+    import triton
+
+    from tilefuse.ops.mla import kernels
+
+    batch, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    cfg = dict(CONFIGS[variant])
+    block_h = cfg.pop("BLOCK_H", None) or max(16, triton.next_power_of_2(min(rows, 64)))
+    if variant == "transposed":
+        block_h = max(16, triton.next_power_of_2(min(rows, 64)))
+    num_slots = meta.shape[0]
+    out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
+    # Partials of split requests: normalised outputs and their lse, one row per (slot, query row).
+    o_acc = torch.empty(num_slots, rows, HEAD_DIM_V, dtype=torch.float32, device=q.device)
+    lse_acc = torch.empty(num_slots, rows, dtype=torch.float32, device=q.device)
+    kernel = kernels.mla_split_transposed_kernel if variant == "transposed" else kernels.mla_split_standard_kernel
+    grid = (num_slots, triton.cdiv(rows, block_h))
+    kernel[grid](
+        q, k_cache, block_table, cache_seqlens, meta, out, lse, o_acc, lse_acc,
+        h_q, s_q, rows, block_table.shape[1] * PAGE_SIZE, scale * kernels.LOG2E,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        CAUSAL=causal, BLOCK_H=block_h, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
+    )
+    kernels.mla_combine_kernel[(batch, rows)](
+        num_splits, o_acc, lse_acc, out, lse, h_q, rows,
+        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        BLOCK_S=max(16, triton.next_power_of_2(min(num_slots, 256))), num_warps=4,
+    )
+    return out, lse
+
+
+def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal):
+    batch, s_q, h_q, _ = q.shape
+    return (q.new_empty(batch, s_q, h_q, head_dim_v), q.new_empty(batch, h_q, s_q, dtype=torch.float32))
+
+
+@tilefuse_op("flash_mla_with_kvcache", fake=_flash_mla_fake)
+def _flash_mla(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+               head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
+               softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if choose_backend(q.device) != "triton":
+        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
+    variant = choose_variant(q.shape[1] * q.shape[2])
+    return _launch(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                   softmax_scale, causal, variant)
+
+
+def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int) -> None:
+    """Lengths within the block table; reads the lengths (a host sync), so skipped while capturing."""
+    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if cache_seqlens.numel():
+        lo, hi = torch.aminmax(cache_seqlens)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi > max_blocks * PAGE_SIZE:
+            raise ValueError(f"cache_seqlens: expected lengths in [0, {max_blocks * PAGE_SIZE}] "
+                             f"(block_table has {max_blocks} pages of {PAGE_SIZE}), got [{lo}, {hi}]")
+
+
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
+                           num_splits: torch.Tensor, softmax_scale: float | None = None,
+                           causal: bool = False, *, check_lengths: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA decode attention over a paged latent cache (FlashMLA's signature).
+
+    Parameters
+    ----------
+    q : [b, s_q, h_q, 576] bf16 or fp16 (fp32 accepted for testing). s_q query tokens per request
+        (multi-token prediction / speculative decoding), h_q from 1 to 128.
+    k_cache : [num_blocks, 64, 1, 576], q's dtype, contiguous. Pages of 64 tokens; V is the first
+        ``head_dim_v`` values of each 576-wide latent vector.
+    block_table : [b, max_blocks] int32: request i's token t is in page ``block_table[i, t // 64]``.
+    cache_seqlens : [b] int32, each in [0, 64 * max_blocks]. Slots past a length are never read.
+    head_dim_v : 512.
+    tile_scheduler_metadata, num_splits : from :func:`get_mla_metadata` on the same ``cache_seqlens``.
+    softmax_scale : default ``576 ** -0.5``.
+    causal : query token t of s_q sees keys ``0 .. L - s_q + t``; else all L keys.
+    check_lengths : check the lengths against the block table (reads them back: a host sync;
+        skipped during CUDA-graph capture).
+
+    Returns
+    -------
+    out : [b, s_q, h_q, 512] in q's dtype (0 for a row with no visible key).
+    softmax_lse : [b, h_q, s_q] fp32, natural log (+inf for a row with no visible key).
+    """
+    _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
+    _checks.check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+    _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
+    _checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
+    batch, s_q, h_q, head_dim = q.shape
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"q: expected head dim {HEAD_DIM} (512 latent + 64 RoPE), got {head_dim}")
+    if head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v}")
+    _checks.check_shape("k_cache", k_cache, (None, PAGE_SIZE, 1, HEAD_DIM), f"[num_blocks, {PAGE_SIZE}, 1, {HEAD_DIM}]")
+    _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
+    _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
+    _checks.check_tensor("tile_scheduler_metadata", tile_scheduler_metadata, dtypes=(torch.int32,), ndim=2)
+    _checks.check_shape("tile_scheduler_metadata", tile_scheduler_metadata, (None, 4), "[num_slots, 4]")
+    _checks.check_tensor("num_splits", num_splits, dtypes=(torch.int32,), ndim=1)
+    _checks.check_shape("num_splits", num_splits, (batch + 1,), f"[b + 1 = {batch + 1}]")
+    if h_q < 1 or h_q > 128 or s_q < 1:
+        raise ValueError(f"q: expected 1 <= h_q <= 128 and s_q >= 1, got h_q={h_q}, s_q={s_q}")
+    _checks.check_same_device(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
+                              tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
+    _checks.check_contiguous("k_cache", k_cache)
+    _checks.check_contiguous("q", q, last_dim_only=True)
+    _checks.check_contiguous("block_table", block_table, last_dim_only=True)
+    if check_lengths and not torch.compiler.is_compiling():
+        _check_lengths(cache_seqlens, block_table.shape[1])
+    scale = float(softmax_scale) if softmax_scale is not None else HEAD_DIM ** -0.5
+    return _flash_mla(q, k_cache, block_table, cache_seqlens.contiguous(), int(head_dim_v),
+                      tile_scheduler_metadata, num_splits, scale, bool(causal))

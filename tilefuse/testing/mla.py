@@ -1,0 +1,66 @@
+"""Input builders for MLA decode, shared by the tests and the benchmark."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tilefuse.ops.mla.reference import PAGE_SIZE
+
+HEAD_DIM = 576
+HEAD_DIM_V = 512
+
+
+@dataclass
+class MLAInputs:
+    q: torch.Tensor              # [b, s_q, h_q, 576]
+    k_cache: torch.Tensor        # [num_blocks, 64, 1, 576]
+    block_table: torch.Tensor    # [b, max_blocks] int32, shuffled pages
+    cache_seqlens: torch.Tensor  # [b] int32
+
+    def args(self):
+        return self.q, self.k_cache, self.block_table, self.cache_seqlens
+
+
+def paged_cache(seqlens: list[int], dtype: torch.dtype, device, *, extra_blocks: int = 0,
+                nan_tail: bool = True, shuffle: bool = True, max_blocks: int | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache holding ``seqlens[i]`` random tokens for request i, on shuffled pages.
+
+    Slots past each length are NaN (``nan_tail``) so a kernel that reads them fails; pages a
+    request does not use are NaN too. Values are N(0, 1) like FlashMLA's tests.
+    """
+    batch = len(seqlens)
+    need = max([(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens] + [1])
+    max_blocks = max(max_blocks or need, need)
+    num_blocks = batch * max_blocks + extra_blocks
+    k_cache = torch.randn(num_blocks, PAGE_SIZE, 1, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
+    order = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
+    block_table = order[: batch * max_blocks].view(batch, max_blocks).to(torch.int32).to(device)
+    if nan_tail:
+        used = torch.zeros(num_blocks, PAGE_SIZE, dtype=torch.bool)
+        table = block_table.cpu()
+        for i, n in enumerate(seqlens):
+            for t in range(0, n, PAGE_SIZE):
+                page = int(table[i, t // PAGE_SIZE])
+                used[page, : min(PAGE_SIZE, n - t)] = True
+        k_cache[~used.to(device)] = float("nan")
+    return k_cache, block_table
+
+
+def mla_inputs(seqlens: list[int], s_q: int, h_q: int, dtype: torch.dtype, device, **cache_kw) -> MLAInputs:
+    """Queries and a paged cache for one decode step of ``len(seqlens)`` requests."""
+    batch = len(seqlens)
+    q = torch.randn(batch, s_q, h_q, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
+    k_cache, block_table = paged_cache(seqlens, dtype, device, **cache_kw)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+    return MLAInputs(q, k_cache, block_table, lens)
+
+
+def mla_flops_bytes(seqlens: list[int], s_q: int, h_q: int, elem_bytes: int = 2) -> tuple[float, float]:
+    """FlashMLA's counts: FLOPs = 2 s_q sum(L) h_q (576 + 512); bytes = (sum(L) 576 + b s_q h_q (576 + 512)) * 2."""
+    total = float(sum(seqlens))
+    flops = 2.0 * s_q * total * h_q * (HEAD_DIM + HEAD_DIM_V)
+    nbytes = (total * HEAD_DIM + len(seqlens) * s_q * h_q * (HEAD_DIM + HEAD_DIM_V)) * elem_bytes
+    return flops, nbytes

@@ -15,8 +15,10 @@ HBM (paper 1). They differ in how they feed the tensor cores:
 
 Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 
-* merged (vLLM): gate rows ``[0, I)``, up rows ``[I, 2I)``; a tile reads the gate rows ``n`` and the
-  up rows ``I + n`` through two pointer sets / two TMA boxes and runs two dots.
+* merged (vLLM): gate rows ``[0, I)``, up rows ``[I, 2I)``. The small-M kernel reads gate rows ``n``
+  and up rows ``I + n`` through two pointer sets (two dots); the large-M kernel views the weight as
+  ``[2, I, H]`` and loads one 3-D TMA box ``[2, BLOCK_N, BLOCK_K]`` holding both, so it runs one
+  dot of N = 2 BLOCK_N like the packed layout (no repacking needed).
 * packed (:func:`tilefuse.pack_gate_up`): blocks of ``2 * PACK`` rows, ``PACK`` gate rows then the
   matching ``PACK`` up rows; the large-M kernel loads one ``[2 BLOCK_N, BLOCK_K]`` box holding both
   and runs a single dot of N = 2 BLOCK_N, then splits the accumulator's columns in the epilogue.
@@ -179,8 +181,9 @@ def swiglu_large_m_kernel(
     Tile shape: BLOCK_M x BLOCK_N output columns means a BLOCK_M x 2 BLOCK_N GEMM tile (gate and
     up), e.g. 128 x 256 for BLOCK_N = 128: the shape CUTLASS's ping-pong kernels use on Hopper, big
     enough that WGMMA is fed from SMEM at full rate while TMA streams the next K step.
-    x_desc boxes [BLOCK_M, BLOCK_K]; w_desc boxes [BLOCK_N, BLOCK_K] (merged) or
-    [2 BLOCK_N, BLOCK_K] (packed); out_desc boxes [BLOCK_M, BLOCK_N].
+    x_desc boxes [BLOCK_M, BLOCK_K]; w_desc boxes [2, BLOCK_N, BLOCK_K] over the merged weight
+    viewed as [2, I, H], or [2 BLOCK_N, BLOCK_K] over the packed [2I, H]; out_desc boxes
+    [BLOCK_M, BLOCK_N].
     """
     start = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -194,28 +197,28 @@ def swiglu_large_m_kernel(
         pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        # Main loop: HBM -TMA-> SMEM (multi-stage ring) -WGMMA-> fp32 registers. TMA zero-fills
-        # out-of-range rows and the K tail, so there are no masks here.
-        if PACKED:
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-            for ks in range(k_steps):
-                x = x_desc.load([off_m, ks * BLOCK_K])
+        # Main loop: HBM -TMA-> SMEM (multi-stage ring) -WGMMA-> fp32 registers, one dot of
+        # N = 2 BLOCK_N per K step (two dots in one loop made ptxas serialize the WGMMAs). TMA
+        # zero-fills out-of-range rows and the K tail, so there are no masks here.
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            x = x_desc.load([off_m, ks * BLOCK_K])
+            if PACKED:
+                # w_desc: [2I, H]; rows [2 off_n, 2 off_n + 2 BLOCK_N) = BLOCK_N / PACK packed blocks.
                 w = w_desc.load([2 * off_n, ks * BLOCK_K])
-                acc = tl.dot(x, w.T, acc)
-            # Columns come as [block, gate|up, PACK]: move gate|up last and split it off.
-            acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK)
-            gate, up = tl.split(acc.permute(0, 1, 3, 2))
-            gate = gate.reshape(BLOCK_M, BLOCK_N)
-            up = up.reshape(BLOCK_M, BLOCK_N)
+            else:
+                # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
+                # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
+                w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+            acc = tl.dot(x, w.T, acc)
+        # Columns come as [block, gate|up, cols]: move gate|up last and split it off.
+        if PACKED:
+            acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK).permute(0, 1, 3, 2)
         else:
-            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ks in range(k_steps):
-                x = x_desc.load([off_m, ks * BLOCK_K])
-                wg = w_desc.load([off_n, ks * BLOCK_K])
-                wu = w_desc.load([I + off_n, ks * BLOCK_K])
-                gate = tl.dot(x, wg.T, gate)
-                up = tl.dot(x, wu.T, up)
+            acc = acc.reshape(BLOCK_M, 1, 2, BLOCK_N).permute(0, 1, 3, 2)
+        gate, up = tl.split(acc)
+        gate = gate.reshape(BLOCK_M, BLOCK_N)
+        up = up.reshape(BLOCK_M, BLOCK_N)
 
         # Epilogue (registers -> SMEM -TMA-> HBM): recompute the tile from its own counter, as
         # the flattened, warp-specialized loop may run it while the next tile's loads are issued.

@@ -116,9 +116,12 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     inter = w.shape[0] // 2
     if packed and cfg.block_n % PACK:
         raise ValueError(f"config: packed layout needs block_n a multiple of {PACK}, got {cfg.block_n}")
-    w_rows = 2 * cfg.block_n if packed else cfg.block_n
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k])
-    w_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [w_rows, cfg.block_k])
+    if packed:
+        w_desc = TensorDescriptor(w, [2 * inter, h], [w.stride(0), 1], [2 * cfg.block_n, cfg.block_k])
+    else:  # [2, I, H] view: one box holds the gate and the up rows of a tile
+        w_desc = TensorDescriptor(w, [2, inter, h], [inter * w.stride(0), w.stride(0), 1],
+                                  [2, cfg.block_n, cfg.block_k])
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg.block_m, cfg.block_n])
     num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
     tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The SwiGLU family's GPU session in one call (run from the repo root on the H200):
+#   bash scripts/gpu_swiglu.sh tune    # GPU tests + config sweep (scripts/tune_swiglu.py)
+#   bash scripts/gpu_swiglu.sh bench   # dispatch/nn/hf GPU tests + `tilefuse bench swiglu`
+# Logs and JSON go to $OUT (default /tmp/swiglu-out).
+set -o pipefail
+MODE=${1:-bench}
+OUT=${OUT:-/tmp/swiglu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+TESTS="tests/test_swiglu_gpu.py tests/test_swiglu_nn.py tests/test_hf.py"
+{
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  if [ "$MODE" = tune ]; then
+    timeout 260 python3 -m pytest -q -n 4 -p no:cacheprovider $TESTS 2>&1 | tail -40
+    timeout 260 python3 scripts/tune_swiglu.py "$OUT"
+  else
+    timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider $TESTS -k "dispatch or split or packed or compile or qwen2 or odd" 2>&1 | tail -30
+    timeout 330 python3 -m tilefuse bench swiglu --out "$OUT" --rep-ms 25
+  fi
+} 2>&1 | tee "$OUT/log.txt"

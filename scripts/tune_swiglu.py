@@ -1,0 +1,96 @@
+"""One-off config sweep for the fused SwiGLU kernels on the H200 (run by scripts/gpu_swiglu.sh).
+
+For every Qwen2.5 shape x M of the benchmark, times the bare merged cuBLAS GEMM and a short list
+of candidate configs of both kernels (merged layout; the best large-M ones also in the packed
+layout), then prints the winners as the ``TUNED`` table of ``tilefuse/ops/swiglu/configs.py``.
+Median of ``triton.testing.do_bench`` (cold L2). Usage: ``python3 scripts/tune_swiglu.py [OUT_DIR]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from tilefuse.ops.swiglu.configs import LargeMConfig as L
+from tilefuse.ops.swiglu.configs import SmallMConfig as S
+from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel
+from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES, make_inputs
+
+
+def small_candidates(m: int, inter: int) -> list[S]:
+    if m <= 16:
+        base = [S(16, 32, 128, 1, 4), S(16, 32, 256, 1, 3), S(16, 64, 128, 1, 4), S(16, 64, 256, 1, 3),
+                S(16, 16, 256, 1, 4), S(16, 64, 128, 2, 4), S(16, 32, 256, 2, 3)]
+        if inter < 8192:
+            base += [S(16, 32, 128, 4, 4)]
+        return base
+    if m <= 128:
+        return [S(64, 32, 128, 1, 4), S(64, 64, 128, 1, 3), S(64, 64, 64, 1, 4), S(128, 64, 64, 1, 4, 8),
+                S(128, 32, 128, 1, 3), S(64, 64, 128, 2, 3)]
+    return [S(64, 64, 64, 1, 4), S(128, 64, 64, 1, 4, 8), S(128, 128, 64, 1, 3, 8)]
+
+
+LARGE = [L(128, 128, 64, 8, 3, 8, True), L(128, 128, 64, 8, 4, 8, True), L(128, 128, 64, 8, 3, 8, False),
+         L(128, 64, 64, 8, 4, 4, False), L(128, 64, 64, 8, 4, 8, True), L(64, 128, 64, 8, 4, 4, False),
+         L(128, 128, 64, 4, 3, 8, True), L(128, 128, 128, 8, 2, 8, True)]
+
+
+def bench(fn) -> float:
+    try:
+        return 1e3 * do_bench(fn, warmup=5, rep=12, return_mode="median")
+    except Exception as exc:  # a config that does not compile or run is skipped, loudly
+        print(f"    ! {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return float("inf")
+
+
+def main(out_dir: Path) -> None:
+    results, table = [], {}
+    t_start = time.time()
+    for model, (h, i) in QWEN25_SHAPES.items():
+        for m in BENCH_M:
+            x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+            packed = pack_gate_up(w[:i], w[i:])
+            out = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
+            floor = bench(lambda: F.linear(x, w))
+            timed = []
+            if m <= 1024:
+                for cfg in small_candidates(m, i):
+                    timed.append(("merged", cfg, bench(lambda c=cfg: run_kernel(x, w, None, config=c, out=out))))
+            if m >= 128:
+                for cfg in LARGE:
+                    timed.append(("merged", cfg, bench(lambda c=cfg: run_kernel(x, w, None, config=c, out=out))))
+                best_large = sorted((t for t in timed if isinstance(t[1], L)), key=lambda t: t[2])[:2]
+                for _, cfg, _ in best_large:
+                    timed.append(("packed", cfg, bench(
+                        lambda c=cfg: run_kernel(x, packed, None, "packed", config=c, out=out))))
+            merged = [t for t in timed if t[0] == "merged"]
+            layout, cfg, us = min(merged, key=lambda t: t[2])
+            best_packed = min((t[2] for t in timed if t[0] == "packed"), default=None)
+            table.setdefault((h, i), {})[m] = cfg
+            print(f"{model:>5} M={m:<6} cublas {floor:9.1f} us  best {us:9.1f} us  ratio {us / floor:.3f}  "
+                  f"packed {best_packed if best_packed is None else round(best_packed / floor, 3)}  {cfg}",
+                  flush=True)
+            results.append({"model": model, "H": h, "I": i, "M": m, "cublas_us": floor,
+                            "candidates": [{"layout": la, "config": repr(c), "us": u} for la, c, u in timed]})
+            del x, w, packed, out
+            torch.cuda.empty_cache()
+    print(f"sweep took {time.time() - t_start:.0f} s")
+    print("TUNED = {")
+    for (h, i), per_m in table.items():
+        print(f"    ({h}, {i}): {{")
+        for m, cfg in per_m.items():
+            print(f"        {m}: {repr(cfg).replace('SmallMConfig', 'S').replace('LargeMConfig', 'L')},")
+        print("    },")
+    print("}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "swiglu-tune-h200.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))

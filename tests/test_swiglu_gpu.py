@@ -1,0 +1,97 @@
+"""Fused SwiGLU on the H200: bench shapes, bf16 and fp16, both schedules forced and dispatched.
+
+Accuracy is the issue's own target: at most 0.01 % of outputs more than 1 ulp from the fp64
+reference (a single rounding after fp32 accumulation is within 0.5 ulp + ~1e-6 relative), plus an
+elementwise bound of 1 ulp relative (``rtol = 2^-7`` bf16, ``2^-10`` fp16) with ``atol = 1e-3`` for
+outputs near zero, where fp32 accumulation error over H <= 8192 terms (~1e-5) dominates the ulp.
+The reference is computed in fp64 on a sample of rows (first, last and random ones); every output
+element is checked to be written (the buffer is poisoned with NaN).
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.swiglu import configs
+from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel
+from tilefuse.testing import assert_close, frac_beyond_ulp, poisoned
+from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs, reference_f64
+
+pytestmark = pytest.mark.gpu
+RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+
+
+def _sample_rows(m):
+    if m <= 384:
+        return torch.arange(m)
+    return torch.cat((torch.arange(128), torch.randint(128, m - 128, (128,)), torch.arange(m - 128, m)))
+
+
+def _check(out, x, w, bias):
+    assert torch.isfinite(out).all(), "unwritten (NaN) or overflowed outputs"
+    rows = _sample_rows(x.shape[0]).to(x.device)
+    ref = reference_f64(x[rows], w, bias)
+    assert frac_beyond_ulp(out[rows], ref) <= 1e-4
+    assert_close(out[rows], ref, atol=1e-3, rtol=RTOL[out.dtype])
+
+
+MODELS_BF16 = list(QWEN25_SHAPES)
+MODELS_FP16 = ["0.5B", "14B", "72B"]
+CASES = ([(mdl, torch.bfloat16) for mdl in MODELS_BF16] + [(mdl, torch.float16) for mdl in MODELS_FP16])
+
+
+@pytest.mark.parametrize("variant", ["small_m", "large_m", None], ids=["small_m", "large_m", "dispatch"])
+@pytest.mark.parametrize("m", [1, 128, 4096])
+@pytest.mark.parametrize("model,dtype", CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in CASES])
+def test_bench_shapes(model, dtype, m, variant):
+    h, i = QWEN25_SHAPES[model]
+    x, w, _ = make_inputs(m, h, i, dtype, "cuda")
+    out = poisoned((m, i), dtype, "cuda")
+    run_kernel(x, w, None, "merged", variant, out=out)
+    _check(out, x, w, None)
+
+
+@pytest.mark.parametrize("variant", ["small_m", "large_m"])
+@pytest.mark.parametrize("m", [1, 37, 300, 2051])
+def test_packed_and_bias_odd_m(variant, m):
+    h, i = QWEN25_SHAPES["1.5B"]
+    x, w, bias = make_inputs(m, h, i, torch.bfloat16, "cuda", bias=True)
+    with tilefuse.force(variant=variant):
+        merged = tilefuse.swiglu(x, w, bias)
+        packed = tilefuse.swiglu(x, pack_gate_up(w[:i], w[i:]), bias, layout="packed")
+    _check(merged, x, w, bias)
+    _check(packed, x, w, bias)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_fixup_repeated(split_k):
+    """Split-K tickets are re-armed: many back-to-back launches stay exact and identical."""
+    h, i = QWEN25_SHAPES["7B"]
+    x, w, _ = make_inputs(16, h, i, torch.bfloat16, "cuda")
+    cfg = configs.SmallMConfig(16, 32, 128, split_k=split_k)
+    first = run_kernel(x, w, None, config=cfg)
+    _check(first, x, w, None)
+    for _ in range(20):
+        again = run_kernel(x, w, None, config=cfg)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg", [configs.LargeMConfig(), configs.LargeMConfig(128, 64, 64, 8, 4, 4, False),
+                                 configs.LargeMConfig(64, 128, 64, 8, 4, 4, False)], ids=["ws", "128x64", "64x128"])
+def test_large_m_configs_odd_shape(cfg):
+    x, w, _ = make_inputs(1000, 1032, 1000, torch.float16, "cuda")  # nothing divides the tiles
+    _check(run_kernel(x, w, None, config=cfg), x, w, None)
+
+
+def test_unaligned_and_strided_inputs():
+    h, i = 896, 4864
+    x, w, _ = make_inputs(130, h + 8, i, torch.bfloat16, "cuda")
+    w = w[:, :h].contiguous()
+    strided = x[:, 8:]  # row stride H + 8 (16-byte multiple), offset 16 bytes: TMA-able as is
+    flat = torch.randn(130 * h + 4, device="cuda").to(torch.bfloat16)
+    unaligned = flat[4:].view(130, h)  # base 8 bytes off a 16-byte boundary: not TMA-able
+    assert unaligned.data_ptr() % 16 == 8
+    for variant in ("small_m", "large_m"):
+        with tilefuse.force(variant=variant):
+            _check(tilefuse.swiglu(strided, w), strided, w, None)
+            _check(tilefuse.swiglu(unaligned, w), unaligned, w, None)

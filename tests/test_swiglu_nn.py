@@ -1,0 +1,106 @@
+"""FusedSwiGLUMLP: conversion from an HF-style MLP (shared weights), forward, torch.compile, CUDA graphs."""
+
+import pytest
+import torch
+from torch import nn
+
+import tilefuse
+from tilefuse.nn.swiglu import FusedSwiGLUMLP
+from tilefuse.testing import rel_err
+from tilefuse.testing.swiglu import reference_f64
+
+
+class HFStyleMLP(nn.Module):
+    """The shape of LlamaMLP / Qwen2MLP."""
+
+    def __init__(self, hidden, inter, bias=False, dtype=None, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype, device=device)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def mlp_reference_f64(mlp, x):
+    """fp64 MLP with the gate/up output rounded once to x's dtype (what the fused kernel returns)."""
+    w = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight))
+    b = None if mlp.gate_proj.bias is None else torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))
+    h = reference_f64(x, w, b).to(x.dtype).double()
+    return h @ mlp.down_proj.weight.double().T
+
+
+# rel_err bound: h is exact to 1 ulp (2^-10 fp16, 2^-7 bf16 relative); down_proj in that dtype adds
+# the same order, so the Frobenius error is a few 1e-3 at most. Garbage gives O(1).
+REL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("layout", ["merged", "packed"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_from_mlp_shares_weights_and_matches(interpret, layout, bias):
+    mlp = HFStyleMLP(64, 128, bias=bias, dtype=torch.float16, device=interpret)
+    x = torch.randn(2, 5, 64, dtype=torch.float16, device=interpret)
+    expected = mlp_reference_f64(mlp, x)
+    fused = FusedSwiGLUMLP.from_mlp(mlp, layout=layout)
+    assert fused.down_proj is mlp.down_proj
+    if layout == "merged":  # the original parameters now view the merged tensor: one copy
+        assert mlp.gate_proj.weight.data_ptr() == fused.gate_up_weight.data_ptr()
+        assert mlp.up_proj.weight.data_ptr() == fused.gate_up_weight[128:].data_ptr()
+    y = fused(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert rel_err(y, expected) < REL[torch.float16]
+    # The original module still computes the same function from the shared storage.
+    assert rel_err(mlp(x), expected) < REL[torch.float16]
+
+
+def test_fresh_module_and_errors():
+    mod = FusedSwiGLUMLP(64, 128, bias=True, dtype=torch.bfloat16)
+    assert mod.gate_up_weight.shape == (256, 64) and mod.gate_up_bias.shape == (256,)
+    assert "layout='merged'" in repr(mod)
+    with pytest.raises(ValueError, match="layout"):
+        FusedSwiGLUMLP(64, 128, layout="zigzag")
+    bad = HFStyleMLP(64, 128)
+    bad.up_proj = nn.Linear(64, 96)
+    with pytest.raises(ValueError, match="mlp.up_proj.weight"):
+        FusedSwiGLUMLP.from_mlp(bad)
+
+
+def test_compile_fullgraph_traces_the_custom_op():
+    """fullgraph tracing through torch.ops.tilefuse.swiglu (CPU: aot_eager, reference backend)."""
+    mlp = HFStyleMLP(64, 128, dtype=torch.bfloat16)
+    fused = FusedSwiGLUMLP.from_mlp(mlp)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with tilefuse.force(backend="reference"):
+        eager = fused(x)
+        compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compile_and_cuda_graph_on_gpu(dtype):
+    mlp = HFStyleMLP(896, 4864, dtype=dtype, device="cuda")
+    x = torch.randn(16, 896, dtype=dtype, device="cuda")
+    expected = mlp_reference_f64(mlp, x)
+    fused = FusedSwiGLUMLP.from_mlp(mlp)
+    eager = fused(x)
+    assert rel_err(eager, expected) < REL[dtype]
+    compiled = torch.compile(fused, fullgraph=True)
+    assert rel_err(compiled(x), eager) < 1e-3  # same kernel; down_proj may pick another GEMM
+    # CUDA-graph replay: capture once, change the input in place, replay, compare.
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = fused(static_x)
+    x2 = torch.randn_like(x)
+    static_x.copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(static_y, fused(x2), rtol=0, atol=0)

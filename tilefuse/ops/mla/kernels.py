@@ -1,16 +1,15 @@
 """Triton kernels for MLA decode attention over a paged latent cache.
 
-Three launches per decode step, all sized from static shapes so the step can be captured in a
+Two launches per decode step, both sized from static shapes so the step can be captured in a
 CUDA graph and replayed with new lengths:
 
-1. ``mla_metadata_kernel`` (one program): split the KV pages of the whole batch into chunks of
-   equal size, one chunk per *slot*, and write where each slot starts and ends.
+1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into chunks of
+   about equal size, one per *slot*, write where each slot starts and ends, and zero the
+   arrival counters of the fused combine.
 2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (one program per slot and head
-   tile): attention of the query rows of one request over one chunk of its pages. A request that
-   got one slot writes its final output; otherwise the slot writes a partial (normalised output,
-   log-sum-exp) for the combine.
-3. ``mla_combine_kernel`` (one program per request and query row): merges the partials of the
-   requests that were split, weighting each by ``exp(lse_split - lse)``.
+   tile): attention of the query rows of one request over one chunk of its pages. A request with
+   one slot writes its final output; otherwise each slot writes a partial (normalised output,
+   log-sum-exp) and the last slot of the request to finish merges them (``_finish``).
 
 Query rows: the ``s_q * h_q`` (token, head) pairs of one request, row ``r = t * h_q + h``.
 Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``), so the softmax uses
@@ -29,21 +28,24 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def mla_metadata_kernel(
-    seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 4] and [b + 1] int32 out
-    batch, num_parts, num_slots,                # sizes: num_parts = target number of chunks
+    seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots + b, 8] and [b + 1] int32 out
+    batch, num_parts, num_slots,                # sizes: num_parts = target number of busy slots
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
-    lens = tl.load(seqlens_ptr + offs_b, mask=offs_b < batch, other=0)
+    in_batch = offs_b < batch
+    lens = tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0)
     pages = (lens + PAGE - 1) // PAGE
-    # Equal chunks of `chunk` pages over the batch: sum(ceil(n_i / chunk)) <= num_parts + b slots.
+    # Chunks of at most `chunk` pages with chunk = ceil(total / (num_parts - b)), so that
+    # sum_i ceil(n_i / chunk) <= num_parts: one wave of slots, never a nearly empty second one.
     total = tl.sum(pages, axis=0)
-    chunk = tl.maximum((total + num_parts - 1) // num_parts, 1)
-    splits = tl.where(offs_b < batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
+    chunk = tl.maximum((total + tl.maximum(num_parts - batch, 1) - 1) // tl.maximum(num_parts - batch, 1), 1)
+    splits = tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
+    per_split = (pages + splits - 1) // tl.maximum(splits, 1)     # even split inside each request
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits
-    tl.store(num_splits_ptr + offs_b, cu_begin, mask=offs_b < batch)
+    tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
     tl.store(num_splits_ptr + batch, tl.sum(splits, axis=0))
     # Each slot p belongs to the request i with cu_begin[i] <= p < cu_end[i]; found by counting,
     # gathers done as masked sums over the batch axis (registers cannot be indexed).
@@ -51,58 +53,101 @@ def mla_metadata_kernel(
         offs_p = p0 + tl.arange(0, BLOCK_P)
         owns = (cu_begin[None, :] <= offs_p[:, None]) & (offs_p[:, None] < cu_end[None, :])   # [P, B]
         req = tl.sum(tl.where(owns, offs_b[None, :], 0), axis=1)
-        local = offs_p - tl.sum(tl.where(owns, cu_begin[None, :], 0), axis=1)
+        first = tl.sum(tl.where(owns, cu_begin[None, :], 0), axis=1)
         n_pages = tl.sum(tl.where(owns, pages[None, :], 0), axis=1)
-        n_split = tl.sum(tl.where(owns, splits[None, :], 0), axis=1)
+        per = tl.sum(tl.where(owns, per_split[None, :], 0), axis=1)
         valid = tl.sum(owns.to(tl.int32), axis=1) > 0
-        begin = tl.minimum(local * chunk, n_pages)
-        end = tl.minimum(begin + chunk, n_pages)
-        row = meta_ptr + offs_p * 4
+        begin = tl.minimum((offs_p - first) * per, n_pages)
+        row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
         tl.store(row + 1, tl.where(valid, begin, 0), mask=in_range)
-        tl.store(row + 2, tl.where(valid, end, 0), mask=in_range)
-        tl.store(row + 3, tl.where(valid, n_split, 0), mask=in_range)
+        tl.store(row + 2, tl.where(valid, tl.minimum(begin + per, n_pages), 0), mask=in_range)
+        tl.store(row + 3, tl.sum(tl.where(owns, splits[None, :], 0), axis=1), mask=in_range)
+        tl.store(row + 4, tl.sum(tl.where(owns, lens[None, :], 0), axis=1), mask=in_range)
+        tl.store(row + 5, first, mask=in_range)
+        tl.store(row + 6, 0, mask=in_range)
+        tl.store(row + 7, 0, mask=in_range)
+    # Rows num_slots .. num_slots + b - 1: per-(request, head tile) arrival counters for the fused
+    # combine, zeroed here every step (8 columns: at most 8 head tiles of 64 query rows).
+    for c in range(0, 8):
+        tl.store(meta_ptr + (num_slots + offs_b) * 8 + c, 0, mask=in_batch)
 
 
 @triton.jit
-def _slot_work(meta_ptr, seqlens_ptr, max_tokens, s_q, pid_slot):
-    """(request, first token, end token, length, splits of the request) of one slot."""
-    req = tl.load(meta_ptr + pid_slot * 4)
-    page_begin = tl.load(meta_ptr + pid_slot * 4 + 1)
-    page_end = tl.load(meta_ptr + pid_slot * 4 + 2)
-    n_split = tl.load(meta_ptr + pid_slot * 4 + 3)
-    length = tl.minimum(tl.load(seqlens_ptr + tl.maximum(req, 0)), max_tokens)  # never past the table
-    tok_end = tl.minimum(page_end * PAGE, length)
-    return req, page_begin * PAGE, tok_end, length, n_split
+def _slot_work(meta_ptr, max_tokens, pid_slot):
+    """(request, first token, end token, length, splits of the request, its first slot) of one slot."""
+    row = meta_ptr + pid_slot * 8
+    req = tl.load(row)
+    length = tl.minimum(tl.load(row + 4), max_tokens)      # never past the block table
+    tok_end = tl.minimum(tl.load(row + 2) * PAGE, length)
+    return req, tl.load(row + 1) * PAGE, tok_end, length, tl.load(row + 3), tl.load(row + 5)
 
 
 @triton.jit
-def _write_result(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, n_split, h_q, s_q,
-                  out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, rows_total,
-                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh):
-    """Normalise the [rows, 512] accumulator; final output if the request has one slot, else a partial."""
+def _store_final(o, lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
+                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh):
+    """out[req, t, h, :] = o (q's dtype); lse[req, h, t] in natural log, +inf for a row with no key."""
+    tok = rows // h_q
+    head = rows % h_q
+    o_ptrs = out_ptr + req * stride_ob + tok[:, None] * stride_os + head[:, None] * stride_oh + offs_v[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
+    tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok, lse, mask=row_ok)
+
+
+@triton.jit
+def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
+            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh):
+    """Normalise the [rows, 512] accumulator and write the result.
+
+    A request with one slot writes its output directly. Otherwise each slot writes a partial
+    (normalised output, log2-sum-exp) and bumps the request's arrival counter; the slot that
+    arrives last merges all partials (read back from L2) -- the combine, fused: no extra launch.
+    """
     has_keys = l_i > 0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("-inf"))
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     if n_split == 1:
-        tok = rows // h_q
-        head = rows % h_q
-        o_ptrs = out_ptr + req * stride_ob + tok[:, None] * stride_os + head[:, None] * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        final_lse = tl.where(has_keys, lse, float("inf"))   # no visible key: lse = +inf (FlashMLA)
-        tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok, final_lse, mask=row_ok)
+        _store_final(acc / l_safe[:, None], lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
+                     stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
     else:
-        base = pid_slot * rows_total + rows
-        tl.store(oacc_ptr + base[:, None] * D_NOPE + offs_v[None, :], o, mask=row_ok[:, None])
-        tl.store(lseacc_ptr + base, lse, mask=row_ok)
+        part = pid_slot * rows_total + rows
+        tl.store(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+        tl.store(lseacc_ptr + part, lse2, mask=row_ok)
+        tl.debug_barrier()                      # every thread's partial stored before the release below
+        counter = meta_ptr + (num_slots + req) * 8 + pid_h
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        if arrived == n_split - 1:
+            # Every slot of the request has arrived: reset the counter so the same metadata
+            # serves the next call (FlashMLA's usage: one get_mla_metadata per step, all layers).
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+            m = tl.full(lse2.shape, float("-inf"), tl.float32)
+            for s in range(0, n_split):
+                part = (first_slot + s) * rows_total + rows
+                m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            total = tl.zeros(lse2.shape, tl.float32)
+            o = tl.zeros(acc.shape, tl.float32)
+            for s in range(0, n_split):
+                part = (first_slot + s) * rows_total + rows
+                w = tl.exp2(tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                total += w
+                o += w[:, None] * tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=row_ok[:, None],
+                                          other=0.0, cache_modifier=".cg")
+            has_keys = total > 0
+            t_safe = tl.where(has_keys, total, 1.0)
+            _store_final(o / t_safe[:, None], tl.where(has_keys, m_safe + tl.log2(t_safe), float("-inf")),
+                         rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
 
 
 @triton.jit
 def mla_split_standard_kernel(
-    q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr,
+    q_ptr, kc_ptr, bt_ptr, meta_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-    h_q, s_q, rows_total, max_tokens, qk_scale,
+    h_q, s_q, rows_total, num_slots, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -114,7 +159,7 @@ def mla_split_standard_kernel(
     """
     pid_slot = tl.program_id(0)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_split = _slot_work(meta_ptr, seqlens_ptr, max_tokens, s_q, pid_slot)
+    req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
     if req < 0:
         return
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -153,16 +198,16 @@ def mla_split_standard_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
-    _write_result(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, n_split, h_q, s_q,
-                  out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, rows_total,
-                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
+    _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
+            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
 
 
 @triton.jit
 def mla_split_transposed_kernel(
-    q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr,
+    q_ptr, kc_ptr, bt_ptr, meta_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-    h_q, s_q, rows_total, max_tokens, qk_scale,
+    h_q, s_q, rows_total, num_slots, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -172,7 +217,7 @@ def mla_split_transposed_kernel(
     dots have M = BLOCK_N (64) and M = 512, N = BLOCK_H (16 or 32)."""
     pid_slot = tl.program_id(0)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_split = _slot_work(meta_ptr, seqlens_ptr, max_tokens, s_q, pid_slot)
+    req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
     if req < 0:
         return
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -208,46 +253,6 @@ def mla_split_transposed_kernel(
         l_i = l_i * alpha + tl.sum(p_t, axis=0)
         acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
         m_i = m_new
-    _write_result(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_slot, n_split, h_q, s_q,
-                  out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, rows_total,
-                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
-
-
-@triton.jit
-def mla_combine_kernel(
-    num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
-    h_q, rows_total,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    BLOCK_S: tl.constexpr,
-):
-    """out = sum_s exp(lse_s - lse) * o_s with lse = log sum_s exp(lse_s), for one (request, row).
-
-    Partials are small and were just written, so they are read back from L2, not HBM.
-    """
-    req = tl.program_id(0)
-    row = tl.program_id(1)
-    first = tl.load(num_splits_ptr + req)
-    n = tl.load(num_splits_ptr + req + 1) - first
-    if n <= 1:
-        return                                    # one slot: the split kernel wrote the result
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_v = tl.arange(0, D_NOPE)
-    acc = tl.zeros([D_NOPE], tl.float32)
-    m = tl.full([], float("-inf"), tl.float32)
-    for s0 in range(0, n, BLOCK_S):               # BLOCK_S >= n almost always: one step
-        lse_s = tl.load(lseacc_ptr + (first + s0 + offs_s) * rows_total + row, mask=s0 + offs_s < n,
-                        other=float("-inf"))
-        m = tl.maximum(m, tl.max(lse_s, axis=0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([], tl.float32)
-    for s in range(0, n):
-        w = tl.exp(tl.load(lseacc_ptr + (first + s) * rows_total + row) - m_safe)
-        total += w
-        acc += w * tl.load(oacc_ptr + ((first + s) * rows_total + row) * D_NOPE + offs_v)
-    has_keys = total > 0
-    o = acc / tl.where(has_keys, total, 1.0)
-    lse = tl.where(has_keys, m_safe + tl.log(tl.where(has_keys, total, 1.0)), float("inf"))
-    tok = row // h_q
-    head = row % h_q
-    tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v, o.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok, lse)
+    _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots,
+            h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh)

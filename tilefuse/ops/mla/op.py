@@ -4,11 +4,16 @@ Kernels live in ``kernels.py``, the spec in ``reference.py``.
 
 Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
 
-* ``tile_scheduler_metadata``: int32 ``[num_sm_parts + b, 4]``, one row per *slot* (a program of
-  the split kernel): ``(request, first page, end page, splits of that request)``; request ``-1``
-  marks an unused slot. The pages of the whole batch are cut into chunks of
-  ``ceil(total_pages / num_sm_parts)`` pages, so every slot does about the same work whatever the
-  mix of lengths, and ``num_sm_parts + b`` bounds the slot count (static shape: no host sync).
+* ``tile_scheduler_metadata``: int32 ``[num_sm_parts + 2 b, 8]``. Rows ``0 .. num_sm_parts + b - 1``
+  are *slots* (programs of the attention kernel): ``(request, first page, end page, splits of
+  that request, its length, its first slot, 0, 0)``; request ``-1`` marks an unused slot. The
+  pages are cut into chunks of at most ``ceil(total_pages / (num_sm_parts - b))`` pages (split
+  evenly inside each request), so at most ``num_sm_parts`` slots are busy -- one wave on the
+  GPU whatever the mix of lengths -- and ``num_sm_parts + b`` bounds the slot count (a static
+  shape: no host sync). The last ``b`` rows are the fused combine's arrival counters, one per
+  (request, head tile), zeroed by the metadata kernel and reset by the slot that combines, so
+  one metadata serves every layer of a step; calls sharing one metadata must not run
+  concurrently on different streams.
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
@@ -30,13 +35,14 @@ from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
 HEAD_DIM = 576
 HEAD_DIM_V = 512
 VARIANTS = ("transposed", "standard")
-# Per-(variant) launch settings; chosen from the H200 sweep recorded in bench/results/mla-*.
+# Launch settings per variant (BLOCK_H: query rows per program; the transposed kernel takes
+# next_pow2(rows) up to 64). parts_per_sm: slots per SM in the split schedule (1 = one wave of
+# one program per SM; 2 for configs small enough to run two programs per SM). Chosen from the
+# H200 sweeps kept in bench/results/mla-sweep*-h200.txt.
 CONFIGS = {
-    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2),
-    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2),
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1),
+    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1),
 }
-# Target slots per SM for the split-KV schedule (memory-bound: more parallel streams per SM).
-PARTS_PER_SM = 1
 
 
 def kernel_status(device: torch.device) -> dict[str, str]:
@@ -63,9 +69,10 @@ def choose_variant(rows: int) -> str:
 
 
 def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> int:
-    """Target chunks: the SMs (times PARTS_PER_SM) shared among the head tiles of a request."""
+    """Target busy slots: the SMs (times the variant's parts_per_sm) shared among the head tiles."""
     head_tiles = max(1, math.ceil(num_q_tokens_per_head_k / 64))
-    return max(1, _sm_count(device) * PARTS_PER_SM // head_tiles)
+    per_sm = CONFIGS[choose_variant(num_q_tokens_per_head_k)].get("parts_per_sm", 1)
+    return max(1, _sm_count(device) * per_sm // head_tiles)
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -73,25 +80,31 @@ def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> 
 
 def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
-    batch = cache_seqlens.shape[0]
-    pages = (cache_seqlens.long() + PAGE_SIZE - 1) // PAGE_SIZE
-    chunk = ((pages.sum() + num_parts - 1) // num_parts).clamp_min(1)
+    batch, dev = cache_seqlens.shape[0], cache_seqlens.device
+    lens = cache_seqlens.long()
+    pages = (lens + PAGE_SIZE - 1) // PAGE_SIZE
+    room = max(num_parts - batch, 1)
+    chunk = ((pages.sum() + room - 1) // room).clamp_min(1)
     splits = ((pages + chunk - 1) // chunk).clamp_min(1)
-    cu = torch.zeros(batch + 1, dtype=torch.long, device=cache_seqlens.device)
+    per = (pages + splits - 1) // splits
+    cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
-    slot = torch.arange(num_parts + batch, device=cache_seqlens.device)
+    slot = torch.arange(num_parts + batch, device=dev)
     req = torch.searchsorted(cu[1:], slot, right=True)
     valid = req < batch
-    req_c = req.clamp_max(batch - 1)
-    begin = torch.minimum((slot - cu[req_c]) * chunk, pages[req_c])
-    end = torch.minimum(begin + chunk, pages[req_c])
-    meta = torch.stack([torch.where(valid, req_c, -1), begin * valid, end * valid, splits[req_c] * valid], 1)
+    r = req.clamp_max(batch - 1)
+    begin = torch.minimum((slot - cu[r]) * per[r], pages[r])
+    end = torch.minimum(begin + per[r], pages[r])
+    zero = torch.zeros_like(slot)
+    rows = torch.stack([torch.where(valid, r, -1), begin * valid, end * valid, splits[r] * valid, lens[r] * valid,
+                        cu[r] * valid, zero, zero], 1)
+    meta = torch.cat([rows, torch.zeros(batch, 8, dtype=torch.long, device=dev)])
     return meta.to(torch.int32), cu.to(torch.int32)
 
 
 def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts):
     batch = cache_seqlens.shape[0]
-    return (cache_seqlens.new_empty(num_sm_parts + batch, 4), cache_seqlens.new_empty(batch + 1))
+    return (cache_seqlens.new_empty(num_sm_parts + 2 * batch, 8), cache_seqlens.new_empty(batch + 1))
 
 
 @tilefuse_op("get_mla_metadata", fake=_metadata_fake)
@@ -105,7 +118,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
 
     batch = cache_seqlens.shape[0]
     num_slots = num_sm_parts + batch
-    meta = torch.empty(num_slots, 4, dtype=torch.int32, device=cache_seqlens.device)
+    meta = torch.empty(num_slots + batch, 8, dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, triton.next_power_of_2(batch))
     block_p = max(16, min(256, 8192 // block_b))
@@ -128,7 +141,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
 
     Returns
     -------
-    tile_scheduler_metadata : [num_sm_parts + b, 4] int32 (format in this module's docstring).
+    tile_scheduler_metadata : [num_sm_parts + 2 b, 8] int32 (format in this module's docstring).
     num_splits : [b + 1] int32, cumulative split counts.
 
     The shapes depend on ``b`` and the SM count only, so a decode step that calls this then
@@ -155,11 +168,11 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
 
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    cfg = dict(CONFIGS[variant])
+    cfg = {k: v for k, v in CONFIGS[variant].items() if k != "parts_per_sm"}
     block_h = cfg.pop("BLOCK_H", None) or max(16, triton.next_power_of_2(min(rows, 64)))
-    if variant == "transposed":
-        block_h = max(16, triton.next_power_of_2(min(rows, 64)))
-    num_slots = meta.shape[0]
+    if variant == "transposed" and block_h > 16:
+        cfg["num_warps"] = max(cfg["num_warps"], 8)    # [512, 32+] fp32 accumulator: 8 warps avoid spills
+    num_slots = meta.shape[0] - batch           # the last b rows are the combine's counters
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
     # Partials of split requests: normalised outputs and their lse, one row per (slot, query row).
@@ -168,16 +181,11 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
     kernel = kernels.mla_split_transposed_kernel if variant == "transposed" else kernels.mla_split_standard_kernel
     grid = (num_slots, triton.cdiv(rows, block_h))
     kernel[grid](
-        q, k_cache, block_table, cache_seqlens, meta, out, lse, o_acc, lse_acc,
-        h_q, s_q, rows, block_table.shape[1] * PAGE_SIZE, scale * kernels.LOG2E,
+        q, k_cache, block_table, meta, out, lse, o_acc, lse_acc,
+        h_q, s_q, rows, num_slots, block_table.shape[1] * PAGE_SIZE, scale * kernels.LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         CAUSAL=causal, BLOCK_H=block_h, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
-    )
-    kernels.mla_combine_kernel[(batch, rows)](
-        num_splits, o_acc, lse_acc, out, lse, h_q, rows,
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        BLOCK_S=max(16, triton.next_power_of_2(min(num_slots, 256))), num_warps=4,
     )
     return out, lse
 
@@ -250,11 +258,14 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
     _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
     _checks.check_tensor("tile_scheduler_metadata", tile_scheduler_metadata, dtypes=(torch.int32,), ndim=2)
-    _checks.check_shape("tile_scheduler_metadata", tile_scheduler_metadata, (None, 4), "[num_slots, 4]")
+    _checks.check_shape("tile_scheduler_metadata", tile_scheduler_metadata, (None, 8), "[num_sm_parts + 2 b, 8]")
+    if tile_scheduler_metadata.shape[0] <= 2 * batch:
+        raise ValueError(f"tile_scheduler_metadata: expected more than 2 b = {2 * batch} rows (from get_mla_metadata "
+                         f"on the same batch), got {tile_scheduler_metadata.shape[0]}")
     _checks.check_tensor("num_splits", num_splits, dtypes=(torch.int32,), ndim=1)
     _checks.check_shape("num_splits", num_splits, (batch + 1,), f"[b + 1 = {batch + 1}]")
-    if h_q < 1 or h_q > 128 or s_q < 1:
-        raise ValueError(f"q: expected 1 <= h_q <= 128 and s_q >= 1, got h_q={h_q}, s_q={s_q}")
+    if h_q < 1 or h_q > 128 or s_q < 1 or s_q * h_q > 512:
+        raise ValueError(f"q: expected 1 <= h_q <= 128, s_q >= 1 and s_q * h_q <= 512, got h_q={h_q}, s_q={s_q}")
     _checks.check_same_device(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
                               tile_scheduler_metadata=tile_scheduler_metadata, num_splits=num_splits)
     _checks.check_contiguous("k_cache", k_cache)

@@ -1,0 +1,160 @@
+"""MLA decode over a paged cache: the Triton kernels in the CPU interpreter (fp16/fp32, small
+paged cases) against the fp64 reference, the metadata schedule, and input validation.
+
+Tolerances (elementwise, |out - ref| <= atol + rtol |ref|, ref in fp64):
+* fp32: the dots run in IEEE fp32, so only accumulation-order rounding remains: 1e-5.
+* fp16: P is rounded to fp16 before the P V dot and out is rounded to fp16 (2^-11 relative):
+  out atol = rtol = 2e-3; lse comes from fp32 scores of exact fp16 products: atol 1e-4.
+A kernel that reads a NaN slot, drops a split or mis-weights the combine is off by O(0.1) or NaN.
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.mla import op
+from tilefuse.ops.mla.reference import mla_decode_reference
+from tilefuse.testing.compare import assert_close
+from tilefuse.testing.mla import mla_inputs
+
+TOL = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
+
+
+def _run(inp, causal, parts=None, variant=None):
+    s_q, h_q = inp.q.shape[1], inp.q.shape[2]
+    with tilefuse.force(variant=variant):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1, num_sm_parts=parts)
+        return tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=causal)
+
+
+def _check(out, lse, inp, causal):
+    atol, rtol, lse_atol = TOL[inp.q.dtype]
+    ro, rl = mla_decode_reference(*inp.args(), 512, causal=causal, compute_dtype=torch.float64)
+    assert out.dtype == inp.q.dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN/inf in out (a NaN slot leaked, or a row was not written)"
+    assert_close(out, ro, atol=atol, rtol=rtol)
+    assert_close(lse, rl, atol=lse_atol, rtol=1e-5, name="lse")   # +inf rows must match exactly
+
+
+# (lengths, s_q, h_q, causal, variant, sm parts): zero lengths, 1-token and page-edge lengths,
+# splits and the fused combine (few parts), causal multi-token, both orientations, 128 heads.
+CASES = [
+    ([0, 1, 63, 64, 65, 200], 1, 16, False, None, 4),
+    ([130, 70], 2, 16, True, None, 8),
+    ([130, 70], 2, 16, True, "standard", 8),
+    ([257], 1, 16, True, "transposed", 1),          # one slot: written directly, no combine
+    ([150, 3, 0], 1, 128, True, None, 10),
+    ([100, 190], 2, 128, False, None, 6),
+    ([150, 40], 2, 32, True, "transposed", 8),      # 64 rows forced transposed
+    ([99], 4, 1, True, None, 8),                    # s_q = 4 (speculative decoding), 1 head
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("lens,s_q,h_q,causal,variant,parts", CASES)
+def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts):
+    inp = mla_inputs(lens, s_q, h_q, dtype, interpret)
+    out, lse = _run(inp, causal, parts, variant)
+    _check(out, lse, inp, causal)
+
+
+def test_mla_metadata_reused_across_layers(interpret):
+    """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
+    inp = mla_inputs([300, 5, 0, 170], 2, 16, torch.float16, interpret)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 32, 1, num_sm_parts=12)
+    assert int(splits[-1]) > len(splits) - 1, "the case must split some request"
+    for _ in range(3):
+        inp.q.normal_()
+        out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+        _check(out, lse, inp, True)
+
+
+def test_mla_softmax_scale(interpret):
+    inp = mla_inputs([90, 33], 1, 16, torch.float32, interpret)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
+    out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, softmax_scale=0.3)
+    ro, rl = mla_decode_reference(*inp.args(), 512, 0.3, compute_dtype=torch.float64)
+    assert_close(out, ro, atol=1e-5, rtol=1e-5)
+    assert_close(lse, rl, atol=1e-5, rtol=1e-5, name="lse")
+
+
+@pytest.mark.parametrize("lens,parts", [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3),
+                                        ([64 * 7] * 8, 132), ([1] * 40, 8)])
+def test_mla_metadata_schedule(interpret, lens, parts):
+    """Kernel and PyTorch mirror agree; slots cover every page once; at most `parts` slots busy."""
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    meta, splits = tilefuse.get_mla_metadata(seqlens, 16, 1, num_sm_parts=parts)
+    meta_ref, splits_ref = op._metadata_torch(seqlens, parts)
+    assert torch.equal(meta, meta_ref) and torch.equal(splits, splits_ref)
+    b = len(lens)
+    assert meta.shape == (parts + 2 * b, 8) and splits.shape == (b + 1,)
+    slots = meta[: parts + b]
+    for i, n in enumerate(lens):
+        mine = slots[slots[:, 0] == i]
+        assert len(mine) == int(splits[i + 1] - splits[i]) >= 1
+        covered = sorted(p for r in mine.tolist() for p in range(r[1], r[2]))
+        assert covered == list(range((n + 63) // 64))
+    busy = int((slots[:, 2] > slots[:, 1]).sum())
+    assert busy <= max(parts, b)
+    assert (meta[parts + b:] == 0).all()
+
+
+def test_mla_reference_backend_on_cpu():
+    """Without the interpreter forced, CPU tensors run the PyTorch reference (same results)."""
+    inp = mla_inputs([70, 0], 2, 16, torch.float32, "cpu")
+    with tilefuse.force(backend="reference"):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 32, 1)
+        out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+    ro, rl = mla_decode_reference(*inp.args(), 512, causal=True, compute_dtype=torch.float64)
+    assert_close(out, ro, atol=1e-5, rtol=1e-5)
+    assert_close(lse, rl, atol=1e-5, rtol=1e-5, name="lse")
+
+
+def test_mla_module(interpret):
+    from tilefuse.nn import MLADecodeAttention
+
+    inp = mla_inputs([80, 130], 1, 16, torch.float16, interpret)
+    attn = MLADecodeAttention(num_heads=16, softmax_scale=None, causal=True)
+    attn.plan(inp.cache_seqlens)
+    out, lse = attn(inp.q, inp.k_cache, inp.block_table)
+    _check(out, lse, inp, True)
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def _valid(dtype=torch.float16):
+    inp = mla_inputs([70, 10], 1, 16, dtype, "cpu")
+    meta, splits = op._metadata_torch(inp.cache_seqlens, 4)
+    return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
+                head_dim_v=512, tile_scheduler_metadata=meta, num_splits=splits)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.update(q=a["q"][..., :512].contiguous()), "q: expected head dim 576"),
+    (lambda a: a.update(k_cache=a["k_cache"].view(-1, 32, 1, 576)), "k_cache: expected shape"),
+    (lambda a: a.update(k_cache=a["k_cache"].to(torch.float32)), "k_cache: expected dtype"),
+    (lambda a: a.update(block_table=a["block_table"].long()), "block_table: expected dtype int32"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens: expected dtype int32"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"] + 1000), "cache_seqlens: expected lengths in"),
+    (lambda a: a.update(head_dim_v=256), "head_dim_v"),
+    (lambda a: a.update(block_table=a["block_table"].to("meta")), "block_table: expected a tensor on cpu"),
+    (lambda a: a.update(num_splits=a["num_splits"][:-1]), "num_splits: expected shape"),
+    (lambda a: a.update(tile_scheduler_metadata=a["tile_scheduler_metadata"][:, :4]), "tile_scheduler_metadata"),
+    (lambda a: a.update(q=a["q"].to(torch.int8)), "q: expected dtype"),
+])
+def test_mla_bad_inputs(change, match):
+    args = _valid()
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        tilefuse.flash_mla_with_kvcache(**args)
+
+
+def test_mla_metadata_bad_inputs():
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens: expected dtype int32"):
+        tilefuse.get_mla_metadata(lens.long(), 16, 1)
+    with pytest.raises(ValueError, match="num_heads_k"):
+        tilefuse.get_mla_metadata(lens, 16, 2)
+    with pytest.raises(ValueError, match="num_q_tokens_per_head_k"):
+        tilefuse.get_mla_metadata(lens, 0, 1)

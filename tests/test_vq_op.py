@@ -1,0 +1,195 @@
+"""tilefuse.vq_matmul: decode (table + lookup, one launch) and prefill (dequant + GEMM) kernels.
+
+CPU: the kernels run in Triton's interpreter, fp16 only (the interpreter computes bf16 tl.dot from
+raw bits), small shapes. GPU (@gpu): bench shapes, fp16 + bf16, every variant forced explicitly.
+Every comparison is against the spec evaluated in fp64 (``tilefuse.testing.vq.reference_fp64``);
+tolerances are explained in ``tilefuse.testing.vq.tolerance``.
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.vq import op as vq_op
+from tilefuse.testing import poisoned
+from tilefuse.testing.vq import error_scale, make_vq_case, reference_fp64, tolerance
+
+LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="gluon"),
+          "decode_tl": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="tl"),
+          "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out)}
+
+
+def _args(case):
+    n = case["codes"].shape[0]
+    return case["x"], case["codes"], case["codebooks"], case["scales"].reshape(n), case["bias"]
+
+
+def _check(out, case, variant):
+    ref = reference_fp64(case)
+    tol = tolerance(out.dtype, variant)
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
+    err = (out.double() - ref).abs()
+    bound = tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{variant}: {int(bad.sum())} of {out.numel()} outputs off; first {i}: "
+                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+
+
+def _run_poisoned(case, variant):
+    m, n = case["x"].shape[0], case["codes"].shape[0]
+    out = poisoned((m, n), case["x"].dtype, case["x"].device)
+    LAUNCH[variant](case, out)
+    return out
+
+
+# (M tokens, N rows, K): N = 1 and 37, K/8 groups not a multiple of the 32-column K step (264 -> 33)
+CPU_SHAPES = [(1, 1, 64), (1, 37, 264), (2, 37, 136), (3, 16, 64), (8, 33, 72)]
+
+
+@pytest.mark.parametrize("variant", ["decode", "prefill"])
+@pytest.mark.parametrize("m,n,k", CPU_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernels_interpreted(interpret, variant, m, n, k, bias):
+    case = make_vq_case(m, n, k, torch.float16, interpret, bias=bias)
+    _check(_run_poisoned(case, variant), case, variant)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_decode_split_k_leaves_workspace_clean(interpret, split_k):
+    """Split-K partials meet in a workspace that the last program must leave zeroed."""
+    case = make_vq_case(2, 40, 512, torch.float16, interpret)
+    outs = []
+    for _ in range(2):  # a second call must not see the first call's sums
+        out = poisoned((2, 40), torch.float16, interpret)
+        vq_op.launch_decode(*_args(case), out, split_k=split_k)
+        outs.append(out)
+    _check(outs[0], case, "decode")
+    assert torch.equal(outs[0], outs[1])
+    ws, cnt = vq_op._workspace(interpret, 40)
+    assert not ws.any() and not cnt.any()
+
+
+@pytest.mark.parametrize("variant", ["decode", "prefill"])
+@pytest.mark.parametrize("pattern", ["zeros", "255", "alternating"])
+def test_extreme_codes(interpret, variant, pattern):
+    case = make_vq_case(2, 24, 128, torch.float16, interpret)
+    codes = case["codes"]
+    if pattern == "zeros":
+        codes.zero_()
+    elif pattern == "255":
+        codes.fill_(255)
+    else:
+        codes.copy_((torch.arange(codes.numel()) % 2 * 255).reshape(codes.shape).to(codes.dtype))
+    _check(_run_poisoned(case, variant), case, variant)
+
+
+def test_int8_codes_match_uint8(interpret):
+    """AQLM stores int8: -1 is code 255. Same bits, same result."""
+    case = make_vq_case(1, 16, 64, torch.float16, interpret)
+    u8 = case["codes"]
+    i8 = u8.view(torch.int8)
+    assert (i8 < 0).any()
+    y_u8 = tilefuse.vq_matmul(case["x"], u8, case["codebooks"], case["scales"])
+    y_i8 = tilefuse.vq_matmul(case["x"], i8, case["codebooks"], case["scales"])
+    assert torch.equal(y_u8, y_i8)
+    _check(y_u8, case, "decode")
+
+
+@pytest.mark.parametrize("m", [1, 12])
+def test_public_op_batch_dims_and_dispatch(interpret, m):
+    """x: [..., K] with leading dims; 1-8 tokens dispatch to decode, more to prefill."""
+    case = make_vq_case(m, 24, 64, torch.float16, interpret, bias=True)
+    x3 = case["x"].reshape(1, m, 64)
+    y = tilefuse.vq_matmul(x3, case["codes"], case["codebooks"], case["scales"], case["bias"])
+    assert y.shape == (1, m, 24)
+    assert vq_op.choose_variant(m) == ("decode" if m <= 8 else "prefill")
+    _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
+
+
+def test_wide_codes_are_narrowed_and_checked(interpret):
+    case = make_vq_case(1, 8, 64, torch.float16, interpret)
+    wide = case["codes"].to(torch.int32)
+    y = tilefuse.vq_matmul(case["x"], wide, case["codebooks"], case["scales"], check_codes=True)
+    _check(y, case, "decode")
+    wide[0, 0, 1] = 256
+    with pytest.raises(ValueError, match="codes"):
+        tilefuse.vq_matmul(case["x"], wide, case["codebooks"], case["scales"], check_codes=True)
+
+
+def test_reference_backend_on_cpu(device):
+    case = make_vq_case(3, 8, 64, torch.float16, device)
+    with tilefuse.force(backend="reference"):
+        y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])
+    _check(y, case, "prefill")
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.randn(1, 60).half()), "x"),                        # K not a multiple of 8
+    (dict(x=torch.randn(1, 64)), "x"),                               # fp32 input
+    (dict(codebooks=torch.randn(2, 256, 1, 4).half()), "codebooks"),  # 2x8 only
+    (dict(codebooks=torch.randn(1, 256, 1, 8).half()), "codebooks"),
+    (dict(codebooks=torch.randn(2, 65536, 1, 8).half()), "codebooks"),  # 1x16 format: not this op
+    (dict(codes=torch.zeros(8, 7, 2, dtype=torch.uint8)), "codes"),  # K/8 mismatch
+    (dict(codes=torch.zeros(8, 8, 1, dtype=torch.uint8)), "codes"),
+    (dict(codes=torch.zeros(8, 8, 2)), "codes"),                     # float codes
+    (dict(scales=torch.ones(7, 1, 1, 1)), "scales"),
+    (dict(bias=torch.zeros(9)), "bias"),
+])
+def test_errors(bad, match):
+    args = dict(x=torch.randn(1, 64).half(), codes=torch.zeros(8, 8, 2, dtype=torch.uint8),
+                codebooks=torch.zeros(2, 256, 1, 8).half(), scales=torch.ones(8, 1, 1, 1).half(), bias=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        tilefuse.vq_matmul(**args)
+
+
+def test_debug_env_checks_wide_codes(monkeypatch):
+    monkeypatch.setenv("TILEFUSE_DEBUG", "1")
+    codes = torch.full((8, 8, 2), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"codes: expected values in \[0, 256\)"):
+        tilefuse.vq_matmul(torch.randn(1, 64).half(), codes, torch.zeros(2, 256, 1, 8).half(), torch.ones(8))
+
+
+def test_forced_variant_is_validated(interpret):
+    case = make_vq_case(1, 8, 64, torch.float16, interpret)
+    with tilefuse.force(variant="nope"), pytest.raises(ValueError, match="variant"):
+        tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])
+
+
+# ---------------------------------------------------------------- GPU (H200): bench shapes
+GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("prefill", 16), ("prefill", 512)])
+def test_gpu_bench_shapes(dtype, n, k, variant, m):
+    case = make_vq_case(m, n, k, dtype, "cuda", bias=True)
+    _check(_run_poisoned(case, variant), case, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gpu_decode_tl(dtype, m):
+    case = make_vq_case(m, 1000, 1032, dtype, "cuda", bias=True)
+    _check(_run_poisoned(case, "decode_tl"), case, "decode_tl")
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replays():
+    """The split-K workspace protocol survives graph replay (no zeroing launch inside)."""
+    case = make_vq_case(1, 4096, 4096, torch.float16, "cuda")
+    fn = lambda: tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])  # noqa: E731
+    expected = fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+    _check(out, case, "decode")

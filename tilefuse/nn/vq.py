@@ -1,0 +1,86 @@
+"""``VQLinear``: a 2-bit linear layer in AQLM's 2x8 format, running :func:`tilefuse.vq_matmul`.
+
+Buffers carry AQLM's names and shapes, so the state dict of an AQLM 2x8 ``QuantizedLinear``
+(``codes`` [N, K/8, 2] int8, ``codebooks`` [2, 256, 1, 8], ``scales`` [N, 1, 1, 1], ``bias`` [N])
+loads as is, and a VQLinear's state dict round-trips through safetensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tilefuse.ops.vq.op import vq_matmul
+
+
+class VQLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W[n, 8g:8g+8] = scales[n] * (C0[codes[n,g,0]] + C1[codes[n,g,1]])``.
+
+    Parameters
+    ----------
+    in_features : K, a multiple of 8.
+    out_features : N.
+    bias : whether the layer has a bias ``[N]``.
+    dtype : dtype of codebooks, scales and bias (fp16 or bf16); inputs should use the same.
+    codes_dtype : ``torch.int8`` (AQLM's checkpoints) or ``torch.uint8``.
+
+    >>> layer = VQLinear.from_linear(nn.Linear(4096, 4096, dtype=torch.float16))  # quantizes
+    >>> y = layer(x)                                  # x: [..., 4096] fp16 -> [..., 4096]
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 dtype: torch.dtype = torch.float16, codes_dtype: torch.dtype = torch.int8, device=None):
+        super().__init__()
+        if in_features % 8:
+            raise ValueError(f"in_features: expected a multiple of 8, got {in_features}")
+        if codes_dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"codes_dtype: expected int8 or uint8, got {codes_dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("codes", torch.zeros(out_features, in_features // 8, 2, dtype=codes_dtype, device=device))
+        self.register_buffer("codebooks", torch.zeros(2, 256, 1, 8, dtype=dtype, device=device))
+        self.register_buffer("scales", torch.ones(out_features, 1, 1, 1, dtype=dtype, device=device))
+        if bias:
+            self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return vq_matmul(x, self.codes, self.codebooks, self.scales, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, calib: torch.Tensor | None = None, *,
+                    dtype: torch.dtype | None = None, codes_dtype: torch.dtype = torch.int8,
+                    **quantize_opts) -> "VQLinear":
+        """Quantize a dense ``nn.Linear`` with :func:`tilefuse.vq.quantize` (``calib``: ``X^T X``)."""
+        from tilefuse.vq import quantize
+
+        weight = linear.weight.detach()
+        dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        codes, codebooks, scales = quantize(weight, calib, **quantize_opts)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
+                    codes_dtype=codes_dtype, device=weight.device)
+        layer.load_quantized(codes, codebooks, scales, linear.bias)
+        return layer
+
+    @torch.no_grad()
+    def load_quantized(self, codes, codebooks, scales, bias=None) -> "VQLinear":
+        """Copy quantized tensors in (uint8 or int8 codes; same bit patterns either way)."""
+        codes = codes.to(self.codes.device)
+        if codes.dtype != self.codes.dtype:
+            codes = codes.view(self.codes.dtype) if codes.element_size() == 1 else codes.to(torch.uint8).view(self.codes.dtype)
+        self.codes.copy_(codes)
+        self.codebooks.copy_(codebooks)
+        self.scales.copy_(scales.reshape(self.scales.shape))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias.detach())
+        return self
+
+    def dequantize(self) -> torch.Tensor:
+        """The dense weight ``[N, K]`` (for checks and baselines)."""
+        from tilefuse.ops.vq.reference import dequantize
+
+        return dequantize(self.codes, self.codebooks, self.scales)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, format=AQLM 2x8 (2 bits/weight)")

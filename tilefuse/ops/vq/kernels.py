@@ -1,0 +1,180 @@
+"""Triton (``tl``) kernels for the AQLM 2x8 VQ linear layer ``y = x @ W^T``.
+
+``W[n, 8g:8g+8] = scale[n] * (C0[codes[n, g, 0]] + C1[codes[n, g, 1]])``.
+
+* :func:`vq_decode_kernel` -- EVA's two stages in ONE launch, for 1-8 tokens. Each program owns
+  ``BLOCK_N`` rows and a K range. Per K step it (1) builds the input x codebook table
+  ``T_c[e, (m, g)] = <x[m, 8g:8g+8], C_c[e]>`` with one tensor-core dot ``[256, 16] x [16, COLS]``
+  per codebook, and (2) looks up ``T_c[codes[n, g, c], (m, g)]`` for its ``BLOCK_N`` rows with
+  ``tl.gather``, accumulating in fp32 registers. Split-K partials meet in an fp32 workspace
+  (atomics); the last program of a row block (atomic counter) reads it back, scales, adds the bias,
+  writes the output and leaves workspace and counter at zero for the next call (CUDA-graph safe,
+  no zeroing launch). This is the CPU-tested reference implementation of the schedule; on the GPU
+  Triton 3.6 lowers ``tl.gather`` to a warp-shuffle gather (its OptimizeThreadLocality pass forces
+  a warp-local layout: 8 shuffles + 8 selects per lookup for a 256-entry table), so the fast
+  kernel is the Gluon twin in ``kernels_gluon.py``, which pins the layouts so that the gather
+  goes through shared memory without bank conflicts.
+* :func:`vq_prefill_kernel` -- many tokens: dequantize a ``[BLOCK_N, BLOCK_K]`` weight tile in
+  registers (vectorized 16-byte gathers of codebook rows, which stay L1-resident: 2 x 4 KB) and
+  feed ``tl.dot`` (tensor cores) in the same kernel.
+
+Token/group packing of the table columns (decode): the table has ``COLS`` columns; token ``m``
+uses columns ``[m * GM, (m + 1) * GM)`` for the ``GM = COLS / M_PAD`` groups of the current K
+step. Every column of a lookup tile then hits a different table column, which is what makes the
+shared-memory lookups of the Gluon kernel conflict-free (bank = column).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n,
+                     M, N, stride_om,
+                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Combine ``part`` ([BLOCK_N, M_PAD] fp32, already scaled) into ``out`` ([M, N]).
+
+    SPLIT_K == 1: store directly. Otherwise fp32 atomics into ``ws`` ([M_max, N], zero between
+    calls) and a per-row-block arrival counter; the last arriving program reads the sums back with
+    an atomic add of 0 (a read at L2, where the atomics landed), writes the output, and resets
+    workspace and counter to zero.
+    """
+    mask = (rows[:, None] < N) & (toks[None, :] < M)
+    if SPLIT_K == 1:
+        total = part
+    else:
+        ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]
+        tl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
+        # every thread's partials are issued before thread 0 publishes the arrival (release)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        total = tl.zeros_like(part)
+        if arrived == SPLIT_K - 1:
+            # read the sums where the atomics landed (L2), then leave zeros for the next call
+            total = tl.atomic_add(ws_ptrs, tl.zeros_like(part), mask=mask, sem="relaxed")
+            tl.store(ws_ptrs, tl.zeros_like(part), mask=mask)
+            tl.store(cnt_ptr + pid_n, 0)
+        mask = mask & (arrived == SPLIT_K - 1)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def vq_decode_kernel(
+    # pointers
+    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    # sizes
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT,
+    # strides (codes are read as int16 [N, NUM_GROUPS]: low byte = codebook 0, high byte = 1)
+    stride_xm, stride_cn, stride_om,
+    # meta-parameters
+    BLOCK_N: tl.constexpr, COLS: tl.constexpr, M_PAD: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    GM: tl.constexpr = COLS // M_PAD  # groups per K step (per token)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    g_begin = pid_k * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
+
+    # Stage 0 (HBM -> registers, once): A = [C0 | C1] as [256, 16]: row e holds both codebooks'
+    # entry e, so ONE [256, 16] x [16, COLS] dot serves both codebooks (B picks the half).
+    offs_e = tl.arange(0, 256)
+    offs_k = tl.arange(0, 16)
+    a = tl.load(cb_ptr + (offs_k[None, :] // 8) * 2048 + offs_e[:, None] * 8 + (offs_k[None, :] % 8))
+    a = a.to(x_ptr.dtype.element_ty)
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, COLS)
+    col_tok = cols // GM
+    col_grp = cols % GM
+    b_tok = col_tok[None, :]
+    b_grp = col_grp[None, :]
+    b_k = offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+    for g0 in range(g_begin, g_end, GM):
+        # Stage 1 (L2 -> registers): B_c[k, (m, g)] = x[m, 8(g0+g) + k - 8c] on codebook c's half.
+        grp = g0 + b_grp
+        x_mask = (b_tok < M) & (grp < g_end)
+        xv = tl.load(x_ptr + b_tok * stride_xm + grp * 8 + (b_k % 8), mask=x_mask, other=0.0)
+        b0 = tl.where(b_k < 8, xv, 0.0).to(x_ptr.dtype.element_ty)
+        b1 = tl.where(b_k >= 8, xv, 0.0).to(x_ptr.dtype.element_ty)
+        # Stage 2 (tensor cores): the two tables, fp32, [256 entries, COLS].
+        t0 = tl.dot(a, b0)
+        t1 = tl.dot(a, b1)
+        # Stage 3 (HBM -> registers): one int16 per (row, group) = both codes; masked groups read
+        # code 0, whose table column is zero because x was masked to zero there.
+        c_mask = (rows[:, None] < N) & ((g0 + col_grp[None, :]) < g_end)
+        cv = tl.load(codes_ptr + rows[:, None] * stride_cn + (g0 + col_grp[None, :]), mask=c_mask, other=0)
+        c0 = (cv & 0xFF).to(tl.int32)
+        c1 = ((cv >> 8) & 0xFF).to(tl.int32)
+        # Stage 4: lookups, T_c[code, col] for every (row, col); accumulate in fp32 registers.
+        acc += tl.gather(t0, c0, 0) + tl.gather(t1, c1, 0)
+
+    # Per-token sums over the token's GM columns, then the row scale (it factors out of the sum).
+    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    toks = tl.arange(0, M_PAD)
+    part = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for m in tl.static_range(M_PAD):
+        s = tl.sum(tl.where(col_tok[None, :] == m, acc, 0.0), axis=1)
+        part = tl.where(toks[None, :] == m, s[:, None], part)
+    part = part * scale[:, None]
+    _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n, M, N, stride_om,
+                     SPLIT_K, HAS_BIAS)
+
+
+@triton.jit
+def vq_prefill_kernel(
+    # pointers
+    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
+    # sizes
+    M, N, K,
+    # strides (codes are read as uint8 [N, K/8, 2])
+    stride_xm, stride_cn, stride_om,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    BG: tl.constexpr = BLOCK_K // 8
+    # grouped tile order: GROUP_M row blocks share each weight tile while it is L2-hot
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_size
+    pid_n = (pid % width) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_g = tl.arange(0, BG)
+    offs_j = tl.arange(0, 8)
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+    c_ptrs = codes_ptr + offs_n[:, None] * stride_cn + offs_g[None, :] * 2
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
+        # codes tile [BLOCK_N, BG] per codebook (HBM -> registers)
+        g_ok = (offs_n[:, None] < N) & ((k0 // 8 + offs_g[None, :]) < K // 8)
+        c0 = tl.load(c_ptrs, mask=g_ok, other=0).to(tl.int32)
+        c1 = tl.load(c_ptrs + 1, mask=g_ok, other=0).to(tl.int32)
+        # dequantize: 16-byte codebook rows (L1-resident) -> [BLOCK_N, BG, 8] -> [BLOCK_N, BLOCK_K]
+        e0 = c0 * 8          # multiples of 8 elements: 16-byte aligned rows
+        e1 = c1 * 8 + 2048
+        w = tl.load(cb_ptr + e0[:, :, None] + offs_j[None, None, :]).to(tl.float32)
+        w += tl.load(cb_ptr + e1[:, :, None] + offs_j[None, None, :]).to(tl.float32)
+        w = tl.reshape(w.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K))
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        c_ptrs += BG * 2
+
+    scale = tl.load(scales_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    acc = acc * scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)

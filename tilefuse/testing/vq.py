@@ -1,0 +1,68 @@
+"""Input builders for the VQ family, shared by the tests and ``tilefuse bench vq``.
+
+Random codes / codebooks / scales in AQLM's 2x8 layout. Magnitudes are chosen so that the
+dequantized weight has entries of order ``1/sqrt(K)`` (like a trained layer) and outputs of order 1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_vq_weight(n: int, k: int, dtype: torch.dtype, device, *, codes_dtype: torch.dtype = torch.uint8,
+                   scale_dtype: torch.dtype | None = None):
+    """(codes [N, K/8, 2], codebooks [2, 256, 1, 8] dtype, scales [N, 1, 1, 1]) with random content."""
+    codes = torch.randint(0, 256, (n, k // 8, 2), dtype=torch.int32, device=device)
+    if codes_dtype == torch.int8:
+        codes = torch.where(codes > 127, codes - 256, codes)   # AQLM: two's complement int8
+    codes = codes.to(codes_dtype)
+    codebooks = (torch.randn(2, 256, 1, 8, device=device) / math.sqrt(2.0)).to(dtype)
+    scales = (torch.rand(n, 1, 1, 1, device=device) + 0.5) / math.sqrt(k)
+    return codes, codebooks, scales.to(scale_dtype or dtype)
+
+
+def make_vq_case(m: int, n: int, k: int, dtype: torch.dtype, device, *, bias: bool = False,
+                 codes_dtype: torch.dtype = torch.uint8):
+    """Dict with x [m, K], codes, codebooks, scales, bias ([N] or None)."""
+    codes, codebooks, scales = make_vq_weight(n, k, dtype, device, codes_dtype=codes_dtype)
+    x = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return dict(x=x, codes=codes, codebooks=codebooks, scales=scales, bias=b)
+
+
+def reference_fp64(case: dict) -> torch.Tensor:
+    """The spec evaluated in fp64 on the case's (already rounded) inputs."""
+    from tilefuse.ops.vq.reference import vq_matmul_reference
+
+    b = case["bias"]
+    return vq_matmul_reference(case["x"].double(), case["codes"], case["codebooks"].double(),
+                               case["scales"].double(), None if b is None else b.double(),
+                               compute_dtype=torch.float64)
+
+
+def error_scale(case: dict) -> torch.Tensor:
+    """``|x| @ |W|^T`` in fp64: what rounding errors of the products are measured against.
+
+    A relative error ``d`` on every weight moves an output by at most ``d * (|x| @ |W|^T)``, which
+    (unlike ``|y|``) does not vanish when the sum cancels.
+    """
+    from tilefuse.ops.vq.reference import dequantize
+
+    w = dequantize(case["codes"], case["codebooks"].double(), case["scales"].double(), dtype=torch.float64)
+    return case["x"].double().abs() @ w.abs().T
+
+
+def tolerance(dtype: torch.dtype, variant: str) -> dict:
+    """``|out - ref| <= rtol * |ref| + scale * error_scale`` against the fp64 reference.
+
+    rtol: one ulp of the output dtype (the final rounding is at most half of it).
+    scale: the decode kernel's table and sums are fp32 (codebooks and x are exact in fp32 products):
+    2^-14 bounds its accumulation error far below the output rounding. The prefill kernel also
+    rounds each dequantized weight ``C0[a] + C1[b]`` to x's dtype before the tensor-core GEMM: at
+    most one unit roundoff u (2^-11 fp16, 2^-8 bf16) per weight, hence ``u + 2^-14``.
+    """
+    ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    scale = 2.0 ** -14 + (ulp / 2 if variant == "prefill" else 0.0)
+    return dict(rtol=ulp, scale=scale)

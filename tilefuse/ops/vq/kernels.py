@@ -30,17 +30,17 @@ import triton.language as tl
 
 @triton.jit
 def _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n,
-                     M, N, stride_om,
-                     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+                     M, N, stride_om, SPLIT_K,
+                     SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Combine ``part`` ([BLOCK_N, M_PAD] fp32, already scaled) into ``out`` ([M, N]).
 
-    SPLIT_K == 1: store directly. Otherwise fp32 atomics into ``ws`` ([M_max, N], zero between
+    SPLIT (constexpr) False, i.e. SPLIT_K == 1: store directly. Otherwise fp32 atomics into ``ws`` ([M_max, N], zero between
     calls) and a per-row-block arrival counter; the last arriving program reads the sums back with
     an atomic add of 0 (a read at L2, where the atomics landed), writes the output, and resets
     workspace and counter to zero.
     """
     mask = (rows[:, None] < N) & (toks[None, :] < M)
-    if SPLIT_K == 1:
+    if not SPLIT:  # one program per row block: no workspace
         total = part
     else:
         ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]
@@ -65,12 +65,12 @@ def vq_decode_kernel(
     # pointers
     x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     # sizes
-    M, N, NUM_GROUPS, GROUPS_PER_SPLIT,
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT, SPLIT_K,
     # strides (codes are read as int16 [N, NUM_GROUPS]: low byte = codebook 0, high byte = 1)
     stride_xm, stride_cn, stride_om,
     # meta-parameters
     BLOCK_N: tl.constexpr, COLS: tl.constexpr, M_PAD: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     GM: tl.constexpr = COLS // M_PAD  # groups per K step (per token)
     pid_n = tl.program_id(0)
@@ -121,7 +121,7 @@ def vq_decode_kernel(
         part = tl.where(toks[None, :] == m, s[:, None], part)
     part = part * scale[:, None]
     _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n, M, N, stride_om,
-                     SPLIT_K, HAS_BIAS)
+                     SPLIT_K, SPLIT, HAS_BIAS)
 
 
 @triton.jit

@@ -24,12 +24,12 @@ def vq_decode_gluon_kernel(
     # pointers
     x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     # sizes
-    M, N, NUM_GROUPS, GROUPS_PER_SPLIT,
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT, SPLIT_K,
     # strides
     stride_xm, stride_cn, stride_om,
     # meta-parameters
     BLOCK_N: gl.constexpr, COLS: gl.constexpr, M_PAD: gl.constexpr,
-    SPLIT_K: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
     GM: gl.constexpr = COLS // M_PAD
     # lookup tiles [BLOCK_N, COLS]: lanes along the table columns (one bank each), warps along rows
@@ -94,7 +94,7 @@ def vq_decode_gluon_kernel(
 
     # split-K epilogue (same protocol as kernels._splitk_epilogue)
     mask = (rows[:, None] < N) & (toks[None, :] < M)
-    if SPLIT_K == 1:
+    if not SPLIT:  # one program per row block: no workspace
         total = part
     else:
         ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]

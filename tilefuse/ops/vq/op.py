@@ -110,8 +110,8 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluo
     codes16 = codes.view(torch.int16).view(n, groups)
     grid = (triton.cdiv(n, block_n), split)
     args = (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
-            m, n, groups, groups_per_split, x2d.stride(0), codes16.stride(0), out.stride(0))
-    meta = dict(BLOCK_N=block_n, COLS=cfg["cols"], M_PAD=cfg["m_pad"], SPLIT_K=split, HAS_BIAS=bias is not None)
+            m, n, groups, groups_per_split, split, x2d.stride(0), codes16.stride(0), out.stride(0))
+    meta = dict(BLOCK_N=block_n, COLS=cfg["cols"], M_PAD=cfg["m_pad"], SPLIT=split > 1, HAS_BIAS=bias is not None)
     kernel = _gluon_decode() if impl == "gluon" and x2d.device.type == "cuda" else None
     if kernel is not None:
         kernel[grid](*args, **meta, NUM_WARPS=num_warps, num_warps=num_warps)

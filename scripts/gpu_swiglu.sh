@@ -13,10 +13,12 @@ TESTS="tests/test_swiglu_gpu.py tests/test_swiglu_nn.py tests/test_hf.py"
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   if [ "$MODE" = tune ]; then
-    timeout 260 python3 -m pytest -q -n 4 -p no:cacheprovider $TESTS 2>&1 | tail -40
+    timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
+    grep -E "^(/|E |FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | cut -c1-220 | tail -60
     timeout 260 python3 scripts/tune_swiglu.py "$OUT"
   else
-    timeout 150 python3 -m pytest -q -n 4 -p no:cacheprovider $TESTS -k "dispatch or split or packed or compile or qwen2 or odd" 2>&1 | tail -30
+    timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
+    grep -E "^(/|E |FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | cut -c1-220 | tail -60
     timeout 330 python3 -m tilefuse bench swiglu --out "$OUT" --rep-ms 25
   fi
 } 2>&1 | tee "$OUT/log.txt"

@@ -40,9 +40,68 @@ class LargeMConfig:
 
 S, L = SmallMConfig, LargeMConfig
 
-# Measured winners per (H, I) and tuned M (scripts/tune_swiglu.py on the H200, bf16, merged layout).
-# Empty until the sweep has run: the heuristic below is used for every shape until then.
-TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {}
+# Measured winners per (H, I) and tuned M: scripts/tune_swiglu.py on the H200, bf16, merged layout,
+# 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time). Fields in order:
+# S(block_m, block_n, block_k, split_k, num_stages, num_warps),
+# L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize).
+TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
+    (896, 4864): {
+        1: S(16, 64, 128, 1, 4, 4),
+        16: S(16, 64, 128, 1, 4, 4),
+        128: S(64, 64, 64, 1, 4, 4),
+        1024: L(128, 128, 64, 8, 3, 8, False),
+        4096: L(128, 128, 64, 8, 4, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, True),
+    },
+    (1536, 8960): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 128, 1, 4, 4),
+        128: S(64, 64, 64, 1, 4, 4),
+        1024: L(128, 128, 64, 8, 4, 8, True),
+        4096: L(128, 128, 64, 8, 3, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, True),
+    },
+    (2048, 11008): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 128, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True),
+        1024: L(128, 128, 64, 8, 4, 8, True),
+        4096: L(128, 128, 64, 8, 3, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, True),
+    },
+    (3584, 18944): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 128, 1, 4, 4),
+        128: L(64, 128, 64, 8, 4, 4, False),
+        1024: L(128, 128, 64, 8, 3, 8, False),
+        4096: L(128, 128, 64, 8, 3, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, True),
+    },
+    (5120, 13824): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 256, 1, 3, 4),
+        128: L(128, 128, 64, 8, 4, 8, True),
+        1024: L(128, 128, 64, 8, 3, 8, False),
+        4096: L(128, 128, 64, 8, 3, 8, True),
+        16384: L(128, 128, 64, 8, 4, 8, True),
+    },
+    (5120, 27648): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 64, 128, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True),
+        1024: L(128, 64, 64, 8, 4, 4, False),
+        4096: L(128, 128, 64, 8, 3, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, True),
+    },
+    (8192, 29568): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 64, 256, 1, 3, 4),
+        128: L(128, 128, 64, 8, 4, 8, True),
+        1024: L(128, 128, 64, 8, 3, 8, False),
+        4096: L(128, 128, 64, 4, 3, 8, True),
+        16384: L(128, 128, 64, 8, 3, 8, False),
+    },
+}
 
 
 def _bucket(m: int) -> int:
@@ -50,23 +109,26 @@ def _bucket(m: int) -> int:
 
 
 def _small_m_heuristic(m: int, h: int, i: int, num_sms: int) -> SmallMConfig:
+    # From the sweep: at M <= 16, 64-wide N tiles with long K steps won on every Qwen shape and
+    # split-K never did (I / 64 >= 76 tiles already); it is kept for narrow layers (few tiles).
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_k = 256 if (block_m == 16 and h >= 2048) else 128 if block_m <= 32 else 64
     m_tiles = -(-m // block_m)
-    # Largest BLOCK_N that still gives two programs per SM; smaller tiles re-read x from L2 only.
-    block_n = next((bn for bn in (64, 32) if m_tiles * -(-i // bn) >= 2 * num_sms), 16)
-    block_k = 256 if (block_m <= 16 and h >= 2048) else 128
+    block_n = 64 if m_tiles * -(-i // 64) >= num_sms // 2 else 32 if m_tiles * -(-i // 32) >= num_sms // 2 else 16
     tiles = m_tiles * -(-i // block_n)
     k_steps = -(-h // block_k)
     split_k = 1
-    while tiles * split_k < 2 * num_sms and split_k * 2 <= min(8, k_steps):
+    while tiles * split_k < num_sms // 2 and split_k * 2 <= min(8, k_steps):
         split_k *= 2
-    return SmallMConfig(block_m, block_n, block_k, split_k, num_stages=4 if block_k == 128 else 3)
+    return SmallMConfig(block_m, block_n, block_k, split_k, num_stages=3 if block_k == 256 else 4)
 
 
 def heuristic(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200):
     """(variant, config) from tile counts alone, for shapes the sweep did not cover."""
-    if m <= SMALL_M_MAX:
+    if m <= 64 or (m <= SMALL_M_MAX and i * h < 32 * 2 ** 20):
         return "small_m", _small_m_heuristic(m, h, i, num_sms)
+    if m <= SMALL_M_MAX:
+        return "large_m", LargeMConfig(num_stages=4)
     return "large_m", LargeMConfig()
 
 

@@ -51,3 +51,14 @@ PY
 else
 timeout ${BENCH_TIMEOUT:-400} python3 -m tilefuse bench vq --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | grep -v "^\[vq"
 fi
+if [ "$MODE" = bench ] && command -v ncu >/dev/null; then
+# one profile of each kernel (decode 4096x4096 batch 1, prefill 8192x8192 x 512): where the time goes
+timeout ${NCU_TIMEOUT:-120} ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
+  --section Occupancy --section LaunchStats -k regex:vq_ -c 2 python3 -c "
+import torch, tilefuse
+from tilefuse.testing.vq import make_vq_case
+for m, n, k in [(1, 4096, 4096), (512, 8192, 8192)]:
+    c = make_vq_case(m, n, k, torch.float16, 'cuda')
+    tilefuse.vq_matmul(c['x'], c['codes'], c['codebooks'], c['scales']); torch.cuda.synchronize()
+" > "$OUT/ncu.txt" 2>&1; tail -5 "$OUT/ncu.txt"
+fi

@@ -181,15 +181,18 @@ def test_gpu_decode_tl(dtype, m):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays():
-    """The split-K workspace protocol survives graph replay (no zeroing launch inside)."""
+    """The split-K workspace protocol survives graph replay (no zeroing launch inside): a stale
+    workspace would add the previous call's sums. fp32 atomics land in any order, so replays may
+    differ from each other in the last bits, never by a whole call."""
     case = make_vq_case(1, 4096, 4096, torch.float16, "cuda")
+    assert vq_op.decode_config(1, 4096, 4096, torch.device("cuda"))["split_k"] > 1
     fn = lambda: tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])  # noqa: E731
-    expected = fn()
+    fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fn()
     for _ in range(3):
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, expected)
-    _check(out, case, "decode")
+        _check(out, case, "decode")

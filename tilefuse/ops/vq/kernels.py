@@ -165,8 +165,10 @@ def vq_prefill_kernel(
         # dequantize: 16-byte codebook rows (L1-resident) -> [BLOCK_N, BG, 8] -> [BLOCK_N, BLOCK_K]
         e0 = c0 * 8          # multiples of 8 elements: 16-byte aligned rows
         e1 = c1 * 8 + 2048
-        w = tl.load(cb_ptr + e0[:, :, None] + offs_j[None, None, :]).to(tl.float32)
-        w += tl.load(cb_ptr + e1[:, :, None] + offs_j[None, None, :]).to(tl.float32)
+        o0 = tl.max_contiguous(tl.multiple_of(e0[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        o1 = tl.max_contiguous(tl.multiple_of(e1[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        w = tl.load(cb_ptr + o0).to(tl.float32)
+        w += tl.load(cb_ptr + o1).to(tl.float32)
         w = tl.reshape(w.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K))
         acc = tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K

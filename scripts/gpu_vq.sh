@@ -49,7 +49,7 @@ for (n, k) in [(8192, 8192)]:
         print(f"cublas {n}x{k} m={m} {timer.median_us(lambda: torch.nn.functional.linear(c['x'], w16)):8.2f}", flush=True)
 PY
 else
-timeout ${BENCH_TIMEOUT:-400} python3 -m tilefuse bench vq --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | grep -v "^\[vq"
+timeout ${BENCH_TIMEOUT:-400} python3 -m tilefuse bench vq --rep-ms ${REP_MS:-25} --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | grep -v "^\[vq"
 fi
 if [ "$MODE" = bench ] && command -v ncu >/dev/null; then
 # one profile of each kernel (decode 4096x4096 batch 1, prefill 8192x8192 x 512): where the time goes

@@ -49,6 +49,21 @@ for (n, k) in [(8192, 8192)]:
         print(f"cublas {n}x{k} m={m} {timer.median_us(lambda: torch.nn.functional.linear(c['x'], w16)):8.2f}", flush=True)
 PY
 else
+timeout 60 python3 - <<'PY' 2>&1 | tee "$OUT/diag.txt"
+# decode diagnostics: Gluon kernel present? table conversion on/off, split-K on/off (graph replay us)
+import torch
+from tilefuse.bench.harness import Timer
+from tilefuse.ops.vq import op
+from tilefuse.testing.vq import make_vq_case
+print("gluon kernel:", op._gluon_decode() is not None, op.kernel_status(torch.device("cuda")))
+timer = Timer(torch.device("cuda"), rep_ms=20)
+for n, k in [(4096, 4096), (28672, 8192)]:
+    c = make_vq_case(1, n, k, torch.float16, "cuda")
+    args = (c["x"], c["codes"], c["codebooks"], c["scales"].reshape(n), None)
+    out = torch.empty(1, n, dtype=torch.float16, device="cuda")
+    for kw in [dict(), dict(convert_table=False), dict(split_k=1), dict(impl="tl")]:
+        print(n, k, kw, f"{timer.graph_us(lambda: op.launch_decode(*args, out, **kw)):.2f}", flush=True)
+PY
 timeout ${BENCH_TIMEOUT:-400} python3 -m tilefuse bench vq --rep-ms ${REP_MS:-25} --out "$OUT" 2>&1 | tee "$OUT/bench.txt" | grep -v "^\[vq"
 fi
 if [ "$MODE" = bench ] && command -v ncu >/dev/null; then

@@ -30,6 +30,7 @@ def vq_decode_gluon_kernel(
     # meta-parameters
     BLOCK_N: gl.constexpr, COLS: gl.constexpr, M_PAD: gl.constexpr,
     SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    CONVERT_TABLE: gl.constexpr = True,
 ):
     GM: gl.constexpr = COLS // M_PAD
     # lookup tiles [BLOCK_N, COLS]: lanes along the table columns (one bank each), warps along rows
@@ -78,9 +79,14 @@ def vq_decode_gluon_kernel(
         b1 = gl.convert_layout(gl.where(b_k >= 8, xv, gl.zeros_like(xv)), B_OP)
         # lookups through shared memory, bank = column: conflict-free. Masked codes read entry 0
         # of a column whose x was masked to zero, so they add nothing.
-        t0 = gl.convert_layout(mma_v2(a, b0, zero_t), L_COL)
+        # CONVERT_TABLE: move the table to L_COL first (conflict-free gather stores, one more smem
+        # round trip) or let the gather store it straight from the MMA layout (8-way conflicts)
+        t0 = mma_v2(a, b0, zero_t)
+        t1 = mma_v2(a, b1, zero_t)
+        if CONVERT_TABLE:
+            t0 = gl.convert_layout(t0, L_COL)
+            t1 = gl.convert_layout(t1, L_COL)
         acc += gl.gather(t0, (cv & 0xFF).to(gl.int32), 0)
-        t1 = gl.convert_layout(mma_v2(a, b1, zero_t), L_COL)
         acc += gl.gather(t1, ((cv >> 8) & 0xFF).to(gl.int32), 0)
         cv = cv_next
 

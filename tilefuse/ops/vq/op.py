@@ -88,7 +88,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluon", block_n=None,
-                  num_warps=None, split_k=None) -> torch.Tensor:
+                  num_warps=None, split_k=None, convert_table: bool = True) -> torch.Tensor:
     """Run the one-launch decode kernel: ``out[:M] = x2d @ W^T (+ bias)`` for M <= 8 tokens.
 
     x2d: [M, K]; codes: [N, K/8, 2] uint8/int8 contiguous; out: [M, N] (any contents).
@@ -114,7 +114,7 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluo
     meta = dict(BLOCK_N=block_n, COLS=cfg["cols"], M_PAD=cfg["m_pad"], SPLIT=split > 1, HAS_BIAS=bias is not None)
     kernel = _gluon_decode() if impl == "gluon" and x2d.device.type == "cuda" else None
     if kernel is not None:
-        kernel[grid](*args, **meta, NUM_WARPS=num_warps, num_warps=num_warps)
+        kernel[grid](*args, **meta, NUM_WARPS=num_warps, CONVERT_TABLE=convert_table, num_warps=num_warps)
     else:
         from tilefuse.ops.vq.kernels import vq_decode_kernel
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the MLA family: GPU tests, then a config sweep and/or the full benchmark.
+# One device call for the MLA family: GPU tests, a launch-config sweep, the benchmark.
 #   scripts/gpu_mla.sh [tests] [sweep] [bench] [quick]     (default: tests bench)
+# "sweep" writes the best config per variant to $OUT/mla_best.json and the benchmark that follows
+# runs with it (TILEFUSE_MLA_CONFIGS); op.CONFIGS is then set to the same values by hand.
 # Logs and JSON go to $OUT (the device tool brings them back).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -9,9 +11,10 @@ steps="${*:-tests bench}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/log.txt"
 for step in $steps; do
   case $step in
-    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_gpu.py 2>&1 | tail -40 | tee -a "$OUT/log.txt" ;;
-    sweep) timeout 200 python3 -m tilefuse.bench.mla --sweep 2>&1 | tee "$OUT/sweep.txt" ;;
-    bench) timeout 420 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -150 ;;
+    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_gpu.py 2>&1 | tail -30 | tee -a "$OUT/log.txt" ;;
+    sweep) timeout 200 python3 -m tilefuse.bench.mla --sweep "$OUT/mla_best.json" 2>&1 | tee "$OUT/sweep.txt"
+           [ -s "$OUT/mla_best.json" ] && export TILEFUSE_MLA_CONFIGS="$OUT/mla_best.json" ;;
+    bench) timeout 400 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -160 ;;
     quick) timeout 200 python3 -m tilefuse bench mla --quick --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
   esac
 done

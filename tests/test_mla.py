@@ -58,6 +58,19 @@ def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts)
     _check(out, lse, inp, causal)
 
 
+@pytest.mark.parametrize("variant,config", [
+    ("transposed", dict(BLOCK_N=32, num_warps=4, num_stages=1, parts_per_sm=2, fused_combine=False)),
+    ("standard", dict(BLOCK_H=0, BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=False)),
+    ("standard", dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=True)),
+])
+def test_mla_other_configs(interpret, monkeypatch, variant, config):
+    """The sweep's alternatives: second-launch combine, unpadded standard tiles, half-page steps."""
+    monkeypatch.setitem(op.CONFIGS, "standard_small" if variant == "standard" else variant, config)
+    inp = mla_inputs([0, 1, 130, 200, 64], 2, 8, torch.float16, interpret)
+    out, lse = _run(inp, True, 9, variant)
+    _check(out, lse, inp, True)
+
+
 def test_mla_metadata_reused_across_layers(interpret):
     """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
     inp = mla_inputs([300, 5, 0, 170], 2, 16, torch.float16, interpret)

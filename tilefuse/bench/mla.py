@@ -155,7 +155,9 @@ def summarize(rows: list[dict]) -> dict:
     ok = [r for r in rows if r.get("median_us") and not r.get("error")]
     best = {id(r): min(r["median_us"], r.get("graph_us") or math.inf) for r in ok}
     ours = [r for r in ok if r["impl"] == "tilefuse"]
-    summary: dict = {}
+    from tilefuse.ops.mla import op
+
+    summary: dict = {"configs (op.CONFIGS as run)": op.CONFIGS, "orientation below 64 rows": op.SMALL_ROWS_VARIANT}
     for name, pred, bar in (("roofline>=0.9 at context>=16K", lambda c: isinstance(c, int) and c >= 16384, 0.9),
                             ("roofline>=0.8 at 4K", lambda c: c == 4096, 0.8)):
         sel = [r for r in ours if pred(r["params"]["context"]) and r.get("roofline_frac")]
@@ -210,7 +212,7 @@ def _label(r):
     return f"b{p['batch']} h{p['h_q']} s{p['s_q']} {p['context']}"
 
 
-def sweep() -> None:
+def sweep(out_path: str | None = None, device: torch.device | None = None, shapes: list | None = None) -> None:
     """Time launch configurations (graph replay) on a few shapes; prints one line per config.
 
     The roofline fraction uses the anchors' ceilings (4.27 TB/s copy, 729 TFLOP/s bf16 GEMM).
@@ -218,31 +220,35 @@ def sweep() -> None:
     from tilefuse.bench.harness import Timer
     from tilefuse.ops.mla import op
 
-    device = torch.device("cuda")
+    device = device or torch.device("cuda")
     timer = Timer(device, rep_ms=15.0, warmup_ms=5.0)
-    shapes = [(16, 16, 1, 4096), (16, 16, 1, 65536), (64, 16, 1, 4096), (16, 16, 2, 16384), (16, 32, 1, 16384),
-              (16, 128, 1, 16384), (64, 128, 1, 4096), (16, 64, 1, 16384)]
-    configs = {
-        "transposed": [dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1),
-                       dict(BLOCK_N=32, num_warps=4, num_stages=3, parts_per_sm=2),
-                       dict(BLOCK_N=32, num_warps=4, num_stages=3, parts_per_sm=1),
-                       dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=2)],
-        "standard": [dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1),
-                     dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=2),
-                     dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=3, parts_per_sm=1)],
+    time_fn = timer.graph_us if device.type == "cuda" else timer.median_us
+    shapes = shapes or [(16, 16, 1, 4096), (16, 16, 1, 65536), (64, 16, 1, 4096), (16, 32, 1, 16384),
+              (16, 128, 1, 16384), (64, 128, 1, 4096)]
+    base = dict(BLOCK_N=64, num_stages=2, parts_per_sm=1, fused_combine=True)
+    configs = {   # "standard_small": the standard orientation below 64 rows (BLOCK_H 0 = unpadded)
+        "transposed": [dict(base, num_warps=4), dict(base, num_warps=4, fused_combine=False),
+                       dict(base, num_warps=4, num_stages=1, parts_per_sm=2)],
+        "standard_small": [dict(base, BLOCK_H=0, num_warps=4), dict(base, BLOCK_H=0, num_warps=4, parts_per_sm=2),
+                           dict(base, BLOCK_H=64, num_warps=8)],
+        "standard": [dict(base, BLOCK_H=64, num_warps=8), dict(base, BLOCK_H=64, num_warps=8, fused_combine=False)],
     }
+    results: dict = {}   # (variant, config index) -> [roofline fractions]
     for batch, h_q, s_q, ctx in shapes:
-        case = _case(batch, h_q, s_q, [ctx] * batch, device, torch.bfloat16, naive=False)
+        case = _case(batch, h_q, s_q, [ctx] * batch, device,
+                     torch.bfloat16 if device.type == "cuda" else torch.float16, naive=False)
         roof = max(case.bytes / 4.27e6, case.flops / 729e6)   # us
         impls = case.setup()
-        for variant in ("transposed", "standard") if h_q * s_q < 64 else ("standard",):
-            fn = impls.get(f"tilefuse:{variant}", impls["tilefuse"])
-            for cfg in configs[variant]:
+        for variant in ("transposed", "standard_small") if h_q * s_q < 64 else ("standard",):
+            kernel = "standard" if variant == "standard_small" else variant
+            fn = impls.get(f"tilefuse:{kernel}", impls["tilefuse"])
+            for idx, cfg in enumerate(configs[variant]):
                 saved = dict(op.CONFIGS[variant])
                 op.CONFIGS[variant] = cfg
                 try:
-                    us = timer.graph_us(fn)
+                    us = time_fn(fn)
                     msg = f"{us:8.1f} us  roof {roof / us:.3f}  {case.flops / us / 1e6:6.1f} TFLOP/s"
+                    results.setdefault((variant, idx), []).append(roof / us)
                 except Exception as exc:
                     msg = f"ERROR {type(exc).__name__}: {str(exc)[:120]}"
                 finally:
@@ -250,11 +256,27 @@ def sweep() -> None:
                 print(f"b{batch} h{h_q} s{s_q} {ctx:6d} {variant:10s} {cfg}: {msg}", flush=True)
         del impls
         _CACHE.clear()
+    best, scores = {}, {}
+    for variant in configs:
+        scored = [(_geomean(v), idx) for (var, idx), v in results.items() if var == variant]
+        if scored:
+            scores[variant], idx = max(scored)
+            best[variant] = configs[variant][idx]
+            print(f"best {variant}: {configs[variant][idx]} (geomean roofline fraction {scores[variant]:.3f})",
+                  flush=True)
+    if "transposed" in scores and "standard_small" in scores:   # the faster orientation is the default
+        best["small_rows_variant"] = "transposed" if scores["transposed"] >= scores["standard_small"] else "standard"
+        print(f"below 64 rows: {best['small_rows_variant']}", flush=True)
+    if out_path:
+        import json
+
+        with open(out_path, "w") as f:
+            json.dump(best, f)
 
 
 if __name__ == "__main__":
     if "--sweep" in sys.argv:
-        sweep()
+        sweep(sys.argv[sys.argv.index("--sweep") + 1] if len(sys.argv) > sys.argv.index("--sweep") + 1 else None)
     else:
-        print("usage: python -m tilefuse.bench.mla --sweep   (the benchmark itself: tilefuse bench mla)",
+        print("usage: python -m tilefuse.bench.mla --sweep [best.json]   (the benchmark itself: tilefuse bench mla)",
               file=sys.stderr)

@@ -99,12 +99,13 @@ def _store_final(o, lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
 @triton.jit
 def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
-            stride_ob, stride_os, stride_oh, stride_lb, stride_lh):
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE: tl.constexpr):
     """Normalise the [rows, 512] accumulator and write the result.
 
     A request with one slot writes its output directly. Otherwise each slot writes a partial
-    (normalised output, log2-sum-exp) and bumps the request's arrival counter; the slot that
-    arrives last merges all partials (read back from L2) -- the combine, fused: no extra launch.
+    (normalised output, log2-sum-exp). FUSED_COMBINE: the slot bumps the request's arrival
+    counter and the one that arrives last merges all partials (read back from L2), no extra
+    launch; else ``mla_combine_kernel`` merges them in a second launch.
     """
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -116,31 +117,33 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, 
         part = pid_slot * rows_total + rows
         tl.store(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
         tl.store(lseacc_ptr + part, lse2, mask=row_ok)
-        tl.debug_barrier()                      # every thread's partial stored before the release below
-        counter = meta_ptr + (num_slots + req) * 8 + pid_h
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-        if arrived == n_split - 1:
-            # Every slot of the request has arrived: reset the counter so the same metadata
-            # serves the next call (FlashMLA's usage: one get_mla_metadata per step, all layers).
-            tl.atomic_xchg(counter, 0, sem="relaxed")
-            m = tl.full(lse2.shape, float("-inf"), tl.float32)
-            for s in range(0, n_split):
-                part = (first_slot + s) * rows_total + rows
-                m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros(lse2.shape, tl.float32)
-            o = tl.zeros(acc.shape, tl.float32)
-            for s in range(0, n_split):
-                part = (first_slot + s) * rows_total + rows
-                w = tl.exp2(tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
-                total += w
-                o += w[:, None] * tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=row_ok[:, None],
-                                          other=0.0, cache_modifier=".cg")
-            has_keys = total > 0
-            t_safe = tl.where(has_keys, total, 1.0)
-            _store_final(o / t_safe[:, None], tl.where(has_keys, m_safe + tl.log2(t_safe), float("-inf")),
-                         rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
-                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
+    if FUSED_COMBINE:
+        if n_split > 1:
+            tl.debug_barrier()                      # every thread's partial stored before the release below
+            counter = meta_ptr + (num_slots + req) * 8 + pid_h
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == n_split - 1:
+                # Every slot of the request has arrived: reset the counter so the same metadata
+                # serves the next call (FlashMLA's usage: one get_mla_metadata per step, all layers).
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+                m = tl.full(lse2.shape, float("-inf"), tl.float32)
+                for s in range(0, n_split):
+                    part = (first_slot + s) * rows_total + rows
+                    m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                total = tl.zeros(lse2.shape, tl.float32)
+                o = tl.zeros(acc.shape, tl.float32)
+                for s in range(0, n_split):
+                    part = (first_slot + s) * rows_total + rows
+                    w = tl.exp2(tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                    total += w
+                    o += w[:, None] * tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=row_ok[:, None],
+                                              other=0.0, cache_modifier=".cg")
+                has_keys = total > 0
+                t_safe = tl.where(has_keys, total, 1.0)
+                _store_final(o / t_safe[:, None], tl.where(has_keys, m_safe + tl.log2(t_safe), float("-inf")),
+                             rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
+                             stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
 
 
 @triton.jit
@@ -151,6 +154,7 @@ def mla_split_standard_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
@@ -200,7 +204,7 @@ def mla_split_standard_kernel(
         m_i = m_new
     _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
-            stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
 
 
 @triton.jit
@@ -211,6 +215,7 @@ def mla_split_transposed_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
@@ -255,4 +260,49 @@ def mla_split_transposed_kernel(
         m_i = m_new
     _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots,
             h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
-            stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
+            stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
+
+
+@triton.jit
+def mla_combine_kernel(
+    num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
+    h_q, rows_total,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    S_CHUNK: tl.constexpr,
+):
+    """The unfused combine: one program per (request, query row) merges that row's partials.
+
+    out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s. Partials were just written,
+    so they come from L2; S_CHUNK splits are loaded as one [S_CHUNK, 512] tile (one round trip).
+    """
+    req = tl.program_id(0)
+    row = tl.program_id(1)
+    first = tl.load(num_splits_ptr + req)
+    n = tl.load(num_splits_ptr + req + 1) - first
+    if n > 1:                                       # one slot: the split kernel wrote the result
+        offs_s = tl.arange(0, S_CHUNK)
+        offs_v = tl.arange(0, D_NOPE)
+        m = tl.full([S_CHUNK], float("-inf"), tl.float32)
+        for s0 in range(0, n, S_CHUNK):
+            part = (first + s0 + offs_s) * rows_total + row
+            m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=s0 + offs_s < n, other=float("-inf")))
+        m_max = tl.max(m, axis=0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        total = tl.zeros([S_CHUNK], tl.float32)
+        acc = tl.zeros([D_NOPE], tl.float32)
+        for s0 in range(0, n, S_CHUNK):
+            part = (first + s0 + offs_s) * rows_total + row
+            ok = s0 + offs_s < n
+            w = tl.exp2(tl.load(lseacc_ptr + part, mask=ok, other=float("-inf")) - m_safe)
+            total += w
+            o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * o, axis=0)
+        t = tl.sum(total, axis=0)
+        t_safe = tl.where(t > 0, t, 1.0)
+        lse2 = tl.where(t > 0, m_safe + tl.log2(t_safe), float("-inf"))
+        tok = row // h_q
+        head = row % h_q
+        tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v,
+                 (acc / t_safe).to(out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
+                 tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))

@@ -23,7 +23,10 @@ head tiles; ``tilefuse.force(variant="transposed" | "standard")`` pins one.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 
 import torch
 
@@ -35,14 +38,29 @@ from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
 HEAD_DIM = 576
 HEAD_DIM_V = 512
 VARIANTS = ("transposed", "standard")
-# Launch settings per variant (BLOCK_H: query rows per program; the transposed kernel takes
-# next_pow2(rows) up to 64). parts_per_sm: slots per SM in the split schedule (1 = one wave of
-# one program per SM; 2 for configs small enough to run two programs per SM). Chosen from the
-# H200 sweeps kept in bench/results/mla-sweep*-h200.txt.
+# Launch settings (chosen from the H200 sweeps kept in bench/results/mla-sweep*-h200.txt):
+# * "transposed": s_q * h_q < 64 rows, BLOCK_H = next_pow2(rows) (16 or 32).
+# * "standard": >= 64 rows, 64-row head tiles (WGMMA M = 64).
+# * "standard_small": the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
+#   (mma.sync, no padding), 64 = padded to 64 rows as FlashMLA does.
+# parts_per_sm: busy slots per SM in the split schedule (1 = one wave of one program per SM).
+# fused_combine: the last slot of a request merges the partials (else a second launch does).
 CONFIGS = {
-    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1),
-    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1),
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=True),
+    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1, fused_combine=True),
+    "standard_small": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1, fused_combine=True),
 }
+# Orientation below 64 query rows (the measured faster one; the paper's rule is "transposed").
+SMALL_ROWS_VARIANT = "transposed"
+if os.environ.get("TILEFUSE_MLA_CONFIGS"):   # tuning hook: a JSON file {variant: config} from the sweep
+    _tuned = json.loads(Path(os.environ["TILEFUSE_MLA_CONFIGS"]).read_text())
+    SMALL_ROWS_VARIANT = _tuned.pop("small_rows_variant", SMALL_ROWS_VARIANT)
+    CONFIGS.update(_tuned)
+
+
+def config_for(variant: str, rows: int) -> dict:
+    """The launch settings a variant uses at ``rows = s_q * h_q`` query rows."""
+    return CONFIGS["standard_small" if variant == "standard" and rows < 64 else variant]
 
 
 def kernel_status(device: torch.device) -> dict[str, str]:
@@ -64,14 +82,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def choose_variant(rows: int) -> str:
-    """Transposed (ETAP) for s_q * h_q < 64 rows, standard 64-row head tiles otherwise."""
-    return forced_variant() if forced_variant() in VARIANTS else ("transposed" if rows < 64 else "standard")
+    """SMALL_ROWS_VARIANT (transposed, ETAP) below 64 query rows, standard 64-row head tiles otherwise."""
+    return forced_variant() if forced_variant() in VARIANTS else (SMALL_ROWS_VARIANT if rows < 64 else "standard")
 
 
 def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> int:
     """Target busy slots: the SMs (times the variant's parts_per_sm) shared among the head tiles."""
     head_tiles = max(1, math.ceil(num_q_tokens_per_head_k / 64))
-    per_sm = CONFIGS[choose_variant(num_q_tokens_per_head_k)].get("parts_per_sm", 1)
+    rows = num_q_tokens_per_head_k
+    per_sm = config_for(choose_variant(rows), rows).get("parts_per_sm", 1)
     return max(1, _sm_count(device) * per_sm // head_tiles)
 
 
@@ -168,10 +187,13 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
 
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    cfg = {k: v for k, v in CONFIGS[variant].items() if k != "parts_per_sm"}
-    block_h = cfg.pop("BLOCK_H", None) or max(16, triton.next_power_of_2(min(rows, 64)))
-    if variant == "transposed" and block_h > 16:
-        cfg["num_warps"] = max(cfg["num_warps"], 8)    # [512, 32+] fp32 accumulator: 8 warps avoid spills
+    cfg = {k: v for k, v in config_for(variant, rows).items() if k not in ("parts_per_sm", "fused_combine")}
+    fused = config_for(variant, rows).get("fused_combine", True)
+    block_h = cfg.pop("BLOCK_H", 0) or max(16, triton.next_power_of_2(min(rows, 64)))
+    if variant == "transposed":
+        block_h = max(16, triton.next_power_of_2(min(rows, 64)))
+    if block_h > 16:
+        cfg["num_warps"] = max(cfg["num_warps"], 8)   # [32+, 512] fp32 accumulator: 8 warps avoid spills
     num_slots = meta.shape[0] - batch           # the last b rows are the combine's counters
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
@@ -185,8 +207,14 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
         h_q, s_q, rows, num_slots, block_table.shape[1] * PAGE_SIZE, scale * kernels.LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        CAUSAL=causal, BLOCK_H=block_h, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", **cfg,
+        CAUSAL=causal, BLOCK_H=block_h, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        FUSED_COMBINE=fused, **cfg,
     )
+    if not fused:
+        kernels.mla_combine_kernel[(batch, rows)](
+            num_splits, o_acc, lse_acc, out, lse, h_q, rows,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), S_CHUNK=8, num_warps=4,
+        )
     return out, lse
 
 

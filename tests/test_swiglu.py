@@ -27,10 +27,11 @@ SHAPES = [(1, 72, 40), (3, 200, 136), (37, 136, 72), (130, 64, 56)]
 SMALL_CFGS = [
     None,                                            # the op's own choice (heuristic)
     configs.SmallMConfig(16, 16, 32, split_k=3),     # split-K with an uneven K split
-    configs.SmallMConfig(32, 32, 64, split_k=2),
+    configs.SmallMConfig(32, 32, 64, split_k=2, promote=False),  # tensor-core accumulation path
 ]
 LARGE_CFGS = [configs.LargeMConfig(32, 32, 32, group_m=2, num_stages=2, num_warps=4, warp_specialize=False),
-              configs.LargeMConfig(64, 16, 64, group_m=4, num_stages=2, num_warps=4, warp_specialize=False)]
+              configs.LargeMConfig(64, 16, 64, group_m=4, num_stages=2, num_warps=4, warp_specialize=False,
+                                   promote=True)]
 
 
 def _check(out, x, w, bias, dtype):

@@ -5,11 +5,12 @@ Tolerances, against the fp64 reference:
   near zero; one rounding after fp32 accumulation is within 0.5 ulp + ~1e-5 absolute for H <= 8192.
   A wrong row/column/layout/SiLU is off by O(1).
 * fraction of outputs beyond 1 ulp (the paper's measure): an output whose gate or up projection
-  lies within ~500x the fp32 accumulation error (~1e-6) of zero can round to the neighbouring value,
-  so even an exact-fp32 kernel shows ~1e-5..3e-4 (bf16; measured on the CPU with fp32 matmuls) and
-  ~8x more in fp16 (finer ulp). Bounds: 5e-4 (bf16), 4e-3 (fp16), plus 3 elements for small samples;
-  the unfused recipe sits at 4-11 %, a wrong kernel near 100 %. The benchmark reports the measured
-  fractions against the issue's 0.01 % target.
+  lies within ~500x the accumulation error of zero can round to the neighbouring value. Exact fp32
+  (CPU) gives ~1e-5..3e-5 (bf16); the H200's tensor cores accumulate fp32 with truncation, and the
+  first H200 run measured 1e-4 (H = 896) growing with H to 1.1e-3 (H = 8192) for bf16, ~6e-3 for
+  fp16 (finer ulp). Bounds: 2e-3 (bf16), 1.5e-2 (fp16), plus 3 elements for small samples; the
+  unfused recipe sits at ~10 %, a wrong kernel near 100 %. With per-K-step promotion (the small-M
+  kernel's default) the bound is the issue's 1e-4. The benchmark reports the measured fractions.
 The reference is computed in fp64 on a sample of rows (first, last and random ones); every output
 element is checked to be written (the buffer is poisoned with NaN).
 """
@@ -25,7 +26,7 @@ from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs, reference_f64
 
 pytestmark = pytest.mark.gpu
 RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
-FRAC = {torch.bfloat16: 5e-4, torch.float16: 4e-3}
+FRAC = {torch.bfloat16: 2e-3, torch.float16: 1.5e-2}
 
 
 def _sample_rows(m):
@@ -34,13 +35,14 @@ def _sample_rows(m):
     return torch.cat((torch.arange(128), torch.randint(128, m - 128, (128,)), torch.arange(m - 128, m)))
 
 
-def _check(out, x, w, bias):
+def _check(out, x, w, bias, frac_bound=None):
     assert torch.isfinite(out).all(), "unwritten (NaN) or overflowed outputs"
     rows = _sample_rows(x.shape[0]).to(x.device)
     ref = reference_f64(x[rows], w, bias)
     n = ref.numel()
     frac = frac_beyond_ulp(out[rows], ref)
-    assert frac <= FRAC[out.dtype] + 3 / n, f"{frac:.2e} of {n} outputs beyond 1 ulp"
+    bound = FRAC[out.dtype] if frac_bound is None else frac_bound
+    assert frac <= bound + 3 / n, f"{frac:.2e} of {n} outputs beyond 1 ulp"
     assert_close(out[rows], ref, atol=1e-3, rtol=RTOL[out.dtype])
 
 
@@ -104,3 +106,12 @@ def test_unaligned_and_strided_inputs():
         with tilefuse.force(variant=variant):
             _check(tilefuse.swiglu(strided, w), strided, w, None)
             _check(tilefuse.swiglu(unaligned, w), unaligned, w, None)
+
+
+@pytest.mark.parametrize("model", ["7B", "72B"])
+def test_promoted_accumulation_meets_accuracy_target(model):
+    """Small-M kernel (promote=True, the default): <= 0.01 % of bf16 outputs beyond 1 ulp."""
+    h, i = QWEN25_SHAPES[model]
+    x, w, _ = make_inputs(16, h, i, torch.bfloat16, "cuda")
+    out = run_kernel(x, w, None, config=configs.SmallMConfig(16, 64, 256, 1, 3, promote=True))
+    _check(out, x, w, None, frac_bound=1e-4)

@@ -25,6 +25,7 @@ class SmallMConfig:
     split_k: int = 1
     num_stages: int = 4
     num_warps: int = 4
+    promote: bool = True  # per-K-step fp32 adds outside the tensor core (accuracy; free here)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class LargeMConfig:
     num_stages: int = 3
     num_warps: int = 8
     warp_specialize: bool = True
+    promote: bool = False  # exact-fp32 accumulation; off: it serializes the WGMMA pipeline
 
 
 S, L = SmallMConfig, LargeMConfig

@@ -55,7 +55,7 @@ def swiglu_small_m_kernel(
     # meta-parameters
     HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE: tl.constexpr,
 ):
     """One program = one [BLOCK_M, BLOCK_N] output tile over one K slice (of SPLIT_K).
 
@@ -106,8 +106,16 @@ def swiglu_small_m_kernel(
             x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
-        acc_g = tl.dot(x, tl.trans(wg), acc_g)
-        acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        if PROMOTE:
+            # Each K step's product starts from zero in the tensor core and is added to the fp32
+            # total by ordinary (round-to-nearest) adds: the tensor core's own fp32 accumulation
+            # truncates, and over H = 8192 that put ~0.1 % of bf16 outputs beyond 1 ulp. Free
+            # here (memory-bound): a few FADDs per thread per K step.
+            acc_g += tl.dot(x, tl.trans(wg))
+            acc_u += tl.dot(x, tl.trans(wu))
+        else:
+            acc_g = tl.dot(x, tl.trans(wg), acc_g)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u)
         x_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K
         wu_ptrs += BLOCK_K
@@ -175,6 +183,7 @@ def swiglu_large_m_kernel(
     HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PROMOTE: tl.constexpr,
 ):
     """Persistent: program p handles tiles p, p + NUM_SMS, ... in grouped order.
 
@@ -210,7 +219,10 @@ def swiglu_large_m_kernel(
                 # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
                 # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
                 w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
-            acc = tl.dot(x, w.T, acc)
+            if PROMOTE:  # exact-fp32 accumulation (see the small-M kernel); costs MMA overlap
+                acc += tl.dot(x, w.T)
+            else:
+                acc = tl.dot(x, w.T, acc)
         # Columns come as [block, gate|up, cols]: move gate|up last and split it off.
         if PACKED:
             acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK).permute(0, 1, 3, 2)

@@ -95,7 +95,7 @@ def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
         x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0,
+        SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0, PROMOTE=cfg.promote,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
@@ -132,6 +132,7 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_SMS=grid[0], WARP_SPECIALIZE=cfg.warp_specialize and x.is_cuda,
+        PROMOTE=cfg.promote,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out

@@ -11,10 +11,10 @@ steps="${*:-tests bench}"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv | tee "$OUT/log.txt"
 for step in $steps; do
   case $step in
-    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_gpu.py 2>&1 | tail -30 | tee -a "$OUT/log.txt" ;;
-    sweep) timeout 200 python3 -m tilefuse.bench.mla --sweep "$OUT/mla_best.json" 2>&1 | tee "$OUT/sweep.txt"
+    tests) timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_mla_gpu.py 2>&1 | tail -30 | tee -a "$OUT/log.txt" ;;
+    sweep) timeout 150 python3 -m tilefuse.bench.mla --sweep "$OUT/mla_best.json" 2>&1 | tee "$OUT/sweep.txt"
            [ -s "$OUT/mla_best.json" ] && export TILEFUSE_MLA_CONFIGS="$OUT/mla_best.json" ;;
-    bench) timeout 400 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -160 ;;
+    bench) timeout 250 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -160 ;;
     quick) timeout 200 python3 -m tilefuse bench mla --quick --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
   esac
 done

@@ -34,7 +34,7 @@ def _check(out, lse, inp, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (32, 1), (64, 1), (128, 1), (128, 2), (1, 4)])
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (64, 1), (128, 2), (1, 4)])
 @pytest.mark.parametrize("variant", ["transposed", "standard"])   # the default is one of them
 def test_mla_gpu_equal(dtype, h_q, s_q, variant):
     if variant == "transposed" and h_q * s_q >= 64:

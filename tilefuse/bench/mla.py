@@ -225,13 +225,16 @@ def sweep(out_path: str | None = None, device: torch.device | None = None, shape
     time_fn = timer.graph_us if device.type == "cuda" else timer.median_us
     shapes = shapes or [(16, 16, 1, 4096), (16, 16, 1, 65536), (64, 16, 1, 4096), (16, 32, 1, 16384),
               (16, 128, 1, 16384), (64, 128, 1, 4096)]
-    base = dict(BLOCK_N=64, num_stages=2, parts_per_sm=1, fused_combine=True)
+    base = dict(BLOCK_N=32, num_stages=4, parts_per_sm=1, fused_combine=True)
     configs = {   # "standard_small": the standard orientation below 64 rows (BLOCK_H 0 = unpadded)
-        "transposed": [dict(base, num_warps=4), dict(base, num_warps=4, fused_combine=False),
-                       dict(base, num_warps=4, num_stages=1, parts_per_sm=2)],
-        "standard_small": [dict(base, BLOCK_H=0, num_warps=4), dict(base, BLOCK_H=0, num_warps=4, parts_per_sm=2),
-                           dict(base, BLOCK_H=64, num_warps=8)],
-        "standard": [dict(base, BLOCK_H=64, num_warps=8), dict(base, BLOCK_H=64, num_warps=8, fused_combine=False)],
+        "transposed": [dict(base, BLOCK_N=64, num_stages=2, num_warps=4), dict(base, num_warps=4),
+                       dict(base, num_warps=4, num_stages=3, parts_per_sm=2),
+                       dict(base, num_warps=4, fused_combine=False)],
+        "standard_small": [dict(base, BLOCK_H=0, num_warps=4), dict(base, BLOCK_H=0, num_warps=4, num_stages=3,
+                                                                    parts_per_sm=2),
+                           dict(base, BLOCK_H=64, BLOCK_N=64, num_stages=2, num_warps=8)],
+        "standard": [dict(base, BLOCK_H=64, BLOCK_N=64, num_stages=2, num_warps=8),
+                     dict(base, BLOCK_H=64, num_warps=8), dict(base, BLOCK_H=64, num_stages=3, num_warps=8)],
     }
     results: dict = {}   # (variant, config index) -> [roofline fractions]
     for batch, h_q, s_q, ctx in shapes:

@@ -182,9 +182,13 @@ def mla_split_standard_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    last_page = tl.maximum(tok_end - 1, 0) // PAGE
+    page = tl.load(bt_row + tl.minimum(tok_begin // PAGE, last_page)).to(tl.int64)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
-        # One page (or part of one) per step: BLOCK_N divides 64, so the page index is a scalar.
-        page = tl.load(bt_ptr + req * stride_btb + start // PAGE).to(tl.int64)
+        # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
+        # load waits on), so the pipeliner can prefetch K tiles several steps deep.
+        next_page = tl.load(bt_row + tl.minimum((start + BLOCK_N) // PAGE, last_page)).to(tl.int64)
         pos = start + offs_n
         in_len = pos < length                       # slots past the length may hold NaN: never read
         k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
@@ -202,6 +206,7 @@ def mla_split_standard_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
+        page = next_page
     _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
@@ -240,8 +245,13 @@ def mla_split_transposed_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_t = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
+    bt_row = bt_ptr + req * stride_btb
+    last_page = tl.maximum(tok_end - 1, 0) // PAGE
+    page = tl.load(bt_row + tl.minimum(tok_begin // PAGE, last_page)).to(tl.int64)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
-        page = tl.load(bt_ptr + req * stride_btb + start // PAGE).to(tl.int64)
+        # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
+        # load waits on), so the pipeliner can prefetch K tiles several steps deep.
+        next_page = tl.load(bt_row + tl.minimum((start + BLOCK_N) // PAGE, last_page)).to(tl.int64)
         pos = start + offs_n
         in_len = pos < length
         k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
@@ -258,6 +268,7 @@ def mla_split_transposed_kernel(
         l_i = l_i * alpha + tl.sum(p_t, axis=0)
         acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
         m_i = m_new
+        page = next_page
     _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots,
             h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)

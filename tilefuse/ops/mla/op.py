@@ -284,6 +284,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v}")
     _checks.check_shape("k_cache", k_cache, (None, PAGE_SIZE, 1, HEAD_DIM), f"[num_blocks, {PAGE_SIZE}, 1, {HEAD_DIM}]")
     _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
+    if block_table.shape[1] < 1:
+        raise ValueError(f"block_table: expected at least one page per request, got shape {tuple(block_table.shape)}")
     _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
     _checks.check_tensor("tile_scheduler_metadata", tile_scheduler_metadata, dtypes=(torch.int32,), ndim=2)
     _checks.check_shape("tile_scheduler_metadata", tile_scheduler_metadata, (None, 8), "[num_sm_parts + 2 b, 8]")

@@ -139,3 +139,47 @@ def test_relative_output_error_matches_direct():
     direct = ((x @ (w - approx).T).norm() / (x @ w.T).norm()).item()
     assert relative_output_error(w, approx, x.T @ x) == pytest.approx(direct, rel=1e-6)
     assert relative_output_error(w, approx) == pytest.approx(((w - approx).norm() / w.norm()).item(), rel=1e-6)
+
+
+def _correlated_gram(k, tokens=2048):
+    # Inputs correlated across 8-groups (a shared low-rank component) with uneven channel scales.
+    x = torch.randn(tokens, k) + torch.randn(tokens, 4) @ torch.randn(4, k)
+    return (x * torch.logspace(-0.5, 0.5, k)).T @ (x * torch.logspace(-0.5, 0.5, k))
+
+
+def test_error_feedback_lowers_full_objective():
+    w = _weight(128, 128)
+    # Inputs dominated by 32 directions, as real activations are (fast-decaying spectrum).
+    x = torch.randn(2048, 32) @ torch.randn(32, 128) + 0.3 * torch.randn(2048, 128)
+    gram = x.T @ x
+    plain = quantize(w, gram, iters=2, init_iters=6, feedback=0, progress=False)
+    fed = quantize(w, gram, iters=2, init_iters=6, feedback=1, progress=False)
+    # GPTQ-style feedback uses the cross-group terms of H that the 8x8 blocks ignore: it pushes
+    # each group's error into directions the inputs barely excite. Measured ~0.67x over seeds; a
+    # no-op or a sign error in the update would not pass 0.85x.
+    assert _err(w, fed, gram) < 0.85 * _err(w, plain, gram)
+
+
+def test_feedback_pass_spreads_nothing_across_independent_groups():
+    from tilefuse.vq import _feedback
+    from tilefuse.vq.quantize import _update_codes
+    n, k = 16, 32
+    w = _weight(n, k)
+    blocks = [torch.randn(8, 8) for _ in range(k // 8)]
+    gram = torch.block_diag(*[b @ b.T + torch.eye(8) for b in blocks])
+    scales = w.pow(2).mean(1).sqrt()
+    books = torch.randn(2, 256, 8) * 0.5
+    codes = torch.zeros(n, k // 8, 2, dtype=torch.int64)
+    _, targets, metrics = _feedback.feedback_pass(w.view(n, -1, 8), scales, books, codes,
+                                                  _feedback.inverse_factor(gram), _update_codes, 1)
+    # Block-diagonal H: no error may leak into later groups, and each group's metric is its block
+    # of the (normalised, damped) H itself.
+    torch.testing.assert_close(targets, w.view(n, -1, 8) / scales[:, None, None])
+    h = gram / gram.diagonal().mean() + 0.01 * torch.eye(k)
+    torch.testing.assert_close(metrics[1], h[8:16, 8:16], rtol=1e-4, atol=1e-4)
+    # And with a dense H, later groups' targets do move.
+    dense = _correlated_gram(k)
+    _, moved, _ = _feedback.feedback_pass(w.view(n, -1, 8), scales, books, codes.clone(),
+                                          _feedback.inverse_factor(dense), _update_codes, 1)
+    assert (moved[:, 1:] - targets[:, 1:]).abs().max() > 1e-2
+    torch.testing.assert_close(moved[:, 0], targets[:, 0])

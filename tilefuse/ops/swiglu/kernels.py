@@ -52,6 +52,8 @@ def swiglu_small_m_kernel(
     M, I, H,
     # strides (the last dimension of every tensor has unit stride)
     stride_xm, stride_wn, stride_om,
+    # 0.0, passed at run time so PROMOTE's fresh accumulators are not folded back (see below)
+    acc_zero,
     # meta-parameters
     HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -108,11 +110,12 @@ def swiglu_small_m_kernel(
             wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
         if PROMOTE:
             # Each K step's product starts from zero in the tensor core and is added to the fp32
-            # total by ordinary (round-to-nearest) adds: the tensor core's own fp32 accumulation
-            # truncates, and over H = 8192 that put ~0.1 % of bf16 outputs beyond 1 ulp. Free
-            # here (memory-bound): a few FADDs per thread per K step.
-            acc_g += tl.dot(x, tl.trans(wg))
-            acc_u += tl.dot(x, tl.trans(wu))
+            # total by ordinary (round-to-nearest) adds, in case the tensor core's own fp32
+            # accumulation is what puts ~0.1 % of bf16 outputs beyond 1 ulp at H = 8192. The zero
+            # is a run-time value: with a constant zero Triton folds `acc + dot(a, b, 0)` back into
+            # `dot(a, b, acc)` (seen in the TTIR). Not yet measured on the GPU: off by default.
+            acc_g += tl.dot(x, tl.trans(wg), tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32))
+            acc_u += tl.dot(x, tl.trans(wu), tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32))
         else:
             acc_g = tl.dot(x, tl.trans(wg), acc_g)
             acc_u = tl.dot(x, tl.trans(wu), acc_u)
@@ -179,6 +182,8 @@ def swiglu_large_m_kernel(
     x_desc, w_desc, out_desc, bias_ptr,
     # sizes
     M, I, H,
+    # 0.0 at run time (PROMOTE, see the small-M kernel)
+    acc_zero,
     # meta-parameters
     HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -219,8 +224,8 @@ def swiglu_large_m_kernel(
                 # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
                 # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
                 w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
-            if PROMOTE:  # exact-fp32 accumulation (see the small-M kernel); costs MMA overlap
-                acc += tl.dot(x, w.T)
+            if PROMOTE:  # see the small-M kernel; likely costs the WGMMA overlap, unmeasured
+                acc += tl.dot(x, w.T, tl.full((BLOCK_M, 2 * BLOCK_N), acc_zero, tl.float32))
             else:
                 acc = tl.dot(x, w.T, acc)
         # Columns come as [block, gate|up, cols]: move gate|up last and split it off.

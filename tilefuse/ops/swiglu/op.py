@@ -92,7 +92,7 @@ def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     swiglu_small_m_kernel[grid](
         x, w, bias if bias is not None else w, out, ws, locks,
         m, inter, h,
-        x.stride(0), w.stride(0), out.stride(0),
+        x.stride(0), w.stride(0), out.stride(0), 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0, PROMOTE=cfg.promote,
@@ -128,7 +128,7 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     grid = (min(num_sms, tiles),)
     swiglu_large_m_kernel[grid](
         x_desc, w_desc, out_desc, bias if bias is not None else w,
-        m, inter, h,
+        m, inter, h, 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_SMS=grid[0], WARP_SPECIALIZE=cfg.warp_specialize and x.is_cuda,

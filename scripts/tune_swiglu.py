@@ -92,5 +92,31 @@ def main(out_dir: Path) -> None:
     (out_dir / "swiglu-tune-h200.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
+def promote_check() -> None:
+    """Per-K-step promotion (config.promote): time and accuracy against the tuned kernels."""
+    import dataclasses
+
+    from tilefuse.ops.swiglu import configs
+    from tilefuse.testing import frac_beyond_ulp
+    from tilefuse.testing.swiglu import reference_f64
+
+    for model in ("0.5B", "7B", "14B", "72B"):
+        h, i = QWEN25_SHAPES[model]
+        for m in (1, 16, 128):
+            x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+            ref = reference_f64(x, w)
+            variant, cfg = configs.choose(m, h, i)
+            row = [f"{model:>5} M={m:<4} {variant:<8}"]
+            for promote in (False, True):
+                c = dataclasses.replace(cfg, promote=promote)
+                us = bench(lambda c=c: run_kernel(x, w, None, config=c))
+                frac = frac_beyond_ulp(run_kernel(x, w, None, config=c), ref)
+                row.append(f"promote={promote}: {us:8.1f} us frac {frac:.2e}")
+            print("  ".join(row), flush=True)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))
+    if sys.argv[1:2] == ["promote"]:
+        promote_check()
+    else:
+        main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))

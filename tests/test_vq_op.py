@@ -16,7 +16,8 @@ from tilefuse.testing.vq import error_scale, make_vq_case, reference_fp64, toler
 
 LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="gluon"),
           "decode_tl": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="tl"),
-          "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out)}
+          "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out),
+          "dequant": lambda c, out: vq_op.launch_dequant(*_args(c), out)}
 
 
 def _args(case):
@@ -48,7 +49,7 @@ def _run_poisoned(case, variant):
 CPU_SHAPES = [(1, 1, 64), (1, 37, 264), (2, 37, 136), (3, 16, 64), (8, 33, 72)]
 
 
-@pytest.mark.parametrize("variant", ["decode", "prefill"])
+@pytest.mark.parametrize("variant", ["decode", "prefill", "dequant"])
 @pytest.mark.parametrize("m,n,k", CPU_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_interpreted(interpret, variant, m, n, k, bias):
@@ -71,7 +72,7 @@ def test_decode_split_k_leaves_workspace_clean(interpret, split_k):
     assert not ws.any() and not cnt.any()
 
 
-@pytest.mark.parametrize("variant", ["decode", "prefill"])
+@pytest.mark.parametrize("variant", ["decode", "prefill", "dequant"])
 @pytest.mark.parametrize("pattern", ["zeros", "255", "alternating"])
 def test_extreme_codes(interpret, variant, pattern):
     case = make_vq_case(2, 24, 128, torch.float16, interpret)
@@ -104,7 +105,7 @@ def test_public_op_batch_dims_and_dispatch(interpret, m):
     x3 = case["x"].reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case["codes"], case["codebooks"], case["scales"], case["bias"])
     assert y.shape == (1, m, 24)
-    assert vq_op.choose_variant(m) == ("decode" if m <= 8 else "prefill")
+    assert vq_op.choose_variant(m) == ("decode" if m <= 8 else "dequant")
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
@@ -165,7 +166,7 @@ GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("prefill", 16), ("prefill", 512)])
+@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("dequant", 16), ("dequant", 512), ("prefill", 64)])
 def test_gpu_bench_shapes(dtype, n, k, variant, m):
     case = make_vq_case(m, n, k, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, variant), case, variant)

@@ -1,9 +1,10 @@
 """``tilefuse bench vq``: 2-bit VQ linear (AQLM 2x8) against fp16/bf16 cuBLAS on the dequantized weight.
 
 Codes, codebooks and scales are random (timing does not depend on their values). Impls:
-``tilefuse`` (default dispatch), ``tilefuse:decode`` (1-8 tokens), ``tilefuse:prefill`` (all token
-counts, to locate the switch point), ``fp16_cublas`` (``F.linear`` on the dequantized weight in the
-case's dtype; the name follows the issue, the dtype is the case's). Decode-sized cases are also
+``tilefuse`` (default dispatch), ``tilefuse:decode`` (1-8 tokens), ``tilefuse:dequant`` (all token
+counts: dequantize + cuBLAS, to locate the switch point), ``tilefuse:prefill`` (the fused
+dequant-in-registers GEMM; 16 and 512 tokens only, it is slow), ``fp16_cublas`` (``F.linear`` on
+the dequantized weight in the case's dtype; the name follows the issue, the dtype is the case's). Decode-sized cases are also
 timed as CUDA-graph replays. ``bytes`` counts codes + x + out + scales (+ codebooks); the memory
 floor of the summary is code bytes / measured copy bandwidth.
 """
@@ -47,7 +48,9 @@ def _case(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) -> C
         if device.type == "cuda":
             if m <= 8:
                 impls["tilefuse:decode"] = forced("decode")
-            impls["tilefuse:prefill"] = forced("prefill")
+            impls["tilefuse:dequant"] = forced("dequant")
+            if m in (16, 512):
+                impls["tilefuse:prefill"] = forced("prefill")
         impls["fp16_cublas"] = lambda: F.linear(c["x"], w)
         return impls
 
@@ -105,6 +108,9 @@ def summarize(rows: list[dict]) -> dict:
         if ours and _best(ours):
             goal = 10.0 if shape in ("4096x4096", "11008x4096", "4096x11008", "8192x8192") else 5.0
             check(f"batch1 {shape} fp16: AQLM 2x8 anchor {anchor} us / tilefuse", anchor / _best(ours), goal)
+    from tilefuse.ops.vq.op import _decode_tuned
+
+    out["decode_config"] = _decode_tuned()
     out["targets"] = checks
     out["targets_met"] = sum(1 for c in checks if c["met"]), sum(1 for c in checks if c["met"] is not None)
 
@@ -117,14 +123,20 @@ def summarize(rows: list[dict]) -> dict:
             detail[f"{shape} {dtype}"] = {"tilefuse_us": round(_best(r), 2), "floor_us": round(floor, 2),
                                           "fp16_cublas_us": round(_best(rs["fp16_cublas"]), 2) if "fp16_cublas" in rs else None}
     out["batch1"] = detail
-    # switch point: fewest tokens at which prefill beats decode (decode runs up to 8 tokens)
+    # switch point: decode time / dequant+cuBLAS time per token count (> 1: dequant path wins)
     switch = {}
     for (shape, tokens, dtype), rs in sorted(table.items(), key=lambda kv: kv[0][1]):
-        d, p = rs.get("tilefuse:decode"), rs.get("tilefuse:prefill")
+        d, p = rs.get("tilefuse:decode"), rs.get("tilefuse:dequant")
         if d and p and _best(d) and _best(p):
             key = f"{shape} {dtype}"
             switch.setdefault(key, {})[tokens] = round(_best(d) / _best(p), 3)
-    out["decode_over_prefill_time"] = switch
+    out["decode_over_dequant_time"] = switch
+    fused = {}
+    for (shape, tokens, dtype), rs in sorted(table.items()):
+        f, c = rs.get("tilefuse:prefill"), rs.get("fp16_cublas")
+        if f and c and _best(f) and _best(c):
+            fused[f"{shape} {tokens} {dtype}"] = round(_best(f) / _best(c), 2)
+    out["fused_prefill_over_cublas_time"] = fused
     geo = [ratio(s, 1, dt, "fp16_cublas", "tilefuse") for s, _, dt in {(k[0], 0, k[2]) for k in table}]
     geo = [g for g in geo if g]
     if geo:

@@ -1,17 +1,22 @@
-"""Gluon twin of :func:`tilefuse.ops.vq.kernels.vq_decode_kernel` (GPU only, Hopper/Ampere MMA).
+"""Gluon twin of :func:`tilefuse.ops.vq.kernels.vq_decode_kernel` (GPU only, MMA v2 on sm_80+).
 
 Why Gluon: Triton 3.6's ``tl`` pipeline rewrites every ``tl.gather`` into a warp-local layout
 (OptimizeThreadLocality), i.e. 8 shuffles + 8 selects per lookup for a 256-entry table. Gluon
 skips that pass and lets us pin the layouts, so ``gl.gather`` lowers to: store the table to
-shared memory, barrier, one ``ld.shared`` per lookup. With the lookup tile in layout ``L_COL``
-(lane i of a warp owns table column i) the address of a lookup is ``code * COLS + column``, so the
-32 lanes of a warp hit 32 different banks whatever the codes are: EVA's conflict-free table.
+shared memory, barrier, one ``ld.shared`` per lookup.
 
-Per K step and program: 2 tensor-core MMAs build the tables (``[256, 16] x [16, COLS]``, fp32),
-the tables move MMA layout -> ``L_COL`` (the gather then stores them bank-conflict free), codes of
-``BLOCK_N`` rows stream from HBM as one int16 per (row, group), and every code costs one shared
-load and one add. The table build is amortised over ``BLOCK_N`` rows (cost ratio ~256/BLOCK_N),
-which is why ``BLOCK_N`` is large. The split-K epilogue is the same as the ``tl`` kernel's.
+Bank layout: the gather scratch is linearized with dimension 0 fastest (``LLVM::linearize``), so
+the table is held TRANSPOSED, ``T[col, e]`` of shape ``[COLS, 256]``, gathered along axis 1: a
+lookup reads word ``e * COLS + col``. With ``COLS = 32`` and lane ``i`` of a warp owning table
+column ``i`` (layouts ``L_TAB`` / ``L_IDX`` below), the 32 lanes hit 32 different banks whatever
+the codes are (EVA's conflict-free table), and the table stores are conflict-free too.
+
+Per K step and program: 2 tensor-core MMAs build the tables (``[COLS, 16] x [16, 256]``, fp32,
+rows = (token, group) columns, B = both codebooks transposed, kept in registers), codes of
+``BLOCK_N`` rows stream from HBM as one int16 per (row, group) (the next step's codes are
+requested before this step's tables are built), and every code costs one shared load and one add.
+The table build is amortised over ``BLOCK_N`` rows. The split-K epilogue is the same protocol as
+the ``tl`` kernel's.
 """
 
 from triton.experimental import gluon
@@ -33,13 +38,17 @@ def vq_decode_gluon_kernel(
     CONVERT_TABLE: gl.constexpr = True,
 ):
     GM: gl.constexpr = COLS // M_PAD
-    # lookup tiles [BLOCK_N, COLS]: lanes along the table columns (one bank each), warps along rows
-    L_COL: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    # MMA over [COLS, 256]: warps split the 256 entries, each warp 8-entry column strips
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    L_A: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
-    L_B: gl.constexpr = gl.BlockedLayout([8, 1], [2, 16], [1, NUM_WARPS], [0, 1])
+    # table [COLS, 256]: lane = column, 8 consecutive entries per thread (same warp strips as MMA)
+    L_TAB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, NUM_WARPS], [0, 1])
+    # lookup tiles [COLS, BLOCK_N]: lane = table column (= bank), warps over rows
+    L_IDX: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, NUM_WARPS], [0, 1])
+    L_X: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, NUM_WARPS], [1, 0])
+    L_B: gl.constexpr = gl.BlockedLayout([8, 1], [1, 32], [1, NUM_WARPS], [0, 1])
+    ROWS: gl.constexpr = gl.SliceLayout(0, L_IDX)
     dtype: gl.constexpr = x_ptr.dtype.element_ty
 
     pid_n = gl.program_id(0)
@@ -47,74 +56,71 @@ def vq_decode_gluon_kernel(
     g_begin = pid_k * GROUPS_PER_SPLIT
     g_end = gl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
 
-    # A = [C0 | C1] as [256, 16] (HBM -> registers once, in the MMA operand layout)
-    offs_e = gl.arange(0, 256, layout=gl.SliceLayout(1, L_A))
-    offs_ka = gl.arange(0, 16, layout=gl.SliceLayout(0, L_A))
-    a = gl.load(cb_ptr + (offs_ka[None, :] // 8) * 2048 + offs_e[:, None] * 8 + (offs_ka[None, :] % 8))
-    a = gl.convert_layout(a.to(dtype), A_OP)
+    # B = [C0 | C1]^T as [16, 256] (HBM -> registers once, MMA operand layout)
+    bk = gl.arange(0, 16, layout=gl.SliceLayout(1, L_B))[:, None]
+    be = gl.arange(0, 256, layout=gl.SliceLayout(0, L_B))[None, :]
+    b = gl.load(cb_ptr + (bk // 8) * 2048 + be * 8 + (bk % 8))
+    b = gl.convert_layout(b.to(dtype), B_OP)
 
-    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_COL))
-    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, L_COL))
-    col_tok = cols // GM
-    col_grp = cols % GM
-    row_ok = rows[:, None] < N
-    b_k = gl.arange(0, 16, layout=gl.SliceLayout(1, L_B))[:, None]
-    b_cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, L_B))[None, :]
-    b_tok = b_cols // GM
-    b_grp = b_cols % GM
-    zero_t = gl.zeros([256, COLS], gl.float32, MMA)
-    acc = gl.zeros([BLOCK_N, COLS], gl.float32, L_COL)
-    # codes of the first K step; inside the loop the next step's codes are requested before the
-    # current step's tables are built, so the HBM latency hides behind the MMAs and lookups
-    col_ok = row_ok & ((g_begin + col_grp[None, :]) < g_end)
-    c_ptrs = codes_ptr + rows[:, None] * stride_cn + (g_begin + col_grp[None, :])
-    cv = gl.load(c_ptrs, mask=col_ok, other=0)
+    rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(1, L_IDX))
+    col_grp = cols[:, None] % GM
+    row_ok = rows[None, :] < N
+    xc = gl.arange(0, COLS, layout=gl.SliceLayout(1, L_X))[:, None]
+    xk = gl.arange(0, 16, layout=gl.SliceLayout(0, L_X))[None, :]
+    x_tok = xc // GM
+    x_grp = xc % GM
+    zero_t = gl.zeros([COLS, 256], gl.float32, MMA)
+    acc = gl.zeros([COLS, BLOCK_N], gl.float32, L_IDX)
+
+    c_ptrs = codes_ptr + rows[None, :] * stride_cn + (g_begin + col_grp)
+    cv = gl.load(c_ptrs, mask=row_ok & ((g_begin + col_grp) < g_end), other=0)
     for g0 in range(g_begin, g_end, GM):
-        nxt_ok = row_ok & ((g0 + GM + col_grp[None, :]) < g_end)
-        cv_next = gl.load(c_ptrs + (g0 + GM - g_begin), mask=nxt_ok, other=0)
-        # x of this K step -> the two B operands (codebook 0 uses k < 8, codebook 1 k >= 8)
-        grp = g0 + b_grp
-        xv = gl.load(x_ptr + b_tok * stride_xm + grp * 8 + (b_k % 8), mask=(b_tok < M) & (grp < g_end), other=0.0)
-        b0 = gl.convert_layout(gl.where(b_k < 8, xv, gl.zeros_like(xv)), B_OP)
-        b1 = gl.convert_layout(gl.where(b_k >= 8, xv, gl.zeros_like(xv)), B_OP)
-        # lookups through shared memory, bank = column: conflict-free. Masked codes read entry 0
-        # of a column whose x was masked to zero, so they add nothing.
-        # CONVERT_TABLE: move the table to L_COL first (conflict-free gather stores, one more smem
-        # round trip) or let the gather store it straight from the MMA layout (8-way conflicts)
-        t0 = mma_v2(a, b0, zero_t)
-        t1 = mma_v2(a, b1, zero_t)
+        # next step's codes first (HBM latency hides behind this step's MMAs and lookups)
+        cv_next = gl.load(c_ptrs + (g0 + GM - g_begin), mask=row_ok & ((g0 + GM + col_grp) < g_end), other=0)
+        # A_c[(m, g), k] = x[m, 8(g0+g) + k - 8c] on codebook c's half of k, zero elsewhere
+        grp = g0 + x_grp
+        xv = gl.load(x_ptr + x_tok * stride_xm + grp * 8 + (xk % 8), mask=(x_tok < M) & (grp < g_end), other=0.0)
+        a0 = gl.convert_layout(gl.where(xk < 8, xv, gl.zeros_like(xv)), A_OP)
+        a1 = gl.convert_layout(gl.where(xk >= 8, xv, gl.zeros_like(xv)), A_OP)
+        # one codebook at a time (fewer live registers). CONVERT_TABLE: lane = column before the
+        # gather stores the table (no bank conflicts; else 4-way conflicts from the MMA layout).
+        # Masked codes read entry 0 of a column whose x was masked to zero: they add nothing.
+        t0 = mma_v2(a0, b, zero_t)
         if CONVERT_TABLE:
-            t0 = gl.convert_layout(t0, L_COL)
-            t1 = gl.convert_layout(t1, L_COL)
-        acc += gl.gather(t0, (cv & 0xFF).to(gl.int32), 0)
-        acc += gl.gather(t1, ((cv >> 8) & 0xFF).to(gl.int32), 0)
+            t0 = gl.convert_layout(t0, L_TAB)
+        acc += gl.gather(t0, (cv & 0xFF).to(gl.int32), 1)
+        t1 = mma_v2(a1, b, zero_t)
+        if CONVERT_TABLE:
+            t1 = gl.convert_layout(t1, L_TAB)
+        acc += gl.gather(t1, ((cv >> 8) & 0xFF).to(gl.int32), 1)
         cv = cv_next
 
+    # per-token sums over the token's GM columns; the row scale factors out of the sum
     scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    toks = gl.arange(0, M_PAD, layout=gl.SliceLayout(0, L_COL))
-    part = gl.zeros([BLOCK_N, M_PAD], gl.float32, L_COL)
-    for m in gl.static_range(M_PAD):
-        s = gl.sum(gl.where(col_tok[None, :] == m, acc, gl.zeros_like(acc)), axis=1)
-        part = gl.where(toks[None, :] == m, s[:, None] + gl.zeros_like(part), part)
-    part = part * scale[:, None]
-
-    # split-K epilogue (same protocol as kernels._splitk_epilogue)
-    mask = (rows[:, None] < N) & (toks[None, :] < M)
-    if not SPLIT:  # one program per row block: no workspace
-        total = part
-    else:
-        ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]
-        gl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
-        gl.thread_barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        total = gl.zeros_like(part)
-        if arrived == SPLIT_K - 1:
-            # read the sums where the atomics landed (L2), then leave zeros for the next call
-            total = gl.atomic_add(ws_ptrs, gl.zeros_like(part), mask=mask, sem="relaxed")
-            gl.store(ws_ptrs, gl.zeros_like(part), mask=mask)
-            gl.store(cnt_ptr + pid_n, 0)
-        mask = mask & (arrived == SPLIT_K - 1)
     if HAS_BIAS:
         bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        total = total + bias[:, None]
-    gl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
+    col_tok = cols[:, None] // GM
+    if not SPLIT:  # one program per row block: no workspace
+        for m in gl.static_range(M_PAD):
+            s = gl.sum(gl.where(col_tok == m, acc, gl.zeros_like(acc)), axis=0) * scale
+            if HAS_BIAS:
+                s += bias
+            gl.store(out_ptr + m * stride_om + rows, s.to(out_ptr.dtype.element_ty), mask=(rows < N) & (m < M))
+    else:
+        # split-K: fp32 atomics into the workspace, arrival counter, the last program finishes
+        for m in gl.static_range(M_PAD):
+            s = gl.sum(gl.where(col_tok == m, acc, gl.zeros_like(acc)), axis=0) * scale
+            gl.atomic_add(ws_ptr + m * N + rows, s, mask=(rows < N) & (m < M), sem="relaxed")
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            for m in gl.static_range(M_PAD):
+                ok = (rows < N) & (m < M)
+                # read the sums where the atomics landed (L2), then leave zeros for the next call
+                total = gl.atomic_add(ws_ptr + m * N + rows, gl.zeros_like(scale), mask=ok, sem="relaxed")
+                gl.store(ws_ptr + m * N + rows, gl.zeros_like(scale), mask=ok)
+                if HAS_BIAS:
+                    total += bias
+                gl.store(out_ptr + m * stride_om + rows, total.to(out_ptr.dtype.element_ty), mask=ok)
+            gl.store(cnt_ptr + pid_n, 0)

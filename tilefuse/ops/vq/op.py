@@ -7,10 +7,11 @@ Variants (``tilefuse.force(variant=...)``):
 
 * ``"decode"``    -- one-launch table + lookup kernel (Gluon on a GPU, ``tl`` under the interpreter)
 * ``"decode_tl"`` -- the same schedule written in ``tl`` (CPU-tested; slow on a GPU, see kernels.py)
-* ``"prefill"``   -- dequantize tiles in registers + tensor-core GEMM
+* ``"prefill"``   -- fused: dequantize tiles in registers + tensor-core GEMM in one kernel
+* ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch: ``decode`` for at most ``DECODE_MAX_TOKENS`` tokens, ``prefill`` above (the switch
-point measured by ``tilefuse bench vq``).
+Default dispatch: ``decode`` for at most ``DECODE_MAX_TOKENS`` tokens, ``dequant`` above (the fused
+prefill kernel measured 25-33x slower than cuBLAS on the H200, see bench/results/vq-h200.json).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tilefuse._backend import choose_backend, forced_variant, interpreting
 from tilefuse._library import tilefuse_op
 from tilefuse.ops.vq.reference import vq_matmul_reference
 
-VARIANTS = ("decode", "decode_tl", "prefill")
+VARIANTS = ("decode", "decode_tl", "prefill", "dequant")
 DECODE_MAX_TOKENS = 8            # the decode kernel packs up to 8 tokens into its table columns
 CODE_DTYPES = (torch.uint8, torch.int8)
 WIDE_CODE_DTYPES = (torch.int16, torch.int32, torch.int64)
@@ -46,13 +47,14 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     """Which VQ kernel variants run on ``device`` ("ok" or why not)."""
     if device.type != "cuda":
         why = "ok (interpreter)" if interpreting() else "needs CUDA or TRITON_INTERPRET=1"
-        return {"decode": why + "; tl schedule", "decode_tl": why, "prefill": why}
+        return {"decode": why + "; tl schedule", "decode_tl": why, "prefill": why, "dequant": why}
     major, _ = torch.cuda.get_device_capability(device)
     mma_ok = "ok" if major >= 8 else f"needs sm_80+ (got sm_{major}x)"
     return {
         "decode": mma_ok if _gluon_decode() is not None else "Gluon not importable: falls back to decode_tl",
         "decode_tl": "ok (correct but slow on GPU: Triton lowers tl.gather to warp shuffles)",
-        "prefill": mma_ok,
+        "prefill": mma_ok + " (fused; slow: see bench/results/vq-h200.json)",
+        "dequant": "ok",
     }
 
 
@@ -71,24 +73,42 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
+# H200 decode schedule; ``TILEFUSE_VQ_DECODE_CFG="block_n=128,num_warps=8,convert_table=1,split_mult=2"``
+# overrides it (the GPU script's sweep uses this to benchmark the config it picked).
+DECODE_TUNED = dict(block_n=256, num_warps=8, convert_table=1, split_mult=2)
+
+
+def _decode_tuned() -> dict:
+    cfg = dict(DECODE_TUNED)
+    for item in filter(None, os.environ.get("TILEFUSE_VQ_DECODE_CFG", "").split(",")):
+        key, _, value = item.partition("=")
+        if key.strip() not in cfg:
+            raise ValueError(f"TILEFUSE_VQ_DECODE_CFG: unknown key {key!r}, expected one of {tuple(cfg)}")
+        cfg[key.strip()] = int(value)
+    return cfg
+
+
 def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
-    """BLOCK_N / warps / table columns / split-K for the decode kernel (H200-tuned)."""
+    """BLOCK_N / warps / table columns / split-K for the decode kernel."""
     m_pad = triton.next_power_of_2(max(m, 1))
     cols = 32
+    tuned = _decode_tuned()
     if device.type != "cuda":
         block_n, num_warps = min(64, max(16, triton.next_power_of_2(n))), 4
     else:
-        block_n, num_warps = 256, 8
+        block_n, num_warps = tuned["block_n"], tuned["num_warps"]
     groups = k // 8
     gm = cols // m_pad
     steps = triton.cdiv(groups, gm)
     row_blocks = triton.cdiv(n, block_n)
-    split = max(1, min(steps, round(2 * _num_sms(device) / row_blocks)))
-    return dict(block_n=block_n, num_warps=num_warps, cols=cols, m_pad=m_pad, split_k=split)
+    # split K so that about split_mult programs per SM run (one CTA fits an SM: ~255 registers)
+    split = max(1, min(steps, round(tuned["split_mult"] * _num_sms(device) / row_blocks)))
+    return dict(block_n=block_n, num_warps=num_warps, cols=cols, m_pad=m_pad, split_k=split,
+                convert_table=bool(tuned["convert_table"]))
 
 
 def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluon", block_n=None,
-                  num_warps=None, split_k=None, convert_table: bool = True) -> torch.Tensor:
+                  num_warps=None, split_k=None, convert_table: bool | None = None) -> torch.Tensor:
     """Run the one-launch decode kernel: ``out[:M] = x2d @ W^T (+ bias)`` for M <= 8 tokens.
 
     x2d: [M, K]; codes: [N, K/8, 2] uint8/int8 contiguous; out: [M, N] (any contents).
@@ -99,6 +119,7 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluo
         raise ValueError(f"x: the decode kernel takes at most {DECODE_MAX_TOKENS} tokens, got {m}")
     cfg = decode_config(m, n, k, x2d.device)
     block_n = block_n or cfg["block_n"]
+    convert_table = cfg["convert_table"] if convert_table is None else convert_table
     num_warps = num_warps or cfg["num_warps"]
     groups = k // 8
     gm = cfg["cols"] // cfg["m_pad"]
@@ -147,12 +168,31 @@ def launch_prefill(x2d, codes, codebooks, scales, bias, out, **override) -> torc
     return out
 
 
+def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 16, block_g: int = 64,
+                   num_warps: int = 4) -> torch.Tensor:
+    """Dequantize W (one Triton kernel) into a scratch ``[N, K]`` in x's dtype, then cuBLAS."""
+    m, k = x2d.shape
+    n = codes.shape[0]
+    codes8 = codes.view(torch.uint8)
+    w = torch.empty(n, k, dtype=x2d.dtype, device=x2d.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // 8, block_g))
+    from tilefuse.ops.vq.kernels import vq_dequant_kernel
+
+    vq_dequant_kernel[grid](codes8, codebooks, scales, w, n, k // 8, codes8.stride(0), w.stride(0),
+                            BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps)
+    if bias is None:
+        torch.mm(x2d, w.t(), out=out)
+    else:
+        torch.addmm(bias.to(x2d.dtype), x2d, w.t(), out=out)
+    return out
+
+
 def choose_variant(m: int) -> str:
     variant = forced_variant()
     if variant is not None:
         _checks.check_choice("variant", variant, VARIANTS)
         return variant
-    return "decode" if m <= DECODE_MAX_TOKENS else "prefill"
+    return "decode" if m <= DECODE_MAX_TOKENS else "dequant"
 
 
 def _vq_matmul_fake(x, codes, codebooks, scales, bias):
@@ -176,6 +216,8 @@ def _vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sc
     variant = choose_variant(m)
     if variant == "prefill":
         launch_prefill(x2d, codes, codebooks, scales_1d, bias, out)
+    elif variant == "dequant":
+        launch_dequant(x2d, codes, codebooks, scales_1d, bias, out)
     else:
         impl = "gluon" if variant == "decode" else "tl"
         for start in range(0, m, DECODE_MAX_TOKENS):  # forced decode on more tokens: 8 at a time
@@ -207,7 +249,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     Returns
     -------
     [..., N] in x's dtype. Accumulation is fp32. 1-8 tokens run the one-launch table-lookup
-    decode kernel, more tokens the dequantize + tensor-core GEMM kernel.
+    decode kernel; more tokens dequantize the weight (one kernel) and run cuBLAS.
     """
     _checks.check_tensor("x", x, dtypes=_checks.FLOAT16S, min_ndim=1)
     _checks.check_tensor("codes", codes, dtypes=CODE_DTYPES + WIDE_CODE_DTYPES, ndim=3)

@@ -18,9 +18,9 @@ from tilefuse.ops.vq import op
 from tilefuse.testing.vq import make_vq_case
 print("gluon kernel:", op._gluon_decode() is not None, op.kernel_status(torch.device("cuda")))
 timer = Timer(torch.device("cuda"), rep_ms=15)
-shapes = [(1, 4096, 4096), (1, 28672, 8192), (1, 8192, 28672), (8, 8192, 8192)]
+shapes = [(1, 4096, 4096), (1, 28672, 8192), (8, 8192, 8192)]
 cfgs = [dict(block_n=bn, num_warps=8, convert_table=cv, split_mult=sm)
-        for bn, cv, sm in itertools.product((128, 256), (1, 0), (1, 2))]
+        for bn, cv, sm in itertools.product((128, 256), (1, 0), (2,))]
 from tilefuse.ops.vq.reference import dequantize
 res = {}
 for m, n, k in shapes:

@@ -38,19 +38,30 @@ from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
 HEAD_DIM = 576
 HEAD_DIM_V = 512
 VARIANTS = ("transposed", "standard")
-# Launch settings (chosen from the H200 sweeps kept in bench/results/mla-sweep*-h200.txt):
-# * "transposed": s_q * h_q < 64 rows, BLOCK_H = next_pow2(rows) (16 or 32).
-# * "standard": >= 64 rows, 64-row head tiles (WGMMA M = 64).
+# Launch settings, picked by the H200 sweep in bench/results/mla-sweep3-h200.txt (graph replay,
+# geomean roofline fraction over its shapes) and used for bench/results/mla-h200.json:
+# * "transposed": s_q * h_q < 64 rows, BLOCK_H = next_pow2(rows) (16 or 32). BLOCK_N = 64 (one
+#   page, M = 64 for WGMMA), 2 stages: 168 KB SMEM, one program per SM. BLOCK_N = 32 with 3-4
+#   stages pipelines deeper but measured 4-49 % slower, except at 64K context (9 % faster
+#   with two programs per SM).
+# * "standard": >= 64 rows, 64-row head tiles (WGMMA M = 64), [64, 512] fp32 accumulator over
+#   8 warps; 221 KB SMEM (Q + 2 K stages). BLOCK_N = 32 with 3-4 stages measured 12 % slower.
 # * "standard_small": the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
-#   (mma.sync, no padding), 64 = padded to 64 rows as FlashMLA does.
+#   (mma.sync, no padding; 93 KB SMEM, two programs per SM), 64 = padded as FlashMLA does
+#   (16-73 % slower at 16 rows, 11 % faster at 32 rows).
 # parts_per_sm: busy slots per SM in the split schedule (1 = one wave of one program per SM).
-# fused_combine: the last slot of a request merges the partials (else a second launch does).
+# fused_combine: the last slot of a request merges the partials, else a second launch does.
+#   With BLOCK_N = 32 / 4 stages the second launch measured 4-17 % FASTER on all four sweep
+#   shapes (the fused merge is a serial tail in one program); it was not swept with the chosen
+#   BLOCK_N = 64 config, so the measured default stays fused -- the next thing to try.
 CONFIGS = {
     "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=True),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1, fused_combine=True),
-    "standard_small": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1, fused_combine=True),
+    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, parts_per_sm=2, fused_combine=True),
 }
-# Orientation below 64 query rows (the measured faster one; the paper's rule is "transposed").
+# Orientation below 64 rows: transposed, faster in 30 of the 40 such bench cases (geomean 1.12x);
+# the unpadded standard kernel is faster at 16 rows with long contexts (12-18 % at 16K-64K for
+# batch >= 32, 13 % at b16/64K) and on batch-64 mixed lengths (up to 37 %).
 SMALL_ROWS_VARIANT = "transposed"
 if os.environ.get("TILEFUSE_MLA_CONFIGS"):   # tuning hook: a JSON file {variant: config} from the sweep
     _tuned = json.loads(Path(os.environ["TILEFUSE_MLA_CONFIGS"]).read_text())

@@ -129,13 +129,15 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, 
                 m = tl.full(lse2.shape, float("-inf"), tl.float32)
                 for s in range(0, n_split):
                     part = (first_slot + s) * rows_total + rows
-                    m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+                    lse_s = tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    m = tl.maximum(m, lse_s)
                 m_safe = tl.where(m == float("-inf"), 0.0, m)
                 total = tl.zeros(lse2.shape, tl.float32)
                 o = tl.zeros(acc.shape, tl.float32)
                 for s in range(0, n_split):
                     part = (first_slot + s) * rows_total + rows
-                    w = tl.exp2(tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                    lse_s = tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.exp2(lse_s - m_safe)
                     total += w
                     o += w[:, None] * tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=row_ok[:, None],
                                               other=0.0, cache_modifier=".cg")

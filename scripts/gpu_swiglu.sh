@@ -11,6 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 TESTS="tests/test_swiglu_gpu.py tests/test_swiglu_nn.py tests/test_hf.py"
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  python3 -m tilefuse info > "$OUT/info.txt" 2>&1 && cat "$OUT/info.txt"
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   if [ "$MODE" = tune ]; then
     timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1

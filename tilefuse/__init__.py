@@ -24,6 +24,7 @@ _PUBLIC = {
     "flash_mla_with_kvcache": "tilefuse.ops.mla.op",
     "nn": "tilefuse.nn",
     "vq": "tilefuse.vq",
+    "hf": "tilefuse.hf",
 }
 
 __all__ = ["force", *_PUBLIC]

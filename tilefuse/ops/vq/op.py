@@ -10,8 +10,11 @@ Variants (``tilefuse.force(variant=...)``):
 * ``"prefill"``   -- fused: dequantize tiles in registers + tensor-core GEMM in one kernel
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch: ``decode`` for at most ``DECODE_MAX_TOKENS`` tokens, ``dequant`` above (the fused
-prefill kernel measured 25-33x slower than cuBLAS on the H200, see bench/results/vq-h200.json).
+Default dispatch: ``decode`` for at most ``DECODE_SWITCH_TOKENS`` tokens, ``dequant`` above. Both
+measured on the H200 (bench/results/vq-h200.json, ``decode_over_dequant_time``): decode time grows
+linearly with tokens (one table per token); at 1 token it takes 0.26-0.69x the dequant path's time,
+at 2 tokens 0.53-1.05x, at 4 tokens 0.99-1.66x, at 8 tokens 2.0-3.8x. The fused ``prefill`` kernel
+measured 11-33x slower than cuBLAS, so it is never chosen by default.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from tilefuse.ops.vq.reference import vq_matmul_reference
 
 VARIANTS = ("decode", "decode_tl", "prefill", "dequant")
 DECODE_MAX_TOKENS = 8            # the decode kernel packs up to 8 tokens into its table columns
+DECODE_SWITCH_TOKENS = 2         # measured: decode beats dequantize + cuBLAS up to 2 tokens
 CODE_DTYPES = (torch.uint8, torch.int8)
 WIDE_CODE_DTYPES = (torch.int16, torch.int32, torch.int64)
 
@@ -192,7 +196,7 @@ def choose_variant(m: int) -> str:
     if variant is not None:
         _checks.check_choice("variant", variant, VARIANTS)
         return variant
-    return "decode" if m <= DECODE_MAX_TOKENS else "dequant"
+    return "decode" if m <= DECODE_SWITCH_TOKENS else "dequant"
 
 
 def _vq_matmul_fake(x, codes, codebooks, scales, bias):
@@ -248,8 +252,9 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
 
     Returns
     -------
-    [..., N] in x's dtype. Accumulation is fp32. 1-8 tokens run the one-launch table-lookup
-    decode kernel; more tokens dequantize the weight (one kernel) and run cuBLAS.
+    [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
+    decode kernel; more tokens dequantize the weight into a scratch [N, K] (one kernel) and run
+    cuBLAS (the measured switch point, see ``DECODE_SWITCH_TOKENS``).
     """
     _checks.check_tensor("x", x, dtypes=_checks.FLOAT16S, min_ndim=1)
     _checks.check_tensor("codes", codes, dtypes=CODE_DTYPES + WIDE_CODE_DTYPES, ndim=3)

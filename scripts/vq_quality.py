@@ -195,7 +195,11 @@ def main():
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--init-iters", type=int, default=10)
     ap.add_argument("--layers", type=int, default=None, help="quantize only the first L blocks (quick runs)")
+    ap.add_argument("--table", metavar="JSON", help="only print the tables of an existing result file")
     args = ap.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            return print_table(json.load(f))
     torch.manual_seed(0)
     started = time.time()
 
@@ -254,14 +258,30 @@ def main():
 
 
 def print_table(result):
+    """Markdown tables (as in docs/vq_quality.md): the summary, then mean error per projection."""
     print("| method | bits/weight | perplexity | mean rel. output error | median | max |")
     print("|---|---|---|---|---|---|")
     for name, m in result["methods"].items():
         if name == "dense":
             print(f"| dense | 16 | {m['ppl']:.2f} | 0 | 0 | 0 |")
             continue
-        print(f"| {name} | {m['bits_per_weight']:.3f} | {m['ppl']:.2f} | {m['mean_rel_out_err']:.4f} | "
+        print(f"| {name} | {m['bits_per_weight']:.3f} | {m['ppl']:.4g} | {m['mean_rel_out_err']:.4f} | "
               f"{m['median_rel_out_err']:.4f} | {m['max_rel_out_err']:.4f} |")
+    methods = [n for n in result["methods"] if n != "dense"]
+    print("\n| projection | " + " | ".join(methods) + " |")
+    print("|---" * (len(methods) + 1) + "|")
+    for proj in PROJ:
+        cells = []
+        for n in methods:
+            errs = [e for k, e in result["methods"][n]["per_layer_rel_out_err"].items() if k.endswith("." + proj)]
+            cells.append(f"{sum(errs) / len(errs):.4f}" if errs else "-")
+        print(f"| {proj} | " + " | ".join(cells) + " |")
+    if "rtn3_g128" in methods:
+        base = result["methods"]["rtn3_g128"]["per_layer_rel_out_err"]
+        for n in methods:
+            errs = result["methods"][n]["per_layer_rel_out_err"]
+            wins = sum(errs[k] < base[k] for k in errs if k in base)
+            print(f"{n}: lower output error than rtn3_g128 on {wins}/{len(errs)} layers")
 
 
 if __name__ == "__main__":

@@ -183,3 +183,17 @@ def test_feedback_pass_spreads_nothing_across_independent_groups():
                                           _feedback.inverse_factor(dense), _update_codes, 1)
     assert (moved[:, 1:] - targets[:, 1:]).abs().max() > 1e-2
     torch.testing.assert_close(moved[:, 0], targets[:, 0])
+
+
+@pytest.mark.gpu
+def test_quantize_on_gpu_matches_cpu_quality():
+    # The same algorithm on CUDA (atomics may reorder sums, so codes can differ in the last bits):
+    # its error must match the CPU run's within a few percent.
+    w = _weight(256, 512)
+    x = torch.randn(2048, 64) @ torch.randn(64, 512) + 0.3 * torch.randn(2048, 512)
+    gram = x.T @ x
+    cpu = _err(w, quantize(w, gram, iters=2, init_iters=6, device="cpu", progress=False), gram)
+    out = quantize(w.cuda(), gram.cuda(), iters=2, init_iters=6, progress=False)
+    assert out[0].is_cuda and out[0].dtype == torch.uint8
+    gpu = _err(w, tuple(t.cpu() for t in out), gram)
+    assert gpu < 1.05 * cpu

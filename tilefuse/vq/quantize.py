@@ -8,17 +8,19 @@ Why the block diagonal: with the full ``H`` the groups of a row interact, and ex
 becomes a joint problem over a whole row (AQLM runs a beam search over it). The 8x8 blocks keep
 each group independent, so codes are chosen by a nearest-neighbour search per group, while still
 weighting the directions inside a group by how strongly the layer's inputs excite them. The
-cross-group terms of ``H`` are ignored (documented trade-off, see docs/vq_quality.md).
+cross-group terms of ``H`` are handled afterwards by error feedback (step 4; docs/vq_quality.md).
 
-Algorithm (every step is an exact minimisation of the objective over its own variables, so the
-objective never increases):
+Algorithm (each step of 3 minimises the block objective exactly over its own variables, so it
+never increases; step 4 is kept only where it lowers the full objective ``tr(D H D^T)``):
 
 1. scales ``s_n`` = RMS of row n; targets ``v = w / s``;
 2. residual k-means: C0 = k-means of ``v``; C1 = k-means of ``v - C0[a]`` (256 entries each);
 3. ``iters`` passes of: re-assign codes (for each codebook in turn, the best code given the other;
    with ``beam > 1`` the ``beam`` best candidates are each completed by the best code of the other
    codebook and the best pair wins), refit the codebooks by least squares given the codes, refit
-   each row's scale by least squares.
+   each row's scale by least squares;
+4. with ``calib``: GPTQ-style error feedback over the full ``H`` (``_feedback.py``), which brings
+   back the cross-group terms that step 3 ignores.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
     factor = _feedback.inverse_factor(calib)
 
     def full(c, b):
-        return _feedback.full_loss(w.reshape(num_rows, -1), (scales[:, None, None] * _decode(b, c)).reshape(num_rows, -1), calib)
+        approx = scales[:, None, None] * _decode(b, c)
+        return _feedback.full_loss(w.reshape(num_rows, -1), approx.reshape(num_rows, -1), calib)
 
     best = (full(codes, books), codes.clone(), books.clone())
     log("full-H objective before feedback", best[0])
@@ -113,8 +116,9 @@ def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
     for r in range(rounds):
         if r:  # refit both codebooks to the corrected weights the last pass coded, under its metrics
             for _ in range(2):
-                books[0] = _core.refit_book(targets - books[1][codes[..., 1]], codes[..., 0], row_weight, metrics, books[0])
-                books[1] = _core.refit_book(targets - books[0][codes[..., 0]], codes[..., 1], row_weight, metrics, books[1])
+                for c in (0, 1):
+                    rest = targets - books[1 - c][codes[..., 1 - c]]
+                    books[c] = _core.refit_book(rest, codes[..., c], row_weight, metrics, books[c])
         codes, targets, metrics = _feedback.feedback_pass(w, scales, books, codes, factor, _update_codes, beam)
         loss = full(codes, books)
         log(f"error feedback {r + 1}/{rounds} (full-H objective)", loss)
@@ -132,7 +136,7 @@ def _loss(w, u, scales, blocks):
 
 
 def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: int = 8, beam: int = 4,
-             init_iters: int = 12, feedback: int = 2, seed: int = 0, device: torch.device | str | None = None,
+             init_iters: int = 12, feedback: int = 1, seed: int = 0, device: torch.device | str | None = None,
              progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize a dense weight to AQLM's 2x8 format (2 bits per weight).
 
@@ -148,7 +152,8 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
     feedback : with ``calib`` only: rounds of GPTQ-style error feedback over the full ``H`` after the
         8x8-block passes (each: re-assign codes left to right spreading each group's error over the
         later columns; between rounds the codebooks are refit to the corrected weights). The best
-        result under the full objective ``tr(D H D^T)`` is kept. 0 disables it.
+        result under the full objective ``tr(D H D^T)`` is kept. 0 disables it. On SmolLM2 layers
+        a second round did not improve on the first, hence the default 1.
     seed : seeds the k-means initialisation; the result is deterministic for a seed on the CPU
         (on a GPU, atomic accumulations may change the last bits).
     device : where to compute; default: CUDA when available, else the CPU.

@@ -115,6 +115,8 @@ def test_progress_goes_to_stderr_only_when_asked(capsys):
     (dict(weight=torch.randn(4, 16), calib=torch.randn(8, 8)), "calib"),
     (dict(weight=torch.randn(4, 16), calib=torch.randn(16, 16).numpy()), "calib"),
     (dict(weight=torch.randn(4, 16), calib=-torch.eye(16)), "calib"),
+    (dict(weight=torch.randn(4, 16), calib=torch.eye(16) - 3 * torch.ones(16, 16) / 16 + torch.diag(
+        torch.linspace(0, 1, 16))), "calib"),
     (dict(weight=torch.randn(4, 16), iters=-1), "iters"),
     (dict(weight=torch.randn(4, 16), beam=0), "beam"),
 ])

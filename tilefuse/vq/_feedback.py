@@ -20,7 +20,11 @@ def inverse_factor(calib: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     h = (h + h.T) / 2
     h = h / h.diagonal().mean()
     h += damp * torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
-    return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    chol, info = torch.linalg.cholesky_ex(h)
+    if info.item() != 0:
+        raise ValueError("calib: expected a positive semi-definite X^T X, got a matrix that stays "
+                         "indefinite after 1% damping")
+    return torch.linalg.cholesky(torch.cholesky_inverse(chol), upper=True)
 
 
 def feedback_pass(w: torch.Tensor, scales: torch.Tensor, books: torch.Tensor, codes: torch.Tensor,

@@ -119,6 +119,8 @@ def test_progress_goes_to_stderr_only_when_asked(capsys):
         torch.linspace(0, 1, 16))), "calib"),
     (dict(weight=torch.randn(4, 16), iters=-1), "iters"),
     (dict(weight=torch.randn(4, 16), beam=0), "beam"),
+    (dict(weight=torch.randn(4, 16), beam=257), "beam"),
+    (dict(weight=torch.randn(4, 16), feedback=1.5), "feedback"),
 ])
 def test_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

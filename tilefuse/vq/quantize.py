@@ -61,6 +61,8 @@ def _check_args(weight, calib, iters, beam, init_iters, feedback) -> None:
                              ("feedback", feedback, 0)):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+    if beam > ENTRIES:
+        raise ValueError(f"beam: expected at most {ENTRIES} candidates (the codebook size), got {beam}")
 
 
 def _update_codes(v, codes, books, blocks, beam):

@@ -33,7 +33,9 @@ def machine_info(device: torch.device) -> dict:
 
 
 def _slug(name: str) -> str:
-    return "".join(c.lower() if c.isalnum() else "-" for c in name).strip("-").replace("nvidia-", "")
+    """``"NVIDIA H200"`` -> ``"h200"``, ``"cpu (x86_64)"`` -> ``"cpu-x86-64"``."""
+    words = "".join(c.lower() if c.isalnum() else " " for c in name).split()
+    return "-".join(w for w in words if w != "nvidia")
 
 
 def _fmt(x, spec=".1f"):

@@ -149,6 +149,39 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, 
 
 
 @triton.jit
+def _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length, stride_qb, stride_qs, stride_qh,
+                CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's query rows: (rows, in range, their Q pointers, last key position each sees)."""
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok = rows // h_q
+    # Causal: query token t of s_q sits at position L - s_q + t.
+    limit = length - 1 - tl.where(CAUSAL, s_q - 1 - tok, 0)
+    q_rows = q_ptr + req * stride_qb + tok * stride_qs + (rows % h_q) * stride_qh
+    return rows, rows < rows_total, q_rows, limit
+
+
+@triton.jit
+def _page_of(bt_row, token, last_page):
+    """Cache page holding ``token`` of the request (clamped to the slot's last page)."""
+    return tl.load(bt_row + tl.minimum(token // PAGE, last_page)).to(tl.int64)
+
+
+@triton.jit
+def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N: tl.constexpr):
+    """Tokens ``start .. start + BLOCK_N`` of one page: HBM -> SMEM (pipelined by num_stages).
+
+    Returns positions, the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
+    Positions past ``length`` load as 0: their slots may hold NaN and are never read.
+    """
+    pos = start + tl.arange(0, BLOCK_N)
+    in_len = pos < length
+    k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
+    k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0.0)
+    k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None], other=0.0)
+    return pos, k_nope, k_rope
+
+
+@triton.jit
 def mla_split_standard_kernel(
     q_ptr, kc_ptr, bt_ptr, meta_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
@@ -168,16 +201,11 @@ def mla_split_standard_kernel(
     req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
     if req < 0:
         return
-    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < rows_total
-    tok = rows // h_q
-    # Last key position each row may see (causal: query token t of s_q is at L - s_q + t).
-    limit = length - 1 - tl.where(CAUSAL, s_q - 1 - tok, 0)
+    rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
+                                              stride_qb, stride_qs, stride_qh, CAUSAL, BLOCK_H)
     offs_v = tl.arange(0, D_NOPE)
     offs_r = tl.arange(0, D_ROPE)
-    offs_n = tl.arange(0, BLOCK_N)
     # Q: HBM -> registers once, [BLOCK_H, 512] + [BLOCK_H, 64]; padded rows load as 0.
-    q_rows = q_ptr + req * stride_qb + tok * stride_qs + (rows % h_q) * stride_qh
     q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
     q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
 
@@ -186,17 +214,12 @@ def mla_split_standard_kernel(
     acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     bt_row = bt_ptr + req * stride_btb
     last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = tl.load(bt_row + tl.minimum(tok_begin // PAGE, last_page)).to(tl.int64)
+    page = _page_of(bt_row, tok_begin, last_page)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = tl.load(bt_row + tl.minimum((start + BLOCK_N) // PAGE, last_page)).to(tl.int64)
-        pos = start + offs_n
-        in_len = pos < length                       # slots past the length may hold NaN: never read
-        k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
-        # K tile: HBM -> SMEM (pipelined by num_stages); the 512-wide part is V as well.
-        k_nope = tl.load(k_rows[:, None] + offs_v[None, :], mask=in_len[:, None], other=0.0)
-        k_rope = tl.load(k_rows[:, None] + D_NOPE + offs_r[None, :], mask=in_len[:, None], other=0.0)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page)
+        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
         s = tl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
@@ -232,15 +255,11 @@ def mla_split_transposed_kernel(
     req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
     if req < 0:
         return
-    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_ok = rows < rows_total
-    tok = rows // h_q
-    limit = length - 1 - tl.where(CAUSAL, s_q - 1 - tok, 0)
+    rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
+                                              stride_qb, stride_qs, stride_qh, CAUSAL, BLOCK_H)
     offs_v = tl.arange(0, D_NOPE)
     offs_r = tl.arange(0, D_ROPE)
-    offs_n = tl.arange(0, BLOCK_N)
     # Q^T: HBM -> registers once, [512, BLOCK_H] + [64, BLOCK_H].
-    q_rows = q_ptr + req * stride_qb + tok * stride_qs + (rows % h_q) * stride_qh
     qt_nope = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)
     qt_rope = tl.load(q_rows[None, :] + D_NOPE + offs_r[:, None], mask=row_ok[None, :], other=0.0)
 
@@ -249,16 +268,12 @@ def mla_split_transposed_kernel(
     acc_t = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
     bt_row = bt_ptr + req * stride_btb
     last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = tl.load(bt_row + tl.minimum(tok_begin // PAGE, last_page)).to(tl.int64)
+    page = _page_of(bt_row, tok_begin, last_page)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = tl.load(bt_row + tl.minimum((start + BLOCK_N) // PAGE, last_page)).to(tl.int64)
-        pos = start + offs_n
-        in_len = pos < length
-        k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
-        k_nope = tl.load(k_rows[:, None] + offs_v[None, :], mask=in_len[:, None], other=0.0)
-        k_rope = tl.load(k_rows[:, None] + D_NOPE + offs_r[None, :], mask=in_len[:, None], other=0.0)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page)
+        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
         s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
         s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
         s_t = tl.where(pos[:, None] <= limit[None, :], s_t * qk_scale, float("-inf"))

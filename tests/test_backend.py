@@ -44,3 +44,24 @@ def test_public_api_is_lazy_and_complete():
         tilefuse.nope
     assert callable(tilefuse.swiglu)
     assert hasattr(torch.ops.tilefuse, "swiglu")
+
+
+def test_num_sms_cpu_default_and_cached_cuda_lookup(monkeypatch):
+    from types import SimpleNamespace
+
+    from tilefuse._backend import _cuda_sm_count, num_sms
+
+    assert num_sms(torch.device("cpu")) == 4
+    assert num_sms(torch.device("cpu"), cpu_default=132) == 132
+    calls = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: calls.append(index) or SimpleNamespace(multi_processor_count=100 + index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    _cuda_sm_count.cache_clear()
+    try:
+        assert num_sms(torch.device("cuda", 0)) == 100
+        assert num_sms(torch.device("cuda")) == 101          # no index: the current device
+        assert num_sms(torch.device("cuda", 0)) == 100
+        assert calls == [0, 1]                               # looked up once per device
+    finally:
+        _cuda_sm_count.cache_clear()

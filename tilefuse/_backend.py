@@ -37,6 +37,19 @@ def triton_available() -> tuple[bool, str]:
     return True, ""
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device, cpu_default: int = 4) -> int:
+    """Multiprocessors of a CUDA ``device`` (cached: launchers size their grids from it on every
+    call); ``cpu_default`` elsewhere, e.g. a few parts so interpreter tests exercise split paths."""
+    if device.type != "cuda":
+        return cpu_default
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from tilefuse import _checks
-from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse._backend import choose_backend, forced_variant, interpreting, num_sms
 from tilefuse._library import tilefuse_op
 from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
 
@@ -86,12 +86,6 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     return {v: why for v in VARIANTS}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4   # interpreter / CPU: a few parts so the tests exercise the split and the combine
-
-
 def choose_variant(rows: int) -> str:
     """SMALL_ROWS_VARIANT (transposed, ETAP) below 64 query rows, standard 64-row head tiles otherwise."""
     return forced_variant() if forced_variant() in VARIANTS else (SMALL_ROWS_VARIANT if rows < 64 else "standard")
@@ -102,7 +96,7 @@ def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> 
     head_tiles = max(1, math.ceil(num_q_tokens_per_head_k / 64))
     rows = num_q_tokens_per_head_k
     per_sm = config_for(choose_variant(rows), rows).get("parts_per_sm", 1)
-    return max(1, _sm_count(device) * per_sm // head_tiles)
+    return max(1, num_sms(device) * per_sm // head_tiles)
 
 
 # ---------------------------------------------------------------------------------- metadata

@@ -8,12 +8,11 @@ pins ``"small_m"`` or ``"large_m"``.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from tilefuse import _checks
 from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse._backend import num_sms as device_num_sms
 from tilefuse._library import tilefuse_op
 from tilefuse.ops.swiglu import configs
 from tilefuse.ops.swiglu.reference import swiglu_reference
@@ -59,11 +58,6 @@ def unpack_gate_up(w_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- launchers
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -123,7 +117,7 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
         w_desc = TensorDescriptor(w, [2, inter, h], [inter * w.stride(0), w.stride(0), 1],
                                   [2, cfg.block_n, cfg.block_k])
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg.block_m, cfg.block_n])
-    num_sms = _num_sms(x.device.index or 0) if x.is_cuda else 4
+    num_sms = device_num_sms(x.device)
     tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)
     grid = (min(num_sms, tiles),)
     swiglu_large_m_kernel[grid](
@@ -156,7 +150,7 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
     if m == 0:
         return out
     if config is None:
-        num_sms = _num_sms(x2d.device.index or 0) if x2d.is_cuda else configs.NUM_SMS_H200
+        num_sms = device_num_sms(x2d.device, cpu_default=configs.NUM_SMS_H200)
         variant, config = configs.choose(m, h, inter, variant, num_sms)
     elif variant is None:
         variant = "small_m" if isinstance(config, configs.SmallMConfig) else "large_m"

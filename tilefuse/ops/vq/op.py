@@ -25,7 +25,7 @@ import torch
 import triton
 
 from tilefuse import _checks
-from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse._backend import choose_backend, forced_variant, interpreting, num_sms
 from tilefuse._library import tilefuse_op
 from tilefuse.ops.vq.reference import vq_matmul_reference
 
@@ -71,12 +71,6 @@ def _workspace(device: torch.device, n: int):
     return _workspaces[key]
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 # H200 decode schedule; ``TILEFUSE_VQ_DECODE_CFG="block_n=128,num_warps=8,convert_table=1,split_mult=2"``
 # overrides it (the GPU script's sweep uses this to benchmark the config it picked).
 DECODE_TUNED = dict(block_n=256, num_warps=8, convert_table=1, split_mult=2)
@@ -106,7 +100,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
     steps = triton.cdiv(groups, gm)
     row_blocks = triton.cdiv(n, block_n)
     # split K so that about split_mult programs per SM run (one CTA fits an SM: ~255 registers)
-    split = max(1, min(steps, round(tuned["split_mult"] * _num_sms(device) / row_blocks)))
+    split = max(1, min(steps, round(tuned["split_mult"] * num_sms(device) / row_blocks)))
     return dict(block_n=block_n, num_warps=num_warps, cols=cols, m_pad=m_pad, split_k=split,
                 convert_table=bool(tuned["convert_table"]))
 

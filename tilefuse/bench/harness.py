@@ -109,6 +109,18 @@ class Timer:
         return 1e6 * (t1 - t0) / calls
 
 
+def best_us(row: dict) -> float | None:
+    """A result row's time as a serving engine sees it: the better of eager and CUDA-graph replay."""
+    times = [t for t in (row.get("median_us"), row.get("graph_us")) if t]
+    return min(times) if times else None
+
+
+def geomean(values) -> float | None:
+    """Geometric mean of positive numbers (None for none)."""
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
 def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
     """Copy bandwidth (read + write) and bf16 GEMM rate, measured now on ``device``."""
     if device.type != "cuda":

@@ -8,12 +8,11 @@ eagerly and as a CUDA-graph replay of metadata + attention + combine (the servin
 
 from __future__ import annotations
 
-import math
 import sys
 
 import torch
 
-from tilefuse.bench.harness import Case
+from tilefuse.bench.harness import Case, best_us, geomean
 from tilefuse.testing.mla import mla_flops_bytes, paged_cache
 
 # FlashMLA and FlashMLA-ETAP built from source on this H200 (../shared/anchors.md, NOT measured by
@@ -145,15 +144,10 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     return out
 
 
-def _geomean(xs):
-    xs = [x for x in xs if x]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
-
-
 def summarize(rows: list[dict]) -> dict:
     """Per target: pass/fail and the worst cases; both orientations; H20 prediction; accuracy."""
     ok = [r for r in rows if r.get("median_us") and not r.get("error")]
-    best = {id(r): min(r["median_us"], r.get("graph_us") or math.inf) for r in ok}
+    best = {id(r): best_us(r) for r in ok}
     ours = [r for r in ok if r["impl"] == "tilefuse"]
     from tilefuse.ops.mla import op
 
@@ -186,7 +180,7 @@ def summarize(rows: list[dict]) -> dict:
             pairs.setdefault(_label(r), {})[r["impl"].split(":")[1]] = best[id(r)]
     ratios = [v["standard"] / v["transposed"] for v in pairs.values() if len(v) == 2]
     summary["transposed vs standard (h_q*s_q<64)"] = {
-        "geomean standard/transposed time": _geomean(ratios),
+        "geomean standard/transposed time": geomean(ratios),
         "transposed faster in": sum(x > 1 for x in ratios), "of": len(ratios)}
     h20 = []
     for r in ok:
@@ -261,7 +255,7 @@ def sweep(out_path: str | None = None, device: torch.device | None = None, shape
         _CACHE.clear()
     best, scores = {}, {}
     for variant in configs:
-        scored = [(_geomean(v), idx) for (var, idx), v in results.items() if var == variant]
+        scored = [(geomean(v), idx) for (var, idx), v in results.items() if var == variant]
         if scored:
             scores[variant], idx = max(scored)
             best[variant] = configs[variant][idx]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from tilefuse.bench.harness import Ceilings, Timer, measure_ceilings, run_case
+from tilefuse.bench.harness import Ceilings, Timer, best_us, measure_ceilings, run_case
 
 FAMILIES = ("swiglu", "mla", "vq")
 DEFAULT_OUT = Path("bench/results")
@@ -40,12 +40,6 @@ def _slug(name: str) -> str:
 
 def _fmt(x, spec=".1f"):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def best_us(row: dict) -> float | None:
-    """The row's time as a serving engine would see it: the better of eager and graph replay."""
-    times = [t for t in (row.get("median_us"), row.get("graph_us")) if t]
-    return min(times) if times else None
 
 
 def print_table(rows: list[dict], file=None) -> None:

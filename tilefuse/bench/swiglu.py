@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
 
-from tilefuse.bench.harness import Case
+from tilefuse.bench.harness import Case, best_us, geomean
 from tilefuse.testing.compare import frac_beyond_ulp
 from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES, make_inputs, reference_f64
 
@@ -142,10 +141,6 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
 
 
 # ----------------------------------------------------------------------------- summary
-def _geomean(values: list[float]) -> float | None:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
-
-
 def summarize(rows: list[dict]) -> dict:
     """The issue's target checks, from one run's rows."""
     by_case: dict[tuple, dict[str, dict]] = {}
@@ -159,7 +154,7 @@ def summarize(rows: list[dict]) -> dict:
         row = impls.get(name)
         if not row or not row.get("median_us"):
             return None
-        return min(row["median_us"], row.get("graph_us") or math.inf) if best else row["median_us"]
+        return best_us(row) if best else row["median_us"]
 
     ratios, eager_ratios, vs_unfused, vs_compile, acc_fused, acc_unfused, packed = {}, {}, {}, {}, [], [], []
     for (model, m), impls in by_case.items():
@@ -186,10 +181,10 @@ def summarize(rows: list[dict]) -> dict:
             elif name == "torch_unfused":
                 acc_unfused.append(frac)
 
-    geo = _geomean(list(ratios.values()))
+    geo = geomean(list(ratios.values()))
     worst = max(ratios.items(), key=lambda kv: kv[1]) if ratios else (None, None)
     applicable = {k: v for k, v in vs_unfused.items() if v["floor_allows"]}
-    eager_geo = _geomean(list(eager_ratios.values()))
+    eager_geo = geomean(list(eager_ratios.values()))
     return {
         "timing": "min(eager, CUDA-graph replay) per impl; graph replay only for cases with a "
                   "roofline < 150 us (launch-bound); 'eager_*' entries use eager medians alone",
@@ -218,5 +213,5 @@ def summarize(rows: list[dict]) -> dict:
             "unfused_max": max(acc_unfused, default=None),
             "fused_target_1e-4": bool(acc_fused and max(acc_fused) <= 1e-4),
         },
-        "packed_over_merged_geomean": _geomean(packed),
+        "packed_over_merged_geomean": geomean(packed),
     }

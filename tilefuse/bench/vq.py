@@ -11,12 +11,11 @@ floor of the summary is code bytes / measured copy bandwidth.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
-from tilefuse.bench.harness import Case
+from tilefuse.bench.harness import Case, best_us, geomean
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
 TOKENS = [1, 2, 4, 8, 16, 64, 512]
@@ -68,11 +67,6 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
     return [_case(n, k, m, dt, device) for dt in DTYPES for n, k in shapes for m in tokens]
 
 
-def _best(row):
-    vals = [v for v in (row.get("median_us"), row.get("graph_us")) if v]
-    return min(vals) if vals else None
-
-
 def summarize(rows: list[dict]) -> dict:
     """Targets of issue 5: speedups over cuBLAS / AQLM anchors, prefill ratio, switch points."""
     table: dict = {}
@@ -87,9 +81,9 @@ def summarize(rows: list[dict]) -> dict:
     def ratio(shape, tokens, dtype, num, den):
         rs = table.get((shape, tokens, dtype), {})
         a, b = rs.get(num), rs.get(den)
-        if not a or not b or not _best(a) or not _best(b):
+        if not a or not b or not best_us(a) or not best_us(b):
             return None
-        return _best(a) / _best(b)
+        return best_us(a) / best_us(b)
 
     def check(name, value, target, higher=True):
         ok = None if value is None else (value >= target if higher else value <= target)
@@ -105,9 +99,9 @@ def summarize(rows: list[dict]) -> dict:
                 check(f"512 tokens {shape} bf16: tilefuse / cublas", ratio(shape, 512, dtype, "tilefuse", "fp16_cublas"), 1.3, higher=False)
     for shape, anchor in AQLM_2X8_ANCHOR_US.items():
         ours = table.get((shape, 1, "float16"), {}).get("tilefuse")
-        if ours and _best(ours):
+        if ours and best_us(ours):
             goal = 10.0 if shape in ("4096x4096", "11008x4096", "4096x11008", "8192x8192") else 5.0
-            check(f"batch1 {shape} fp16: AQLM 2x8 anchor {anchor} us / tilefuse", anchor / _best(ours), goal)
+            check(f"batch1 {shape} fp16: AQLM 2x8 anchor {anchor} us / tilefuse", anchor / best_us(ours), goal)
     from tilefuse.ops.vq.op import _decode_tuned
 
     out["decode_config"] = _decode_tuned()
@@ -117,28 +111,28 @@ def summarize(rows: list[dict]) -> dict:
     # batch-1 detail: time, roofline (memory floor) and fraction of it
     detail = {}
     for (shape, tokens, dtype), rs in sorted(table.items()):
-        if tokens == 1 and "tilefuse" in rs and _best(rs["tilefuse"]):
+        if tokens == 1 and "tilefuse" in rs and best_us(rs["tilefuse"]):
             r = rs["tilefuse"]
-            floor = (r.get("roofline_frac") or 0) * _best(r)
-            detail[f"{shape} {dtype}"] = {"tilefuse_us": round(_best(r), 2), "floor_us": round(floor, 2),
-                                          "fp16_cublas_us": round(_best(rs["fp16_cublas"]), 2) if "fp16_cublas" in rs else None}
+            floor = (r.get("roofline_frac") or 0) * best_us(r)
+            detail[f"{shape} {dtype}"] = {"tilefuse_us": round(best_us(r), 2), "floor_us": round(floor, 2),
+                                          "fp16_cublas_us": round(best_us(rs["fp16_cublas"]), 2) if "fp16_cublas" in rs else None}
     out["batch1"] = detail
     # switch point: decode time / dequant+cuBLAS time per token count (> 1: dequant path wins)
     switch = {}
     for (shape, tokens, dtype), rs in sorted(table.items(), key=lambda kv: kv[0][1]):
         d, p = rs.get("tilefuse:decode"), rs.get("tilefuse:dequant")
-        if d and p and _best(d) and _best(p):
+        if d and p and best_us(d) and best_us(p):
             key = f"{shape} {dtype}"
-            switch.setdefault(key, {})[tokens] = round(_best(d) / _best(p), 3)
+            switch.setdefault(key, {})[tokens] = round(best_us(d) / best_us(p), 3)
     out["decode_over_dequant_time"] = switch
     fused = {}
     for (shape, tokens, dtype), rs in sorted(table.items()):
         f, c = rs.get("tilefuse:prefill"), rs.get("fp16_cublas")
-        if f and c and _best(f) and _best(c):
-            fused[f"{shape} {tokens} {dtype}"] = round(_best(f) / _best(c), 2)
+        if f and c and best_us(f) and best_us(c):
+            fused[f"{shape} {tokens} {dtype}"] = round(best_us(f) / best_us(c), 2)
     out["fused_prefill_over_cublas_time"] = fused
     geo = [ratio(s, 1, dt, "fp16_cublas", "tilefuse") for s, _, dt in {(k[0], 0, k[2]) for k in table}]
     geo = [g for g in geo if g]
     if geo:
-        out["batch1_speedup_geomean"] = round(math.exp(sum(math.log(g) for g in geo) / len(geo)), 3)
+        out["batch1_speedup_geomean"] = round(geomean(geo), 3)
     return out

@@ -59,15 +59,37 @@ def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts)
 
 
 @pytest.mark.parametrize("variant,config", [
-    ("transposed", dict(BLOCK_N=32, num_warps=4, num_stages=1, parts_per_sm=2, fused_combine=False)),
-    ("standard", dict(BLOCK_H=0, BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=False)),
-    ("standard", dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=True)),
+    ("transposed", dict(BLOCK_N=32, num_warps=4, num_stages=1, slot_programs=2, fused_combine=False)),
+    ("transposed", dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=3, fused_combine=True)),
+    ("standard", dict(BLOCK_H=0, BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False)),
+    ("standard", dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, slot_programs=2, fused_combine=True)),
+    ("standard", dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False)),
 ])
-def test_mla_other_configs(interpret, monkeypatch, variant, config):
-    """The sweep's alternatives: second-launch combine, unpadded standard tiles, half-page steps."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mla_other_configs(interpret, monkeypatch, variant, config, dtype):
+    """The sweep's alternatives: second-launch combine, unpadded standard tiles, half-page steps,
+    several programs per slot (empty parts included: one-page slots cut in 2 or 3)."""
     monkeypatch.setitem(op.CONFIGS, "standard_small" if variant == "standard" else variant, config)
-    inp = mla_inputs([0, 1, 130, 200, 64], 2, 8, torch.float16, interpret)
+    inp = mla_inputs([0, 1, 130, 200, 64], 2, 8, dtype, interpret)
     out, lse = _run(inp, True, 9, variant)
+    _check(out, lse, inp, True)
+
+
+def test_mla_regime_dispatch(interpret, monkeypatch):
+    """<= 16 rows: the block table's width picks the orientation and the regime's config."""
+    assert op.choose_variant(16, op.LONG_CONTEXT_PAGES - 1) == op.SMALL_ROWS_VARIANT["short"]
+    assert op.choose_variant(16, op.LONG_CONTEXT_PAGES) == op.SMALL_ROWS_VARIANT["long"]
+    assert op.choose_variant(32, 10 ** 6) == "transposed" and op.choose_variant(64, 1) == "standard"
+    with tilefuse.force(variant="transposed"):
+        assert op.choose_variant(16, 10 ** 6) == "transposed"
+    # A small threshold runs the long regime here, with a config only that regime uses.
+    monkeypatch.setattr(op, "LONG_CONTEXT_PAGES", 3)
+    monkeypatch.setitem(op.SMALL_ROWS_VARIANT, "long", "standard")
+    monkeypatch.setitem(op.CONFIGS, "standard_small:long",
+                        dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, slot_programs=2, fused_combine=False))
+    assert op.config_for("standard", 16, op.regime(3))["fused_combine"] is False
+    inp = mla_inputs([0, 150, 64, 33], 1, 16, torch.float16, interpret)
+    out, lse = _run(inp, True, 5)
     _check(out, lse, inp, True)
 
 
@@ -92,7 +114,8 @@ def test_mla_softmax_scale(interpret):
 
 
 @pytest.mark.parametrize("lens,parts", [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3),
-                                        ([64 * 7] * 8, 132), ([1] * 40, 8)])
+                                        ([64 * 7] * 8, 132), ([1] * 40, 8), ([1024] * 64, 132),
+                                        ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)])
 def test_mla_metadata_schedule(interpret, lens, parts):
     """Kernel and PyTorch mirror agree; slots cover every page once; at most `parts` slots busy."""
     seqlens = torch.tensor(lens, dtype=torch.int32)
@@ -110,6 +133,11 @@ def test_mla_metadata_schedule(interpret, lens, parts):
     busy = int((slots[:, 2] > slots[:, 1]).sum())
     assert busy <= max(parts, b)
     assert (meta[parts + b:] == 0).all()
+    # The longest slot is as short as it can be with at most `parts` slots (brute force).
+    pages = [(n + 63) // 64 for n in lens]
+    splits_at = [[max(-(-n // c), 1) for n in pages] for c in range(1, max(pages + [1]) + 1)]
+    best = next((sp for sp in splits_at if sum(sp) <= parts), [1] * b)
+    assert int((slots[:, 2] - slots[:, 1]).max()) == max(-(-n // k) for n, k in zip(pages, best))
 
 
 def test_mla_reference_backend_on_cpu():

@@ -80,3 +80,16 @@ def test_mla_gpu_nan_tail_does_not_leak():
     inp = mla_inputs([65, 130, 1], 1, 16, torch.bfloat16, "cuda")
     out, lse = _run(inp, 1, 16, False)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("key,variant", [("transposed", "transposed"), ("standard_small", "standard"),
+                                         ("standard", "standard")])
+def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
+    """The second-launch combine (a sweep candidate) with each kernel, on mixed lengths."""
+    from tilefuse.ops.mla import op
+
+    monkeypatch.setitem(op.CONFIGS, key, dict(op.CONFIGS[key], fused_combine=False))
+    h_q = 128 if key == "standard" else 16
+    inp = mla_inputs([0, 1, 65, 20000, 4097, 333, 70000, 128], 1, h_q, torch.bfloat16, "cuda")
+    out, lse = _run(inp, 1, h_q, True, variant)
+    _check(out, lse, inp, True)

@@ -151,7 +151,9 @@ def summarize(rows: list[dict]) -> dict:
     ours = [r for r in ok if r["impl"] == "tilefuse"]
     from tilefuse.ops.mla import op
 
-    summary: dict = {"configs (op.CONFIGS as run)": op.CONFIGS, "orientation below 64 rows": op.SMALL_ROWS_VARIANT}
+    summary: dict = {"configs (op.CONFIGS as run)": op.CONFIGS,
+                     "orientation at <= 16 rows (17-63: transposed)": op.SMALL_ROWS_VARIANT,
+                     "long regime from block_table pages": op.LONG_CONTEXT_PAGES}
     for name, pred, bar in (("roofline>=0.9 at context>=16K", lambda c: isinstance(c, int) and c >= 16384, 0.9),
                             ("roofline>=0.8 at 4K", lambda c: c == 4096, 0.8)):
         sel = [r for r in ours if pred(r["params"]["context"]) and r.get("roofline_frac")]
@@ -206,10 +208,30 @@ def _label(r):
     return f"b{p['batch']} h{p['h_q']} s{p['s_q']} {p['context']}"
 
 
-def sweep(out_path: str | None = None, device: torch.device | None = None, shapes: list | None = None) -> None:
+SWEEP_SHAPES = [(16, 16, 1, 1024), (16, 16, 1, 4096), (64, 16, 1, 4096), (32, 16, 1, 16384), (16, 16, 1, 65536),
+                (16, 32, 1, 16384), (16, 128, 1, 16384), (64, 128, 1, 4096)]
+
+
+def sweep_configs() -> dict[str, list[dict]]:
+    """Candidates per config key ("standard_small": the standard orientation below 64 rows)."""
+    tr = dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=True)
+    two = dict(BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=True)   # 2 programs/SM
+    std = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True)
+    return {
+        "transposed": [tr, dict(tr, fused_combine=False)],   # 2 programs/SM: 0.73 vs standard's 0.77 (sweep3)
+        "standard_small": [dict(two, BLOCK_H=0), dict(two, BLOCK_H=0, fused_combine=False)],
+        "standard": [std, dict(std, fused_combine=False), dict(std, num_warps=16)],
+    }
+
+
+def sweep(out_path: str | None = None, device: torch.device | None = None, shapes: list | None = None,
+          margin: float = 1.02) -> dict:
     """Time launch configurations (graph replay) on a few shapes; prints one line per config.
 
-    The roofline fraction uses the anchors' ceilings (4.27 TB/s copy, 729 TFLOP/s bf16 GEMM).
+    Picks, per config key and context regime (long: >= 16K, the block-table proxy's side), the
+    config with the best geomean roofline fraction (the first candidate, the current default,
+    unless another beats it by ``margin``), and per regime the orientation at <= 16 rows. The
+    roofline fraction uses the anchors' ceilings (4.27 TB/s copy, 729 TFLOP/s bf16 GEMM).
     """
     from tilefuse.bench.harness import Timer
     from tilefuse.ops.mla import op
@@ -217,58 +239,61 @@ def sweep(out_path: str | None = None, device: torch.device | None = None, shape
     device = device or torch.device("cuda")
     timer = Timer(device, rep_ms=15.0, warmup_ms=5.0)
     time_fn = timer.graph_us if device.type == "cuda" else timer.median_us
-    shapes = shapes or [(16, 16, 1, 4096), (16, 16, 1, 65536), (64, 16, 1, 4096), (16, 32, 1, 16384),
-              (16, 128, 1, 16384), (64, 128, 1, 4096)]
-    base = dict(BLOCK_N=32, num_stages=4, parts_per_sm=1, fused_combine=True)
-    configs = {   # "standard_small": the standard orientation below 64 rows (BLOCK_H 0 = unpadded)
-        "transposed": [dict(base, BLOCK_N=64, num_stages=2, num_warps=4), dict(base, num_warps=4),
-                       dict(base, num_warps=4, num_stages=3, parts_per_sm=2),
-                       dict(base, num_warps=4, fused_combine=False)],
-        "standard_small": [dict(base, BLOCK_H=0, num_warps=4), dict(base, BLOCK_H=0, num_warps=4, num_stages=3,
-                                                                    parts_per_sm=2),
-                           dict(base, BLOCK_H=64, BLOCK_N=64, num_stages=2, num_warps=8)],
-        "standard": [dict(base, BLOCK_H=64, BLOCK_N=64, num_stages=2, num_warps=8),
-                     dict(base, BLOCK_H=64, num_warps=8), dict(base, BLOCK_H=64, num_stages=3, num_warps=8)],
-    }
-    results: dict = {}   # (variant, config index) -> [roofline fractions]
-    for batch, h_q, s_q, ctx in shapes:
+    configs = sweep_configs()
+    results: dict = {}   # (key, regime, config index) -> {shape: roofline fraction}
+    for batch, h_q, s_q, ctx in shapes or SWEEP_SHAPES:
+        rows, reg = h_q * s_q, "long" if ctx >= 16384 else "short"
         case = _case(batch, h_q, s_q, [ctx] * batch, device,
                      torch.bfloat16 if device.type == "cuda" else torch.float16, naive=False)
         roof = max(case.bytes / 4.27e6, case.flops / 729e6)   # us
         impls = case.setup()
-        for variant in ("transposed", "standard_small") if h_q * s_q < 64 else ("standard",):
-            kernel = "standard" if variant == "standard_small" else variant
-            fn = impls.get(f"tilefuse:{kernel}", impls["tilefuse"])
-            for idx, cfg in enumerate(configs[variant]):
-                saved = dict(op.CONFIGS[variant])
-                op.CONFIGS[variant] = cfg
+        keys = ("transposed", "standard_small") if rows <= 16 else ("transposed",) if rows < 64 else ("standard",)
+        for key in keys:
+            fn = impls.get(f"tilefuse:{'standard' if key == 'standard_small' else key}", impls["tilefuse"])
+            for idx, cfg in enumerate(configs[key]):
+                saved = {k: v for k, v in op.CONFIGS.items() if k.split(":")[0] == key}
+                for k in saved:
+                    del op.CONFIGS[k]
+                op.CONFIGS[key] = cfg
                 try:
                     us = time_fn(fn)
                     msg = f"{us:8.1f} us  roof {roof / us:.3f}  {case.flops / us / 1e6:6.1f} TFLOP/s"
-                    results.setdefault((variant, idx), []).append(roof / us)
+                    results.setdefault((key, reg, idx), {})[batch, h_q, s_q, ctx] = roof / us
                 except Exception as exc:
                     msg = f"ERROR {type(exc).__name__}: {str(exc)[:120]}"
                 finally:
-                    op.CONFIGS[variant] = saved
-                print(f"b{batch} h{h_q} s{s_q} {ctx:6d} {variant:10s} {cfg}: {msg}", flush=True)
+                    del op.CONFIGS[key]
+                    op.CONFIGS.update(saved)
+                print(f"b{batch} h{h_q} s{s_q} {ctx:6d} {key:14s} {cfg}: {msg}", flush=True)
         del impls
         _CACHE.clear()
-    best, scores = {}, {}
-    for variant in configs:
-        scored = [(geomean(v), idx) for (var, idx), v in results.items() if var == variant]
-        if scored:
-            scores[variant], idx = max(scored)
-            best[variant] = configs[variant][idx]
-            print(f"best {variant}: {configs[variant][idx]} (geomean roofline fraction {scores[variant]:.3f})",
-                  flush=True)
-    if "transposed" in scores and "standard_small" in scores:   # the faster orientation is the default
-        best["small_rows_variant"] = "transposed" if scores["transposed"] >= scores["standard_small"] else "standard"
-        print(f"below 64 rows: {best['small_rows_variant']}", flush=True)
+    best: dict = {}
+    for key in configs:
+        for reg in ("short", "long"):
+            scored = {idx: geomean(v.values()) for (k, r, idx), v in results.items() if k == key and r == reg}
+            if not scored:
+                continue
+            idx = max(scored, key=lambda i: scored[i] / (margin if i else 1.0))
+            best[f"{key}:{reg}"] = configs[key][idx]
+            print(f"best {key} ({reg}): {configs[key][idx]} (geomean roofline fraction {scored[idx]:.3f}; "
+                  + ", ".join(f"#{i} {v:.3f}" for i, v in sorted(scored.items())) + ")", flush=True)
+    small = {}
+    for reg in ("short", "long"):   # orientation at <= 16 rows: each key's pick, on the shapes both ran
+        picked = {k: v for (k, r, idx), v in results.items()
+                  if r == reg and k in ("transposed", "standard_small") and best.get(f"{k}:{reg}") == configs[k][idx]}
+        if len(picked) == 2:
+            common = picked["transposed"].keys() & picked["standard_small"].keys()
+            tr, st = (geomean(picked[k][c] for c in common) for k in ("transposed", "standard_small"))
+            small[reg] = "transposed" if tr >= st else "standard"
+            print(f"<= 16 rows, {reg}: {small[reg]} (transposed {tr:.3f}, standard {st:.3f})", flush=True)
+    if small:
+        best["small_rows_variant"] = small
     if out_path:
         import json
 
         with open(out_path, "w") as f:
             json.dump(best, f)
+    return best
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@ CUDA graph and replayed with new lengths:
 1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into chunks of
    about equal size, one per *slot*, write where each slot starts and ends, and zero the
    arrival counters of the fused combine.
-2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (one program per slot and head
-   tile): attention of the query rows of one request over one chunk of its pages. A request with
-   one slot writes its final output; otherwise each slot writes a partial (normalised output,
-   log-sum-exp) and the last slot of the request to finish merges them (``_finish``).
+2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (SLOT_PROGRAMS programs per
+   slot, one per head tile): attention of the query rows of one request over (a part of) one
+   chunk of its pages. A request with one program writes its final output; otherwise each
+   program writes a partial (normalised output, log-sum-exp) and the last one of the request to
+   finish merges them (``_finish``), or ``mla_combine_kernel`` does in a second launch.
 
 Query rows: the ``s_q * h_q`` (token, head) pairs of one request, row ``r = t * h_q + h``.
 Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``), so the softmax uses
@@ -37,10 +38,20 @@ def mla_metadata_kernel(
     in_batch = offs_b < batch
     lens = tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0)
     pages = (lens + PAGE - 1) // PAGE
-    # Chunks of at most `chunk` pages with chunk = ceil(total / (num_parts - b)), so that
-    # sum_i ceil(n_i / chunk) <= num_parts: one wave of slots, never a nearly empty second one.
+    # Chunks of at most `chunk` pages: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts
+    # slots (one wave, the shortest longest slot). ceil(total / (num_parts - b)) always fits
+    # (sum_i ceil(n_i / c) <= total / c + b) and ceil(total / num_parts) is a lower bound, so a
+    # bisection between the two takes log2(upper - lower) steps (0-6 on the bench shapes).
     total = tl.sum(pages, axis=0)
-    chunk = tl.maximum((total + tl.maximum(num_parts - batch, 1) - 1) // tl.maximum(num_parts - batch, 1), 1)
+    room = tl.maximum(num_parts - batch, 1)
+    hi = tl.maximum((total + room - 1) // room, 1)
+    lo = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fits = tl.sum(tl.where(in_batch, tl.maximum((pages + mid - 1) // mid, 1), 0), axis=0) <= num_parts
+        hi = tl.where(fits, mid, hi)
+        lo = tl.where(fits, lo, mid + 1)
+    chunk = hi
     splits = tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
     per_split = (pages + splits - 1) // tl.maximum(splits, 1)     # even split inside each request
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
@@ -75,13 +86,22 @@ def mla_metadata_kernel(
 
 
 @triton.jit
-def _slot_work(meta_ptr, max_tokens, pid_slot):
-    """(request, first token, end token, length, splits of the request, its first slot) of one slot."""
-    row = meta_ptr + pid_slot * 8
+def _slot_work(meta_ptr, max_tokens, pid, SLOT_PROGRAMS: tl.constexpr):
+    """(request, first token, end token, length, partials of the request, its first partial) of
+    program ``pid``: part ``pid % SLOT_PROGRAMS`` of slot ``pid // SLOT_PROGRAMS``'s pages.
+
+    SLOT_PROGRAMS > 1 runs several programs per slot (two per SM with a small-SMEM config) on
+    the same metadata; each writes its own partial, so partial indices are ``pid``.
+    """
+    row = meta_ptr + (pid // SLOT_PROGRAMS) * 8
     req = tl.load(row)
     length = tl.minimum(tl.load(row + 4), max_tokens)      # never past the block table
-    tok_end = tl.minimum(tl.load(row + 2) * PAGE, length)
-    return req, tl.load(row + 1) * PAGE, tok_end, length, tl.load(row + 3), tl.load(row + 5)
+    first_page = tl.load(row + 1)
+    end_page = tl.load(row + 2)
+    per = (end_page - first_page + SLOT_PROGRAMS - 1) // SLOT_PROGRAMS
+    begin = tl.minimum(first_page + (pid % SLOT_PROGRAMS) * per, end_page)
+    tok_end = tl.minimum(tl.minimum(begin + per, end_page) * PAGE, length)
+    return req, begin * PAGE, tok_end, length, tl.load(row + 3) * SLOT_PROGRAMS, tl.load(row + 5) * SLOT_PROGRAMS
 
 
 @triton.jit
@@ -97,45 +117,46 @@ def _store_final(o, lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
+def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE: tl.constexpr):
     """Normalise the [rows, 512] accumulator and write the result.
 
-    A request with one slot writes its output directly. Otherwise each slot writes a partial
-    (normalised output, log2-sum-exp). FUSED_COMBINE: the slot bumps the request's arrival
-    counter and the one that arrives last merges all partials (read back from L2), no extra
-    launch; else ``mla_combine_kernel`` merges them in a second launch.
+    A request with one program writes its output directly. Otherwise each program writes a
+    partial (normalised output, log2-sum-exp) at index ``pid_part``. FUSED_COMBINE: the program
+    bumps the request's arrival counter and the one that arrives last merges all ``n_part``
+    partials (read back from L2), no extra launch; else ``mla_combine_kernel`` merges them in a
+    second launch.
     """
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-    if n_split == 1:
+    if n_part == 1:
         _store_final(acc / l_safe[:, None], lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
                      stride_ob, stride_os, stride_oh, stride_lb, stride_lh)
     else:
-        part = pid_slot * rows_total + rows
+        part = pid_part * rows_total + rows
         tl.store(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
         tl.store(lseacc_ptr + part, lse2, mask=row_ok)
     if FUSED_COMBINE:
-        if n_split > 1:
+        if n_part > 1:
             tl.debug_barrier()                      # every thread's partial stored before the release below
             counter = meta_ptr + (num_slots + req) * 8 + pid_h
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == n_split - 1:
+            if arrived == n_part - 1:
                 # Every slot of the request has arrived: reset the counter so the same metadata
                 # serves the next call (FlashMLA's usage: one get_mla_metadata per step, all layers).
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 m = tl.full(lse2.shape, float("-inf"), tl.float32)
-                for s in range(0, n_split):
-                    part = (first_slot + s) * rows_total + rows
+                for s in range(0, n_part):
+                    part = (first_part + s) * rows_total + rows
                     lse_s = tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
                     m = tl.maximum(m, lse_s)
                 m_safe = tl.where(m == float("-inf"), 0.0, m)
                 total = tl.zeros(lse2.shape, tl.float32)
                 o = tl.zeros(acc.shape, tl.float32)
-                for s in range(0, n_split):
-                    part = (first_slot + s) * rows_total + rows
+                for s in range(0, n_part):
+                    part = (first_part + s) * rows_total + rows
                     lse_s = tl.load(lseacc_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
                     w = tl.exp2(lse_s - m_safe)
                     total += w
@@ -189,16 +210,16 @@ def mla_split_standard_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
     BLOCK_H = 64 query rows per program so Hopper's WGMMA (M = 64) applies; the [64, 512] fp32
     accumulator is 128 registers per thread at num_warps = 8.
     """
-    pid_slot = tl.program_id(0)
+    pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
+    req, tok_begin, tok_end, length, n_part, first_part = _slot_work(meta_ptr, max_tokens, pid_part, SLOT_PROGRAMS)
     if req < 0:
         return
     rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
@@ -232,7 +253,7 @@ def mla_split_standard_kernel(
         acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
         page = next_page
-    _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots, h_q,
+    _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
 
@@ -245,14 +266,14 @@ def mla_split_transposed_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
     dots have M = BLOCK_N (64) and M = 512, N = BLOCK_H (16 or 32)."""
-    pid_slot = tl.program_id(0)
+    pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_split, first_slot = _slot_work(meta_ptr, max_tokens, pid_slot)
+    req, tok_begin, tok_end, length, n_part, first_part = _slot_work(meta_ptr, max_tokens, pid_part, SLOT_PROGRAMS)
     if req < 0:
         return
     rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
@@ -286,7 +307,7 @@ def mla_split_transposed_kernel(
         acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
         m_i = m_new
         page = next_page
-    _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_slot, pid_h, n_split, first_slot, num_slots,
+    _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots,
             h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
 
@@ -296,7 +317,7 @@ def mla_combine_kernel(
     num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
     h_q, rows_total,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    S_CHUNK: tl.constexpr,
+    S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
 ):
     """The unfused combine: one program per (request, query row) merges that row's partials.
 
@@ -305,8 +326,8 @@ def mla_combine_kernel(
     """
     req = tl.program_id(0)
     row = tl.program_id(1)
-    first = tl.load(num_splits_ptr + req)
-    n = tl.load(num_splits_ptr + req + 1) - first
+    first = tl.load(num_splits_ptr + req) * SLOT_PROGRAMS          # partials are per program
+    n = tl.load(num_splits_ptr + req + 1) * SLOT_PROGRAMS - first
     if n > 1:                                       # one slot: the split kernel wrote the result
         offs_s = tl.arange(0, S_CHUNK)
         offs_v = tl.arange(0, D_NOPE)

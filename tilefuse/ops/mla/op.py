@@ -5,20 +5,22 @@ Kernels live in ``kernels.py``, the spec in ``reference.py``.
 Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
 
 * ``tile_scheduler_metadata``: int32 ``[num_sm_parts + 2 b, 8]``. Rows ``0 .. num_sm_parts + b - 1``
-  are *slots* (programs of the attention kernel): ``(request, first page, end page, splits of
-  that request, its length, its first slot, 0, 0)``; request ``-1`` marks an unused slot. The
-  pages are cut into chunks of at most ``ceil(total_pages / (num_sm_parts - b))`` pages (split
-  evenly inside each request), so at most ``num_sm_parts`` slots are busy -- one wave on the
-  GPU whatever the mix of lengths -- and ``num_sm_parts + b`` bounds the slot count (a static
-  shape: no host sync). The last ``b`` rows are the fused combine's arrival counters, one per
+  are *slots* (each run by ``slot_programs`` programs of the attention kernel): ``(request,
+  first page, end page, splits of that request, its length, its first slot, 0, 0)``; request
+  ``-1`` marks an unused slot. The pages are cut into chunks of at most ``chunk`` pages (split
+  evenly inside each request), ``chunk`` the smallest with at most ``num_sm_parts`` busy slots
+  -- one wave on the GPU whatever the mix of lengths, and the shortest longest slot -- and
+  ``num_sm_parts + b`` bounds the slot count (a static shape: no host sync). The last ``b`` rows are the fused combine's arrival counters, one per
   (request, head tile), zeroed by the metadata kernel and reset by the slot that combines, so
   one metadata serves every layer of a step; calls sharing one metadata must not run
   concurrently on different streams.
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
-Dispatch: ``s_q * h_q < 64`` -> the transposed (ETAP) kernel, else the standard one with 64-row
-head tiles; ``tilefuse.force(variant="transposed" | "standard")`` pins one.
+Dispatch (``choose_variant``): from 64 query rows the standard kernel with 64-row head tiles;
+17-63 rows the transposed (ETAP) one; <= 16 rows transposed for short contexts, the unpadded
+standard kernel for long ones, judged by the block table's width (a shape: graph-safe, no host
+sync). ``tilefuse.force(variant="transposed" | "standard")`` pins one.
 """
 
 from __future__ import annotations
@@ -38,40 +40,45 @@ from tilefuse.ops.mla.reference import PAGE_SIZE, mla_decode_reference
 HEAD_DIM = 576
 HEAD_DIM_V = 512
 VARIANTS = ("transposed", "standard")
-# Launch settings, picked by the H200 sweep in bench/results/mla-sweep3-h200.txt (graph replay,
-# geomean roofline fraction over its shapes) and used for bench/results/mla-h200.json:
+# Launch settings (H200 sweeps in bench/results/mla-sweep{3,4}-h200.txt, graph replay):
 # * "transposed": s_q * h_q < 64 rows, BLOCK_H = next_pow2(rows) (16 or 32). BLOCK_N = 64 (one
-#   page, M = 64 for WGMMA), 2 stages: 168 KB SMEM, one program per SM. BLOCK_N = 32 with 3-4
-#   stages pipelines deeper but measured 4-49 % slower, except at 64K context (9 % faster
-#   with two programs per SM).
+#   page, M = 64 for WGMMA), 2 stages: 168 KB SMEM, one program per SM.
 # * "standard": >= 64 rows, 64-row head tiles (WGMMA M = 64), [64, 512] fp32 accumulator over
 #   8 warps; 221 KB SMEM (Q + 2 K stages). BLOCK_N = 32 with 3-4 stages measured 12 % slower.
 # * "standard_small": the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
-#   (mma.sync, no padding; 93 KB SMEM, two programs per SM), 64 = padded as FlashMLA does
-#   (16-73 % slower at 16 rows, 11 % faster at 32 rows).
-# parts_per_sm: busy slots per SM in the split schedule (1 = one wave of one program per SM).
-# fused_combine: the last slot of a request merges the partials, else a second launch does.
-#   With BLOCK_N = 32 / 4 stages the second launch measured 4-17 % FASTER on all four sweep
-#   shapes (the fused merge is a serial tail in one program); it was not swept with the chosen
-#   BLOCK_N = 64 config, so the measured default stays fused -- the next thing to try.
+#   (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
+# slot_programs: programs per metadata slot (each takes an equal part of the slot's pages). The
+#   metadata has one busy slot per SM (per head tile) whatever the kernel, so both orientations
+#   run on the same metadata; 2 = two programs per SM for a config that fits twice in SMEM.
+# fused_combine: the last program of a request merges the partials, else a second launch does.
+# "<key>:long" / "<key>:short" entries, where present, override "<key>" in that regime.
 CONFIGS = {
-    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, parts_per_sm=1, fused_combine=True),
-    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, parts_per_sm=1, fused_combine=True),
-    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, parts_per_sm=2, fused_combine=True),
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=True),
+    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
+    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=True),
 }
-# Orientation below 64 rows: transposed, faster in 30 of the 40 such bench cases (geomean 1.12x);
-# the unpadded standard kernel is faster at 16 rows with long contexts (12-18 % at 16K-64K for
-# batch >= 32, 13 % at b16/64K) and on batch-64 mixed lengths (up to 37 %).
-SMALL_ROWS_VARIANT = "transposed"
-if os.environ.get("TILEFUSE_MLA_CONFIGS"):   # tuning hook: a JSON file {variant: config} from the sweep
+# Orientation at <= 16 query rows, per regime. The regime comes from a shape, so it costs no host
+# sync and is fixed in a CUDA graph: "long" when the block table holds >= LONG_CONTEXT_PAGES pages
+# per request (its capacity, an upper bound on the context). Measured (mla-h200.json, 16 rows):
+# the unpadded standard kernel (two programs per SM) is 0-18 % faster at 16K-64K, the transposed
+# one 2-24 % faster at 1K-4K with batch 16-32. At 17-63 rows transposed wins everywhere (25-43 %).
+LONG_CONTEXT_PAGES = 256
+SMALL_ROWS_VARIANT = {"short": "transposed", "long": "standard"}
+if os.environ.get("TILEFUSE_MLA_CONFIGS"):   # tuning hook: a JSON file {key: config} from the sweep
     _tuned = json.loads(Path(os.environ["TILEFUSE_MLA_CONFIGS"]).read_text())
-    SMALL_ROWS_VARIANT = _tuned.pop("small_rows_variant", SMALL_ROWS_VARIANT)
+    SMALL_ROWS_VARIANT.update(_tuned.pop("small_rows_variant", {}))
     CONFIGS.update(_tuned)
 
 
-def config_for(variant: str, rows: int) -> dict:
-    """The launch settings a variant uses at ``rows = s_q * h_q`` query rows."""
-    return CONFIGS["standard_small" if variant == "standard" and rows < 64 else variant]
+def regime(max_blocks: int) -> str:
+    """"long" if the block table has room for >= LONG_CONTEXT_PAGES pages per request, else "short"."""
+    return "long" if max_blocks >= LONG_CONTEXT_PAGES else "short"
+
+
+def config_for(variant: str, rows: int, context: str = "short") -> dict:
+    """The launch settings a variant uses at ``rows = s_q * h_q`` query rows in a regime."""
+    key = "standard_small" if variant == "standard" and rows < 64 else variant
+    return CONFIGS.get(f"{key}:{context}", CONFIGS[key])
 
 
 def kernel_status(device: torch.device) -> dict[str, str]:
@@ -86,17 +93,20 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     return {v: why for v in VARIANTS}
 
 
-def choose_variant(rows: int) -> str:
-    """SMALL_ROWS_VARIANT (transposed, ETAP) below 64 query rows, standard 64-row head tiles otherwise."""
-    return forced_variant() if forced_variant() in VARIANTS else (SMALL_ROWS_VARIANT if rows < 64 else "standard")
+def choose_variant(rows: int, max_blocks: int = 1) -> str:
+    """Standard (64-row head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16
+    rows where SMALL_ROWS_VARIANT picks per regime (block tables of >= LONG_CONTEXT_PAGES pages)."""
+    if forced_variant() in VARIANTS:
+        return forced_variant()
+    if rows >= 64:
+        return "standard"
+    return SMALL_ROWS_VARIANT[regime(max_blocks)] if rows <= 16 else "transposed"
 
 
 def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> int:
-    """Target busy slots: the SMs (times the variant's parts_per_sm) shared among the head tiles."""
-    head_tiles = max(1, math.ceil(num_q_tokens_per_head_k / 64))
-    rows = num_q_tokens_per_head_k
-    per_sm = config_for(choose_variant(rows), rows).get("parts_per_sm", 1)
-    return max(1, num_sms(device) * per_sm // head_tiles)
+    """Target busy slots: the SMs shared among the 64-row head tiles (kernels may run several
+    programs per slot, see ``slot_programs``)."""
+    return max(1, num_sms(device) // max(1, math.ceil(num_q_tokens_per_head_k / 64)))
 
 
 # ---------------------------------------------------------------------------------- metadata
@@ -108,7 +118,14 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
     lens = cache_seqlens.long()
     pages = (lens + PAGE_SIZE - 1) // PAGE_SIZE
     room = max(num_parts - batch, 1)
-    chunk = ((pages.sum() + room - 1) // room).clamp_min(1)
+    total = pages.sum()
+    hi = ((total + room - 1) // room).clamp_min(1)
+    lo = ((total + num_parts - 1) // num_parts).clamp_min(1).minimum(hi)
+    for _ in range(40):      # the kernel's bisection, a fixed number of steps (no host sync)
+        mid = (lo + hi) // 2
+        fits = ((pages + mid - 1) // mid).clamp_min(1).sum() <= num_parts
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
+    chunk = hi
     splits = ((pages + chunk - 1) // chunk).clamp_min(1)
     per = (pages + splits - 1) // splits
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
@@ -192,8 +209,9 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
 
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    cfg = {k: v for k, v in config_for(variant, rows).items() if k not in ("parts_per_sm", "fused_combine")}
-    fused = config_for(variant, rows).get("fused_combine", True)
+    cfg = dict(config_for(variant, rows, regime(block_table.shape[1])))
+    fused = cfg.pop("fused_combine", True)
+    per_slot = cfg.pop("slot_programs", 1)
     block_h = cfg.pop("BLOCK_H", 0) or max(16, triton.next_power_of_2(min(rows, 64)))
     if variant == "transposed":
         block_h = max(16, triton.next_power_of_2(min(rows, 64)))
@@ -202,23 +220,24 @@ def _launch(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, cau
     num_slots = meta.shape[0] - batch           # the last b rows are the combine's counters
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
-    # Partials of split requests: normalised outputs and their lse, one row per (slot, query row).
-    o_acc = torch.empty(num_slots, rows, HEAD_DIM_V, dtype=torch.float32, device=q.device)
-    lse_acc = torch.empty(num_slots, rows, dtype=torch.float32, device=q.device)
+    # Partials of split requests: normalised outputs and their lse, one row per (program, query row).
+    o_acc = torch.empty(num_slots * per_slot, rows, HEAD_DIM_V, dtype=torch.float32, device=q.device)
+    lse_acc = torch.empty(num_slots * per_slot, rows, dtype=torch.float32, device=q.device)
     kernel = kernels.mla_split_transposed_kernel if variant == "transposed" else kernels.mla_split_standard_kernel
-    grid = (num_slots, triton.cdiv(rows, block_h))
+    grid = (num_slots * per_slot, triton.cdiv(rows, block_h))
     kernel[grid](
         q, k_cache, block_table, meta, out, lse, o_acc, lse_acc,
         h_q, s_q, rows, num_slots, block_table.shape[1] * PAGE_SIZE, scale * kernels.LOG2E,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         CAUSAL=causal, BLOCK_H=block_h, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED_COMBINE=fused, **cfg,
+        FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg,
     )
     if not fused:
         kernels.mla_combine_kernel[(batch, rows)](
             num_splits, o_acc, lse_acc, out, lse, h_q, rows,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), S_CHUNK=8, num_warps=4,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), S_CHUNK=8,
+            SLOT_PROGRAMS=per_slot, num_warps=4,
         )
     return out, lse
 
@@ -234,7 +253,7 @@ def _flash_mla(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
                softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if choose_backend(q.device) != "triton":
         return mla_decode_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
-    variant = choose_variant(q.shape[1] * q.shape[2])
+    variant = choose_variant(q.shape[1] * q.shape[2], block_table.shape[1])
     return _launch(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
                    softmax_scale, causal, variant)
 

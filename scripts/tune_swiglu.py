@@ -1,4 +1,11 @@
-"""One-off config sweep for the fused SwiGLU kernels on the H200 (run by scripts/gpu_swiglu.sh).
+"""Config sweeps for the fused SwiGLU kernels on the H200 (run by scripts/gpu_swiglu.sh).
+
+``tune_swiglu.py tail OUT``: the focused sweep of the tail-wave shapes (stream-K and tile-size
+candidates, see docs/swiglu.md), timed as CUDA-graph replays (cold L2, median) like the benchmark's
+launch-bound rows, so Triton's host launch cost does not hide the kernel time; writes every time to
+OUT/swiglu-tail-sweep.json and the winners to OUT/swiglu-tail-configs.json (TILEFUSE_SWIGLU_CONFIGS).
+
+``tune_swiglu.py [OUT]``: the original full sweep (eager do_bench; host-bound at small shapes).
 
 For every Qwen2.5 shape x M of the benchmark, times the bare merged cuBLAS GEMM and a short list
 of candidate configs of both kernels (merged layout; the best large-M ones also in the packed
@@ -92,6 +99,71 @@ def main(out_dir: Path) -> None:
     (out_dir / "swiglu-tune-h200.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
+def graph_us(fn, rep: int = 10) -> float:
+    """Median CUDA-graph replay time (cold L2) of fn, in us; inf if it does not compile or run."""
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return 1e3 * do_bench(graph.replay, warmup=3, rep=rep, return_mode="median")
+    except Exception as exc:
+        print(f"    ! {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return float("inf")
+
+
+SK = [L(128, 128, 64, 8, 4, 8, False, 1), L(128, 128, 64, 8, 4, 8, False, 2), L(128, 64, 64, 8, 4, 4, False, 1),
+      L(128, 64, 64, 8, 4, 4, False, 2)]
+TAIL_CASES = {  # (model, M): extra candidates beyond SK and the tuned entry
+    **{(model, 128): [L(64, 128, 64, 8, 4, 4, False, 1)] for model in QWEN25_SHAPES},
+    **{(model, 1024): [L(128, 128, 64, 8, 3, 8, False, 1)] for model in ("0.5B", "1.5B", "3B", "14B", "32B")},
+    ("0.5B", 4096): [L(128, 128, 64, 8, 3, 8, False, 1)],
+    **{(model, m): [S(16, 64, 128, 1, 4), S(16, 64, 256, 1, 3), S(16, 32, 128, 1, 4), S(16, 32, 256, 1, 3),
+                    S(16, 16, 256, 1, 4), S(16, 128, 128, 1, 4, 8), S(16, 64, 128, 2, 4)]
+       for model in ("0.5B", "1.5B") for m in (1, 16)},
+}
+
+
+def tail_sweep(out_dir: Path) -> None:
+    from tilefuse.ops.swiglu import configs
+
+    results, winners, changed, t0 = [], [], [], time.time()
+    for (model, m), extra in TAIL_CASES.items():
+        h, i = QWEN25_SHAPES[model]
+        x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+        out = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
+        floor = graph_us(lambda: F.linear(x, w))
+        variant, tuned = configs.choose(m, h, i)
+        cands = [tuned] + [c for c in (extra if m <= 16 else SK + extra) if c != tuned]
+        timed = [(c, graph_us(lambda c=c: run_kernel(x, w, None, config=c, out=out))) for c in cands]
+        best, us = min(timed, key=lambda t: t[1])
+        if us > 0.98 * timed[0][1]:  # keep the tuned entry unless a candidate is clearly faster
+            best, us = timed[0]
+        print(f"{model:>5} M={m:<5} cublas {floor:8.1f}  tuned {timed[0][1]:8.1f} ({timed[0][1] / floor:.3f})  "
+              f"best {us:8.1f} ({us / floor:.3f}) {best}", flush=True)
+        for c, t in sorted(timed, key=lambda t: t[1])[:4]:
+            print(f"        {t:8.1f} {c}")
+        results.append({"model": model, "H": h, "I": i, "M": m, "cublas_graph_us": floor,
+                        "candidates": [{"config": repr(c), "graph_us": t} for c, t in timed]})
+        if best != timed[0][0]:
+            changed.append(f"{model}:{m}")
+        winners.append({"H": h, "I": i, "M": m, "variant": "small_m" if isinstance(best, S) else "large_m",
+                        "config": dict(best.__dict__)})
+        del x, w, out
+        torch.cuda.empty_cache()
+    print(f"tail sweep took {time.time() - t0:.0f} s", flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "swiglu-tail-sweep.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "swiglu-tail-configs.json").write_text(json.dumps(winners, indent=1) + "\n")
+    # The cases whose config changed, for the partial benchmark that follows (TILEFUSE_BENCH_SWIGLU_CASES).
+    (out_dir / "changed.txt").write_text(",".join(changed) + "\n")
+
+
 def promote_check() -> None:
     """Per-K-step promotion (config.promote): time and accuracy against the tuned kernels."""
     import dataclasses
@@ -118,5 +190,7 @@ def promote_check() -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["promote"]:
         promote_check()
+    elif sys.argv[1:2] == ["tail"]:
+        tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"))
     else:
         main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))

@@ -11,6 +11,8 @@ Tolerances (against the fp64 spec):
 * fp32 output: fp32 arithmetic throughout; ``rtol = atol = 1e-5`` (~H * 2^-24 with H <= 200).
 """
 
+import json
+
 import pytest
 import torch
 
@@ -60,6 +62,55 @@ def test_large_m_kernel(interpret, shape, dtype, cfg):
     out = poisoned((m, i), dtype, interpret)
     run_kernel(x, w, bias, "merged", "large_m", cfg, out=out)
     _check(out, x, w, bias, dtype)
+
+
+SK_CFGS = [configs.LargeMConfig(32, 32, 32, 2, 2, 4, False, stream_k=1),
+           configs.LargeMConfig(16, 16, 16, 4, 2, 4, False, stream_k=2)]
+
+
+@pytest.mark.parametrize("num_sms,dtype", [(3, torch.float16), (7, torch.float16), (7, torch.float32),
+                                           (132, torch.float16)], ids=["3", "7", "7-fp32", "132"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cfg", SK_CFGS, ids=["sk1", "sk2"])
+def test_large_m_stream_k(interpret, shape, dtype, num_sms, cfg):
+    """Stream-K tail: whole waves plus K runs that start and end inside tiles (3 and 7 programs),
+    or every tile split over many programs (132); the tickets are re-armed for the second call."""
+    m, h, i = shape
+    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=num_sms == 7)
+    sk_tiles, sk_iters = configs.stream_k_split(m, h, i, cfg, num_sms)
+    tiles = -(-m // cfg.block_m) * -(-i // cfg.block_n)
+    assert sk_tiles == (0 if tiles % num_sms == 0 else min(tiles, tiles % num_sms + (cfg.stream_k - 1) * num_sms))
+    for _ in range(2 if num_sms == 7 else 1):
+        out = poisoned((m, i), dtype, interpret)
+        run_kernel(x, w, bias, "merged", "large_m", cfg, out=out, num_sms=num_sms)
+        _check(out, x, w, bias, dtype)
+    packed = pack_gate_up(w[:i], w[i:]) if i % 64 == 0 else None
+    if packed is not None and cfg.block_n == 64:
+        out = poisoned((m, i), dtype, interpret)
+        run_kernel(x, packed, bias, "packed", "large_m", cfg, out=out, num_sms=num_sms)
+        _check(out, x, w, bias, dtype)
+
+
+def test_config_overrides(tmp_path, monkeypatch):
+    """The sweep's winners file (TILEFUSE_SWIGLU_CONFIGS) replaces table entries."""
+    monkeypatch.setattr(configs, "TUNED", {k: dict(v) for k, v in configs.TUNED.items()})
+    cfg = configs.LargeMConfig(128, 64, 64, 8, 4, 4, False, stream_k=2)
+    (tmp_path / "w.json").write_text(json.dumps(
+        [{"H": 896, "I": 4864, "M": 128, "variant": "large_m", "config": dict(cfg.__dict__)}]))
+    configs.load_overrides(tmp_path / "w.json")
+    assert configs.choose(100, 896, 4864) == ("large_m", cfg)
+    configs._choose_bucketed.cache_clear()
+
+
+def test_stream_k_split_and_wave_efficiency():
+    # 7B at M = 128: 148 tiles of 128 x 128 on 132 SMs; 16 tail tiles * 56 K steps over 132 SMs.
+    cfg = configs.LargeMConfig(128, 128, 64, stream_k=1)
+    assert configs.stream_k_split(128, 3584, 18944, cfg, 132) == (16, 7)
+    assert configs.stream_k_split(128, 3584, 18944, configs.LargeMConfig(), 132) == (0, 0)
+    assert configs.wave_efficiency(128, 3584, 18944, configs.LargeMConfig()) == pytest.approx(148 / 264)
+    assert configs.wave_efficiency(128, 3584, 18944, cfg) == pytest.approx(148 * 56 / ((56 + 7) * 132))
+    # fewer tiles than SMs: all of them are stream-K (1.5B at M = 128: 70 tiles, 24 K steps)
+    assert configs.stream_k_split(128, 1536, 8960, cfg, 132) == (70, 13)
 
 
 @pytest.mark.parametrize("variant,cfg", [

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
                 impls["tilefuse:large_m_promote"] = lambda: run_kernel(x, w, None, config=cfg)
         impls["torch_unfused"] = lambda: _unfused(x, w_gate, w_up)
         impls["torch_merged"] = lambda: _merged(x, w, inter)
-        if on_gpu:
+        if on_gpu and not os.environ.get("TILEFUSE_BENCH_SWIGLU_CASES"):  # partial runs skip the compile
             compiled = _compiled()
             impls["torch_compile"] = lambda: compiled(x, w_gate, w_up)
         impls["cublas_gemm"] = lambda: F.linear(x, w)
@@ -137,7 +138,12 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
                 for m in (1, 16)]
     models = ("0.5B", "7B", "72B") if quick else tuple(QWEN25_SHAPES)
     ms = (1, 128, 4096) if quick else BENCH_M
-    return [_case(name, *QWEN25_SHAPES[name], m, device) for name in models for m in ms]
+    # A partial re-run (the rows whose config changed): TILEFUSE_BENCH_SWIGLU_CASES="0.5B:128,7B:1024";
+    # it leaves out torch_compile (its one dynamic-shape compile costs ~30 s of device time).
+    pick = os.environ.get("TILEFUSE_BENCH_SWIGLU_CASES")
+    keep = {tuple(c.split(":")) for c in pick.split(",")} if pick else None
+    return [_case(name, *QWEN25_SHAPES[name], m, device) for name in models for m in ms
+            if keep is None or (name, str(m)) in keep]
 
 
 # ----------------------------------------------------------------------------- summary

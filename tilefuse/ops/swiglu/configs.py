@@ -9,7 +9,10 @@ the first call of a shape the hot path is one dict lookup (no autotuning, ever).
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 NUM_SMS_H200 = 132
 # M at and below which the split-K pointer kernel runs when no tuned entry says otherwise.
@@ -37,7 +40,33 @@ class LargeMConfig:
     num_stages: int = 3
     num_warps: int = 8
     warp_specialize: bool = True
+    # Waves handed to the stream-K tail (0: off). 1: the tiles of the last, partial wave are shared
+    # out by K steps over all SMs; 2: those plus one whole wave (fewer, larger pieces per tile).
+    stream_k: int = 0
     promote: bool = False  # per-K-step fp32 adds (accuracy); likely slows WGMMA, unmeasured
+
+
+def stream_k_split(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int) -> tuple[int, int]:
+    """(sk_tiles, sk_iters) of the large-M kernel: how many of the last tiles go to stream-K and
+    how many K steps each program takes of them; (0, 0) when stream-K is off or the tiles fill
+    whole waves."""
+    tiles = -(-m // cfg.block_m) * -(-i // cfg.block_n)
+    tail = tiles % num_sms
+    if cfg.stream_k <= 0 or tail == 0:
+        return 0, 0
+    sk_tiles = min(tiles, tail + (cfg.stream_k - 1) * num_sms)
+    k_steps = -(-h // cfg.block_k)
+    return sk_tiles, -(-sk_tiles * k_steps // num_sms)
+
+
+def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 132) -> float:
+    """Busy fraction of the SMs over the kernel, counting K steps (no fix-up cost): tiles / (waves
+    * num_sms) without stream-K; with it the tail's K steps are spread evenly."""
+    tiles = -(-m // cfg.block_m) * -(-i // cfg.block_n)
+    k_steps = -(-h // cfg.block_k)
+    sk_tiles, sk_iters = stream_k_split(m, h, i, cfg, num_sms)
+    per_sm = (tiles - sk_tiles) // num_sms * k_steps + sk_iters if sk_tiles else -(-tiles // num_sms) * k_steps
+    return tiles * k_steps / (per_sm * num_sms)
 
 
 S, L = SmallMConfig, LargeMConfig
@@ -45,7 +74,7 @@ S, L = SmallMConfig, LargeMConfig
 # Measured winners per (H, I) and tuned M: scripts/tune_swiglu.py on the H200, bf16, merged layout,
 # 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
-# L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize).
+# L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
 TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
     (896, 4864): {
         1: S(16, 64, 128, 1, 4, 4),
@@ -106,6 +135,16 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
 }
 
 
+def load_overrides(path) -> None:
+    """Tuning hook: merge a sweep's winners (``scripts/tune_swiglu.py tail`` writes them as
+    ``[{"H", "I", "M", "variant", "config": {field: value}}]``) into ``TUNED``, so a benchmark in
+    the same device call runs them before they are copied into the table by hand."""
+    for entry in json.loads(Path(path).read_text()):
+        cls = SmallMConfig if entry["variant"] == "small_m" else LargeMConfig
+        TUNED.setdefault((entry["H"], entry["I"]), {})[entry["M"]] = cls(**entry["config"])
+    _choose_bucketed.cache_clear()
+
+
 def _bucket(m: int) -> int:
     return next((t for t in TUNED_M if m <= t), TUNED_M[-1])
 
@@ -153,3 +192,7 @@ def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NU
     if variant == "small_m":
         return variant, _small_m_heuristic(min(m, SMALL_M_MAX), h, i, num_sms)
     return variant, LargeMConfig()
+
+
+if os.environ.get("TILEFUSE_SWIGLU_CONFIGS"):
+    load_overrides(os.environ["TILEFUSE_SWIGLU_CONFIGS"])

@@ -9,9 +9,10 @@ HBM (paper 1). They differ in how they feed the tensor cores:
   to finish sums the fp32 partials and runs the epilogue), so even M = 1 fills all 132 SMs.
   Decode-sized M is memory-bound: what matters is bytes in flight, not MMA shape.
 * :func:`swiglu_large_m_kernel` (Kernel-1, "ping-pong"): persistent grid of one program per SM,
-  host-side TMA descriptors, grouped tile order for L2 reuse, and Triton's Hopper warp
-  specialization (a producer partition issues TMA loads while the MMA partition runs WGMMA and the
-  epilogue of one tile overlaps the loads of the next).
+  host-side TMA descriptors, grouped tile order for L2 reuse, the loop flagged for Triton's warp
+  specialization (on sm_90 Triton 3.6 software-pipelines it instead), and an optional stream-K
+  tail: the tiles of the last, partial wave are shared out by K steps over all programs, so a
+  shape whose tile count is just above a multiple of the SM count does not run a near-empty wave.
 
 Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 
@@ -177,20 +178,72 @@ def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_mma(x_desc, w_desc, off_m, off_n, k_lo, k_hi, acc_zero,
+                 PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr):
+    # K steps [k_lo, k_hi) of one tile: HBM -TMA-> SMEM (multi-stage ring) -WGMMA-> fp32 registers,
+    # one dot of N = 2 BLOCK_N per K step (two dots in one loop made ptxas serialize the WGMMAs).
+    # TMA zero-fills out-of-range rows and the K tail, so there are no masks here.
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    for ks in range(k_lo, k_hi):
+        x = x_desc.load([off_m, ks * BLOCK_K])
+        if PACKED:
+            # w_desc: [2I, H]; rows [2 off_n, 2 off_n + 2 BLOCK_N) = BLOCK_N / PACK packed blocks.
+            w = w_desc.load([2 * off_n, ks * BLOCK_K])
+        else:
+            # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
+            # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
+            w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+        if PROMOTE:  # see the small-M kernel; likely costs the WGMMA overlap
+            acc += tl.dot(x, w.T, tl.full((BLOCK_M, 2 * BLOCK_N), acc_zero, tl.float32))
+        else:
+            acc = tl.dot(x, w.T, acc)
+    return acc
+
+
+@triton.jit
+def _split_gate_up(acc, PACKED: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    # Columns come as [block, gate|up, cols]: move gate|up last and split it off.
+    if PACKED:
+        acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK).permute(0, 1, 3, 2)
+    else:
+        acc = acc.reshape(BLOCK_M, 1, 2, BLOCK_N).permute(0, 1, 3, 2)
+    gate, up = tl.split(acc)
+    return gate.reshape(BLOCK_M, BLOCK_N), up.reshape(BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Registers -> SMEM -TMA-> HBM: bias, SiLU * mul in fp32, one rounding, a TMA store (clipped
+    # at M and I by the descriptor).
+    if HAS_BIAS:
+        cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), I - 1)
+        gate += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + I + cols).to(tl.float32)[None, :]
+    h = _silu_mul(gate, up)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(out_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["sk_tiles", "sk_iters"])  # one binary per config, whatever the split
 def swiglu_large_m_kernel(
     # TMA descriptors (host-side) and plain pointers
-    x_desc, w_desc, out_desc, bias_ptr,
+    x_desc, w_desc, out_desc, bias_ptr, ws_ptr, lock_ptr,
     # sizes
     M, I, H,
+    # stream-K region: the last sk_tiles tiles, sk_iters K steps per program (see below)
+    sk_tiles, sk_iters,
     # 0.0 at run time (PROMOTE, see the small-M kernel)
     acc_zero,
     # meta-parameters
     HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PROMOTE: tl.constexpr,
+    STREAM_K: tl.constexpr, PROMOTE: tl.constexpr,
 ):
-    """Persistent: program p handles tiles p, p + NUM_SMS, ... in grouped order.
+    """Persistent: program p handles tiles p, p + NUM_SMS, ... in grouped order, then (STREAM_K) an
+    equal share of the K steps of the last ``sk_tiles`` tiles.
 
     Tile shape: BLOCK_M x BLOCK_N output columns means a BLOCK_M x 2 BLOCK_N GEMM tile (gate and
     up), e.g. 128 x 256 for BLOCK_N = 128: the shape CUTLASS's ping-pong kernels use on Hopper, big
@@ -204,46 +257,56 @@ def swiglu_large_m_kernel(
     num_pid_n = tl.cdiv(I, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     k_steps = tl.cdiv(H, BLOCK_K)
-    dtype = out_desc.dtype
+    dp_tiles = num_tiles - sk_tiles  # whole waves: NUM_SMS divides dp_tiles when STREAM_K
     tile_epi = start - NUM_SMS
 
-    for tile_id in tl.range(start, num_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+    # Data-parallel part: one whole tile per iteration.
+    for tile_id in tl.range(start, dp_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        # Main loop: HBM -TMA-> SMEM (multi-stage ring) -WGMMA-> fp32 registers, one dot of
-        # N = 2 BLOCK_N per K step (two dots in one loop made ptxas serialize the WGMMAs). TMA
-        # zero-fills out-of-range rows and the K tail, so there are no masks here.
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for ks in range(k_steps):
-            x = x_desc.load([off_m, ks * BLOCK_K])
-            if PACKED:
-                # w_desc: [2I, H]; rows [2 off_n, 2 off_n + 2 BLOCK_N) = BLOCK_N / PACK packed blocks.
-                w = w_desc.load([2 * off_n, ks * BLOCK_K])
-            else:
-                # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
-                # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
-                w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
-            if PROMOTE:  # see the small-M kernel; likely costs the WGMMA overlap, unmeasured
-                acc += tl.dot(x, w.T, tl.full((BLOCK_M, 2 * BLOCK_N), acc_zero, tl.float32))
-            else:
-                acc = tl.dot(x, w.T, acc)
-        # Columns come as [block, gate|up, cols]: move gate|up last and split it off.
-        if PACKED:
-            acc = acc.reshape(BLOCK_M, BLOCK_N // PACK, 2, PACK).permute(0, 1, 3, 2)
-        else:
-            acc = acc.reshape(BLOCK_M, 1, 2, BLOCK_N).permute(0, 1, 3, 2)
-        gate, up = tl.split(acc)
-        gate = gate.reshape(BLOCK_M, BLOCK_N)
-        up = up.reshape(BLOCK_M, BLOCK_N)
-
-        # Epilogue (registers -> SMEM -TMA-> HBM): recompute the tile from its own counter, as
-        # the flattened, warp-specialized loop may run it while the next tile's loads are issued.
+        acc = _gate_up_mma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_steps, acc_zero,
+                           PACKED, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE)
+        gate, up = _split_gate_up(acc, PACKED, PACK, BLOCK_M, BLOCK_N)
+        # Epilogue: recompute the tile from its own counter, as the flattened, warp-specialized
+        # loop may run it while the next tile's loads are issued.
         tile_epi += NUM_SMS
         pid_m, pid_n = _grouped_tile(tile_epi, num_pid_m, num_pid_n, GROUP_M)
-        if HAS_BIAS:
-            cols = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), I - 1)
-            gate += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-            up += tl.load(bias_ptr + I + cols).to(tl.float32)[None, :]
-        h = _silu_mul(gate, up)
-        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h.to(dtype))
+        _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS, BLOCK_M, BLOCK_N)
+
+    if STREAM_K:
+        # Stream-K part (the tail wave that would leave SMs idle): the sk_tiles * k_steps K steps
+        # of the last tiles are dealt out in equal contiguous runs of sk_iters, one run per
+        # program, so a run covers the end of one tile, whole tiles, and the start of another.
+        # A partial tile parks its fp32 gate/up partials in ws[program, first|last run piece]
+        # and adds its K steps to the tile's ticket; the piece that completes the count sums the
+        # other pieces' partials (programs q with runs overlapping the tile), runs the epilogue
+        # and re-arms the ticket (0 between calls and CUDA-graph replays).
+        it_lo = start * sk_iters
+        it_hi = tl.minimum(it_lo + sk_iters, sk_tiles * k_steps)
+        tile_elems = BLOCK_M * BLOCK_N
+        offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        first_t = it_lo // k_steps
+        for t in range(first_t, tl.cdiv(it_hi, k_steps)):
+            k_lo = tl.maximum(it_lo - t * k_steps, 0)
+            k_hi = tl.minimum(it_hi - t * k_steps, k_steps)
+            pid_m, pid_n = _grouped_tile(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+            acc = _gate_up_mma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_hi, acc_zero,
+                               PACKED, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE)
+            gate, up = _split_gate_up(acc, PACKED, PACK, BLOCK_M, BLOCK_N)
+            done = k_hi - k_lo == k_steps
+            if k_hi - k_lo < k_steps:
+                piece = ws_ptr + (2 * start + (t != first_t).to(tl.int32)) * 2 * tile_elems
+                tl.store(piece + offs, gate)
+                tl.store(piece + tile_elems + offs, up)
+                tl.debug_barrier()
+                count = tl.atomic_add(lock_ptr + t, k_hi - k_lo, sem="acq_rel") + k_hi - k_lo
+                done = count == k_steps
+                if done:
+                    for q in range(t * k_steps // sk_iters, tl.cdiv((t + 1) * k_steps, sk_iters)):
+                        if q != start:
+                            other = ws_ptr + (2 * q + (q * sk_iters // k_steps != t).to(tl.int32)) * 2 * tile_elems
+                            gate += tl.load(other + offs, cache_modifier=".cg")
+                            up += tl.load(other + tile_elems + offs, cache_modifier=".cg")
+                    tl.atomic_xchg(lock_ptr + t, 0)
+            if done:
+                _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS,
+                                  BLOCK_M, BLOCK_N)

@@ -100,8 +100,10 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
-                   cfg: configs.LargeMConfig) -> torch.Tensor:
-    """Same contract as :func:`launch_small_m`; x, w and out must be 16-byte aligned (TMA)."""
+                   cfg: configs.LargeMConfig, num_sms: int | None = None) -> torch.Tensor:
+    """Same contract as :func:`launch_small_m`; x, w and out must be 16-byte aligned (TMA).
+    ``num_sms`` (default: the device's) sizes the persistent grid; tests shrink it to mix the
+    data-parallel and the stream-K parts on small shapes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from tilefuse.ops.swiglu.kernels import swiglu_large_m_kernel
@@ -117,16 +119,22 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
         w_desc = TensorDescriptor(w, [2, inter, h], [inter * w.stride(0), w.stride(0), 1],
                                   [2, cfg.block_n, cfg.block_k])
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg.block_m, cfg.block_n])
-    num_sms = device_num_sms(x.device)
+    num_sms = num_sms or device_num_sms(x.device)
     tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)
-    grid = (min(num_sms, tiles),)
+    sk_tiles, sk_iters = configs.stream_k_split(m, h, inter, cfg, num_sms)
+    grid = (num_sms if sk_tiles else min(num_sms, tiles),)
+    if sk_tiles:  # partials: [program, first|last piece of its K run, gate|up, BLOCK_M, BLOCK_N]
+        ws = torch.empty((num_sms, 2, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
+        locks = _locks(x.device, sk_tiles)
+    else:
+        ws = locks = out  # unused
     swiglu_large_m_kernel[grid](
-        x_desc, w_desc, out_desc, bias if bias is not None else w,
-        m, inter, h, 0.0,
+        x_desc, w_desc, out_desc, bias if bias is not None else w, ws, locks,
+        m, inter, h, sk_tiles, sk_iters, 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, NUM_SMS=grid[0], WARP_SPECIALIZE=cfg.warp_specialize and x.is_cuda,
-        PROMOTE=cfg.promote,
+        STREAM_K=sk_tiles > 0, PROMOTE=cfg.promote,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return out
@@ -137,11 +145,13 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: str = "merged",
-               variant: str | None = None, config=None, out: torch.Tensor | None = None) -> torch.Tensor:
+               variant: str | None = None, config=None, out: torch.Tensor | None = None,
+               num_sms: int | None = None) -> torch.Tensor:
     """Run the Triton kernels on a 2-D problem (tests, tuning): ``x2d [M, H] -> out [M, I]``.
 
     ``variant``/``config`` pin the kernel and its tiles (``None``: the op's own choice); ``out``
-    (``[M, I]``, unit last stride) receives the result when given.
+    (``[M, I]``, unit last stride) receives the result when given; ``num_sms`` overrides the
+    large-M kernel's grid size (tests).
     """
     m, h = x2d.shape
     inter = w.shape[0] // 2
@@ -161,8 +171,8 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
         if not _tma_ok(x2d, w, out):
             x2d = x2d.contiguous() if x2d.data_ptr() % 16 == 0 else x2d.clone()
             if not _tma_ok(x2d, w, out):  # an unaligned `out`: compute aside, then copy
-                return out.copy_(run_kernel(x2d, w, bias, layout, variant, config))
-        return launch_large_m(x2d, w, bias, out, packed, config)
+                return out.copy_(run_kernel(x2d, w, bias, layout, variant, config, num_sms=num_sms))
+        return launch_large_m(x2d, w, bias, out, packed, config, num_sms)
     return launch_small_m(x2d, w, bias, out, packed, config)
 
 

@@ -52,18 +52,24 @@ VARIANTS = ("transposed", "standard")
 #   run on the same metadata; 2 = two programs per SM for a config that fits twice in SMEM.
 # fused_combine: the last program of a request merges the partials, else a second launch does.
 # "<key>:long" / "<key>:short" entries, where present, override "<key>" in that regime.
+# Sweep 4 (both regimes alike): the second-launch combine is 2-27 % faster than the fused one
+# for both kernels below 64 rows (the fused merge is a serial tail in one program), 3 % slower
+# to 1.5 % faster at 128 heads (kept fused); 16 warps at 128 heads: 2x slower.
 CONFIGS = {
-    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=True),
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
-    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=True),
+    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
 }
 # Orientation at <= 16 query rows, per regime. The regime comes from a shape, so it costs no host
 # sync and is fixed in a CUDA graph: "long" when the block table holds >= LONG_CONTEXT_PAGES pages
-# per request (its capacity, an upper bound on the context). Measured (mla-h200.json, 16 rows):
-# the unpadded standard kernel (two programs per SM) is 0-18 % faster at 16K-64K, the transposed
-# one 2-24 % faster at 1K-4K with batch 16-32. At 17-63 rows transposed wins everywhere (25-43 %).
+# per request (its capacity, an upper bound on the context). With the fused combine and the old
+# schedule (mla-h200.json) the unpadded standard kernel (two programs per SM) was 0-18 % faster
+# at 16K-64K and the transposed one 2-24 % faster at 1K-4K (batch 16-32): "long" -> standard.
+# With the second-launch combine and the tight schedule (sweep4, mla-h200-h16s1.json) standard is
+# 0-18 % faster in both regimes except b16 x 1K (9 % slower): standard in both. At 17-63 rows the
+# transposed kernel wins everywhere (25-43 %, mla-h200.json).
 LONG_CONTEXT_PAGES = 256
-SMALL_ROWS_VARIANT = {"short": "transposed", "long": "standard"}
+SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 if os.environ.get("TILEFUSE_MLA_CONFIGS"):   # tuning hook: a JSON file {key: config} from the sweep
     _tuned = json.loads(Path(os.environ["TILEFUSE_MLA_CONFIGS"]).read_text())
     SMALL_ROWS_VARIANT.update(_tuned.pop("small_rows_variant", {}))

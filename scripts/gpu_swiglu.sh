@@ -2,6 +2,7 @@
 # The SwiGLU family's GPU session in one call (run from the repo root on the H200):
 #   bash scripts/gpu_swiglu.sh tune    # GPU tests + full config sweep (scripts/tune_swiglu.py)
 #   bash scripts/gpu_swiglu.sh bench   # dispatch/nn/hf GPU tests + `tilefuse bench swiglu`
+#   bash scripts/gpu_swiglu.sh tiles   # the same with the second sweep (data-parallel tile shapes)
 #   bash scripts/gpu_swiglu.sh tail    # GPU tests + tail-wave sweep (stream-K, CUDA-graph timed), then
 #                                      # `tilefuse bench swiglu` on the cases whose config changed,
 #                                      # run with the sweep's winners (TILEFUSE_SWIGLU_CONFIGS)
@@ -20,10 +21,10 @@ TESTS="tests/test_swiglu_gpu.py tests/test_swiglu_nn.py tests/test_hf.py"
     timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
     grep -E "^(/|E |FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | cut -c1-220 | tail -60
     timeout 260 python3 scripts/tune_swiglu.py "$OUT"
-  elif [ "$MODE" = tail ]; then
+  elif [ "$MODE" = tail ] || [ "$MODE" = tiles ]; then
     timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
     grep -E "^(/|E |FAILED|ERROR)|passed|failed|xfail" "$OUT/pytest.txt" | cut -c1-220 | tail -40
-    timeout 120 python3 scripts/tune_swiglu.py tail "$OUT"
+    timeout 120 python3 scripts/tune_swiglu.py "$MODE" "$OUT"
     CHANGED=$(tr -d '\n' < "$OUT/changed.txt" 2>/dev/null)
     echo "changed: $CHANGED"
     if [ -n "$CHANGED" ]; then

@@ -129,17 +129,30 @@ TAIL_CASES = {  # (model, M): extra candidates beyond SK and the tuned entry
 }
 
 
-def tail_sweep(out_dir: Path) -> None:
+# Second pass (after stream-K lost on the small models): data-parallel tile shapes whose tile
+# count fills the waves better, for the small models' M = 128 / 1024 rows; stream-K variants at 7B.
+_SMALL_128 = [S(64, 32, 128, 1, 4), S(128, 32, 128, 1, 3), S(64, 64, 128, 1, 3), S(128, 64, 64, 1, 4, 8),
+              S(64, 128, 64, 1, 3, 8), S(32, 64, 128, 1, 4), S(64, 64, 64, 2, 4), S(32, 32, 128, 1, 4)]
+_DP = [L(64, 128, 64, 8, 4, 4, False), L(128, 64, 64, 8, 4, 4, False), L(64, 64, 64, 8, 4, 4, False)]
+TILE_CASES = {
+    ("0.5B", 128): _SMALL_128 + _DP, ("1.5B", 128): _SMALL_128 + _DP, ("3B", 128): _DP,
+    **{(model, 1024): _DP + [L(64, 128, 64, 8, 3, 4, False), L(128, 64, 64, 8, 4, 8, False),
+                             L(128, 128, 64, 8, 4, 8, False)] for model in ("0.5B", "1.5B", "3B")},
+    ("7B", 128): [L(128, 64, 64, 8, 3, 4, False, 1), L(64, 64, 64, 8, 4, 4, False, 1), L(64, 128, 64, 8, 4, 4, False)],
+}
+
+
+def tail_sweep(out_dir: Path, cases: dict, tag: str = "tail", with_sk: bool = True) -> None:
     from tilefuse.ops.swiglu import configs
 
     results, winners, changed, t0 = [], [], [], time.time()
-    for (model, m), extra in TAIL_CASES.items():
+    for (model, m), extra in cases.items():
         h, i = QWEN25_SHAPES[model]
         x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
         out = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
         floor = graph_us(lambda: F.linear(x, w))
         variant, tuned = configs.choose(m, h, i)
-        cands = [tuned] + [c for c in (extra if m <= 16 else SK + extra) if c != tuned]
+        cands = [tuned] + [c for c in (extra if m <= 16 or not with_sk else SK + extra) if c != tuned]
         timed = [(c, graph_us(lambda c=c: run_kernel(x, w, None, config=c, out=out))) for c in cands]
         best, us = min(timed, key=lambda t: t[1])
         if us > 0.98 * timed[0][1]:  # keep the tuned entry unless a candidate is clearly faster
@@ -158,7 +171,7 @@ def tail_sweep(out_dir: Path) -> None:
         torch.cuda.empty_cache()
     print(f"tail sweep took {time.time() - t0:.0f} s", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "swiglu-tail-sweep.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / f"swiglu-{tag}-sweep.json").write_text(json.dumps(results, indent=1) + "\n")
     (out_dir / "swiglu-tail-configs.json").write_text(json.dumps(winners, indent=1) + "\n")
     # The cases whose config changed, for the partial benchmark that follows (TILEFUSE_BENCH_SWIGLU_CASES).
     (out_dir / "changed.txt").write_text(",".join(changed) + "\n")
@@ -191,6 +204,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["promote"]:
         promote_check()
     elif sys.argv[1:2] == ["tail"]:
-        tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"))
+        tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"), TAIL_CASES)
+    elif sys.argv[1:2] == ["tiles"]:
+        tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"), TILE_CASES, "tiles", False)
     else:
         main(Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))

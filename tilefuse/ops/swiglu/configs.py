@@ -72,7 +72,8 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 S, L = SmallMConfig, LargeMConfig
 
 # Measured winners per (H, I) and tuned M: scripts/tune_swiglu.py on the H200, bf16, merged layout,
-# 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time). Fields in order:
+# 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time; entries marked
+# "tail sweep" come from the CUDA-graph-timed `tune_swiglu.py tail` run, swiglu-tail-sweep*.json). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
 TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
@@ -85,7 +86,7 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
         16384: L(128, 128, 64, 8, 3, 8, True),
     },
     (1536, 8960): {
-        1: S(16, 64, 256, 1, 3, 4),
+        1: S(16, 128, 128, 1, 4, 8),  # tail sweep: 24.9 vs 27.1 us (S(16, 64, 256): 140 tiles)
         16: S(16, 32, 128, 1, 4, 4),
         128: S(64, 64, 64, 1, 4, 4),
         1024: L(128, 128, 64, 8, 4, 8, True),
@@ -103,7 +104,7 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
     (3584, 18944): {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 32, 128, 1, 4, 4),
-        128: L(64, 128, 64, 8, 4, 4, False),
+        128: L(128, 64, 64, 8, 4, 4, False, 1),  # stream-K tail: 90.8 vs 97.4 us (tail sweep)
         1024: L(128, 128, 64, 8, 3, 8, False),
         4096: L(128, 128, 64, 8, 3, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, True),

@@ -277,9 +277,11 @@ def swiglu_large_m_kernel(
         # of the last tiles are dealt out in equal contiguous runs of sk_iters, one run per
         # program, so a run covers the end of one tile, whole tiles, and the start of another.
         # A partial tile parks its fp32 gate/up partials in ws[program, first|last run piece]
-        # and adds its K steps to the tile's ticket; the piece that completes the count sums the
-        # other pieces' partials (programs q with runs overlapping the tile), runs the epilogue
-        # and re-arms the ticket (0 between calls and CUDA-graph replays).
+        # and adds its K steps to the tile's ticket; the piece that completes the count sums all
+        # pieces (programs q with runs overlapping the tile), runs the epilogue and re-arms the
+        # ticket (0 between calls and CUDA-graph replays). Cost: each piece is a BLOCK_M x
+        # 2 BLOCK_N fp32 tile written and read back, 2 BLOCK_M / K of the tile's weight bytes per
+        # pass: cheap for long K (7B+), not for the small models (measured, docs/swiglu.md).
         it_lo = start * sk_iters
         it_hi = tl.minimum(it_lo + sk_iters, sk_tiles * k_steps)
         tile_elems = BLOCK_M * BLOCK_N
@@ -301,11 +303,14 @@ def swiglu_large_m_kernel(
                 count = tl.atomic_add(lock_ptr + t, k_hi - k_lo, sem="acq_rel") + k_hi - k_lo
                 done = count == k_steps
                 if done:
+                    # Sum the pieces in program order (this one's own re-read from L2), so the
+                    # result does not depend on which piece finished last: bit-reproducible.
+                    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                     for q in range(t * k_steps // sk_iters, tl.cdiv((t + 1) * k_steps, sk_iters)):
-                        if q != start:
-                            other = ws_ptr + (2 * q + (q * sk_iters // k_steps != t).to(tl.int32)) * 2 * tile_elems
-                            gate += tl.load(other + offs, cache_modifier=".cg")
-                            up += tl.load(other + tile_elems + offs, cache_modifier=".cg")
+                        other = ws_ptr + (2 * q + (q * sk_iters // k_steps != t).to(tl.int32)) * 2 * tile_elems
+                        gate += tl.load(other + offs, cache_modifier=".cg")
+                        up += tl.load(other + tile_elems + offs, cache_modifier=".cg")
                     tl.atomic_xchg(lock_ptr + t, 0)
             if done:
                 _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS,

@@ -22,14 +22,14 @@ TESTS="tests/test_swiglu_gpu.py tests/test_swiglu_nn.py tests/test_hf.py"
     grep -E "^(/|E |FAILED|ERROR)|passed|failed" "$OUT/pytest.txt" | cut -c1-220 | tail -60
     timeout 260 python3 scripts/tune_swiglu.py "$OUT"
   elif [ "$MODE" = tail ] || [ "$MODE" = tiles ]; then
-    timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
+    timeout ${T_TESTS:-100} python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1
     grep -E "^(/|E |FAILED|ERROR)|passed|failed|xfail" "$OUT/pytest.txt" | cut -c1-220 | tail -40
-    timeout 120 python3 scripts/tune_swiglu.py "$MODE" "$OUT"
+    timeout ${T_SWEEP:-120} python3 scripts/tune_swiglu.py "$MODE" "$OUT"
     CHANGED=$(tr -d '\n' < "$OUT/changed.txt" 2>/dev/null)
     echo "changed: $CHANGED"
     if [ -n "$CHANGED" ]; then
       TILEFUSE_SWIGLU_CONFIGS="$OUT/swiglu-tail-configs.json" TILEFUSE_BENCH_SWIGLU_CASES="$CHANGED" \
-        timeout 100 python3 -m tilefuse bench swiglu --out "$OUT/bench" --rep-ms 20 2>&1 | grep -v '^\[swiglu'
+        timeout ${T_BENCH:-100} python3 -m tilefuse bench swiglu --out "$OUT/bench" --rep-ms 20 2>&1 | grep -v '^\[swiglu'
     fi
   else
     timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=line $TESTS > "$OUT/pytest.txt" 2>&1

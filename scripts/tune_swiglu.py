@@ -177,6 +177,40 @@ def tail_sweep(out_dir: Path, cases: dict, tag: str = "tail", with_sk: bool = Tr
     (out_dir / "changed.txt").write_text(",".join(changed) + "\n")
 
 
+def merge(full: Path, partials: list[tuple[Path, list[str]]], out: Path) -> None:
+    """Replace the rows of the re-run cases ("model:M") in the full benchmark JSON by those of the
+    partial runs (tilefuse + baselines timed together); rows get a "run" tag (machine date) and the
+    summary is recomputed. torch_compile rows (not re-run) stay from the full run."""
+    from tilefuse.bench.swiglu import summarize
+
+    data = json.loads(full.read_text())
+    for row in data["rows"]:
+        row.setdefault("run", data["machine"]["date"])
+    for path, cases in partials:
+        part = json.loads(path.read_text())
+        keep = {tuple(c.split(":")) for c in cases}
+        new = [dict(r, run=part["machine"]["date"]) for r in part["rows"]
+               if (r["params"]["model"], str(r["params"]["M"])) in keep]
+        replaced = {(r["params"]["model"], r["params"]["M"], r["impl"]) for r in new}
+        rows = []
+        for r in data["rows"]:
+            key = (r["params"]["model"], r["params"]["M"], r["impl"])
+            if key in replaced:
+                rows.append(next(n for n in new if (n["params"]["model"], n["params"]["M"], n["impl"]) == key))
+                replaced.discard(key)
+            elif not ((r["params"]["model"], str(r["params"]["M"])) in keep and r["impl"] != "torch_compile"):
+                rows.append(r)
+        rows += [n for n in new if (n["params"]["model"], n["params"]["M"], n["impl"]) in replaced]
+        data["rows"] = rows
+    data["summary"] = summarize(data["rows"])
+    data["notes"] = list(data.get("notes", [])) + [
+        "Rows tagged with a later 'run' date come from partial re-runs (scripts/gpu_swiglu.sh tail|tiles, "
+        "bench/results/swiglu-h200-tail-run{1,2}.json) after the tuned configs of those cases changed: "
+        + "; ".join(f"{p.name}: {', '.join(c)}" for p, c in partials) + ". Their torch_compile rows are from "
+        "the full run. The summary is recomputed over the merged rows."]
+    out.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
 def promote_check() -> None:
     """Per-K-step promotion (config.promote): time and accuracy against the tuned kernels."""
     import dataclasses
@@ -205,6 +239,10 @@ if __name__ == "__main__":
         promote_check()
     elif sys.argv[1:2] == ["tail"]:
         tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"), TAIL_CASES)
+    elif sys.argv[1:2] == ["merge"]:  # merge FULL OUT PARTIAL CASES [PARTIAL CASES ...]
+        args = sys.argv[4:]
+        merge(Path(sys.argv[2]), [(Path(args[k]), args[k + 1].split(",")) for k in range(0, len(args), 2)],
+              Path(sys.argv[3]))
     elif sys.argv[1:2] == ["tiles"]:
         tail_sweep(Path(sys.argv[2] if len(sys.argv) > 2 else "bench/results"), TILE_CASES, "tiles", False)
     else:

@@ -102,6 +102,13 @@ def test_config_overrides(tmp_path, monkeypatch):
     configs._choose_bucketed.cache_clear()
 
 
+def test_m64_entries_serve_m17_to_64():
+    # 0.5B: M = 17..64 keep the small-M entry, M = 65..128 take the M = 128 (large-M) entry.
+    assert configs.choose(32, 896, 4864)[0] == "small_m"
+    assert configs.choose(65, 896, 4864) == ("large_m", configs.TUNED[(896, 4864)][128])
+    assert configs.choose(40, 5120, 13824) == ("large_m", configs.TUNED[(5120, 13824)][128])  # no 64 entry
+
+
 def test_stream_k_split_and_wave_efficiency():
     # 7B at M = 128: 148 tiles of 128 x 128 on 132 SMs; 16 tail tiles * 56 K steps over 132 SMs.
     cfg = configs.LargeMConfig(128, 128, 64, stream_k=1)

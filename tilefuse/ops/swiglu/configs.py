@@ -73,22 +73,27 @@ S, L = SmallMConfig, LargeMConfig
 
 # Measured winners per (H, I) and tuned M: scripts/tune_swiglu.py on the H200, bf16, merged layout,
 # 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time; entries marked
-# "tail sweep" come from the CUDA-graph-timed `tune_swiglu.py tail` run, swiglu-tail-sweep*.json). Fields in order:
+# "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py tail|tiles` runs,
+# bench/results/swiglu-{tail,tiles}-sweep-h200.json). _M64_NOTE: where the new M = 128 entry has
+# 128-row tiles, an M = 64 entry keeps the former M = 128 config for M = 17..64 (the 128-row tile
+# would do 2-8x padded MMA work there; neither was timed at those M). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
 TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
     (896, 4864): {
         1: S(16, 64, 128, 1, 4, 4),
         16: S(16, 64, 128, 1, 4, 4),
-        128: S(64, 64, 64, 1, 4, 4),
-        1024: L(128, 128, 64, 8, 3, 8, False),
+        64: S(64, 64, 64, 1, 4, 4),  # M = 17..64 keep the pre-2026-11-29-tail entry (see _M64_NOTE)
+        128: L(128, 64, 64, 8, 4, 4, False),  # tiles sweep: 14.8 vs 15.6 us (S(64, 64, 64))
+        1024: L(128, 64, 64, 8, 4, 8, False),  # tiles sweep: 37.5 vs 39.7 us (128 x 128, 2.3 waves)
         4096: L(128, 128, 64, 8, 4, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, True),
     },
     (1536, 8960): {
         1: S(16, 128, 128, 1, 4, 8),  # tail sweep: 24.9 vs 27.1 us (S(16, 64, 256): 140 tiles)
         16: S(16, 32, 128, 1, 4, 4),
-        128: S(64, 64, 64, 1, 4, 4),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 64, 64, 8, 4, 4, False),  # tiles sweep: 33.9 vs 35.5 us (S(64, 64, 64))
         1024: L(128, 128, 64, 8, 4, 8, True),
         4096: L(128, 128, 64, 8, 3, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, True),
@@ -104,6 +109,7 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
     (3584, 18944): {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 32, 128, 1, 4, 4),
+        64: L(64, 128, 64, 8, 4, 4, False),
         128: L(128, 64, 64, 8, 4, 4, False, 1),  # stream-K tail: 90.8 vs 97.4 us (tail sweep)
         1024: L(128, 128, 64, 8, 3, 8, False),
         4096: L(128, 128, 64, 8, 3, 8, True),
@@ -185,6 +191,8 @@ def _choose_bucketed(bucket: int, m_small: int, h: int, i: int, num_sms: int):
 def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200):
     """(variant, config) for an ``[m, h] x [2i, h]`` problem; ``variant`` pins the kernel."""
     bucket = _bucket(m)
+    if 16 < m <= 64 and 64 in TUNED.get((h, i), {}):
+        bucket = 64  # an explicit entry for M = 17..64 (else the M = 128 entry serves them)
     # The heuristic's small-M tiles depend on M itself below 64, on its bucket above.
     m_key = m if m <= 64 else bucket
     chosen, config = _choose_bucketed(bucket, m_key, h, i, num_sms)

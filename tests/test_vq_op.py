@@ -14,7 +14,9 @@ from tilefuse.ops.vq import op as vq_op
 from tilefuse.testing import poisoned
 from tilefuse.testing.vq import error_scale, make_vq_case, reference_fp64, tolerance
 
-LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="gluon"),
+LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="auto"),
+          "decode_resident": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="resident"),
+          "decode_gather": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="gather"),
           "decode_tl": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="tl"),
           "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out),
           "dequant": lambda c, out: vq_op.launch_dequant(*_args(c), out)}
@@ -55,6 +57,15 @@ CPU_SHAPES = [(1, 1, 64), (1, 37, 264), (2, 37, 136), (3, 16, 64), (8, 33, 72)]
 def test_kernels_interpreted(interpret, variant, m, n, k, bias):
     case = make_vq_case(m, n, k, torch.float16, interpret, bias=bias)
     _check(_run_poisoned(case, variant), case, variant)
+
+
+def test_code_words_byte_order():
+    """The resident kernel's int32 words: bytes c0(2w), c1(2w), c0(2w+1), c1(2w+1), low first."""
+    codes = torch.randint(0, 256, (5, 6, 2), dtype=torch.uint8)
+    words = vq_op.code_words(codes).to(torch.int64) & 0xFFFFFFFF
+    assert words.shape == (5, 3)
+    for j, (g, c) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        assert torch.equal((words >> (8 * j)) & 0xFF, codes[:, g::2, c].to(torch.int64))
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
@@ -100,12 +111,12 @@ def test_int8_codes_match_uint8(interpret):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 12])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
-    """x: [..., K] with leading dims; 1-2 tokens dispatch to decode, more to dequant + GEMM."""
+    """x: [..., K] with leading dims; 1-4 tokens dispatch to decode, more to dequant + GEMM."""
     case = make_vq_case(m, 24, 64, torch.float16, interpret, bias=True)
     x3 = case["x"].reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case["codes"], case["codebooks"], case["scales"], case["bias"])
     assert y.shape == (1, m, 24)
-    assert vq_op.choose_variant(m) == ("decode" if m <= 2 else "dequant")
+    assert vq_op.choose_variant(m) == ("decode" if m <= 4 else "dequant")
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
@@ -174,6 +185,34 @@ def test_gpu_bench_shapes(dtype, n, k, variant, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GPU_SHAPES)
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_gpu_decode_resident(dtype, n, k, m):
+    """The shared-memory-resident table kernel (default decode for 1-4 tokens, K % 16 == 0)."""
+    case = make_vq_case(m, n, k, dtype, "cuda", bias=True)
+    _check(_run_poisoned(case, "decode_resident"), case, "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1, 16), (3, 37, 1040), (1, 37, 528), (2, 1000, 4112), (4, 333, 8208)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gpu_decode_resident_edges(m, n, k, bias):
+    """Partial K slices (K/8 not a multiple of 64 / M_PAD groups), N = 1 and odd N, 3 tokens."""
+    case = make_vq_case(m, n, k, torch.bfloat16, "cuda", bias=bias)
+    _check(_run_poisoned(case, "decode_resident"), case, "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(1, 1032), (8, 4096)])
+def test_gpu_decode_gather(m, k):
+    """The gl.gather kernel: decode for 5-8 tokens and for K/8 odd."""
+    case = make_vq_case(m, 1000, k, torch.bfloat16, "cuda", bias=True)
+    assert not vq_op.resident_applies(m, k, case["x"].device)
+    _check(_run_poisoned(case, "decode_gather"), case, "decode")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_decode_tl(dtype, m):
     case = make_vq_case(m, 1000, 1032, dtype, "cuda", bias=True)
@@ -186,7 +225,7 @@ def test_gpu_cuda_graph_replays():
     workspace would add the previous call's sums. fp32 atomics land in any order, so replays may
     differ from each other in the last bits, never by a whole call."""
     case = make_vq_case(1, 4096, 4096, torch.float16, "cuda")
-    assert vq_op.decode_config(1, 4096, 4096, torch.device("cuda"))["split_k"] > 1
+    assert vq_op.resident_config(1, 4096, 4096, torch.device("cuda"))["k_slices"] > 1
     fn = lambda: tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])  # noqa: E731
     fn()
     graph = torch.cuda.CUDAGraph()

@@ -102,9 +102,10 @@ def summarize(rows: list[dict]) -> dict:
         if ours and best_us(ours):
             goal = 10.0 if shape in ("4096x4096", "11008x4096", "4096x11008", "8192x8192") else 5.0
             check(f"batch1 {shape} fp16: AQLM 2x8 anchor {anchor} us / tilefuse", anchor / best_us(ours), goal)
-    from tilefuse.ops.vq.op import _decode_tuned
+    from tilefuse.ops.vq.op import DECODE_TUNED, RESIDENT_TUNED, _tuned_env
 
-    out["decode_config"] = _decode_tuned()
+    out["decode_config"] = {"resident": _tuned_env("TILEFUSE_VQ_RESIDENT_CFG", RESIDENT_TUNED),
+                            "gather": _tuned_env("TILEFUSE_VQ_DECODE_CFG", DECODE_TUNED)}
     out["targets"] = checks
     out["targets_met"] = sum(1 for c in checks if c["met"]), sum(1 for c in checks if c["met"] is not None)
 

@@ -1,5 +1,8 @@
 """Gluon twin of :func:`tilefuse.ops.vq.kernels.vq_decode_kernel` (GPU only, MMA v2 on sm_80+).
 
+Now the fallback decode kernel (5-8 tokens, or K/8 odd); 1-4 tokens run the faster
+shared-memory-resident table kernel in ``kernels_resident.py``.
+
 Why Gluon: Triton 3.6's ``tl`` pipeline rewrites every ``tl.gather`` into a warp-local layout
 (OptimizeThreadLocality), i.e. 8 shuffles + 8 selects per lookup for a 256-entry table. Gluon
 skips that pass and lets us pin the layouts, so ``gl.gather`` lowers to: store the table to

@@ -10,11 +10,13 @@ Variants (``tilefuse.force(variant=...)``):
 * ``"prefill"``   -- fused: dequantize tiles in registers + tensor-core GEMM in one kernel
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch: ``decode`` for at most ``DECODE_SWITCH_TOKENS`` tokens, ``dequant`` above. Both
-measured on the H200 (bench/results/vq-h200.json, ``decode_over_dequant_time``): decode time grows
-linearly with tokens (one table per token); at 1 token it takes 0.26-0.69x the dequant path's time,
-at 2 tokens 0.53-1.05x, at 4 tokens 0.99-1.66x, at 8 tokens 2.0-3.8x. The fused ``prefill`` kernel
-measured 11-33x slower than cuBLAS, so it is never chosen by default.
+Default dispatch: ``decode`` for at most ``DECODE_SWITCH_TOKENS`` tokens, ``dequant`` above. Decode
+is the shared-memory-resident table kernel (``kernels_resident.py``) for 1-4 tokens with K a
+multiple of 16, else the ``gl.gather`` kernel (``kernels_gluon.py``). Measured on the H200
+(``scripts/vq_decode_sweep.py``, bench/results/vq-h200-sweep.json, first sweep): the resident kernel at 4 tokens
+takes 0.40-0.66x the dequant path's time on the six bench shapes, so decode is chosen up to 4
+tokens; 5-8 tokens would need two resident launches, which lose to dequant on the small shapes.
+The fused ``prefill`` kernel measured 11-33x slower than cuBLAS, so it is never chosen by default.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tilefuse.ops.vq.reference import vq_matmul_reference
 
 VARIANTS = ("decode", "decode_tl", "prefill", "dequant")
 DECODE_MAX_TOKENS = 8            # the decode kernel packs up to 8 tokens into its table columns
-DECODE_SWITCH_TOKENS = 2         # measured: decode beats dequantize + cuBLAS up to 2 tokens
+DECODE_SWITCH_TOKENS = 4         # measured: the resident decode beats dequantize + cuBLAS up to 4 tokens
 CODE_DTYPES = (torch.uint8, torch.int8)
 WIDE_CODE_DTYPES = (torch.int16, torch.int32, torch.int64)
 
@@ -76,12 +78,13 @@ def _workspace(device: torch.device, n: int):
 DECODE_TUNED = dict(block_n=256, num_warps=8, convert_table=1, split_mult=2)
 
 
-def _decode_tuned() -> dict:
-    cfg = dict(DECODE_TUNED)
-    for item in filter(None, os.environ.get("TILEFUSE_VQ_DECODE_CFG", "").split(",")):
+def _tuned_env(var: str, tuned: dict) -> dict:
+    """``tuned`` with ``key=value`` overrides from the environment variable ``var``."""
+    cfg = dict(tuned)
+    for item in filter(None, os.environ.get(var, "").split(",")):
         key, _, value = item.partition("=")
         if key.strip() not in cfg:
-            raise ValueError(f"TILEFUSE_VQ_DECODE_CFG: unknown key {key!r}, expected one of {tuple(cfg)}")
+            raise ValueError(f"{var}: unknown key {key!r}, expected one of {tuple(cfg)}")
         cfg[key.strip()] = int(value)
     return cfg
 
@@ -90,7 +93,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """BLOCK_N / warps / table columns / split-K for the decode kernel."""
     m_pad = triton.next_power_of_2(max(m, 1))
     cols = 32
-    tuned = _decode_tuned()
+    tuned = _tuned_env("TILEFUSE_VQ_DECODE_CFG", DECODE_TUNED)
     if device.type != "cuda":
         block_n, num_warps = min(64, max(16, triton.next_power_of_2(n))), 4
     else:
@@ -105,16 +108,84 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
                 convert_table=bool(tuned["convert_table"]))
 
 
-def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluon", block_n=None,
+def _resident_decode():
+    """The table-resident Gluon decode kernel, or None when Gluon is not importable here."""
+    try:
+        from tilefuse.ops.vq.kernels_resident import vq_decode_resident_kernel
+    except Exception:  # pragma: no cover - depends on the Triton build
+        return None
+    return vq_decode_resident_kernel
+
+
+# H200 resident-table schedule; ``TILEFUSE_VQ_RESIDENT_CFG="block_r=256,num_warps=16"`` overrides it.
+RESIDENT_TUNED = dict(block_r=256, num_warps=32, build_rows=256)
+RESIDENT_MAX_TOKENS = 4          # table columns = 64 = groups per slice x tokens
+
+
+def resident_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """Grid of the resident kernel: K slices of ``64 / M_PAD`` groups x row chunks.
+
+    One CTA per SM (the 128 KB table), so the row-chunk count ``c`` minimizes
+    ``waves(c) * (rows per program + build_rows)``; ``build_rows`` is the table build's cost in
+    rows' worth of lookups (measured on the H200, see docs/vq.md)."""
+    cfg = _tuned_env("TILEFUSE_VQ_RESIDENT_CFG", RESIDENT_TUNED)
+    m_pad = triton.next_power_of_2(max(m, 1))
+    k_slices = triton.cdiv(k // 8, 64 // m_pad)
+    sms = num_sms(device)
+    max_chunks = triton.cdiv(n, 32)
+    cost = lambda c: triton.cdiv(k_slices * c, sms) * (triton.cdiv(n, c) + cfg["build_rows"])  # noqa: E731
+    chunks = min(range(1, max_chunks + 1), key=lambda c: (cost(c), c))
+    rows_per_prog = triton.cdiv(triton.cdiv(n, chunks), 32) * 32
+    return dict(m_pad=m_pad, block_r=cfg["block_r"], num_warps=cfg["num_warps"], k_slices=k_slices,
+                chunks=triton.cdiv(n, rows_per_prog), rows_per_prog=rows_per_prog)
+
+
+def _launch_resident(x2d, codes, codebooks, scales, bias, out):
+    m, k = x2d.shape
+    n = codes.shape[0]
+    cfg = resident_config(m, n, k, x2d.device)
+    ws, cnt = _workspace(x2d.device, n)
+    words = code_words(codes)
+    grid = (cfg["chunks"], cfg["k_slices"])
+    _resident_decode()[grid](
+        x2d, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
+        m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], x2d.stride(0), words.stride(0), out.stride(0),
+        M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=cfg["k_slices"] > 1, HAS_BIAS=bias is not None,
+        NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
+    return out
+
+
+def code_words(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K/8, 2] uint8/int8 (contiguous, K/8 even) -> int32 words [N, K/16]; word w of a
+    row holds bytes c0(2w), c1(2w), c0(2w+1), c1(2w+1), low byte first (little endian)."""
+    n = codes.shape[0]
+    return codes.reshape(n, -1).view(torch.int32)
+
+
+def resident_applies(m: int, k: int, device: torch.device) -> bool:
+    """The resident kernel takes 1-4 tokens and an even number of groups (int32 code words)."""
+    return (device.type == "cuda" and m <= RESIDENT_MAX_TOKENS and (k // 8) % 2 == 0
+            and _resident_decode() is not None)
+
+
+def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", block_n=None,
                   num_warps=None, split_k=None, convert_table: bool | None = None) -> torch.Tensor:
-    """Run the one-launch decode kernel: ``out[:M] = x2d @ W^T (+ bias)`` for M <= 8 tokens.
+    """Run a one-launch decode kernel: ``out[:M] = x2d @ W^T (+ bias)`` for M <= 8 tokens.
 
     x2d: [M, K]; codes: [N, K/8, 2] uint8/int8 contiguous; out: [M, N] (any contents).
+    impl: "auto" (resident table where it applies, else gather), "resident", "gather" (Gluon,
+    ``gl.gather`` per K step) or "tl" (the CPU-tested schedule). The keyword overrides configure
+    the gather/tl kernels.
     """
     m, k = x2d.shape
     n = codes.shape[0]
     if m > DECODE_MAX_TOKENS:
         raise ValueError(f"x: the decode kernel takes at most {DECODE_MAX_TOKENS} tokens, got {m}")
+    if impl in ("auto", "resident") and resident_applies(m, k, x2d.device):
+        return _launch_resident(x2d, codes, codebooks, scales, bias, out)
+    if impl == "resident":
+        raise ValueError(f"x: the resident decode kernel needs CUDA, at most {RESIDENT_MAX_TOKENS} tokens "
+                         f"and K a multiple of 16, got {m} tokens, K={k} on {x2d.device}")
     cfg = decode_config(m, n, k, x2d.device)
     block_n = block_n or cfg["block_n"]
     convert_table = cfg["convert_table"] if convert_table is None else convert_table
@@ -131,7 +202,7 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "gluo
     args = (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
             m, n, groups, groups_per_split, split, x2d.stride(0), codes16.stride(0), out.stride(0))
     meta = dict(BLOCK_N=block_n, COLS=cfg["cols"], M_PAD=cfg["m_pad"], SPLIT=split > 1, HAS_BIAS=bias is not None)
-    kernel = _gluon_decode() if impl == "gluon" and x2d.device.type == "cuda" else None
+    kernel = _gluon_decode() if impl != "tl" and x2d.device.type == "cuda" else None
     if kernel is not None:
         kernel[grid](*args, **meta, NUM_WARPS=num_warps, CONVERT_TABLE=convert_table, num_warps=num_warps)
     else:
@@ -217,7 +288,7 @@ def _vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sc
     elif variant == "dequant":
         launch_dequant(x2d, codes, codebooks, scales_1d, bias, out)
     else:
-        impl = "gluon" if variant == "decode" else "tl"
+        impl = "auto" if variant == "decode" else "tl"
         for start in range(0, m, DECODE_MAX_TOKENS):  # forced decode on more tokens: 8 at a time
             stop = min(m, start + DECODE_MAX_TOKENS)
             launch_decode(x2d[start:stop], codes, codebooks, scales_1d, bias, out[start:stop], impl=impl)
@@ -246,7 +317,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
 
     Returns
     -------
-    [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
+    [..., N] in x's dtype. Accumulation is fp32. 1-4 tokens run the one-launch table-lookup
     decode kernel; more tokens dequantize the weight into a scratch [N, K] (one kernel) and run
     cuBLAS (the measured switch point, see ``DECODE_SWITCH_TOKENS``).
     """

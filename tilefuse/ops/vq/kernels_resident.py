@@ -1,0 +1,210 @@
+"""Gluon decode kernel with a shared-memory-resident lookup table (GPU only, sm_80+).
+
+EVA's decode in one launch, table built ONCE per program and reused for every row it owns:
+
+* grid = (row chunks, K slices). A K slice is ``G = 64 / M_PAD`` groups of 8 inputs, so the
+  table ``T[cb, c, rho] = <C_cb[c], x[m, 8g:8g+8]>`` for both codebooks, 256 codes and
+  ``64 = G * M_PAD`` (group, token) columns is 2 x 256 x 64 fp32 = 128 KB of shared memory.
+* Stage 1 (HBM -> registers -> SMEM, once): x of the slice and the codebooks are read once, the
+  table is computed with CUDA-core FMAs (262 K per program, ~1 us) in a layout whose lanes run
+  along ``rho`` so every 8-byte store is bank-conflict free, then one CTA barrier.
+* Stage 2 (HBM -> registers, streamed): codes of ``BLOCK_R`` rows x ``G`` groups arrive as one
+  int16 per (row, group) (both codebooks' bytes), the next block is requested before the current
+  one is looked up. Every lookup is one ``ld.shared`` issued by inline PTX at
+  ``table + c * 256 B + rho * 4 B``. Column ``rho`` is laid out so that for every load instruction
+  the lanes of a (quarter/half) warp read distinct banks whatever the codes are (EVA's
+  conflict-free table): bank = rho mod 32 and the lanes own distinct rho.
+* Stage 3: per-row sums (one warp reduction per row), scaled, then split-K partials meet in an
+  fp32 workspace via atomics; the last program of a row chunk (arrival counter) adds the bias,
+  writes the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
+
+Why inline PTX: Gluon 3.6 has no indexed shared-memory load; ``gl.gather`` copies its register
+source to shared memory on every call, which made the table traffic 3x the lookup traffic. The
+PTX addresses ``global_smem`` (Triton's dynamic shared memory symbol) directly; the table is the
+kernel's only and largest allocation and is allocated first, so Triton's allocator places it at
+offset 0 (``TABLE_OFFSET``; the GPU tests would catch any other placement as wrong results).
+
+Column order ``rho`` for (group g, token m) of the slice, ``GPT = max(1, G / 32)`` groups per lane:
+``rho = (g % GPT) * 32 * M_PAD + (g // GPT) * M_PAD + m``. A lane loads its ``M_PAD`` tokens'
+entries of one (code, group) as one ``ld.shared.v{M_PAD}``.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+TABLE_COLS = gl.constexpr(64)  # (group, token) columns per K slice: 256 B per table row
+TABLE_OFFSET = gl.constexpr(0)  # bytes from global_smem to the table (see module docstring)
+
+# base address of the table column rho (bytes): global_smem + offset + 4 * rho
+_ASM_BASE = "{ .reg .u32 b; mov.u32 b, global_smem; add.u32 $0, b, $1; }"
+
+
+def _lookup_asm(m_pad: int) -> str:
+    """PTX for one code word (2 groups x 2 codebooks = 4 code bytes) -> M_PAD fp32 sums.
+
+    Operands: outputs $0..$(M_PAD-1); then the word, then the byte address of column rho of the
+    word's first group in codebook 0's table. Codebook 1's table is 64 KB further, the word's
+    second group 32 columns (128 B) further (see ``rho`` in the module docstring)."""
+    vec = "" if m_pad == 1 else f".v{m_pad}"
+    word, addr = f"${m_pad}", f"${m_pad + 1}"
+
+    def regs(name):
+        inner = ", ".join(f"{name}{i}" for i in range(m_pad))
+        return inner if m_pad == 1 else "{" + inner + "}"
+
+    lines = [".reg .u32 i, a;", ".reg .f32 " + ", ".join(f"{n}{i}" for n in "pqrs" for i in range(m_pad)) + ";"]
+    for name, (bit, offset) in zip("pqrs", [(0, 0), (8, 65536), (16, 128), (24, 65664)]):
+        lines += [f"bfe.u32 i, {word}, {bit}, 8;", f"mad.lo.u32 a, i, 256, {addr};",
+                  f"ld.shared{vec}.f32 {regs(name)}, [a+{offset}];"]
+    for i in range(m_pad):
+        lines += [f"add.f32 p{i}, p{i}, q{i};", f"add.f32 r{i}, r{i}, s{i};", f"add.f32 ${i}, p{i}, r{i};"]
+    return "{ " + " ".join(lines) + " }"
+
+
+BASE_ASM = gl.constexpr(_ASM_BASE)
+LOOKUP_ASM_1 = gl.constexpr(_lookup_asm(1))
+LOOKUP_ASM_2 = gl.constexpr(_lookup_asm(2))
+LOOKUP_ASM_4 = gl.constexpr(_lookup_asm(4))
+
+
+@gluon.jit
+def _row_sum(v, scale):
+    """[BLOCK_R, W] per-lane sums -> [BLOCK_R] scaled row partials (a warp butterfly per row; the
+    result stays replicated over the row's lanes: no layout change, so no CTA barrier per block)."""
+    return gl.sum(v, axis=1) * scale
+
+
+@gluon.jit
+def _emit(part, m, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT: gl.constexpr,
+          HAS_BIAS: gl.constexpr):
+    """Token ``m``'s row partials: atomics into the workspace (split-K) or the output directly.
+    Rows past the program's chunk (``r_end``) looked up code 0 of real columns: never emitted."""
+    ok = (rows < r_end) & (m < M)
+    if SPLIT:
+        gl.atomic_add(ws_ptr + m * N + rows, part, mask=ok, sem="relaxed")
+    else:
+        if HAS_BIAS:
+            part += bias
+        gl.store(out_ptr + m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
+def vq_decode_resident_kernel(
+    # pointers
+    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    # sizes (codes read as int32 words [N, NUM_GROUPS / 2]: bytes c0(2w), c1(2w), c0(2w+1), c1(2w+1))
+    M, N, NUM_GROUPS, ROWS_PER_PROG, SPLIT_K,
+    # strides (stride_cw: code words per row)
+    stride_xm, stride_cw, stride_om,
+    # meta-parameters
+    M_PAD: gl.constexpr, BLOCK_R: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    NUM_WARPS: gl.constexpr,
+):
+    G: gl.constexpr = TABLE_COLS // M_PAD            # groups per K slice
+    W: gl.constexpr = G // 2                         # code words per row and slice (one per lane)
+    CH: gl.constexpr = 32                            # table rows built per step
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    # stage 1 layouts: [CH table rows (cb, c), 8 k, 64 rho]; lanes along rho, k inside a thread
+    L3: gl.constexpr = gl.BlockedLayout([1, 8, 2], [1, 1, 32], [NUM_WARPS, 1, 1], [2, 1, 0])
+    L_CB: gl.constexpr = gl.SliceLayout(2, L3)       # codebook rows [CH, 8]
+    L_XT: gl.constexpr = gl.SliceLayout(0, L3)       # x of the slice [8, 64]
+    L_CBALL: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
+    # stage 2 layout: code words [BLOCK_R, W], lane = word (W lanes per row)
+    L_CODE: gl.constexpr = gl.BlockedLayout([1, 1], [32 // W, W], [NUM_WARPS, 1], [1, 0])
+    TABLE: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])   # row-major, no swizzle
+    FLAT3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    g0 = pid_k * G
+    table = gl.allocate_shared_memory(gl.float32, [2 * 256 // CH, CH, TABLE_COLS], TABLE)
+    cb_smem = gl.allocate_shared_memory(gl.float32, [2 * 256 // CH, CH, 8], FLAT3)
+
+    # ---- stage 0: the first two blocks of code words are requested now, so that their HBM latency
+    # overlaps the table build (codes [N, NUM_GROUPS/2] int32 -> registers, lane = word) ----
+    word = gl.arange(0, W, layout=gl.SliceLayout(0, L_CODE))
+    word_ok = (g0 // 2 + word)[None, :] < (NUM_GROUPS + 1) // 2
+    r_tile = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, L_CODE))[:, None]
+    r_begin = pid_n * ROWS_PER_PROG
+    r_end = gl.minimum(r_begin + ROWS_PER_PROG, N)
+    w_ptrs = codes_ptr + r_tile * stride_cw + (g0 // 2 + word)[None, :]
+    words = gl.load(w_ptrs + r_begin * stride_cw, mask=((r_begin + r_tile) < r_end) & word_ok, other=0)
+    nxt = r_begin + BLOCK_R
+    words_next = gl.load(w_ptrs + nxt * stride_cw, mask=((nxt + r_tile) < r_end) & word_ok, other=0)
+
+    # ---- stage 1: x slice (HBM -> registers, once) and the table (registers -> SMEM) ----
+    # column rho holds (group 2w + j, token m) with j = rho // 32, w = rho % 32 // M_PAD
+    rho = gl.arange(0, TABLE_COLS, layout=gl.SliceLayout(0, L_XT))[None, :]
+    kx = gl.arange(0, 8, layout=gl.SliceLayout(1, L_XT))[:, None]
+    grp = g0 + 2 * ((rho % 32) // M_PAD) + rho // 32
+    tok = rho % M_PAD
+    xt = gl.load(x_ptr + tok * stride_xm + grp * 8 + kx, mask=(tok < M) & (grp < NUM_GROUPS), other=0.0)
+    xt = xt.to(gl.float32)[None, :, :]
+    # both codebooks [C0; C1] ([512, 8], 8 KB) in one wave of 16-byte loads (HBM/L2 -> SMEM), so
+    # the build loop below reads them at shared-memory latency; rounded to x's dtype like the spec
+    cb_s = gl.arange(0, 2 * 256 // CH, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_CBALL)))[:, None, None]
+    cb_r = gl.arange(0, CH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_CBALL)))[None, :, None]
+    cb_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_CBALL)))[None, None, :]
+    cb_smem.store(gl.load(cb_ptr + (cb_s * CH + cb_r) * 8 + cb_k).to(dtype).to(gl.float32))
+    gl.thread_barrier()
+    cb_steps = cb_smem._reinterpret(gl.float32, [2 * 256 // CH, CH, 8], TABLE)  # same bytes, indexable
+    for step in range(2 * 256 // CH):
+        cbv = cb_steps.index(step).load(L_CB)
+        table.index(step).store(gl.sum(cbv[:, :, None] * xt, axis=1))
+    gl.thread_barrier()
+    cb_smem._keep_alive()
+
+    # ---- stage 2: stream code words (HBM -> registers), look up (SMEM -> registers) ----
+    word_addr = gl.inline_asm_elementwise(BASE_ASM, "=r,r", [TABLE_OFFSET + word * (4 * M_PAD)], gl.int32, True, 1)
+    word_addr = word_addr[None, :]
+    r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, L_CODE))
+    bias = gl.zeros([BLOCK_R], gl.float32, gl.SliceLayout(1, L_CODE))
+    for r0 in range(r_begin, r_end, BLOCK_R):
+        # two blocks of codes stay in flight (HBM latency x bandwidth per SM ~ 64 KB)
+        nxt = r0 + 2 * BLOCK_R
+        words_next2 = gl.load(w_ptrs + nxt * stride_cw, mask=((nxt + r_tile) < r_end) & word_ok, other=0)
+        rows = r0 + r_out
+        scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        if HAS_BIAS and not SPLIT:
+            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+        # masked words read code 0 of zero columns (x masked) or belong to rows never stored
+        if M_PAD == 1:
+            v = gl.inline_asm_elementwise(LOOKUP_ASM_1, "=f,r,r", [words, word_addr], gl.float32, False, 1)
+            _emit(_row_sum(v, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+        elif M_PAD == 2:
+            v0, v1 = gl.inline_asm_elementwise(LOOKUP_ASM_2, "=f,=f,r,r", [words, word_addr],
+                                               (gl.float32, gl.float32), False, 1)
+            _emit(_row_sum(v0, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(_row_sum(v1, scale), 1, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+        else:
+            v0, v1, v2, v3 = gl.inline_asm_elementwise(LOOKUP_ASM_4, "=f,=f,=f,=f,r,r", [words, word_addr],
+                                                       (gl.float32, gl.float32, gl.float32, gl.float32), False, 1)
+            _emit(_row_sum(v0, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(_row_sum(v1, scale), 1, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(_row_sum(v2, scale), 2, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(_row_sum(v3, scale), 3, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+        words = words_next
+        words_next = words_next2
+    table._keep_alive()  # the PTX lookups are invisible to the allocator: hold the table to here
+
+    # ---- stage 3 (split-K): the last program of this row chunk finishes its rows ----
+    if SPLIT:
+        gl.thread_barrier()  # every thread's atomics are issued before the arrival (release)
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # wide blocks (8 rows per thread): the L2 round trips of a chunk overlap
+            L_FIN: gl.constexpr = gl.BlockedLayout([8], [32], [NUM_WARPS], [0])
+            BLOCK_F: gl.constexpr = 8 * 32 * NUM_WARPS
+            for r0 in range(r_begin, r_end, BLOCK_F):
+                rows = r0 + gl.arange(0, BLOCK_F, layout=L_FIN)
+                zero = gl.zeros([BLOCK_F], gl.float32, L_FIN)
+                fin_bias = zero
+                if HAS_BIAS:
+                    fin_bias = gl.load(bias_ptr + rows, mask=rows < r_end, other=0.0).to(gl.float32)
+                for m in gl.static_range(M_PAD):
+                    ok = (rows < r_end) & (m < M)
+                    # read the sums where the atomics landed (L2), leave zeros for the next call
+                    total = gl.atomic_add(ws_ptr + m * N + rows, zero, mask=ok, sem="relaxed")
+                    gl.store(ws_ptr + m * N + rows, zero, mask=ok)
+                    gl.store(out_ptr + m * stride_om + rows, (total + fin_bias).to(out_ptr.dtype.element_ty), mask=ok)
+            gl.store(cnt_ptr + pid_n, 0)

@@ -16,8 +16,8 @@ for step in $steps; do
     sweep) timeout 85 python3 -m tilefuse.bench.mla --sweep "$OUT/mla_best.json" 2>&1 | tee "$OUT/sweep.txt"
            [ -s "$OUT/mla_best.json" ] && export TILEFUSE_MLA_CONFIGS="$OUT/mla_best.json" ;;
     bench) timeout 250 python3 -m tilefuse bench mla --out "$OUT" --rep-ms 20 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -160 ;;
-    h16) timeout 95 python3 -m tilefuse bench mla --only '"h_q": 16, "s_q": 1' --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
-    sq2) timeout 45 python3 -m tilefuse bench mla --only '"h_q": 16, "s_q": 2' --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench_sq2.txt" | grep -v "^\[mla" | tail -5 ;;
+    h16) timeout 95 python3 -m tilefuse bench mla --only '"h_q": 16, "s_q": 1' --tag h16s1 --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
+    sq2) timeout 45 python3 -m tilefuse bench mla --only '"h_q": 16, "s_q": 2' --tag h16s2 --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench_sq2.txt" | grep -v "^\[mla" | tail -5 ;;
     quick) timeout 40 python3 -m tilefuse bench mla --quick --out "$OUT" --rep-ms 15 2>&1 | tee "$OUT/bench.txt" | grep -v '^\[mla' | tail -80 ;;
   esac
 done

@@ -59,3 +59,26 @@ def test_run_case_rows_and_json_shape(tmp_path, capsys):
     if path.with_suffix(".png").exists() is False:
         pytest.importorskip("matplotlib")
         raise AssertionError("matplotlib is importable but no plot was written")
+
+
+def test_only_runs_are_tagged_and_saved_case_by_case(tmp_path, monkeypatch):
+    """A --only run writes <family>-<gpu>-only.json (never the full run's file), and the rows are
+    saved after every case, so a run cut short by a timeout still leaves them."""
+    from tilefuse.bench import runner
+
+    saved = []
+    real_write = runner.write_results
+
+    def spy(family, rows, *args, **kwargs):
+        saved.append((len(rows), kwargs.get("tag"), kwargs.get("plot", True)))
+        return real_write(family, rows, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "write_results", spy)
+    monkeypatch.setattr(runner, "measure_ceilings", lambda device, quick: Ceilings(100.0, 1.0))
+    assert runner.main(["vq"], quick=True, out_dir=tmp_path, only='"tokens": 8', rep_ms=1.0) == 0
+    files = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert files and all(name.endswith("-only.json") for name in files), files
+    partial = [s for s in saved if s[2] is False]
+    assert len(partial) >= 2 and all(tag == "only" for _, tag, _ in saved)
+    assert [n for n, _, _ in partial] == sorted(n for n, _, _ in partial)  # rows grow case by case
+    assert runner.result_path("mla", {"gpu": "NVIDIA H200"}, tmp_path, tag="h16s1").name == "mla-h200-h16s1.json"

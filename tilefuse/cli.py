@@ -61,13 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     bench.add_argument("--only", default=None, help="only cases whose params JSON contains this text")
     bench.add_argument("--rep-ms", type=float, default=None, help="milliseconds of repeats per measurement")
+    bench.add_argument("--tag", default=None,
+                       help="suffix of the result file names (default: 'only' for --only runs, so a partial run "
+                            "never overwrites the full results)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
     from tilefuse.bench.runner import main as bench_main
 
     families = list(FAMILIES) if args.family == "all" else [args.family]
-    return bench_main(families, args.quick, args.out, args.only, args.rep_ms)
+    return bench_main(families, args.quick, args.out, args.only, args.rep_ms, args.tag)
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ def print_table(rows: list[dict], file=None) -> None:
 
 
 def run_family(module, family: str, device: torch.device, quick: bool, timer: Timer, ceilings: Ceilings,
-               only: str | None = None) -> list[dict]:
-    """Run every case of ``module.cases(device, quick)`` (filtered by ``only``); returns result rows."""
+               only: str | None = None, progress=None) -> list[dict]:
+    """Run every case of ``module.cases(device, quick)`` (filtered by ``only``); returns result rows.
+    ``progress(rows)`` is called after every case (the runner saves the rows so far)."""
     cases = module.cases(device, quick)
     if only:
         cases = [c for c in cases if only in json.dumps(c.params)]
@@ -76,14 +77,22 @@ def run_family(module, family: str, device: torch.device, quick: bool, timer: Ti
     for i, case in enumerate(cases, 1):
         print(f"[{family} {i}/{len(cases)}] {case.params}", file=sys.stderr, flush=True)
         rows.extend(run_case(case, family, timer, ceilings))
+        if progress is not None:
+            progress(rows)
     return rows
 
 
+def result_path(family: str, machine: dict, out_dir: Path, quick: bool = False, tag: str | None = None) -> Path:
+    """``<out_dir>/<family>-<gpu>[-quick][-<tag>].json``: a tagged (e.g. partial) run never overwrites
+    the full run's file."""
+    return out_dir / f"{family}-{_slug(machine['gpu'])}{'-quick' if quick else ''}{'-' + _slug(tag) if tag else ''}.json"
+
+
 def write_results(family: str, rows: list[dict], machine: dict, ceilings: Ceilings, out_dir: Path,
-                  extra: dict | None = None, quick: bool = False) -> Path:
-    """``<out_dir>/<family>-<gpu>[-quick].json`` and a PNG beside it; returns the JSON path."""
+                  extra: dict | None = None, quick: bool = False, tag: str | None = None, plot: bool = True) -> Path:
+    """The JSON at :func:`result_path` and (``plot``) a PNG beside it; returns the JSON path."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{family}-{_slug(machine['gpu'])}{'-quick' if quick else ''}.json"
+    path = result_path(family, machine, out_dir, quick, tag)
     payload = {
         "machine": machine,
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "gemm_bf16_tflops": ceilings.gemm_bf16_tflops},
@@ -92,6 +101,8 @@ def write_results(family: str, rows: list[dict], machine: dict, ceilings: Ceilin
     if extra:
         payload.update(extra)
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    if not plot:
+        return path
     try:
         from tilefuse.bench.plot import plot_family
 
@@ -101,7 +112,10 @@ def write_results(family: str, rows: list[dict], machine: dict, ceilings: Ceilin
     return path
 
 
-def main(families: list[str], quick: bool, out_dir: Path, only: str | None = None, rep_ms: float | None = None) -> int:
+def main(families: list[str], quick: bool, out_dir: Path, only: str | None = None, rep_ms: float | None = None,
+         tag: str | None = None) -> int:
+    """Benchmark ``families``; an ``only`` run is tagged "only" unless ``tag`` names it otherwise."""
+    tag = tag or ("only" if only else None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda":
         print("No CUDA GPU here: running the reference path on small CPU shapes "
@@ -118,12 +132,16 @@ def main(families: list[str], quick: bool, out_dir: Path, only: str | None = Non
         except ModuleNotFoundError as exc:
             print(f"{family}: no benchmark yet ({exc})", file=sys.stderr)
             continue
-        rows = run_family(module, family, device, quick, timer, ceilings, only)
+        def save_so_far(rows, family=family):  # a run cut short (timeout) still leaves its rows
+            write_results(family, rows, machine, ceilings, out_dir, {"incomplete": True}, quick=quick, tag=tag,
+                          plot=False)
+
+        rows = run_family(module, family, device, quick, timer, ceilings, only, progress=save_so_far)
         print_table(rows)
         summary = module.summarize(rows) if hasattr(module, "summarize") else None
         if summary:
             print(json.dumps(summary, indent=1))
         path = write_results(family, rows, machine, ceilings, out_dir, {"summary": summary} if summary else None,
-                             quick=quick)
+                             quick=quick, tag=tag)
         print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -1,32 +1,36 @@
 """Gluon decode kernel with a shared-memory-resident lookup table (GPU only, sm_80+).
 
-EVA's decode in one launch, table built ONCE per program and reused for every row it owns:
+EVA's decode in one launch, the table built ONCE per program and reused for every row it owns:
 
 * grid = (row chunks, K slices). A K slice is ``G = 64 / M_PAD`` groups of 8 inputs, so the
   table ``T[cb, c, rho] = <C_cb[c], x[m, 8g:8g+8]>`` for both codebooks, 256 codes and
-  ``64 = G * M_PAD`` (group, token) columns is 2 x 256 x 64 fp32 = 128 KB of shared memory.
-* Stage 1 (HBM -> registers -> SMEM, once): x of the slice and the codebooks are read once, the
-  table is computed with CUDA-core FMAs (262 K per program, ~1 us) in a layout whose lanes run
-  along ``rho`` so every 8-byte store is bank-conflict free, then one CTA barrier.
-* Stage 2 (HBM -> registers, streamed): codes of ``BLOCK_R`` rows x ``G`` groups arrive as one
-  int16 per (row, group) (both codebooks' bytes), the next block is requested before the current
-  one is looked up. Every lookup is one ``ld.shared`` issued by inline PTX at
-  ``table + c * 256 B + rho * 4 B``. Column ``rho`` is laid out so that for every load instruction
-  the lanes of a (quarter/half) warp read distinct banks whatever the codes are (EVA's
-  conflict-free table): bank = rho mod 32 and the lanes own distinct rho.
-* Stage 3: per-row sums (one warp reduction per row), scaled, then split-K partials meet in an
-  fp32 workspace via atomics; the last program of a row chunk (arrival counter) adds the bias,
-  writes the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
+  ``64 = G * M_PAD`` (group, token) columns is 2 x 256 x 64 fp32 = 128 KB of shared memory
+  (one CTA per SM).
+* Stage 0 (HBM -> registers): the first two blocks of code words are requested before the table
+  is built, so their latency overlaps it. Codes are read as int32 words, one per lane: bytes
+  c0(2w), c1(2w), c0(2w+1), c1(2w+1) of groups 2w and 2w+1.
+* Stage 1 (HBM -> SMEM -> registers -> SMEM, once): x of the slice, and both codebooks staged in
+  16 KB of shared memory, give the table by CUDA-core FMAs (262 K per program), computed in a
+  layout whose lanes run along ``rho`` so every store is bank-conflict free; one CTA barrier.
+* Stage 2 (streamed): per block of ``BLOCK_R`` rows, the block two ahead is requested, then every
+  code byte is looked up with one ``ld.shared`` issued by inline PTX at
+  ``table + cb * 64 KB + c * 256 B + rho * 4 B``. ``rho`` is laid out so that the lanes of each
+  (quarter/half) warp read distinct banks whatever the codes are (EVA's conflict-free table).
+* Stage 3: per-row sums (a warp butterfly per row), scaled, then split-K partials meet in an fp32
+  workspace via atomics; the last program of a row chunk (arrival counter) adds the bias, writes
+  the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
 
 Why inline PTX: Gluon 3.6 has no indexed shared-memory load; ``gl.gather`` copies its register
 source to shared memory on every call, which made the table traffic 3x the lookup traffic. The
 PTX addresses ``global_smem`` (Triton's dynamic shared memory symbol) directly; the table is the
-kernel's only and largest allocation and is allocated first, so Triton's allocator places it at
-offset 0 (``TABLE_OFFSET``; the GPU tests would catch any other placement as wrong results).
+kernel's largest allocation and Triton's allocator places it at offset 0 (``TABLE_OFFSET``;
+checked in the LLVM IR with scripts/gluon_compile.py, and the GPU tests would see any other
+placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
+reusing the table's bytes while the (to it invisible) PTX lookups still read them.
 
-Column order ``rho`` for (group g, token m) of the slice, ``GPT = max(1, G / 32)`` groups per lane:
-``rho = (g % GPT) * 32 * M_PAD + (g // GPT) * M_PAD + m``. A lane loads its ``M_PAD`` tokens'
-entries of one (code, group) as one ``ld.shared.v{M_PAD}``.
+Column order for (group g = 2w + j of the slice, token m): ``rho = j * 32 + w * M_PAD + m``. The
+lane owning word w reads its M_PAD tokens' entries of one (code, group) as one
+``ld.shared.v{M_PAD}``; for fixed j the lanes of a wavefront cover 32 consecutive words.
 """
 
 from triton.experimental import gluon

@@ -24,8 +24,7 @@ from tilefuse.testing.vq import make_vq_case
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
 CONFIGS = [dict(block_r=br, num_warps=nw, build_rows=256)
-           for br, nw in [(256, 32), (256, 16), (128, 16), (128, 32), (128, 8)]]
-CONFIGS += [dict(block_r=256, num_warps=32, build_rows=b) for b in (64, 1024)]
+           for br, nw in [(128, 32), (256, 32), (64, 32), (128, 16), (256, 16)]]
 TOKENS = {1: CONFIGS, 2: CONFIGS, 4: CONFIGS[:2]}
 
 

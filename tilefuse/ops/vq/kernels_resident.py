@@ -16,15 +16,16 @@ EVA's decode in one launch, the table built ONCE per program and reused for ever
   code byte is looked up with one ``ld.shared`` issued by inline PTX at
   ``table + cb * 64 KB + c * 256 B + rho * 4 B``. ``rho`` is laid out so that the lanes of each
   (quarter/half) warp read distinct banks whatever the codes are (EVA's conflict-free table).
-* Stage 3: per-row sums (a warp butterfly per row), scaled, then split-K partials meet in an fp32
-  workspace via atomics; the last program of a row chunk (arrival counter) adds the bias, writes
-  the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
+* Stage 3: per-row sums (a warp butterfly per row); split-K partials meet in an fp32 workspace via
+  atomics; the last program of a row chunk (arrival counter) applies the row scale (it factors out
+  of the sum, so it stays out of the loop), adds the bias, writes the output and re-zeroes
+  workspace and counter (no zeroing launch, CUDA-graph safe).
 
 Why inline PTX: Gluon 3.6 has no indexed shared-memory load; ``gl.gather`` copies its register
 source to shared memory on every call, which made the table traffic 3x the lookup traffic. The
 PTX addresses ``global_smem`` (Triton's dynamic shared memory symbol) directly; the table is the
-kernel's largest allocation and Triton's allocator places it at offset 0 (``TABLE_OFFSET``;
-checked in the LLVM IR with scripts/gluon_compile.py, and the GPU tests would see any other
+kernel's largest allocation and Triton's allocator places it at offset 0 (checked in the
+LLVM IR with scripts/gluon_compile.py, and the GPU tests would see any other
 placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
 reusing the table's bytes while the (to it invisible) PTX lookups still read them.
 
@@ -37,58 +38,121 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 TABLE_COLS = gl.constexpr(64)  # (group, token) columns per K slice: 256 B per table row
-TABLE_OFFSET = gl.constexpr(0)  # bytes from global_smem to the table (see module docstring)
-
-# base address of the table column rho (bytes): global_smem + offset + 4 * rho
-_ASM_BASE = "{ .reg .u32 b; mov.u32 b, global_smem; add.u32 $0, b, $1; }"
-
 
 def _lookup_asm(m_pad: int) -> str:
     """PTX for one code word (2 groups x 2 codebooks = 4 code bytes) -> M_PAD fp32 sums.
 
-    Operands: outputs $0..$(M_PAD-1); then the word, then the byte address of column rho of the
-    word's first group in codebook 0's table. Codebook 1's table is 64 KB further, the word's
-    second group 32 columns (128 B) further (see ``rho`` in the module docstring)."""
+    Operands: outputs $0..$(M_PAD-1), then the word, then the lane's column offset in bytes
+    (``4 * rho`` of the word's first group, < 256). ``prmt`` puts code byte j at bits 8-15 and the
+    column offset at bits 0-7 in one instruction (a table row is 256 B), so each lookup is prmt,
+    add of the table base (uniform: ptxas folds it into the shared load) and ``ld.shared``.
+    Codebook 1's table is 64 KB further, the word's second group 32 columns (128 B) further."""
     vec = "" if m_pad == 1 else f".v{m_pad}"
-    word, addr = f"${m_pad}", f"${m_pad + 1}"
+    word, col = f"${m_pad}", f"${m_pad + 1}"
 
     def regs(name):
         inner = ", ".join(f"{name}{i}" for i in range(m_pad))
         return inner if m_pad == 1 else "{" + inner + "}"
 
-    lines = [".reg .u32 i, a;", ".reg .f32 " + ", ".join(f"{n}{i}" for n in "pqrs" for i in range(m_pad)) + ";"]
-    for name, (bit, offset) in zip("pqrs", [(0, 0), (8, 65536), (16, 128), (24, 65664)]):
-        lines += [f"bfe.u32 i, {word}, {bit}, 8;", f"mad.lo.u32 a, i, 256, {addr};",
+    lines = [".reg .u32 a, b;", ".reg .f32 " + ", ".join(f"{n}{i}" for n in "pqrs" for i in range(m_pad)) + ";",
+             "mov.u32 b, global_smem;"]
+    for name, (byte, offset) in zip("pqrs", [(0, 0), (1, 65536), (2, 128), (3, 65664)]):
+        lines += [f"prmt.b32 a, {word}, {col}, 0x76{byte}4;", "add.u32 a, a, b;",
                   f"ld.shared{vec}.f32 {regs(name)}, [a+{offset}];"]
     for i in range(m_pad):
         lines += [f"add.f32 p{i}, p{i}, q{i};", f"add.f32 r{i}, r{i}, s{i};", f"add.f32 ${i}, p{i}, r{i};"]
     return "{ " + " ".join(lines) + " }"
 
 
-BASE_ASM = gl.constexpr(_ASM_BASE)
+def _reduce_emit_asm(rpt: int) -> tuple[str, str]:
+    """PTX for the RPT rows a thread holds (one token, split-K): their 32 lanes' partials -> one
+    ``red.global.add`` per row, by a transposed butterfly. Each halving step (xor 16, 8, ...) keeps
+    half of the rows in each lane and sends the other half to the partner lane, so RPT rows cost
+    RPT - 1 + 5 - log2(RPT) shuffles instead of 5 * RPT; then one lane per row (low lane bits zero)
+    issues the atomic for its row, if that row is valid. Operands (``pack = RPT``): RPT dummy
+    outputs, then the RPT partials, the RPT workspace addresses and the RPT row-valid flags."""
+    n = rpt
+    v = [f"${n + i}" for i in range(n)]
+    a = [f"${2 * n + i}" for i in range(n)]
+    ok = [f"${3 * n + i}" for i in range(n)]
+    half_n = max(n // 2, 1)
+    lines = [".reg .u32 l, t;", ".reg .pred p, q;", ".reg .f32 s, y;",
+             ".reg .f32 " + ", ".join(f"x{k}" for k in range(half_n)) + ";",
+             ".reg .u64 " + ", ".join(f"d{k}" for k in range(half_n)) + ";",
+             ".reg .u32 " + ", ".join(f"o{k}" for k in range(half_n)) + ";",
+             "mov.u32 l, %laneid;"]
+    vals, adrs, oks, mask = v, a, ok, 16
+    if n == 1:
+        lines += ["mov.f32 x0, $1;", "mov.b64 d0, $2;", "mov.u32 o0, $3;"]
+        vals, adrs, oks = ["x0"], ["d0"], ["o0"]
+    while len(vals) > 1:
+        half = len(vals) // 2
+        lines += [f"and.b32 t, l, {mask};", "setp.ne.u32 p, t, 0;"]
+        for k in range(half):
+            lo, hi = vals[k], vals[k + half]
+            lines += [f"selp.f32 s, {lo}, {hi}, p;", f"selp.f32 x{k}, {hi}, {lo}, p;",
+                      f"shfl.sync.bfly.b32 y, s, {mask}, 31, -1;", f"add.f32 x{k}, x{k}, y;",
+                      f"selp.b64 d{k}, {adrs[k + half]}, {adrs[k]}, p;",
+                      f"selp.b32 o{k}, {oks[k + half]}, {oks[k]}, p;"]
+        vals, adrs, oks = [f"x{k}" for k in range(half)], [f"d{k}" for k in range(half)], [f"o{k}" for k in range(half)]
+        mask //= 2
+    while mask >= 1:
+        lines += [f"shfl.sync.bfly.b32 y, x0, {mask}, 31, -1;", "add.f32 x0, x0, y;"]
+        mask //= 2
+    low = 32 // n - 1
+    lines += [f"and.b32 t, l, {low};", "setp.eq.u32 p, t, 0;", "setp.ne.u32 q, o0, 0;", "and.pred p, p, q;",
+              "@p red.global.add.f32 [d0], x0;"]
+    lines += [f"mov.u32 ${i}, 0;" for i in range(n)]
+    constraints = ",".join(["=r"] * n + ["f"] * n + ["l"] * n + ["r"] * n)
+    return "{ " + " ".join(lines) + " }", constraints
+
+
 LOOKUP_ASM_1 = gl.constexpr(_lookup_asm(1))
 LOOKUP_ASM_2 = gl.constexpr(_lookup_asm(2))
 LOOKUP_ASM_4 = gl.constexpr(_lookup_asm(4))
+REDUCE_ASM_2, REDUCE_CON_2 = (gl.constexpr(t) for t in _reduce_emit_asm(2))
+REDUCE_ASM_4, REDUCE_CON_4 = (gl.constexpr(t) for t in _reduce_emit_asm(4))
+REDUCE_ASM_8, REDUCE_CON_8 = (gl.constexpr(t) for t in _reduce_emit_asm(8))
 
 
 @gluon.jit
-def _row_sum(v, scale):
-    """[BLOCK_R, W] per-lane sums -> [BLOCK_R] scaled row partials (a warp butterfly per row; the
-    result stays replicated over the row's lanes: no layout change, so no CTA barrier per block)."""
-    return gl.sum(v, axis=1) * scale
+def _load_words(codes_ptr, r0, r_tile, col, N, stride_cw):
+    """Code words of rows ``r0 + r_tile`` ([BLOCK_R, W], int32). Rows past N are clamped to N - 1
+    (``col`` is clamped by the caller) instead of masked: every load is in bounds and needs no
+    predicate, and what those lanes look up is never emitted or lands in zero table columns."""
+    rows = gl.minimum(r0 + r_tile, N - 1)
+    return gl.load(codes_ptr + rows * stride_cw + col)
 
 
 @gluon.jit
-def _emit(part, m, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT: gl.constexpr,
-          HAS_BIAS: gl.constexpr):
-    """Token ``m``'s row partials: atomics into the workspace (split-K) or the output directly.
-    Rows past the program's chunk (``r_end``) looked up code 0 of real columns: never emitted."""
+def _emit_split_1tok(v, rows, r_end, ws_ptr, word, RPT: gl.constexpr):
+    """Split-K, one token: the row sums of ``v`` [BLOCK_R, 32] go to the workspace by the transposed
+    butterfly + one atomic per row (``_reduce_emit_asm``); RPT = rows per thread."""
+    ws_ptrs = (ws_ptr + (rows[:, None] + word[None, :] * 0)).to(gl.int64, bitcast=True)
+    valid = ((rows < r_end)[:, None] & (word >= 0)[None, :]).to(gl.int32)
+    if RPT == 2:
+        gl.inline_asm_elementwise(REDUCE_ASM_2, REDUCE_CON_2, [v, ws_ptrs, valid], gl.int32, False, 2)
+    elif RPT == 4:
+        gl.inline_asm_elementwise(REDUCE_ASM_4, REDUCE_CON_4, [v, ws_ptrs, valid], gl.int32, False, 4)
+    else:
+        gl.inline_asm_elementwise(REDUCE_ASM_8, REDUCE_CON_8, [v, ws_ptrs, valid], gl.int32, False, 8)
+
+
+@gluon.jit
+def _emit(v, m, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N,
+          SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Token ``m``'s row sums of one K slice (a warp butterfly per row over ``v`` [BLOCK_R, W]; the
+    result stays replicated over the row's lanes: no layout change, so no CTA barrier per block).
+    Split-K: unscaled fp32 atomics into the workspace (the row scale is applied once, by the last
+    program); else scaled (+ bias) straight to the output. Rows past the chunk are never emitted."""
+    part = gl.sum(v, axis=1)
     ok = (rows < r_end) & (m < M)
     if SPLIT:
         gl.atomic_add(ws_ptr + m * N + rows, part, mask=ok, sem="relaxed")
     else:
+        part = part * gl.load(scales_ptr + rows, mask=ok, other=0.0).to(gl.float32)
         if HAS_BIAS:
-            part += bias
+            part += gl.load(bias_ptr + rows, mask=ok, other=0.0).to(gl.float32)
         gl.store(out_ptr + m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -107,6 +171,8 @@ def vq_decode_resident_kernel(
     G: gl.constexpr = TABLE_COLS // M_PAD            # groups per K slice
     W: gl.constexpr = G // 2                         # code words per row and slice (one per lane)
     CH: gl.constexpr = 32                            # table rows built per step
+    RPT: gl.constexpr = BLOCK_R // NUM_WARPS         # rows per thread and block (one token: W = 32)
+    FAST_REDUCE: gl.constexpr = M_PAD == 1 and (RPT == 2 or RPT == 4 or RPT == 8)
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     # stage 1 layouts: [CH table rows (cb, c), 8 k, 64 rho]; lanes along rho, k inside a thread
     L3: gl.constexpr = gl.BlockedLayout([1, 8, 2], [1, 1, 32], [NUM_WARPS, 1, 1], [2, 1, 0])
@@ -126,15 +192,14 @@ def vq_decode_resident_kernel(
 
     # ---- stage 0: the first two blocks of code words are requested now, so that their HBM latency
     # overlaps the table build (codes [N, NUM_GROUPS/2] int32 -> registers, lane = word) ----
+    # words past the last group are clamped to it: their lanes look up zero table columns (x masked)
     word = gl.arange(0, W, layout=gl.SliceLayout(0, L_CODE))
-    word_ok = (g0 // 2 + word)[None, :] < (NUM_GROUPS + 1) // 2
+    col = gl.minimum(g0 // 2 + word, NUM_GROUPS // 2 - 1)[None, :]
     r_tile = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, L_CODE))[:, None]
     r_begin = pid_n * ROWS_PER_PROG
     r_end = gl.minimum(r_begin + ROWS_PER_PROG, N)
-    w_ptrs = codes_ptr + r_tile * stride_cw + (g0 // 2 + word)[None, :]
-    words = gl.load(w_ptrs + r_begin * stride_cw, mask=((r_begin + r_tile) < r_end) & word_ok, other=0)
-    nxt = r_begin + BLOCK_R
-    words_next = gl.load(w_ptrs + nxt * stride_cw, mask=((nxt + r_tile) < r_end) & word_ok, other=0)
+    words = _load_words(codes_ptr, r_begin, r_tile, col, N, stride_cw)
+    words_next = _load_words(codes_ptr, r_begin + BLOCK_R, r_tile, col, N, stride_cw)
 
     # ---- stage 1: x slice (HBM -> registers, once) and the table (registers -> SMEM) ----
     # column rho holds (group 2w + j, token m) with j = rho // 32, w = rho % 32 // M_PAD
@@ -159,34 +224,30 @@ def vq_decode_resident_kernel(
     cb_smem._keep_alive()
 
     # ---- stage 2: stream code words (HBM -> registers), look up (SMEM -> registers) ----
-    word_addr = gl.inline_asm_elementwise(BASE_ASM, "=r,r", [TABLE_OFFSET + word * (4 * M_PAD)], gl.int32, True, 1)
-    word_addr = word_addr[None, :]
+    word_col = (word * (4 * M_PAD))[None, :]   # byte offset of the word's first column, < 256
     r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, L_CODE))
-    bias = gl.zeros([BLOCK_R], gl.float32, gl.SliceLayout(1, L_CODE))
     for r0 in range(r_begin, r_end, BLOCK_R):
         # two blocks of codes stay in flight (HBM latency x bandwidth per SM ~ 64 KB)
-        nxt = r0 + 2 * BLOCK_R
-        words_next2 = gl.load(w_ptrs + nxt * stride_cw, mask=((nxt + r_tile) < r_end) & word_ok, other=0)
+        words_next2 = _load_words(codes_ptr, r0 + 2 * BLOCK_R, r_tile, col, N, stride_cw)
         rows = r0 + r_out
-        scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        if HAS_BIAS and not SPLIT:
-            bias = gl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-        # masked words read code 0 of zero columns (x masked) or belong to rows never stored
         if M_PAD == 1:
-            v = gl.inline_asm_elementwise(LOOKUP_ASM_1, "=f,r,r", [words, word_addr], gl.float32, False, 1)
-            _emit(_row_sum(v, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            v = gl.inline_asm_elementwise(LOOKUP_ASM_1, "=f,r,r", [words, word_col], gl.float32, False, 1)
+            if SPLIT and FAST_REDUCE:
+                _emit_split_1tok(v, rows, r_end, ws_ptr, word, RPT)
+            else:
+                _emit(v, 0, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
         elif M_PAD == 2:
-            v0, v1 = gl.inline_asm_elementwise(LOOKUP_ASM_2, "=f,=f,r,r", [words, word_addr],
+            v0, v1 = gl.inline_asm_elementwise(LOOKUP_ASM_2, "=f,=f,r,r", [words, word_col],
                                                (gl.float32, gl.float32), False, 1)
-            _emit(_row_sum(v0, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
-            _emit(_row_sum(v1, scale), 1, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(v0, 0, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
+            _emit(v1, 1, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
         else:
-            v0, v1, v2, v3 = gl.inline_asm_elementwise(LOOKUP_ASM_4, "=f,=f,=f,=f,r,r", [words, word_addr],
+            v0, v1, v2, v3 = gl.inline_asm_elementwise(LOOKUP_ASM_4, "=f,=f,=f,=f,r,r", [words, word_col],
                                                        (gl.float32, gl.float32, gl.float32, gl.float32), False, 1)
-            _emit(_row_sum(v0, scale), 0, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
-            _emit(_row_sum(v1, scale), 1, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
-            _emit(_row_sum(v2, scale), 2, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
-            _emit(_row_sum(v3, scale), 3, rows, r_end, N, M, out_ptr, ws_ptr, stride_om, bias, SPLIT, HAS_BIAS)
+            _emit(v0, 0, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
+            _emit(v1, 1, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
+            _emit(v2, 2, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
+            _emit(v3, 3, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
         words = words_next
         words_next = words_next2
     table._keep_alive()  # the PTX lookups are invisible to the allocator: hold the table to here
@@ -202,6 +263,7 @@ def vq_decode_resident_kernel(
             for r0 in range(r_begin, r_end, BLOCK_F):
                 rows = r0 + gl.arange(0, BLOCK_F, layout=L_FIN)
                 zero = gl.zeros([BLOCK_F], gl.float32, L_FIN)
+                fin_scale = gl.load(scales_ptr + rows, mask=rows < r_end, other=0.0).to(gl.float32)
                 fin_bias = zero
                 if HAS_BIAS:
                     fin_bias = gl.load(bias_ptr + rows, mask=rows < r_end, other=0.0).to(gl.float32)
@@ -210,5 +272,5 @@ def vq_decode_resident_kernel(
                     # read the sums where the atomics landed (L2), leave zeros for the next call
                     total = gl.atomic_add(ws_ptr + m * N + rows, zero, mask=ok, sem="relaxed")
                     gl.store(ws_ptr + m * N + rows, zero, mask=ok)
-                    gl.store(out_ptr + m * stride_om + rows, (total + fin_bias).to(out_ptr.dtype.element_ty), mask=ok)
+                    gl.store(out_ptr + m * stride_om + rows, (total * fin_scale + fin_bias).to(out_ptr.dtype.element_ty), mask=ok)
             gl.store(cnt_ptr + pid_n, 0)

@@ -13,10 +13,10 @@ Variants (``tilefuse.force(variant=...)``):
 Default dispatch: ``decode`` for at most ``DECODE_SWITCH_TOKENS`` tokens, ``dequant`` above. Decode
 is the shared-memory-resident table kernel (``kernels_resident.py``) for 1-4 tokens with K a
 multiple of 16, else the ``gl.gather`` kernel (``kernels_gluon.py``). Measured on the H200
-(``scripts/vq_decode_sweep.py``, bench/results/vq-h200-sweep-1ahead.json): the resident kernel at 4 tokens
-takes 0.40-0.66x the dequant path's time on the six bench shapes, so decode is chosen up to 4
-tokens; 5-8 tokens would need two resident launches, which lose to dequant on the small shapes.
-The fused ``prefill`` kernel measured 11-33x slower than cuBLAS, so it is never chosen by default.
+(bench/results/vq-h200.json, ``decode_over_dequant_time``): the resident kernel at 4 tokens takes
+0.39-0.67x the dequant path's time on the six bench shapes, so decode is chosen up to 4 tokens;
+5-8 tokens would need two resident launches, which lose to dequant on the small shapes. The fused
+``prefill`` kernel measured 14-33x slower than cuBLAS, so it is never chosen by default.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def _resident_decode():
 
 # H200 resident-table schedule, the sweep's pick (bench/results/vq-h200-sweep.json) that the full
 # bench ran; ``TILEFUSE_VQ_RESIDENT_CFG="block_r=256,num_warps=16"`` overrides it.
-RESIDENT_TUNED = dict(block_r=128, num_warps=32, build_rows=256)
+RESIDENT_TUNED = dict(block_r=128, num_warps=16, build_rows=256)
 RESIDENT_MAX_TOKENS = 4          # table columns = 64 = groups per slice x tokens
 
 

@@ -8,25 +8,27 @@ EVA's decode in one launch, the table built ONCE per program and reused for ever
   (one CTA per SM).
 * Stage 0 (HBM -> registers): the first two blocks of code words are requested before the table
   is built, so their latency overlaps it. Codes are read as int32 words, one per lane: bytes
-  c0(2w), c1(2w), c0(2w+1), c1(2w+1) of groups 2w and 2w+1.
+  c0(2w), c1(2w), c0(2w+1), c1(2w+1) of groups 2w and 2w+1. Row and word indices past the end are
+  clamped instead of masked (no predicates in the stream; see ``_load_words``).
 * Stage 1 (HBM -> SMEM -> registers -> SMEM, once): x of the slice, and both codebooks staged in
   16 KB of shared memory, give the table by CUDA-core FMAs (262 K per program), computed in a
   layout whose lanes run along ``rho`` so every store is bank-conflict free; one CTA barrier.
 * Stage 2 (streamed): per block of ``BLOCK_R`` rows, the block two ahead is requested, then every
-  code byte is looked up with one ``ld.shared`` issued by inline PTX at
-  ``table + cb * 64 KB + c * 256 B + rho * 4 B``. ``rho`` is laid out so that the lanes of each
-  (quarter/half) warp read distinct banks whatever the codes are (EVA's conflict-free table).
-* Stage 3: per-row sums (a warp butterfly per row); split-K partials meet in an fp32 workspace via
-  atomics; the last program of a row chunk (arrival counter) applies the row scale (it factors out
-  of the sum, so it stays out of the loop), adds the bias, writes the output and re-zeroes
-  workspace and counter (no zeroing launch, CUDA-graph safe).
+  code byte is looked up by inline PTX: one ``prmt`` builds ``c * 256 B + rho * 4 B`` and one
+  ``ld.shared`` reads ``table + cb * 64 KB + that`` (about 32 SASS per row and warp in all for one
+  token). ``rho`` is laid out so that the lanes of each (quarter/half) warp read distinct banks
+  whatever the codes are (EVA's conflict-free table).
+* Stage 3: per-row sums over the warp (one token: a transposed butterfly over the thread's rows
+  that ends in one ``red.global.add`` per row, ``ptx.reduce_emit_asm``; several tokens: a
+  butterfly per row); split-K partials meet in an fp32 workspace; the last program of a row chunk (arrival
+  counter) applies the row scale (it factors out of the sum, so it stays out of the loop), adds the
+  bias, writes the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
 
 Why inline PTX: Gluon 3.6 has no indexed shared-memory load; ``gl.gather`` copies its register
 source to shared memory on every call, which made the table traffic 3x the lookup traffic. The
 PTX addresses ``global_smem`` (Triton's dynamic shared memory symbol) directly; the table is the
-kernel's largest allocation and Triton's allocator places it at offset 0 (checked in the
-LLVM IR with scripts/gluon_compile.py, and the GPU tests would see any other
-placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
+kernel's largest allocation and Triton's allocator places it at offset 0 (checked in the LLVM IR
+with scripts/gluon_compile.py; the GPU tests would see any other placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
 reusing the table's bytes while the (to it invisible) PTX lookups still read them.
 
 Column order for (group g = 2w + j of the slice, token m): ``rho = j * 32 + w * M_PAD + m``. The
@@ -37,82 +39,16 @@ lane owning word w reads its M_PAD tokens' entries of one (code, group) as one
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from tilefuse.ops.vq.ptx import lookup_asm, reduce_emit_asm
+
 TABLE_COLS = gl.constexpr(64)  # (group, token) columns per K slice: 256 B per table row
 
-def _lookup_asm(m_pad: int) -> str:
-    """PTX for one code word (2 groups x 2 codebooks = 4 code bytes) -> M_PAD fp32 sums.
-
-    Operands: outputs $0..$(M_PAD-1), then the word, then the lane's column offset in bytes
-    (``4 * rho`` of the word's first group, < 256). ``prmt`` puts code byte j at bits 8-15 and the
-    column offset at bits 0-7 in one instruction (a table row is 256 B), so each lookup is prmt,
-    add of the table base (uniform: ptxas folds it into the shared load) and ``ld.shared``.
-    Codebook 1's table is 64 KB further, the word's second group 32 columns (128 B) further."""
-    vec = "" if m_pad == 1 else f".v{m_pad}"
-    word, col = f"${m_pad}", f"${m_pad + 1}"
-
-    def regs(name):
-        inner = ", ".join(f"{name}{i}" for i in range(m_pad))
-        return inner if m_pad == 1 else "{" + inner + "}"
-
-    lines = [".reg .u32 a, b;", ".reg .f32 " + ", ".join(f"{n}{i}" for n in "pqrs" for i in range(m_pad)) + ";",
-             "mov.u32 b, global_smem;"]
-    for name, (byte, offset) in zip("pqrs", [(0, 0), (1, 65536), (2, 128), (3, 65664)]):
-        lines += [f"prmt.b32 a, {word}, {col}, 0x76{byte}4;", "add.u32 a, a, b;",
-                  f"ld.shared{vec}.f32 {regs(name)}, [a+{offset}];"]
-    for i in range(m_pad):
-        lines += [f"add.f32 p{i}, p{i}, q{i};", f"add.f32 r{i}, r{i}, s{i};", f"add.f32 ${i}, p{i}, r{i};"]
-    return "{ " + " ".join(lines) + " }"
-
-
-def _reduce_emit_asm(rpt: int) -> tuple[str, str]:
-    """PTX for the RPT rows a thread holds (one token, split-K): their 32 lanes' partials -> one
-    ``red.global.add`` per row, by a transposed butterfly. Each halving step (xor 16, 8, ...) keeps
-    half of the rows in each lane and sends the other half to the partner lane, so RPT rows cost
-    RPT - 1 + 5 - log2(RPT) shuffles instead of 5 * RPT; then one lane per row (low lane bits zero)
-    issues the atomic for its row, if that row is valid. Operands (``pack = RPT``): RPT dummy
-    outputs, then the RPT partials, the RPT workspace addresses and the RPT row-valid flags."""
-    n = rpt
-    v = [f"${n + i}" for i in range(n)]
-    a = [f"${2 * n + i}" for i in range(n)]
-    ok = [f"${3 * n + i}" for i in range(n)]
-    half_n = max(n // 2, 1)
-    lines = [".reg .u32 l, t;", ".reg .pred p, q;", ".reg .f32 s, y;",
-             ".reg .f32 " + ", ".join(f"x{k}" for k in range(half_n)) + ";",
-             ".reg .u64 " + ", ".join(f"d{k}" for k in range(half_n)) + ";",
-             ".reg .u32 " + ", ".join(f"o{k}" for k in range(half_n)) + ";",
-             "mov.u32 l, %laneid;"]
-    vals, adrs, oks, mask = v, a, ok, 16
-    if n == 1:
-        lines += ["mov.f32 x0, $1;", "mov.b64 d0, $2;", "mov.u32 o0, $3;"]
-        vals, adrs, oks = ["x0"], ["d0"], ["o0"]
-    while len(vals) > 1:
-        half = len(vals) // 2
-        lines += [f"and.b32 t, l, {mask};", "setp.ne.u32 p, t, 0;"]
-        for k in range(half):
-            lo, hi = vals[k], vals[k + half]
-            lines += [f"selp.f32 s, {lo}, {hi}, p;", f"selp.f32 x{k}, {hi}, {lo}, p;",
-                      f"shfl.sync.bfly.b32 y, s, {mask}, 31, -1;", f"add.f32 x{k}, x{k}, y;",
-                      f"selp.b64 d{k}, {adrs[k + half]}, {adrs[k]}, p;",
-                      f"selp.b32 o{k}, {oks[k + half]}, {oks[k]}, p;"]
-        vals, adrs, oks = [f"x{k}" for k in range(half)], [f"d{k}" for k in range(half)], [f"o{k}" for k in range(half)]
-        mask //= 2
-    while mask >= 1:
-        lines += [f"shfl.sync.bfly.b32 y, x0, {mask}, 31, -1;", "add.f32 x0, x0, y;"]
-        mask //= 2
-    low = 32 // n - 1
-    lines += [f"and.b32 t, l, {low};", "setp.eq.u32 p, t, 0;", "setp.ne.u32 q, o0, 0;", "and.pred p, p, q;",
-              "@p red.global.add.f32 [d0], x0;"]
-    lines += [f"mov.u32 ${i}, 0;" for i in range(n)]
-    constraints = ",".join(["=r"] * n + ["f"] * n + ["l"] * n + ["r"] * n)
-    return "{ " + " ".join(lines) + " }", constraints
-
-
-LOOKUP_ASM_1 = gl.constexpr(_lookup_asm(1))
-LOOKUP_ASM_2 = gl.constexpr(_lookup_asm(2))
-LOOKUP_ASM_4 = gl.constexpr(_lookup_asm(4))
-REDUCE_ASM_2, REDUCE_CON_2 = (gl.constexpr(t) for t in _reduce_emit_asm(2))
-REDUCE_ASM_4, REDUCE_CON_4 = (gl.constexpr(t) for t in _reduce_emit_asm(4))
-REDUCE_ASM_8, REDUCE_CON_8 = (gl.constexpr(t) for t in _reduce_emit_asm(8))
+LOOKUP_ASM_1 = gl.constexpr(lookup_asm(1))
+LOOKUP_ASM_2 = gl.constexpr(lookup_asm(2))
+LOOKUP_ASM_4 = gl.constexpr(lookup_asm(4))
+REDUCE_ASM_2, REDUCE_CON_2 = (gl.constexpr(t) for t in reduce_emit_asm(2))
+REDUCE_ASM_4, REDUCE_CON_4 = (gl.constexpr(t) for t in reduce_emit_asm(4))
+REDUCE_ASM_8, REDUCE_CON_8 = (gl.constexpr(t) for t in reduce_emit_asm(8))
 
 
 @gluon.jit
@@ -127,7 +63,7 @@ def _load_words(codes_ptr, r0, r_tile, col, N, stride_cw):
 @gluon.jit
 def _emit_split_1tok(v, rows, r_end, ws_ptr, word, RPT: gl.constexpr):
     """Split-K, one token: the row sums of ``v`` [BLOCK_R, 32] go to the workspace by the transposed
-    butterfly + one atomic per row (``_reduce_emit_asm``); RPT = rows per thread."""
+    butterfly + one atomic per row (``ptx.reduce_emit_asm``); RPT = rows per thread."""
     ws_ptrs = (ws_ptr + (rows[:, None] + word[None, :] * 0)).to(gl.int64, bitcast=True)
     valid = ((rows < r_end)[:, None] & (word >= 0)[None, :]).to(gl.int32)
     if RPT == 2:

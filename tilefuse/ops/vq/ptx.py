@@ -1,0 +1,70 @@
+"""PTX snippets of the resident-table VQ decode kernel (``kernels_resident.py``), generated per
+constexpr variant. Plain Python, so ``tests/test_vq_ptx.py`` checks their logic on a CPU with a
+lane-level emulator of the few PTX instructions they use.
+"""
+
+
+def lookup_asm(m_pad: int) -> str:
+    """PTX for one code word (2 groups x 2 codebooks = 4 code bytes) -> M_PAD fp32 sums.
+
+    Operands: outputs $0..$(M_PAD-1), then the word, then the lane's column offset in bytes
+    (``4 * rho`` of the word's first group, < 256). ``prmt`` puts code byte j at bits 8-15 and the
+    column offset at bits 0-7 in one instruction (a table row is 256 B), so each lookup is prmt,
+    add of the table base (uniform: ptxas folds it into the shared load) and ``ld.shared``.
+    Codebook 1's table is 64 KB further, the word's second group 32 columns (128 B) further."""
+    vec = "" if m_pad == 1 else f".v{m_pad}"
+    word, col = f"${m_pad}", f"${m_pad + 1}"
+
+    def regs(name):
+        inner = ", ".join(f"{name}{i}" for i in range(m_pad))
+        return inner if m_pad == 1 else "{" + inner + "}"
+
+    lines = [".reg .u32 a, b;", ".reg .f32 " + ", ".join(f"{n}{i}" for n in "pqrs" for i in range(m_pad)) + ";",
+             "mov.u32 b, global_smem;"]
+    for name, (byte, offset) in zip("pqrs", [(0, 0), (1, 65536), (2, 128), (3, 65664)]):
+        lines += [f"prmt.b32 a, {word}, {col}, 0x76{byte}4;", "add.u32 a, a, b;",
+                  f"ld.shared{vec}.f32 {regs(name)}, [a+{offset}];"]
+    for i in range(m_pad):
+        lines += [f"add.f32 p{i}, p{i}, q{i};", f"add.f32 r{i}, r{i}, s{i};", f"add.f32 ${i}, p{i}, r{i};"]
+    return "{ " + " ".join(lines) + " }"
+
+
+def reduce_emit_asm(rpt: int) -> tuple[str, str]:
+    """PTX for the RPT rows a thread holds (one token, split-K): their 32 lanes' partials -> one
+    ``red.global.add`` per row, by a transposed butterfly. Each halving step (xor 16, 8, ...) keeps
+    half of the rows in each lane and sends the other half to the partner lane, so RPT rows cost
+    RPT - 1 + 5 - log2(RPT) shuffles instead of 5 * RPT; then one lane per row (low lane bits zero)
+    issues the atomic for its row, if that row is valid. Operands (``pack = RPT``): RPT dummy
+    outputs, then the RPT partials, the RPT workspace addresses and the RPT row-valid flags."""
+    n = rpt
+    v = [f"${n + i}" for i in range(n)]
+    a = [f"${2 * n + i}" for i in range(n)]
+    ok = [f"${3 * n + i}" for i in range(n)]
+    assert n in (2, 4, 8), "rows per thread: 2, 4 or 8"
+    half_n = n // 2
+    lines = [".reg .u32 l, t;", ".reg .pred p, q;", ".reg .f32 s, y;",
+             ".reg .f32 " + ", ".join(f"x{k}" for k in range(half_n)) + ";",
+             ".reg .u64 " + ", ".join(f"d{k}" for k in range(half_n)) + ";",
+             ".reg .u32 " + ", ".join(f"o{k}" for k in range(half_n)) + ";",
+             "mov.u32 l, %laneid;"]
+    vals, adrs, oks, mask = v, a, ok, 16
+    while len(vals) > 1:
+        half = len(vals) // 2
+        lines += [f"and.b32 t, l, {mask};", "setp.ne.u32 p, t, 0;"]
+        for k in range(half):
+            lo, hi = vals[k], vals[k + half]
+            lines += [f"selp.f32 s, {lo}, {hi}, p;", f"selp.f32 x{k}, {hi}, {lo}, p;",
+                      f"shfl.sync.bfly.b32 y, s, {mask}, 31, -1;", f"add.f32 x{k}, x{k}, y;",
+                      f"selp.b64 d{k}, {adrs[k + half]}, {adrs[k]}, p;",
+                      f"selp.b32 o{k}, {oks[k + half]}, {oks[k]}, p;"]
+        vals, adrs, oks = [f"x{k}" for k in range(half)], [f"d{k}" for k in range(half)], [f"o{k}" for k in range(half)]
+        mask //= 2
+    while mask >= 1:
+        lines += [f"shfl.sync.bfly.b32 y, x0, {mask}, 31, -1;", "add.f32 x0, x0, y;"]
+        mask //= 2
+    low = 32 // n - 1
+    lines += [f"and.b32 t, l, {low};", "setp.eq.u32 p, t, 0;", "setp.ne.u32 q, o0, 0;", "and.pred p, p, q;",
+              "@p red.global.add.f32 [d0], x0;"]
+    lines += [f"mov.u32 ${i}, 0;" for i in range(n)]
+    constraints = ",".join(["=r"] * n + ["f"] * n + ["l"] * n + ["r"] * n)
+    return "{ " + " ".join(lines) + " }", constraints

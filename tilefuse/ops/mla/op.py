@@ -10,17 +10,18 @@ Metadata format (ours, not FlashMLA's bytes; the two functions only need to agre
   ``-1`` marks an unused slot. The pages are cut into chunks of at most ``chunk`` pages (split
   evenly inside each request), ``chunk`` the smallest with at most ``num_sm_parts`` busy slots
   -- one wave on the GPU whatever the mix of lengths, and the shortest longest slot -- and
-  ``num_sm_parts + b`` bounds the slot count (a static shape: no host sync). The last ``b`` rows are the fused combine's arrival counters, one per
-  (request, head tile), zeroed by the metadata kernel and reset by the slot that combines, so
-  one metadata serves every layer of a step; calls sharing one metadata must not run
-  concurrently on different streams.
+  ``num_sm_parts + b`` bounds the slot count (a static shape: no host sync). The last ``b`` rows
+  are the fused combine's arrival counters, one per (request, head tile), zeroed by the metadata
+  kernel and reset by the slot that combines, so one metadata serves every layer of a step;
+  calls sharing one metadata must not run concurrently on different streams.
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
 Dispatch (``choose_variant``): from 64 query rows the standard kernel with 64-row head tiles;
-17-63 rows the transposed (ETAP) one; <= 16 rows transposed for short contexts, the unpadded
-standard kernel for long ones, judged by the block table's width (a shape: graph-safe, no host
-sync). ``tilefuse.force(variant="transposed" | "standard")`` pins one.
+17-63 rows the transposed (ETAP) one; <= 16 rows ``SMALL_ROWS_VARIANT`` per context regime,
+judged by the block table's width (a shape: graph-safe, no host sync); both regimes measure
+best with the unpadded standard kernel today. ``tilefuse.force(variant="transposed" | "standard")``
+pins one.
 """
 
 from __future__ import annotations

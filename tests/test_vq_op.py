@@ -236,3 +236,9 @@ def test_gpu_cuda_graph_replays():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, case, "decode")
+
+
+def test_gluon_kernels_resolve_once():
+    """The launchers' kernel lookups (GPU-only paths) resolve on any machine with Triton 3.6, once."""
+    assert vq_op._gluon_decode() is not None and vq_op._resident_decode() is not None
+    assert vq_op._resident_decode() is vq_op._resident_decode()

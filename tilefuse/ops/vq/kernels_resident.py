@@ -208,5 +208,6 @@ def vq_decode_resident_kernel(
                     # read the sums where the atomics landed (L2), leave zeros for the next call
                     total = gl.atomic_add(ws_ptr + m * N + rows, zero, mask=ok, sem="relaxed")
                     gl.store(ws_ptr + m * N + rows, zero, mask=ok)
-                    gl.store(out_ptr + m * stride_om + rows, (total * fin_scale + fin_bias).to(out_ptr.dtype.element_ty), mask=ok)
+                    result = total * fin_scale + fin_bias
+                    gl.store(out_ptr + m * stride_om + rows, result.to(out_ptr.dtype.element_ty), mask=ok)
             gl.store(cnt_ptr + pid_n, 0)

@@ -21,6 +21,8 @@ multiple of 16, else the ``gl.gather`` kernel (``kernels_gluon.py``). Measured o
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 
 import torch
@@ -40,13 +42,19 @@ WIDE_CODE_DTYPES = (torch.int16, torch.int32, torch.int64)
 _workspaces: dict = {}
 
 
-def _gluon_decode():
-    """The Gluon decode kernel, or None when Gluon is not importable here."""
+@functools.cache
+def _gluon_kernel(module: str, name: str):
+    """A Gluon kernel of ``tilefuse.ops.vq.<module>``, or None when Gluon is not importable here
+    (looked up once: launchers call this on every launch)."""
     try:
-        from tilefuse.ops.vq.kernels_gluon import vq_decode_gluon_kernel
+        return getattr(importlib.import_module(f"tilefuse.ops.vq.{module}"), name)
     except Exception:  # pragma: no cover - depends on the Triton build
         return None
-    return vq_decode_gluon_kernel
+
+
+def _gluon_decode():
+    """The gl.gather Gluon decode kernel (``kernels_gluon.py``), or None."""
+    return _gluon_kernel("kernels_gluon", "vq_decode_gluon_kernel")
 
 
 def kernel_status(device: torch.device) -> dict[str, str]:
@@ -109,12 +117,8 @@ def decode_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 
 def _resident_decode():
-    """The table-resident Gluon decode kernel, or None when Gluon is not importable here."""
-    try:
-        from tilefuse.ops.vq.kernels_resident import vq_decode_resident_kernel
-    except Exception:  # pragma: no cover - depends on the Triton build
-        return None
-    return vq_decode_resident_kernel
+    """The table-resident Gluon decode kernel (``kernels_resident.py``), or None."""
+    return _gluon_kernel("kernels_resident", "vq_decode_resident_kernel")
 
 
 # H200 resident-table schedule, the sweep's pick (bench/results/vq-h200-sweep.json) that the full

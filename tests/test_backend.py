@@ -1,42 +1,77 @@
-"""Backend choice: env var, force(), and the custom-op path under torch.compile."""
+"""Backend choice (environment read once, force()), cached launches, zeroed scratch, custom ops."""
 
 import pytest
 import torch
 
 import tilefuse
-from tilefuse._backend import ENV_VAR, choose_backend, forced_variant
+from tilefuse import _env, _scratch
+from tilefuse._backend import choose_backend, forced_variant
 
 
-def test_default_backend_follows_the_device(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+@pytest.fixture
+def env(monkeypatch):
+    """Set TILEFUSE_* variables for one test: tilefuse reads them once, so re-read around it."""
+    def set_env(**values):
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+        return _env.reload()
+    yield set_env
+    monkeypatch.undo()
+    _env.reload()
+
+
+def test_default_backend_follows_the_device(env):
+    env()
     assert choose_backend(torch.device("cpu")) == "reference"
     assert choose_backend(torch.device("cuda")) == "triton"
 
 
-def test_env_var_and_force(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "reference")
+def test_env_var_is_read_once_and_force_overrides_it(env, monkeypatch):
+    env(TILEFUSE_BACKEND="reference")
+    assert choose_backend(torch.device("cuda")) == "reference"
+    monkeypatch.setenv("TILEFUSE_BACKEND", "triton")          # not re-read on every call
     assert choose_backend(torch.device("cuda")) == "reference"
     with tilefuse.force(backend="triton", variant="small_m"):
-        assert forced_variant() == "small_m"
+        assert forced_variant("swiglu") == "small_m" and forced_variant("vq") is None
         if torch.cuda.is_available() or tilefuse._backend.interpreting():
             assert choose_backend(torch.device("cpu")) == "triton"
         with tilefuse.force(variant="large_m"):
-            assert forced_variant() == "large_m"
-        assert forced_variant() == "small_m"
-    assert forced_variant() is None
-    monkeypatch.setenv(ENV_VAR, "cuda-magic")
-    with pytest.raises(ValueError, match=f"{ENV_VAR}: expected one of"):
-        choose_backend(torch.device("cpu"))
+            assert forced_variant("swiglu") == "large_m"
+        assert forced_variant("swiglu") == "small_m"
+    assert forced_variant("swiglu") is None
+
+
+def test_bad_settings_are_refused(env, tmp_path):
+    with pytest.raises(ValueError, match="TILEFUSE_BACKEND: expected one of"):
+        env(TILEFUSE_BACKEND="cuda-magic")
+    with pytest.raises(ValueError, match="TILEFUSE_CONFIGS: expected a readable JSON file"):
+        env(TILEFUSE_BACKEND="", TILEFUSE_CONFIGS=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="backend: expected one of"):
         with tilefuse.force(backend="fast"):
             pass
+    with pytest.raises(ValueError, match="variant: expected one of"):
+        with tilefuse.force(variant="nonexistent"):
+            pass
 
 
-def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_active_lists_the_variables_set(env):
+    env(TILEFUSE_DEBUG="1")
+    assert _env.settings.debug and _env.active()["TILEFUSE_DEBUG"] == "1"
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error(env, monkeypatch):
+    env(TILEFUSE_BACKEND="triton")
+    monkeypatch.setattr(_env, "settings", _env.Settings(backend="triton", interpret=False))
     with pytest.raises(RuntimeError, match="needs CUDA tensors, or TRITON_INTERPRET=1"):
         choose_backend(torch.device("cpu"))
+
+
+def test_bf16_in_the_interpreter_is_refused(interpret):
+    x = torch.randn(2, 64, dtype=torch.bfloat16, device=interpret)
+    w = torch.randn(128, 64, dtype=torch.bfloat16, device=interpret)
+    if interpret.type == "cpu":
+        with pytest.raises(ValueError, match="x: bfloat16 is not supported in Triton's CPU interpreter"):
+            tilefuse.swiglu(x, w)
 
 
 def test_public_api_is_lazy_and_complete():
@@ -65,3 +100,37 @@ def test_num_sms_cpu_default_and_cached_cuda_lookup(monkeypatch):
         assert calls == [0, 1]                               # looked up once per device
     finally:
         _cuda_sm_count.cache_clear()
+
+
+def test_scratch_pieces_are_zeroed_aligned_and_reused_in_order():
+    a, b = _scratch.zeroed(torch.device("cpu"), (5, torch.float32), (3, torch.int32))
+    assert a.dtype == torch.float32 and b.dtype == torch.int32 and a.numel() == 5 and b.numel() == 3
+    assert not a.any() and not b.any()
+    assert (b.data_ptr() - a.data_ptr()) % _scratch.ALIGN == 0 and b.data_ptr() != a.data_ptr()
+    (again,) = _scratch.zeroed(torch.device("cpu"), (5, torch.float32))
+    assert again.data_ptr() == a.data_ptr()       # same stream: the arena is reused (kept zero by kernels)
+
+
+def test_cached_plans_match_the_first_call(interpret):
+    """Second and later calls take the cached plan (and, on a GPU, the direct launch): same bits."""
+    from tilefuse.ops.swiglu import op as swiglu_op
+    from tilefuse.testing.swiglu import make_inputs
+
+    x, w, bias = make_inputs(3, 64, 96, torch.float16, interpret, bias=True)
+    swiglu_op.plan.cache_clear()
+    first = tilefuse.swiglu(x, w, bias)
+    assert swiglu_op.plan.cache_info().misses == 1
+    for _ in range(2):
+        assert torch.equal(tilefuse.swiglu(x, w, bias), first)
+    assert swiglu_op.plan.cache_info().hits >= 2
+
+
+def test_launcher_requires_named_constexprs():
+    """The direct launch appends the trailing parameters in signature order, by name."""
+    from tilefuse._launch import Kernel
+    from tilefuse.ops.swiglu.kernels import swiglu_small_m_kernel
+
+    kernel = Kernel(swiglu_small_m_kernel)
+    names = swiglu_small_m_kernel.arg_names
+    assert names[:6] == ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "lock_ptr"]
+    assert names[-1] == "PROMOTE" and kernel.name == "swiglu_small_m_kernel"

@@ -12,12 +12,21 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse.ops.mla import op
+from tilefuse.ops.mla import configs, op
 from tilefuse.ops.mla.reference import mla_decode_reference
 from tilefuse.testing.compare import assert_close
 from tilefuse.testing.mla import mla_inputs
 
 TOL = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
+
+
+@pytest.fixture
+def mla_configs(monkeypatch):
+    """Edit the MLA launch settings for one test (the cached per-shape choice is cleared around it)."""
+    configs.launch_config.cache_clear()
+    yield configs
+    monkeypatch.undo()
+    configs.launch_config.cache_clear()
 
 
 def _run(inp, causal, parts=None, variant=None):
@@ -66,28 +75,31 @@ def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts)
     ("standard", dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False)),
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_mla_other_configs(interpret, monkeypatch, variant, config, dtype):
+def test_mla_other_configs(interpret, monkeypatch, mla_configs, variant, config, dtype):
     """The sweep's alternatives: second-launch combine, unpadded standard tiles, half-page steps,
     several programs per slot (empty parts included: one-page slots cut in 2 or 3)."""
-    monkeypatch.setitem(op.CONFIGS, "standard_small" if variant == "standard" else variant, config)
+    monkeypatch.setitem(configs.CONFIGS, "standard_small" if variant == "standard" else variant, config)
     inp = mla_inputs([0, 1, 130, 200, 64], 2, 8, dtype, interpret)
     out, lse = _run(inp, True, 9, variant)
     _check(out, lse, inp, True)
 
 
-def test_mla_regime_dispatch(interpret, monkeypatch):
+def test_mla_regime_dispatch(interpret, monkeypatch, mla_configs):
     """<= 16 rows: the block table's width picks the orientation and the regime's config."""
-    assert op.choose_variant(16, op.LONG_CONTEXT_PAGES - 1) == op.SMALL_ROWS_VARIANT["short"]
-    assert op.choose_variant(16, op.LONG_CONTEXT_PAGES) == op.SMALL_ROWS_VARIANT["long"]
+    assert op.choose_variant(16, configs.LONG_CONTEXT_PAGES - 1) == configs.SMALL_ROWS_VARIANT["short"]
+    assert op.choose_variant(16, configs.LONG_CONTEXT_PAGES) == configs.SMALL_ROWS_VARIANT["long"]
     assert op.choose_variant(32, 10 ** 6) == "transposed" and op.choose_variant(64, 1) == "standard"
     with tilefuse.force(variant="transposed"):
         assert op.choose_variant(16, 10 ** 6) == "transposed"
+    with tilefuse.force(variant="small_m"):      # another family's variant: MLA dispatches as usual
+        assert op.choose_variant(64, 1) == "standard"
     # A small threshold runs the long regime here, with a config only that regime uses.
-    monkeypatch.setattr(op, "LONG_CONTEXT_PAGES", 3)
-    monkeypatch.setitem(op.SMALL_ROWS_VARIANT, "long", "standard")
-    monkeypatch.setitem(op.CONFIGS, "standard_small:long",
+    monkeypatch.setattr(configs, "LONG_CONTEXT_PAGES", 3)
+    monkeypatch.setitem(configs.SMALL_ROWS_VARIANT, "long", "standard")
+    monkeypatch.setitem(configs.CONFIGS, "standard_small:long",
                         dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, slot_programs=2, fused_combine=False))
-    assert op.config_for("standard", 16, op.regime(3))["fused_combine"] is False
+    cfg, fused, per_slot, _ = configs.launch_config("standard", 16, 3)
+    assert fused is False and per_slot == 2 and cfg["num_stages"] == 2
     inp = mla_inputs([0, 150, 64, 33], 1, 16, torch.float16, interpret)
     out, lse = _run(inp, True, 5)
     _check(out, lse, inp, True)
@@ -117,27 +129,129 @@ def test_mla_softmax_scale(interpret):
                                         ([64 * 7] * 8, 132), ([1] * 40, 8), ([1024] * 64, 132),
                                         ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)])
 def test_mla_metadata_schedule(interpret, lens, parts):
-    """Kernel and PyTorch mirror agree; slots cover every page once; at most `parts` slots busy."""
+    """Kernel and PyTorch mirror agree; every split of every request runs on exactly one slot; at
+    most `parts` busy slots; the longest split is as short as it can be."""
     seqlens = torch.tensor(lens, dtype=torch.int32)
     meta, splits = tilefuse.get_mla_metadata(seqlens, 16, 1, num_sm_parts=parts)
     meta_ref, splits_ref = op._metadata_torch(seqlens, parts)
     assert torch.equal(meta, meta_ref) and torch.equal(splits, splits_ref)
     b = len(lens)
-    assert meta.shape == (parts + 2 * b, 8) and splits.shape == (b + 1,)
-    slots = meta[: parts + b]
-    for i, n in enumerate(lens):
-        mine = slots[slots[:, 0] == i]
-        assert len(mine) == int(splits[i + 1] - splits[i]) >= 1
-        covered = sorted(p for r in mine.tolist() for p in range(r[1], r[2]))
-        assert covered == list(range((n + 63) // 64))
-    busy = int((slots[:, 2] > slots[:, 1]).sum())
-    assert busy <= max(parts, b)
-    assert (meta[parts + b:] == 0).all()
-    # The longest slot is as short as it can be with at most `parts` slots (brute force).
+    assert meta.shape == (parts + b, 8) and splits.shape == (b + 1,)
+    op.check_schedule(seqlens, meta, splits)          # each (request, split) exactly once
+    assert (meta[:, 2:] == 0).all()
+    counts = (splits[1:] - splits[:-1]).tolist()
+    assert min(counts) >= 1 and sum(counts) <= max(parts, b)
+    # The longest split is as short as it can be with at most `parts` slots (brute force).
     pages = [(n + 63) // 64 for n in lens]
     splits_at = [[max(-(-n // c), 1) for n in pages] for c in range(1, max(pages + [1]) + 1)]
     best = next((sp for sp in splits_at if sum(sp) <= parts), [1] * b)
-    assert int((slots[:, 2] - slots[:, 1]).max()) == max(-(-n // k) for n, k in zip(pages, best))
+    longest = max(-(-n // k) for n, k in zip(pages, counts))
+    assert longest == max(-(-n // k) for n, k in zip(pages, best))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_mla_stale_metadata_is_still_correct(interpret, backend):
+    """Metadata planned for other lengths (same batch) only schedules: outputs follow cache_seqlens."""
+    inp = mla_inputs([300, 5, 0, 170], 2, 16, torch.float16, interpret)
+    stale = torch.tensor([1, 600, 64, 0], dtype=torch.int32)
+    with tilefuse.force(backend=backend):
+        meta, splits = tilefuse.get_mla_metadata(stale, 32, 1, num_sm_parts=7)
+        out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+    _check(out, lse, inp, True)
+
+
+def _garbage_schedules(inp):
+    b = inp.q.shape[0]
+    meta, splits = op._metadata_torch(inp.cache_seqlens, 5)
+    zeroed = (torch.zeros_like(meta), torch.zeros_like(splits))
+    wild_meta = meta.clone()
+    wild_meta[:, 0] = torch.tensor([10 ** 6, -7, b, 2 ** 31 - 1] * 3)[: meta.shape[0]]
+    wild_splits = torch.tensor([0, 10 ** 6, -5] + [3] * (b - 2), dtype=torch.int32)
+    return {"zeroed": zeroed, "wild_requests": (wild_meta, splits), "wild_splits": (meta, wild_splits)}
+
+
+@pytest.mark.parametrize("which", ["zeroed", "wild_requests", "wild_splits"])
+def test_mla_bad_schedules_stay_in_bounds_and_debug_raises(interpret, which):
+    """No metadata / num_splits contents move a kernel access outside its tensors (the interpreter
+    would fail on a wild pointer); check_contents names the bad argument."""
+    inp = mla_inputs([130, 70, 0], 1, 16, torch.float16, interpret)
+    meta, splits = _garbage_schedules(inp)[which]
+    out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+    assert out.shape == (3, 1, 16, 512)
+    with pytest.raises(ValueError, match="tile_scheduler_metadata|num_splits"):
+        tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True, check_contents=True)
+
+
+@pytest.mark.parametrize("bad", [-1, 10 ** 6, 2 ** 31 - 1])
+def test_mla_bad_block_table_stays_in_bounds_and_is_refused(interpret, bad):
+    """A used page outside the cache: the kernels clamp (no fault); the spec and the debug check
+    raise ValueError naming block_table. Entries past a request's length are never read."""
+    inp = mla_inputs([130, 70], 1, 16, torch.float16, interpret)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
+    table = inp.block_table.clone()
+    table[0, 1] = bad
+    args = (inp.q, inp.k_cache, table, inp.cache_seqlens, 512, meta, splits)
+    out, _ = tilefuse.flash_mla_with_kvcache(*args, causal=True)
+    assert out.shape == (2, 1, 16, 512)
+    with pytest.raises(ValueError, match="block_table: expected pages in"):
+        tilefuse.flash_mla_with_kvcache(*args, causal=True, check_contents=True)
+    with tilefuse.force(backend="reference"), pytest.raises(ValueError, match="block_table: expected pages in"):
+        tilefuse.flash_mla_with_kvcache(*args, causal=True)
+    # padding (-1) after the used pages is fine on both backends
+    padded = torch.cat((inp.block_table, torch.full((2, 3), -1, dtype=torch.int32)), dim=1)
+    for backend in ("triton", "reference"):
+        with tilefuse.force(backend=backend):
+            out, lse = tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, padded, inp.cache_seqlens, 512,
+                                                       meta, splits, causal=True, check_contents=True)
+        _check(out, lse, inp, True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_mla_nan_propagates_and_masked_slots_never_leak(interpret, backend):
+    """NaN in one query head gives NaN in that head only; NaN slots past the lengths never leak."""
+    inp = mla_inputs([90, 33], 1, 16, torch.float32, interpret)
+    inp.q[1, 0, 5, 7] = float("nan")
+    with tilefuse.force(backend=backend):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
+        out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+    nan_heads = torch.isnan(out).any(-1)
+    expected = torch.zeros_like(nan_heads)
+    expected[1, 0, 5] = True
+    assert torch.equal(nan_heads, expected) and torch.isnan(lse[1, 5, 0])
+    assert torch.isfinite(lse[~torch.isnan(lse)]).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_mla_fp16_extremes_stay_a_convex_combination(interpret, backend):
+    """q, k near fp16's top (60000): scores ~1e11; outputs are weighted means of V rows, never inf."""
+    inp = mla_inputs([70, 20], 1, 16, torch.float16, interpret, nan_tail=False)
+    inp.q.fill_(60000.0)
+    inp.k_cache.copy_(torch.where(torch.rand_like(inp.k_cache, dtype=torch.float32) < 0.5, 60000.0, 59000.0))
+    with tilefuse.force(backend=backend):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
+        out, _ = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+    assert torch.isfinite(out).all()
+    assert (out.float() >= 59000 - 64).all() and (out.float() <= 60000 + 64).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_mla_empty_batch(interpret, backend):
+    inp = mla_inputs([5], 1, 16, torch.float16, interpret)
+    q = inp.q[:0]
+    with tilefuse.force(backend=backend):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens[:0], 16, 1, num_sm_parts=4)
+        out, lse = tilefuse.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table[:0], inp.cache_seqlens[:0],
+                                                   512, meta, splits, causal=True)
+    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1) and splits.tolist() == [0]
+
+
+def test_mla_gradient_request_is_refused(interpret):
+    inp = mla_inputs([40], 1, 16, torch.float32, interpret)
+    q = inp.q.clone().requires_grad_()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=2)
+    out, _ = tilefuse.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits)
+    with pytest.raises(RuntimeError, match="flash_mla_with_kvcache: MLA decode attention has no backward"):
+        out.sum().backward()
 
 
 def test_mla_reference_backend_on_cpu():
@@ -159,6 +273,10 @@ def test_mla_module(interpret):
     attn.plan(inp.cache_seqlens)
     out, lse = attn(inp.q, inp.k_cache, inp.block_table)
     _check(out, lse, inp, True)
+    with pytest.raises(ValueError, match="q: expected 8 heads"):
+        MLADecodeAttention(num_heads=8)(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens)
+    with pytest.raises(ValueError, match="num_heads"):
+        MLADecodeAttention(num_heads=0)
 
 
 # ------------------------------------------------------------------------------- errors
@@ -178,6 +296,11 @@ def _valid(dtype=torch.float16):
     (lambda a: a.update(block_table=a["block_table"].long()), "block_table: expected dtype int32"),
     (lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens: expected dtype int32"),
     (lambda a: a.update(cache_seqlens=a["cache_seqlens"] + 1000), "cache_seqlens: expected lengths in"),
+    (lambda a: a.update(cache_seqlens=a["cache_seqlens"] - 100), "cache_seqlens: expected lengths in"),
+    (lambda a: a.update(softmax_scale=float("inf")), "softmax_scale: expected a finite"),
+    (lambda a: a.update(softmax_scale=float("nan")), "softmax_scale: expected a finite"),
+    (lambda a: a.update(softmax_scale="abc"), "softmax_scale: expected a finite"),
+    (lambda a: a.update(k_cache=a["k_cache"][:0]), "k_cache: expected at least one page"),
     (lambda a: a.update(head_dim_v=256), "head_dim_v"),
     (lambda a: a.update(block_table=a["block_table"].to("meta")), "block_table: expected a tensor on cpu"),
     (lambda a: a.update(num_splits=a["num_splits"][:-1]), "num_splits: expected shape"),
@@ -199,3 +322,8 @@ def test_mla_metadata_bad_inputs():
         tilefuse.get_mla_metadata(lens, 16, 2)
     with pytest.raises(ValueError, match="num_q_tokens_per_head_k"):
         tilefuse.get_mla_metadata(lens, 0, 1)
+    for parts in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="num_sm_parts: expected an integer >= 1"):
+            tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=parts)
+    with pytest.raises(ValueError, match="cache_seqlens: expected lengths in"):
+        tilefuse.get_mla_metadata(lens - 10, 16, 1, check_contents=True)

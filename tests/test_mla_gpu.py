@@ -86,10 +86,15 @@ def test_mla_gpu_nan_tail_does_not_leak():
                                          ("standard", "standard")])
 def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
     """The second-launch combine (a sweep candidate) with each kernel, on mixed lengths."""
-    from tilefuse.ops.mla import op
+    from tilefuse.ops.mla import configs
 
-    monkeypatch.setitem(op.CONFIGS, key, dict(op.CONFIGS[key], fused_combine=False))
+    configs.launch_config.cache_clear()
+    monkeypatch.setitem(configs.CONFIGS, key, dict(configs.CONFIGS[key], fused_combine=False))
     h_q = 128 if key == "standard" else 16
     inp = mla_inputs([0, 1, 65, 20000, 4097, 333, 70000, 128], 1, h_q, torch.bfloat16, "cuda")
-    out, lse = _run(inp, 1, h_q, True, variant)
+    try:
+        out, lse = _run(inp, 1, h_q, True, variant)
+    finally:
+        monkeypatch.undo()
+        configs.launch_config.cache_clear()
     _check(out, lse, inp, True)

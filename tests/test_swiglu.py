@@ -92,14 +92,21 @@ def test_large_m_stream_k(interpret, shape, dtype, num_sms, cfg):
 
 
 def test_config_overrides(tmp_path, monkeypatch):
-    """The sweep's winners file (TILEFUSE_SWIGLU_CONFIGS) replaces table entries."""
+    """The "swiglu" section of a TILEFUSE_CONFIGS file replaces table entries."""
+    from tilefuse import _env
+
     monkeypatch.setattr(configs, "TUNED", {k: dict(v) for k, v in configs.TUNED.items()})
     cfg = configs.LargeMConfig(128, 64, 64, 8, 4, 4, False, stream_k=2)
     (tmp_path / "w.json").write_text(json.dumps(
-        [{"H": 896, "I": 4864, "M": 128, "variant": "large_m", "config": dict(cfg.__dict__)}]))
-    configs.load_overrides(tmp_path / "w.json")
-    assert configs.choose(100, 896, 4864) == ("large_m", cfg)
-    configs._choose_bucketed.cache_clear()
+        {"swiglu": [{"H": 896, "I": 4864, "M": 128, "variant": "large_m", "config": dict(cfg.__dict__)}]}))
+    monkeypatch.setenv("TILEFUSE_CONFIGS", str(tmp_path / "w.json"))
+    try:
+        configs.apply_overrides(_env.reload().configs["swiglu"])
+        assert configs.choose(100, 896, 4864) == ("large_m", cfg)
+    finally:
+        monkeypatch.delenv("TILEFUSE_CONFIGS")
+        _env.reload()
+        configs._choose_bucketed.cache_clear()
 
 
 def test_m64_entries_serve_m17_to_64():
@@ -185,7 +192,7 @@ def test_config_choice_is_cached_and_covers_m():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda x, w: tilefuse.swiglu(x.float(), w.float()), "x: expected dtype"),
+    (lambda x, w: tilefuse.swiglu(x.int(), w.int()), "x: expected dtype"),
     (lambda x, w: tilefuse.swiglu(x, w.half()), "w_gate_up: expected dtype bfloat16"),
     (lambda x, w: tilefuse.swiglu(x, w[:, :32]), r"w_gate_up: expected shape \[2I, H=64\]"),
     (lambda x, w: tilefuse.swiglu(x[:, :60], w[:, :60].contiguous()), "x: expected H"),

@@ -75,6 +75,21 @@ def test_constructor_errors():
         VQLinear(60, 8)
     with pytest.raises(ValueError, match="codes_dtype"):
         VQLinear(64, 8, codes_dtype=torch.int32)
+    with pytest.raises(ValueError, match="dtype"):
+        VQLinear(64, 8, dtype=torch.int32)
     layer = VQLinear(64, 8)
     with pytest.raises(ValueError, match="x"):
-        layer(torch.randn(1, 64))  # fp32 input
+        layer(torch.randn(1, 64).int())  # integer input
+    with pytest.raises(ValueError, match=r"codes: expected values in \[0, 256\)"):
+        layer.load_quantized(torch.full((8, 8, 2), 300), layer.codebooks, layer.scales)
+    with pytest.raises(ValueError, match="codes: expected shape"):
+        layer.load_quantized(torch.zeros(8, 4, 2, dtype=torch.uint8), layer.codebooks, layer.scales)
+
+
+def test_fp32_layer_and_inputs_run_the_reference():
+    """fp32 (a default nn.Linear, quantize's codebooks): accepted, computed by the reference."""
+    codes, books, scales = make_vq_weight(16, 64, torch.float32, "cpu")
+    layer = VQLinear(64, 16, bias=False, dtype=torch.float32).load_quantized(codes, books, scales)
+    x = torch.randn(3, 64)
+    expect = x.double() @ dequantize(codes, books.double(), scales.double(), dtype=torch.float64).T
+    assert torch.allclose(layer(x).double(), expect, rtol=1e-5, atol=1e-5)

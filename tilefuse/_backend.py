@@ -1,28 +1,36 @@
 """Backend choice: which implementation a public op runs.
 
-* ``triton``    -- the Triton kernels. The default for CUDA tensors. On CPU tensors it is only
-  reachable with ``TRITON_INTERPRET=1`` set *before* tilefuse is imported (Triton decides at
-  decoration time whether ``@triton.jit`` compiles or interprets); that is how CPU tests reach
-  the kernels.
+* ``triton``    -- the Triton / Gluon kernels. The default for CUDA tensors of a dtype the kernels
+  take (each op says which). On CPU tensors it is only reachable with ``TRITON_INTERPRET=1`` set
+  *before* tilefuse is imported (Triton decides at decoration time whether ``@triton.jit``
+  compiles or interprets); that is how the CPU tests reach the kernels.
 * ``reference`` -- the plain-PyTorch spec in ``tilefuse/ops/<family>/reference.py``. The default
   for tensors on any other device.
 
-``TILEFUSE_BACKEND=reference|triton`` forces one for the whole process; :func:`force` does the
-same for a block of code and can also pin a kernel *variant* (``"small_m"``, ``"transposed"``,
-...), which the tests and the benchmark use to run each schedule explicitly.
+``TILEFUSE_BACKEND=reference|triton`` (read once, ``tilefuse._env``) forces one for the whole
+process; :func:`force` does the same for a block of code and can also pin a kernel *variant*
+(``"small_m"``, ``"transposed"``, ...), which the tests and the benchmark use to run each schedule
+explicitly. A pinned variant applies to the family that has it; the other families dispatch as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
 
-BACKENDS = ("triton", "reference")
-ENV_VAR = "TILEFUSE_BACKEND"
+from tilefuse import _env
+
+BACKENDS = _env.BACKENDS
+# Kernel variants of each family (the ops dispatch among these; force() accepts any of them).
+VARIANTS = {
+    "swiglu": ("small_m", "large_m"),
+    "vq": ("decode", "decode_tl", "prefill", "dequant"),
+    "mla": ("transposed", "standard"),
+}
+_ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
 
 _local = threading.local()
 
@@ -51,19 +59,21 @@ def num_sms(device: torch.device, cpu_default: int = 4) -> int:
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return _env.settings.interpret
 
 
 @contextlib.contextmanager
 def force(backend: str | None = None, variant: str | None = None):
-    """Pin the backend and/or the kernel variant for ops called inside the block.
+    """Pin the backend and/or a kernel variant for ops called inside the block.
 
     >>> with tilefuse.force(variant="large_m"):
     ...     y = tilefuse.swiglu(x, w)
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if variant is not None and variant not in _ALL_VARIANTS:
+        raise ValueError(f"variant: expected one of {_ALL_VARIANTS}, got {variant!r}")
     saved = getattr(_local, "backend", None), getattr(_local, "variant", None)
     _local.backend, _local.variant = backend or saved[0], variant or saved[1]
     try:
@@ -72,26 +82,38 @@ def force(backend: str | None = None, variant: str | None = None):
         _local.backend, _local.variant = saved
 
 
-def forced_variant() -> str | None:
-    """The kernel variant pinned by :func:`force`, or None to let the op dispatch by shape."""
-    return getattr(_local, "variant", None)
+def forced_variant(family: str) -> str | None:
+    """The variant of ``family`` pinned by :func:`force`, or None to let the op dispatch by shape."""
+    variant = getattr(_local, "variant", None)
+    return variant if variant in VARIANTS[family] else None
+
+
+def forced_state() -> tuple[str | None, str | None]:
+    """(backend, variant) pinned by :func:`force` on this thread: part of the ops' plan keys."""
+    return getattr(_local, "backend", None), getattr(_local, "variant", None)
 
 
 def choose_backend(device: torch.device) -> str:
     """The backend an op runs for tensors on ``device``."""
-    backend = getattr(_local, "backend", None) or os.environ.get(ENV_VAR, "").strip().lower() or None
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}: expected one of {BACKENDS}, got {backend!r}")
+    backend = getattr(_local, "backend", None) or _env.settings.backend
     if backend == "reference":
         return "reference"
-    usable, why = triton_available()
     if backend == "triton":
+        usable, why = triton_available()
         if not usable:
-            raise RuntimeError(f"{ENV_VAR}=triton but {why}")
+            raise RuntimeError(f"TILEFUSE_BACKEND=triton but {why}")
         if device.type != "cuda" and not interpreting():
             raise RuntimeError(
-                f"{ENV_VAR}=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before "
+                f"TILEFUSE_BACKEND=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                 f"importing tilefuse to interpret kernels on {device.type} tensors"
             )
         return "triton"
-    return "triton" if device.type == "cuda" and usable else "reference"
+    return "triton" if device.type == "cuda" and triton_available()[0] else "reference"
+
+
+def check_interpretable(name: str, dtype: torch.dtype) -> None:
+    """Refuse bf16 in Triton's CPU interpreter, which multiplies bf16 ``tl.dot`` operands as raw
+    16-bit integers (garbage results): fp16 and fp32 are interpreted correctly."""
+    if dtype == torch.bfloat16 and interpreting():
+        raise ValueError(f"{name}: bfloat16 is not supported in Triton's CPU interpreter (TRITON_INTERPRET=1 "
+                         f"computes bf16 tl.dot wrongly); use float16 or float32, or the reference backend")

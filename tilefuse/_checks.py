@@ -3,7 +3,8 @@
 Every check raises ``ValueError`` naming the argument, what was expected and what was given, so
 bad input fails in Python before any kernel launches (never a CUDA fault or a wrong answer).
 Checks only read metadata (dtype, shape, strides, device), so they are safe under
-``torch.compile`` tracing and CUDA-graph capture.
+``torch.compile`` tracing and CUDA-graph capture; the ops run them once per argument layout
+(:func:`remember`), so an eager call pays a dictionary lookup, not the checks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 FLOAT16S = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _fmt_dtypes(dtypes: Sequence[torch.dtype]) -> str:
@@ -70,5 +72,24 @@ def check_multiple(name: str, size: int, multiple: int, what: str) -> None:
 
 
 def check_choice(name: str, value, choices: Sequence) -> None:
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
+
+
+def check_float(name: str, value, *, positive: bool = False) -> float:
+    """A finite real number (``positive``: > 0); returns it as a Python float."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}") from None
+    if isinstance(value, (bool, str)) or number != number or number in (float("inf"), float("-inf")) \
+            or (positive and number <= 0):
+        raise ValueError(f"{name}: expected a finite{' positive' if positive else ''} number, got {value!r}")
+    return number
+
+
+def remember(cache: set, key, limit: int = 4096) -> None:
+    """Add a validated argument layout to an op's cache (bounded: cleared when full)."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache.add(key)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tilefuse.ops.mla.op import HEAD_DIM_V, flash_mla_with_kvcache, get_mla_metadata
+from tilefuse.ops.mla.op import flash_mla_with_kvcache, get_mla_metadata
+from tilefuse.ops.mla.reference import HEAD_DIM_V
 
 
 class MLADecodeAttention(nn.Module):
@@ -28,6 +29,8 @@ class MLADecodeAttention(nn.Module):
 
     def __init__(self, num_heads: int, softmax_scale: float | None = None, causal: bool = True):
         super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or not 1 <= num_heads <= 128:
+            raise ValueError(f"num_heads: expected an integer in [1, 128], got {num_heads!r}")
         self.num_heads = num_heads
         self.softmax_scale = softmax_scale
         self.causal = causal
@@ -46,6 +49,9 @@ class MLADecodeAttention(nn.Module):
         Returns out [b, s_q, h_q, 512] (q's dtype) and lse [b, h_q, s_q] fp32. Without
         ``cache_seqlens`` the lengths and schedule of the last :meth:`plan` are used.
         """
+        if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != self.num_heads:
+            raise ValueError(f"q: expected {self.num_heads} heads (num_heads of this module) in dim 2 of "
+                             f"[b, s_q, h_q, 576], got shape {tuple(q.shape)}")
         if cache_seqlens is not None:
             self.plan(cache_seqlens, q.shape[1])
         if self._plan is None:

@@ -21,7 +21,8 @@ class VQLinear(nn.Module):
     in_features : K, a multiple of 8.
     out_features : N.
     bias : whether the layer has a bias ``[N]``.
-    dtype : dtype of codebooks, scales and bias (fp16 or bf16); inputs should use the same.
+    dtype : dtype of codebooks, scales and bias (fp16, bf16 or fp32); inputs in fp16/bf16 run the
+        kernels on CUDA, fp32 inputs the PyTorch reference (see :func:`tilefuse.vq_matmul`).
     codes_dtype : ``torch.int8`` (AQLM's checkpoints) or ``torch.uint8``.
 
     >>> layer = VQLinear.from_linear(nn.Linear(4096, 4096, dtype=torch.float16))  # quantizes
@@ -35,6 +36,8 @@ class VQLinear(nn.Module):
             raise ValueError(f"in_features: expected a multiple of 8, got {in_features}")
         if codes_dtype not in (torch.int8, torch.uint8):
             raise ValueError(f"codes_dtype: expected int8 or uint8, got {codes_dtype}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("codes", torch.zeros(out_features, in_features // 8, 2, dtype=codes_dtype, device=device))
         self.register_buffer("codebooks", torch.zeros(2, 256, 1, 8, dtype=dtype, device=device))
@@ -55,7 +58,8 @@ class VQLinear(nn.Module):
         from tilefuse.vq import quantize
 
         weight = linear.weight.detach()
-        dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+        dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
+                          else torch.float32)
         codes, codebooks, scales = quantize(weight, calib, **quantize_opts)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
                     codes_dtype=codes_dtype, device=weight.device)
@@ -64,8 +68,17 @@ class VQLinear(nn.Module):
 
     @torch.no_grad()
     def load_quantized(self, codes, codebooks, scales, bias=None) -> "VQLinear":
-        """Copy quantized tensors in (uint8 or int8 codes; same bit patterns either way)."""
+        """Copy quantized tensors in (uint8 or int8 codes, same bit patterns either way; wider
+        integer codes must lie in [0, 256))."""
+        from tilefuse.ops.vq.op import WIDE_CODE_DTYPES, check_code_range
+
         codes = codes.to(self.codes.device)
+        if tuple(codes.shape) != tuple(self.codes.shape):
+            raise ValueError(f"codes: expected shape {tuple(self.codes.shape)}, got {tuple(codes.shape)}")
+        if codes.dtype in WIDE_CODE_DTYPES:
+            check_code_range(codes)
+        elif codes.dtype not in (torch.int8, torch.uint8):
+            raise ValueError(f"codes: expected an integer dtype, got {codes.dtype}")
         if codes.dtype != self.codes.dtype:
             codes = codes.view(self.codes.dtype) if codes.element_size() == 1 else codes.to(torch.uint8).view(self.codes.dtype)
         self.codes.copy_(codes)

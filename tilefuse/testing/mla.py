@@ -6,10 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tilefuse.ops.mla.reference import PAGE_SIZE
-
-HEAD_DIM = 576
-HEAD_DIM_V = 512
+from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 
 @dataclass

@@ -4,13 +4,20 @@ Two launches per decode step, both sized from static shapes so the step can be c
 CUDA graph and replayed with new lengths:
 
 1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into chunks of
-   about equal size, one per *slot*, write where each slot starts and ends, and zero the
-   arrival counters of the fused combine.
+   about equal size, one per *slot*, and write which request and which of its splits each slot
+   runs (``get_mla_metadata``).
 2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (SLOT_PROGRAMS programs per
    slot, one per head tile): attention of the query rows of one request over (a part of) one
-   chunk of its pages. A request with one program writes its final output; otherwise each
+   split of its pages. A request with one program writes its final output; otherwise each
    program writes a partial (normalised output, log-sum-exp) and the last one of the request to
-   finish merges them (``_finish``), or ``mla_combine_kernel`` does in a second launch.
+   finish merges them (``_finish``, arrival counters in zeroed scratch), or ``mla_combine_kernel``
+   does in a second launch.
+
+The metadata only schedules: every kernel takes a request's length from ``cache_seqlens``, its
+split count and first partial from ``num_splits``, and recomputes its page range from those, so
+metadata planned for other lengths costs balance, never correctness. Every index read from
+memory is checked or clamped before use (requests, splits, partial slots, cache pages), so no
+contents of the metadata, ``num_splits`` or the block table can move an access outside its tensor.
 
 Query rows: the ``s_q * h_q`` (token, head) pairs of one request, row ``r = t * h_q + h``.
 Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``), so the softmax uses
@@ -29,14 +36,14 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def mla_metadata_kernel(
-    seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots + b, 8] and [b + 1] int32 out
+    seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = target number of busy slots
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
-    lens = tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0)
+    lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
     # Chunks of at most `chunk` pages: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts
     # slots (one wave, the shortest longest slot). ceil(total / (num_parts - b)) always fits
@@ -53,55 +60,60 @@ def mla_metadata_kernel(
         lo = tl.where(fits, lo, mid + 1)
     chunk = hi
     splits = tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
-    per_split = (pages + splits - 1) // tl.maximum(splits, 1)     # even split inside each request
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
     tl.store(num_splits_ptr + batch, tl.sum(splits, axis=0))
-    # Each slot p belongs to the request i with cu_begin[i] <= p < cu_end[i]; found by counting,
-    # gathers done as masked sums over the batch axis (registers cannot be indexed).
+    # Each slot p belongs to the request i with cu_begin[i] <= p < cu_end[i] and runs its split
+    # p - cu_begin[i]; found by counting, gathers done as masked sums over the batch axis
+    # (registers cannot be indexed).
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         owns = (cu_begin[None, :] <= offs_p[:, None]) & (offs_p[:, None] < cu_end[None, :])   # [P, B]
         req = tl.sum(tl.where(owns, offs_b[None, :], 0), axis=1)
         first = tl.sum(tl.where(owns, cu_begin[None, :], 0), axis=1)
-        n_pages = tl.sum(tl.where(owns, pages[None, :], 0), axis=1)
-        per = tl.sum(tl.where(owns, per_split[None, :], 0), axis=1)
         valid = tl.sum(owns.to(tl.int32), axis=1) > 0
-        begin = tl.minimum((offs_p - first) * per, n_pages)
         row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
-        tl.store(row + 1, tl.where(valid, begin, 0), mask=in_range)
-        tl.store(row + 2, tl.where(valid, tl.minimum(begin + per, n_pages), 0), mask=in_range)
-        tl.store(row + 3, tl.sum(tl.where(owns, splits[None, :], 0), axis=1), mask=in_range)
-        tl.store(row + 4, tl.sum(tl.where(owns, lens[None, :], 0), axis=1), mask=in_range)
-        tl.store(row + 5, first, mask=in_range)
-        tl.store(row + 6, 0, mask=in_range)
-        tl.store(row + 7, 0, mask=in_range)
-    # Rows num_slots .. num_slots + b - 1: per-(request, head tile) arrival counters for the fused
-    # combine, zeroed here every step (8 columns: at most 8 head tiles of 64 query rows).
-    for c in range(0, 8):
-        tl.store(meta_ptr + (num_slots + offs_b) * 8 + c, 0, mask=in_batch)
+        tl.store(row + 1, tl.where(valid, offs_p - first, 0), mask=in_range)
+        for c in range(2, 8):
+            tl.store(row + c, 0, mask=in_range)
 
 
 @triton.jit
-def _slot_work(meta_ptr, max_tokens, pid, SLOT_PROGRAMS: tl.constexpr):
-    """(request, first token, end token, length, partials of the request, its first partial) of
-    program ``pid``: part ``pid % SLOT_PROGRAMS`` of slot ``pid // SLOT_PROGRAMS``'s pages.
+def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, pid,
+               SLOT_PROGRAMS: tl.constexpr):
+    """What program ``pid`` computes: part ``pid % SLOT_PROGRAMS`` of the split that slot
+    ``pid // SLOT_PROGRAMS`` runs.
 
-    SLOT_PROGRAMS > 1 runs several programs per slot (two per SM with a small-SMEM config) on
-    the same metadata; each writes its own partial, so partial indices are ``pid``.
+    Returns (valid, request, first token, end token, length, partials of the request, its first
+    partial, this program's partial). The length comes from ``cache_seqlens`` (clamped to the
+    block table), the split count ``n`` and first slot from ``num_splits``; split ``s`` of ``n``
+    covers pages ``[s per, (s + 1) per)`` with ``per = ceil(pages / n)`` -- the metadata kernel's
+    cut when the lengths are the ones it planned for. A slot whose request or split is out of
+    range is not valid (the program does nothing). Partials are indexed by (request's first
+    slot + split) * SLOT_PROGRAMS + part, so a request's partials are contiguous.
     """
     row = meta_ptr + (pid // SLOT_PROGRAMS) * 8
     req = tl.load(row)
-    length = tl.minimum(tl.load(row + 4), max_tokens)      # never past the block table
-    first_page = tl.load(row + 1)
-    end_page = tl.load(row + 2)
-    per = (end_page - first_page + SLOT_PROGRAMS - 1) // SLOT_PROGRAMS
-    begin = tl.minimum(first_page + (pid % SLOT_PROGRAMS) * per, end_page)
-    tok_end = tl.minimum(tl.minimum(begin + per, end_page) * PAGE, length)
-    return req, begin * PAGE, tok_end, length, tl.load(row + 3) * SLOT_PROGRAMS, tl.load(row + 5) * SLOT_PROGRAMS
+    split = tl.load(row + 1)
+    valid = (req >= 0) & (req < batch)
+    req = tl.where(valid, req, 0)
+    first = tl.load(splits_ptr + req)
+    n = tl.load(splits_ptr + req + 1) - first
+    valid = valid & (split >= 0) & (split < n) & (first >= 0) & (first + n <= num_slots)
+    length = tl.minimum(tl.maximum(tl.load(seqlens_ptr + req), 0), max_tokens)
+    pages = (length + PAGE - 1) // PAGE
+    per = (pages + tl.maximum(n, 1) - 1) // tl.maximum(n, 1)
+    begin = tl.minimum(split * per, pages)
+    end = tl.minimum(begin + per, pages)
+    part = pid % SLOT_PROGRAMS
+    per_part = (end - begin + SLOT_PROGRAMS - 1) // SLOT_PROGRAMS
+    part_begin = tl.minimum(begin + part * per_part, end)
+    tok_end = tl.minimum(tl.minimum(part_begin + per_part, end) * PAGE, length)
+    return (valid, req, part_begin * PAGE, tok_end, length, n * SLOT_PROGRAMS, first * SLOT_PROGRAMS,
+            (first + split) * SLOT_PROGRAMS + part)
 
 
 @triton.jit
@@ -117,18 +129,18 @@ def _store_final(o, lse2, rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots, h_q,
-            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, h_q,
+            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE: tl.constexpr):
     """Normalise the [rows, 512] accumulator and write the result.
 
     A request with one program writes its output directly. Otherwise each program writes a
     partial (normalised output, log2-sum-exp) at index ``pid_part``. FUSED_COMBINE: the program
-    bumps the request's arrival counter and the one that arrives last merges all ``n_part``
-    partials (read back from L2), no extra launch; else ``mla_combine_kernel`` merges them in a
-    second launch.
+    bumps the request's arrival counter (zeroed scratch, one per (request, head tile)) and the
+    one that arrives last merges all ``n_part`` partials (read back from L2) and re-arms the
+    counter; else ``mla_combine_kernel`` merges them in a second launch.
     """
-    has_keys = l_i > 0
+    has_keys = l_i != 0                     # NaN counts as keys: a NaN score propagates to out and lse
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     if n_part == 1:
@@ -141,11 +153,10 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, f
     if FUSED_COMBINE:
         if n_part > 1:
             tl.debug_barrier()                      # every thread's partial stored before the release below
-            counter = meta_ptr + (num_slots + req) * 8 + pid_h
+            counter = cnt_ptr + req * 8 + pid_h
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == n_part - 1:
-                # Every slot of the request has arrived: reset the counter so the same metadata
-                # serves the next call (FlashMLA's usage: one get_mla_metadata per step, all layers).
+                # Every partial of the request has arrived: re-arm the counter for the next call.
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 m = tl.full(lse2.shape, float("-inf"), tl.float32)
                 for s in range(0, n_part):
@@ -162,7 +173,7 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, f
                     total += w
                     o += w[:, None] * tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=row_ok[:, None],
                                               other=0.0, cache_modifier=".cg")
-                has_keys = total > 0
+                has_keys = total != 0
                 t_safe = tl.where(has_keys, total, 1.0)
                 _store_final(o / t_safe[:, None], tl.where(has_keys, m_safe + tl.log2(t_safe), float("-inf")),
                              rows, row_ok, offs_v, req, h_q, out_ptr, lse_ptr,
@@ -182,9 +193,11 @@ def _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length, stride_qb, stri
 
 
 @triton.jit
-def _page_of(bt_row, token, last_page):
-    """Cache page holding ``token`` of the request (clamped to the slot's last page)."""
-    return tl.load(bt_row + tl.minimum(token // PAGE, last_page)).to(tl.int64)
+def _page_of(bt_row, token, last_page, num_blocks):
+    """Cache page holding ``token`` of the request (the block-table column clamped to the slot's
+    last page; the entry clamped to the cache, so a bad table cannot read outside it)."""
+    page = tl.load(bt_row + tl.minimum(token // PAGE, last_page))
+    return tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
 
 
 @triton.jit
@@ -204,9 +217,9 @@ def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N: tl.cons
 
 @triton.jit
 def mla_split_standard_kernel(
-    q_ptr, kc_ptr, bt_ptr, meta_ptr,
-    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-    h_q, s_q, rows_total, num_slots, max_tokens, qk_scale,
+    q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
+    batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -219,8 +232,9 @@ def mla_split_standard_kernel(
     """
     pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_part, first_part = _slot_work(meta_ptr, max_tokens, pid_part, SLOT_PROGRAMS)
-    if req < 0:
+    valid, req, tok_begin, tok_end, length, n_part, first_part, part_idx = _slot_work(
+        meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, pid_part, SLOT_PROGRAMS)
+    if not valid:
         return
     rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
                                               stride_qb, stride_qs, stride_qh, CAUSAL, BLOCK_H)
@@ -235,11 +249,11 @@ def mla_split_standard_kernel(
     acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     bt_row = bt_ptr + req * stride_btb
     last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = _page_of(bt_row, tok_begin, last_page)
+    page = _page_of(bt_row, tok_begin, last_page, num_blocks)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = _page_of(bt_row, start + BLOCK_N, last_page)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
@@ -253,16 +267,16 @@ def mla_split_standard_kernel(
         acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
         page = next_page
-    _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots, h_q,
-            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+    _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part, h_q,
+            out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
 
 
 @triton.jit
 def mla_split_transposed_kernel(
-    q_ptr, kc_ptr, bt_ptr, meta_ptr,
-    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-    h_q, s_q, rows_total, num_slots, max_tokens, qk_scale,
+    q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
+    batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -273,8 +287,9 @@ def mla_split_transposed_kernel(
     dots have M = BLOCK_N (64) and M = 512, N = BLOCK_H (16 or 32)."""
     pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
-    req, tok_begin, tok_end, length, n_part, first_part = _slot_work(meta_ptr, max_tokens, pid_part, SLOT_PROGRAMS)
-    if req < 0:
+    valid, req, tok_begin, tok_end, length, n_part, first_part, part_idx = _slot_work(
+        meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, pid_part, SLOT_PROGRAMS)
+    if not valid:
         return
     rows, row_ok, q_rows, limit = _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length,
                                               stride_qb, stride_qs, stride_qh, CAUSAL, BLOCK_H)
@@ -289,11 +304,11 @@ def mla_split_transposed_kernel(
     acc_t = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
     bt_row = bt_ptr + req * stride_btb
     last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = _page_of(bt_row, tok_begin, last_page)
+    page = _page_of(bt_row, tok_begin, last_page, num_blocks)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = _page_of(bt_row, start + BLOCK_N, last_page)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
         s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
         s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
@@ -307,15 +322,15 @@ def mla_split_transposed_kernel(
         acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
         m_i = m_new
         page = next_page
-    _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, first_part, num_slots,
-            h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, meta_ptr, rows_total,
+    _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part,
+            h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
             stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FUSED_COMBINE)
 
 
 @triton.jit
 def mla_combine_kernel(
     num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
-    h_q, rows_total,
+    h_q, rows_total, num_slots,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
 ):
@@ -326,9 +341,12 @@ def mla_combine_kernel(
     """
     req = tl.program_id(0)
     row = tl.program_id(1)
-    first = tl.load(num_splits_ptr + req) * SLOT_PROGRAMS          # partials are per program
-    n = tl.load(num_splits_ptr + req + 1) * SLOT_PROGRAMS - first
-    if n > 1:                                       # one slot: the split kernel wrote the result
+    first_slot = tl.load(num_splits_ptr + req)
+    n_slots = tl.load(num_splits_ptr + req + 1) - first_slot
+    first = first_slot * SLOT_PROGRAMS          # partials are per program
+    n = n_slots * SLOT_PROGRAMS
+    # one slot: the split kernel wrote the result; out-of-range num_splits: nothing was written
+    if (n > 1) & (first_slot >= 0) & (first_slot + n_slots <= num_slots):
         offs_s = tl.arange(0, S_CHUNK)
         offs_v = tl.arange(0, D_NOPE)
         m = tl.full([S_CHUNK], float("-inf"), tl.float32)
@@ -347,8 +365,8 @@ def mla_combine_kernel(
             o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=ok[:, None], other=0.0)
             acc += tl.sum(w[:, None] * o, axis=0)
         t = tl.sum(total, axis=0)
-        t_safe = tl.where(t > 0, t, 1.0)
-        lse2 = tl.where(t > 0, m_safe + tl.log2(t_safe), float("-inf"))
+        t_safe = tl.where(t != 0, t, 1.0)
+        lse2 = tl.where(t != 0, m_safe + tl.log2(t_safe), float("-inf"))
         tok = row // h_q
         head = row % h_q
         tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v,

@@ -9,10 +9,9 @@ the first call of a shape the hot path is one dict lookup (no autotuning, ever).
 from __future__ import annotations
 
 import functools
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from tilefuse import _env
 
 NUM_SMS_H200 = 132
 # M at and below which the split-K pointer kernel runs when no tuned entry says otherwise.
@@ -28,7 +27,7 @@ class SmallMConfig:
     split_k: int = 1
     num_stages: int = 4
     num_warps: int = 4
-    promote: bool = False  # per-K-step fp32 adds outside the tensor core (accuracy; unmeasured)
+    promote: bool = False  # per-K-step fp32 adds outside the tensor core (accuracy; docs/swiglu.md)
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class LargeMConfig:
     # Waves handed to the stream-K tail (0: off). 1: the tiles of the last, partial wave are shared
     # out by K steps over all SMs; 2: those plus one whole wave (fewer, larger pieces per tile).
     stream_k: int = 0
-    promote: bool = False  # per-K-step fp32 adds (accuracy); likely slows WGMMA, unmeasured
+    promote: bool = False  # per-K-step fp32 adds (accuracy): measured 1.4-2.1x slower here (docs/swiglu.md)
 
 
 def stream_k_split(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int) -> tuple[int, int]:
@@ -142,11 +141,11 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
 }
 
 
-def load_overrides(path) -> None:
-    """Tuning hook: merge a sweep's winners (``scripts/tune_swiglu.py tail`` writes them as
-    ``[{"H", "I", "M", "variant", "config": {field: value}}]``) into ``TUNED``, so a benchmark in
-    the same device call runs them before they are copied into the table by hand."""
-    for entry in json.loads(Path(path).read_text()):
+def apply_overrides(entries: list[dict]) -> None:
+    """Merge a sweep's winners into ``TUNED`` (the ``"swiglu"`` section of ``TILEFUSE_CONFIGS``):
+    ``[{"H", "I", "M", "variant", "config": {field: value}}]``, so a benchmark in the same run
+    measures them before they are copied into the table by hand."""
+    for entry in entries:
         cls = SmallMConfig if entry["variant"] == "small_m" else LargeMConfig
         TUNED.setdefault((entry["H"], entry["I"]), {})[entry["M"]] = cls(**entry["config"])
     _choose_bucketed.cache_clear()
@@ -203,5 +202,4 @@ def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NU
     return variant, LargeMConfig()
 
 
-if os.environ.get("TILEFUSE_SWIGLU_CONFIGS"):
-    load_overrides(os.environ["TILEFUSE_SWIGLU_CONFIGS"])
+apply_overrides(_env.settings.configs.get("swiglu", []))

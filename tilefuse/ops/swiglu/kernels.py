@@ -114,7 +114,7 @@ def swiglu_small_m_kernel(
             # total by ordinary (round-to-nearest) adds, in case the tensor core's own fp32
             # accumulation is what puts ~0.1 % of bf16 outputs beyond 1 ulp at H = 8192. The zero
             # is a run-time value: with a constant zero Triton folds `acc + dot(a, b, 0)` back into
-            # `dot(a, b, acc)` (seen in the TTIR). Not yet measured on the GPU: off by default.
+            # `dot(a, b, acc)` (seen in the TTIR). Off by default (docs/swiglu.md: accuracy, cost).
             acc_g += tl.dot(x, tl.trans(wg), tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32))
             acc_u += tl.dot(x, tl.trans(wu), tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32))
         else:
@@ -194,7 +194,7 @@ def _gate_up_mma(x_desc, w_desc, off_m, off_n, k_lo, k_hi, acc_zero,
             # w_desc: the merged weight viewed as [2, I, H]; the box [2, BLOCK_N, BLOCK_K] holds
             # gate rows off_n.. and up rows I + off_n.. (each plane zero-filled past I).
             w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
-        if PROMOTE:  # see the small-M kernel; likely costs the WGMMA overlap
+        if PROMOTE:  # see the small-M kernel; measured 1.4-2.1x slower here (docs/swiglu.md)
             acc += tl.dot(x, w.T, tl.full((BLOCK_M, 2 * BLOCK_N), acc_zero, tl.float32))
         else:
             acc = tl.dot(x, w.T, acc)

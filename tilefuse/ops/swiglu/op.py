@@ -1,24 +1,34 @@
-"""``tilefuse.swiglu`` and ``tilefuse.pack_gate_up``: validation, launchers, dispatch, custom op.
+"""``tilefuse.swiglu`` and ``tilefuse.pack_gate_up``: validation, launch plans, dispatch, custom op.
 
 Kernels live in ``kernels.py`` (Triton), the configuration table in ``configs.py``, the spec in
 ``reference.py``. Dispatch: ``configs.choose(M, H, I)`` picks the small-M (split-K, pointer) or the
-large-M (persistent, TMA, warp-specialized) kernel and its tiles; ``tilefuse.force(variant=...)``
-pins ``"small_m"`` or ``"large_m"``.
+large-M (persistent, TMA) kernel and its tiles; ``tilefuse.force(variant=...)`` pins ``"small_m"``
+or ``"large_m"``. fp16/bf16 run the kernels on CUDA; fp32/fp64 run the reference (cuBLAS GEMMs on
+a GPU) on every device.
+
+Cost of an eager call: argument checks run once per argument layout (shapes, dtypes, strides,
+devices), the (variant, config, grid) plan once per problem size, and the launch goes straight to
+the compiled kernel (``tilefuse._launch``). Split-K and stream-K tickets come from
+``tilefuse._scratch`` (per stream, or per captured call), so concurrent streams never share them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from tilefuse import _checks
-from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse import _checks, _launch, _scratch
+from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
+from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting
 from tilefuse._backend import num_sms as device_num_sms
 from tilefuse._library import tilefuse_op
 from tilefuse.ops.swiglu import configs
 from tilefuse.ops.swiglu.reference import swiglu_reference
 
 LAYOUTS = ("merged", "packed")
-VARIANTS = ("small_m", "large_m")
+VARIANTS = _FAMILY_VARIANTS["swiglu"]
+KERNEL_DTYPES = _checks.FLOAT16S     # fp32 / fp64 inputs run the reference
 PACK = 64  # == kernels.PACK (kept here so importing op.py does not import triton)
 
 
@@ -58,33 +68,30 @@ def unpack_gate_up(w_packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- launchers
-_LOCKS: dict[torch.device, torch.Tensor] = {}
+@functools.cache
+def _kernels():
+    from tilefuse.ops.swiglu import kernels
 
-
-def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 split-K tickets (the kernel re-arms each to 0 after use)."""
-    buf = _LOCKS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = buf
-    return buf
+    return _launch.Kernel(kernels.swiglu_small_m_kernel), _launch.Kernel(kernels.swiglu_large_m_kernel)
 
 
 def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
                    cfg: configs.SmallMConfig) -> torch.Tensor:
     """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I] (unit last stride)."""
-    from tilefuse.ops.swiglu.kernels import swiglu_small_m_kernel
-
     m, h = x.shape
     inter = w.shape[0] // 2
     grid = (triton_cdiv(inter, cfg.block_n), triton_cdiv(m, cfg.block_m), cfg.split_k)
-    if cfg.split_k > 1:
+    if cfg.split_k > 1:   # fp32 partials (written before read: any memory) + zeroed tickets
         ws = torch.empty((cfg.split_k, 2, m, inter), dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, grid[0] * grid[1])
+        (locks,) = _scratch.zeroed(x.device, (grid[0] * grid[1], torch.int32))
     else:
         ws = locks = out  # unused
-    swiglu_small_m_kernel[grid](
-        x, w, bias if bias is not None else w, out, ws, locks,
+    bias_arg = bias if bias is not None else w
+    key = (x.device, x.dtype, m, inter, h, x.stride(0), out.stride(0), bias is not None, packed, cfg,
+           _launch.aligned(x, w, bias, out))
+    _kernels()[0](
+        key, grid, x.device.index,
+        x, w, bias_arg, out, ws, locks,
         m, inter, h,
         x.stride(0), w.stride(0), out.stride(0), 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
@@ -106,8 +113,6 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     data-parallel and the stream-K parts on small shapes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from tilefuse.ops.swiglu.kernels import swiglu_large_m_kernel
-
     m, h = x.shape
     inter = w.shape[0] // 2
     if packed and cfg.block_n % PACK:
@@ -125,10 +130,13 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     grid = (num_sms if sk_tiles else min(num_sms, tiles),)
     if sk_tiles:  # partials: [program, first|last piece of its K run, gate|up, BLOCK_M, BLOCK_N]
         ws = torch.empty((num_sms, 2, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
-        locks = _locks(x.device, sk_tiles)
+        (locks,) = _scratch.zeroed(x.device, (sk_tiles, torch.int32))
     else:
         ws = locks = out  # unused
-    swiglu_large_m_kernel[grid](
+    key = (x.device, x.dtype, m, inter, h, bias is not None, packed, cfg, grid, sk_tiles > 0,
+           _launch.aligned(bias))
+    _kernels()[1](
+        key, grid, x.device.index,
         x_desc, w_desc, out_desc, bias if bias is not None else w, ws, locks,
         m, inter, h, sk_tiles, sk_iters, 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
@@ -142,6 +150,13 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(m: int, h: int, inter: int, device: torch.device, variant: str | None):
+    """(variant, config) the op runs for an ``[m, h] x [2 inter, h]`` problem (cached per size)."""
+    num_sms = device_num_sms(device, cpu_default=configs.NUM_SMS_H200)
+    return configs.choose(m, h, inter, variant, num_sms)
 
 
 def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: str = "merged",
@@ -160,8 +175,7 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
     if m == 0:
         return out
     if config is None:
-        num_sms = device_num_sms(x2d.device, cpu_default=configs.NUM_SMS_H200)
-        variant, config = configs.choose(m, h, inter, variant, num_sms)
+        variant, config = plan(m, h, inter, x2d.device, variant)
     elif variant is None:
         variant = "small_m" if isinstance(config, configs.SmallMConfig) else "large_m"
     packed = layout == "packed"
@@ -193,58 +207,89 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     return {v: "no CUDA GPU: reference path (TRITON_INTERPRET=1 interprets the kernels)" for v in VARIANTS}
 
 
+def _reference(x, w_gate_up, bias, layout):
+    if layout == "packed":
+        w_gate, w_up = unpack_gate_up(w_gate_up)
+        w_gate_up = torch.cat((w_gate, w_up))
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return swiglu_reference(x, w_gate_up, bias, compute_dtype=compute)
+
+
 def _swiglu_fake(x, w_gate_up, bias, layout):
     return x.new_empty(*x.shape[:-1], w_gate_up.shape[0] // 2)
 
 
-@tilefuse_op("swiglu", fake=_swiglu_fake)
+def _setup_backward(ctx, inputs, output):
+    x, w_gate_up, bias, layout = inputs
+    ctx.save_for_backward(x, w_gate_up, bias)
+    ctx.layout = layout
+
+
+def _swiglu_backward(ctx, grad_out):
+    """Gradients of ``h = silu(g) * u`` with ``g = x Wg^T + bg``, ``u = x Wu^T + bu`` (recomputed in
+    fp32, or fp64 for fp64 inputs): ``dg = dh u silu'(g)``, ``du = dh silu(g)``; then
+    ``dx = [dg, du] W``, ``dW = [dg, du]^T x``, ``db = sum [dg, du]``."""
+    x, w_gate_up, bias = ctx.saved_tensors
+    packed = ctx.layout == "packed"
+    w = torch.cat(unpack_gate_up(w_gate_up)) if packed else w_gate_up
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inter = w.shape[0] // 2
+    x2d = x.reshape(-1, x.shape[-1]).to(compute)
+    pre = x2d @ w.to(compute).T
+    if bias is not None:
+        pre = pre + bias.to(compute)
+    gate, up = pre[:, :inter], pre[:, inter:]
+    sig = torch.sigmoid(gate)
+    dh = grad_out.reshape(-1, inter).to(compute)
+    d_pre = torch.cat((dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig), dim=1)    # [M, 2I]
+    dx = dw = db = None
+    if ctx.needs_input_grad[0]:
+        dx = (d_pre @ w.to(compute)).reshape(x.shape).to(x.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = (d_pre.T @ x2d).to(w_gate_up.dtype)
+        if packed:
+            dw = pack_gate_up(dw[:inter], dw[inter:])
+    if bias is not None and ctx.needs_input_grad[2]:
+        db = d_pre.sum(0).to(bias.dtype)
+    return dx, dw, db, None
+
+
+@tilefuse_op("swiglu", fake=_swiglu_fake, backward=_swiglu_backward, setup_context=_setup_backward)
 def _swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     inter = w_gate_up.shape[0] // 2
-    if choose_backend(x.device) != "triton":
-        if layout == "packed":
-            w_gate, w_up = unpack_gate_up(w_gate_up)
-            w_gate_up = torch.cat((w_gate, w_up))
-        return swiglu_reference(x, w_gate_up, bias)
+    if (x.dtype not in KERNEL_DTYPES or x.shape[-1] == 0 or inter == 0
+            or choose_backend(x.device) != "triton"):
+        return _reference(x, w_gate_up, bias, layout)
+    check_interpretable("x", x.dtype)
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
-    out = run_kernel(x2d, w_gate_up, bias, layout, forced_variant())
+    out = run_kernel(x2d, w_gate_up, bias, layout, forced_variant("swiglu"))
     return out.reshape(*x.shape[:-1], inter)
 
 
-def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None, *,
-           layout: str = "merged") -> torch.Tensor:
-    """Fused ``silu(x @ Wg^T + bg) * (x @ Wu^T + bu)``; the ``[M, 2I]`` intermediate never reaches HBM.
+_checked: set = set()    # argument layouts that passed validation
 
-    Parameters
-    ----------
-    x : [..., H] bf16 or fp16 (any leading shape, M = their product, M = 0 allowed)
-    w_gate_up : [2I, H], x's dtype, contiguous. ``layout="merged"``: vLLM's layout, the I gate rows
-        then the I up rows. ``layout="packed"``: the output of :func:`pack_gate_up`
-        (64-row gate/up blocks; I a multiple of 64).
-    bias : [2I] or None, x's dtype: the I gate biases then the I up biases (this merged order for
-        both layouts).
-    layout : "merged" or "packed".
 
-    Returns
-    -------
-    [..., I] in x's dtype. SiLU is computed in fp32 on the fp32 accumulator, one rounding at the end.
-
-    Examples
-    --------
-    >>> w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])      # [2I, H]
-    >>> h = tilefuse.swiglu(x, w)                                       # [..., I]
-    >>> y = h @ mlp.down_proj.weight.T
-    """
-    _checks.check_tensor("x", x, dtypes=_checks.FLOAT16S, min_ndim=1)
+def _validate(x, w_gate_up, bias, layout) -> None:
+    try:
+        key = (x.shape, x.dtype, x.device, w_gate_up.shape, w_gate_up.dtype, w_gate_up.device,
+               w_gate_up.stride(), layout,
+               None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()))
+        if key in _checked:
+            return
+    except (AttributeError, TypeError):
+        key = None
+    _checks.check_tensor("x", x, dtypes=_checks.FLOATS, min_ndim=1)
     _checks.check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=2)
     _checks.check_choice("layout", layout, LAYOUTS)
     hidden = x.shape[-1]
     _checks.check_shape("w_gate_up", w_gate_up, (None, hidden), f"[2I, H={hidden}]")
-    _checks.check_multiple("x", hidden, 8, "H (last dimension)")
-    _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 16, "2I (rows; I a multiple of 8)")
-    if w_gate_up.shape[0] == 0:
-        raise ValueError("w_gate_up: expected at least 16 rows (2I with I >= 8), got 0")
+    if x.dtype in KERNEL_DTYPES:   # the kernels' vector widths (the reference takes any size)
+        _checks.check_multiple("x", hidden, 8, "H (last dimension)")
+        _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 16, "2I (rows; I a multiple of 8)")
+    else:
+        _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 2, "2I (rows)")
     if layout == "packed":
         _checks.check_multiple("w_gate_up", w_gate_up.shape[0], 2 * PACK,
                                "2I (rows) for layout='packed' (I a multiple of 64)")
@@ -254,4 +299,37 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
         _checks.check_contiguous("bias", bias)
     _checks.check_same_device(x=x, w_gate_up=w_gate_up, bias=bias)
     _checks.check_contiguous("w_gate_up", w_gate_up)
+    if key is not None:
+        _checks.remember(_checked, key)
+
+
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None, *,
+           layout: str = "merged") -> torch.Tensor:
+    """Fused ``silu(x @ Wg^T + bg) * (x @ Wu^T + bu)``; the ``[M, 2I]`` intermediate never reaches HBM.
+
+    Parameters
+    ----------
+    x : [..., H] bf16 or fp16 (the kernels; H a multiple of 8), or fp32 / fp64 (computed by the
+        PyTorch reference, cuBLAS on a GPU). Any leading shape, M = their product, M = 0 and H = 0
+        allowed.
+    w_gate_up : [2I, H], x's dtype, contiguous. ``layout="merged"``: vLLM's layout, the I gate rows
+        then the I up rows. ``layout="packed"``: the output of :func:`pack_gate_up`
+        (64-row gate/up blocks; I a multiple of 64). I a multiple of 8 for bf16/fp16.
+    bias : [2I] or None, x's dtype: the I gate biases then the I up biases (this merged order for
+        both layouts).
+    layout : "merged" or "packed".
+
+    Returns
+    -------
+    [..., I] in x's dtype. SiLU is computed in fp32 on the fp32 accumulator, one rounding at the end.
+    Differentiable in ``x``, ``w_gate_up`` and ``bias`` (the backward recomputes the projections in
+    fp32 with PyTorch).
+
+    Examples
+    --------
+    >>> w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])      # [2I, H]
+    >>> h = tilefuse.swiglu(x, w)                                       # [..., I]
+    >>> y = h @ mlp.down_proj.weight.T
+    """
+    _validate(x, w_gate_up, bias, layout)
     return _swiglu(x, w_gate_up, bias, layout)

@@ -78,12 +78,14 @@ def vq_decode_kernel(
     g_begin = pid_k * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
 
-    # Stage 0 (HBM -> registers, once): A = [C0 | C1] as [256, 16]: row e holds both codebooks'
-    # entry e, so ONE [256, 16] x [16, COLS] dot serves both codebooks (B picks the half).
+    # Stage 0 (HBM -> registers, once): A_c = codebook c as [256, 16], its 8 values on its own half
+    # of k and zeros on the other (rounded to x's dtype: a tensor-core operand). B below holds x in
+    # both halves, so a NaN in one codebook's entry never reaches the other codebook's table.
     offs_e = tl.arange(0, 256)
     offs_k = tl.arange(0, 16)
     a = tl.load(cb_ptr + (offs_k[None, :] // 8) * 2048 + offs_e[:, None] * 8 + (offs_k[None, :] % 8))
-    a = a.to(x_ptr.dtype.element_ty)
+    a0 = tl.where(offs_k[None, :] < 8, a, 0.0).to(x_ptr.dtype.element_ty)
+    a1 = tl.where(offs_k[None, :] >= 8, a, 0.0).to(x_ptr.dtype.element_ty)
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, COLS)
@@ -94,15 +96,13 @@ def vq_decode_kernel(
     b_k = offs_k[:, None]
     acc = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
     for g0 in range(g_begin, g_end, GM):
-        # Stage 1 (L2 -> registers): B_c[k, (m, g)] = x[m, 8(g0+g) + k - 8c] on codebook c's half.
+        # Stage 1 (L2 -> registers): B[k, (m, g)] = x[m, 8(g0+g) + k % 8], both halves of k.
         grp = g0 + b_grp
         x_mask = (b_tok < M) & (grp < g_end)
-        xv = tl.load(x_ptr + b_tok * stride_xm + grp * 8 + (b_k % 8), mask=x_mask, other=0.0)
-        b0 = tl.where(b_k < 8, xv, 0.0).to(x_ptr.dtype.element_ty)
-        b1 = tl.where(b_k >= 8, xv, 0.0).to(x_ptr.dtype.element_ty)
+        b = tl.load(x_ptr + b_tok * stride_xm + grp * 8 + (b_k % 8), mask=x_mask, other=0.0)
         # Stage 2 (tensor cores): the two tables, fp32, [256 entries, COLS].
-        t0 = tl.dot(a, b0)
-        t1 = tl.dot(a, b1)
+        t0 = tl.dot(a0, b)
+        t1 = tl.dot(a1, b)
         # Stage 3 (HBM -> registers): one int16 per (row, group) = both codes; masked groups read
         # code 0, whose table column is zero because x was masked to zero there.
         c_mask = (rows[:, None] < N) & ((g0 + col_grp[None, :]) < g_end)

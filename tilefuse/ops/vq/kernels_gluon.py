@@ -1,7 +1,9 @@
 """Gluon twin of :func:`tilefuse.ops.vq.kernels.vq_decode_kernel` (GPU only, MMA v2 on sm_80+).
 
-Now the fallback decode kernel (5-8 tokens, or K/8 odd); 1-4 tokens run the faster
-shared-memory-resident table kernel in ``kernels_resident.py``.
+The decode kernel for K/8 odd (the resident kernel reads codes as int32 words, two groups each)
+and for 5-8 tokens when the decode variant is forced; 1-4 tokens with K/8 even run the faster
+shared-memory-resident table kernel in ``kernels_resident.py``. Codebooks are rounded to x's
+dtype here (they are an MMA operand).
 
 Why Gluon: Triton 3.6's ``tl`` pipeline rewrites every ``tl.gather`` into a warp-local layout
 (OptimizeThreadLocality), i.e. 8 shuffles + 8 selects per lookup for a 256-entry table. Gluon
@@ -68,11 +70,14 @@ def vq_decode_gluon_kernel(
     g_begin = pid_k * GROUPS_PER_SPLIT
     g_end = gl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
 
-    # B = [C0 | C1]^T as [16, 256] (HBM -> registers once, MMA operand layout)
+    # B_c = codebook c transposed on its half of k, zero on the other: [16, 256] each (HBM ->
+    # registers once, MMA operand layout). The zeros sit in B, not in A, so a NaN in an entry of
+    # one codebook never reaches the other codebook's table (0 x NaN), and A is x in both halves.
     bk = gl.arange(0, 16, layout=gl.SliceLayout(1, L_B))[:, None]
     be = gl.arange(0, 256, layout=gl.SliceLayout(0, L_B))[None, :]
-    b = gl.load(cb_ptr + (bk // 8) * 2048 + be * 8 + (bk % 8))
-    b = gl.convert_layout(b.to(dtype), B_OP)
+    b = gl.load(cb_ptr + (bk // 8) * 2048 + be * 8 + (bk % 8)).to(dtype)
+    b0 = gl.convert_layout(gl.where(bk < 8, b, gl.zeros_like(b)), B_OP)
+    b1 = gl.convert_layout(gl.where(bk >= 8, b, gl.zeros_like(b)), B_OP)
 
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=ROWS)
     cols = gl.arange(0, COLS, layout=gl.SliceLayout(1, L_IDX))
@@ -90,19 +95,18 @@ def vq_decode_gluon_kernel(
     for g0 in range(g_begin, g_end, GM):
         # next step's codes first (HBM latency hides behind this step's MMAs and lookups)
         cv_next = gl.load(c_ptrs + (g0 + GM - g_begin), mask=row_ok & ((g0 + GM + col_grp) < g_end), other=0)
-        # A_c[(m, g), k] = x[m, 8(g0+g) + k - 8c] on codebook c's half of k, zero elsewhere
+        # A[(m, g), k] = x[m, 8(g0+g) + k % 8]: the group's 8 inputs in both halves of k
         grp = g0 + x_grp
         xv = gl.load(x_ptr + x_tok * stride_xm + grp * 8 + (xk % 8), mask=(x_tok < M) & (grp < g_end), other=0.0)
-        a0 = gl.convert_layout(gl.where(xk < 8, xv, gl.zeros_like(xv)), A_OP)
-        a1 = gl.convert_layout(gl.where(xk >= 8, xv, gl.zeros_like(xv)), A_OP)
+        a = gl.convert_layout(xv, A_OP)
         # one codebook at a time (fewer live registers). CONVERT_TABLE: lane = column before the
         # gather stores the table (no bank conflicts; else 4-way conflicts from the MMA layout).
         # Masked codes read entry 0 of a column whose x was masked to zero: they add nothing.
-        t0 = mma_v2(a0, b, zero_t)
+        t0 = mma_v2(a, b0, zero_t)
         if CONVERT_TABLE:
             t0 = gl.convert_layout(t0, L_TAB)
         acc += gl.gather(t0, (cv & 0xFF).to(gl.int32), 1)
-        t1 = mma_v2(a1, b, zero_t)
+        t1 = mma_v2(a, b1, zero_t)
         if CONVERT_TABLE:
             t1 = gl.convert_layout(t1, L_TAB)
         acc += gl.gather(t1, ((cv >> 8) & 0xFF).to(gl.int32), 1)

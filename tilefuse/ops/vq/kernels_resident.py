@@ -109,7 +109,6 @@ def vq_decode_resident_kernel(
     CH: gl.constexpr = 32                            # table rows built per step
     RPT: gl.constexpr = BLOCK_R // NUM_WARPS         # rows per thread and block (one token: W = 32)
     FAST_REDUCE: gl.constexpr = M_PAD == 1 and (RPT == 2 or RPT == 4 or RPT == 8)
-    dtype: gl.constexpr = x_ptr.dtype.element_ty
     # stage 1 layouts: [CH table rows (cb, c), 8 k, 64 rho]; lanes along rho, k inside a thread
     L3: gl.constexpr = gl.BlockedLayout([1, 8, 2], [1, 1, 32], [NUM_WARPS, 1, 1], [2, 1, 0])
     L_CB: gl.constexpr = gl.SliceLayout(2, L3)       # codebook rows [CH, 8]
@@ -146,11 +145,12 @@ def vq_decode_resident_kernel(
     xt = gl.load(x_ptr + tok * stride_xm + grp * 8 + kx, mask=(tok < M) & (grp < NUM_GROUPS), other=0.0)
     xt = xt.to(gl.float32)[None, :, :]
     # both codebooks [C0; C1] ([512, 8], 8 KB) in one wave of 16-byte loads (HBM/L2 -> SMEM), so
-    # the build loop below reads them at shared-memory latency; rounded to x's dtype like the spec
+    # the build loop below reads them at shared-memory latency; kept at their own precision (fp32
+    # math), as the spec computes
     cb_s = gl.arange(0, 2 * 256 // CH, layout=gl.SliceLayout(1, gl.SliceLayout(2, L_CBALL)))[:, None, None]
     cb_r = gl.arange(0, CH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_CBALL)))[None, :, None]
     cb_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_CBALL)))[None, None, :]
-    cb_smem.store(gl.load(cb_ptr + (cb_s * CH + cb_r) * 8 + cb_k).to(dtype).to(gl.float32))
+    cb_smem.store(gl.load(cb_ptr + (cb_s * CH + cb_r) * 8 + cb_k).to(gl.float32))
     gl.thread_barrier()
     cb_steps = cb_smem._reinterpret(gl.float32, [2 * 256 // CH, CH, 8], TABLE)  # same bytes, indexable
     for step in range(2 * 256 // CH):

@@ -1,0 +1,94 @@
+"""Kernel launches that cost what the launcher costs.
+
+``kernel[grid](*args, **meta)`` spends tens of microseconds of Python per call in Triton 3.6: it binds
+and specializes every argument, hashes the cache key, checks the kernel's globals and builds launch
+metadata for profiling hooks. A decode step issues hundreds of launches, so that alone made eager
+models slower than stock PyTorch.
+
+:class:`Kernel` wraps a ``@triton.jit`` / ``@gluon.jit`` function. The first call with a given
+*plan key* goes through the normal path (compiling if needed) and keeps the compiled kernel; later
+calls with that key hand the arguments straight to the compiled kernel's C launcher. The caller's
+key must pin everything Triton specializes on: the device, every constexpr, the dtype of every
+tensor, which integer arguments equal 1 or are multiples of 16, and which pointers are 16-byte
+aligned. The ops build it from shapes, strides, dtypes, the launch config and :func:`aligned`.
+
+Under ``TRITON_INTERPRET=1`` (CPU tests), or while a Triton launch hook is installed (profilers),
+every call takes the normal path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tilefuse import _env
+
+
+def aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
+    """16-byte alignment of each tensor's data pointer (Triton specializes pointers on it)."""
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+class Kernel:
+    """A Triton or Gluon kernel launched through cached compiled handles.
+
+    Call as ``kernel(key, grid, device_index, *args, **meta)``: ``args`` are the kernel's leading
+    (run-time) parameters in order, ``meta`` its remaining parameters by name (constexprs) plus
+    launch options (``num_warps``, ``num_stages``).
+    """
+
+    OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.name = getattr(fn, "__name__", None) or getattr(fn, "_fn_name", repr(fn))
+        self._compiled: dict = {}      # plan key -> (compiled kernel, trailing argument values)
+
+    def __call__(self, key, grid, device_index: int | None, *args, **meta):
+        entry = self._compiled.get(key)
+        if entry is None or _hooks_installed():
+            self._first_launch(key, grid, device_index, args, meta)
+            return
+        compiled, tail = entry
+        if device_index is not None and device_index != torch.cuda.current_device():
+            with torch.cuda.device(device_index):
+                self._launch(compiled, grid, device_index, args, tail)
+            return
+        self._launch(compiled, grid, torch.cuda.current_device(), args, tail)
+
+    @staticmethod
+    def _launch(compiled, grid, device_index, args, tail):
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+    def _first_launch(self, key, grid, device_index, args, meta):
+        if device_index is not None and torch.cuda.is_available() and device_index != torch.cuda.current_device():
+            with torch.cuda.device(device_index):
+                compiled = self.fn[grid](*args, **meta)
+        else:
+            compiled = self.fn[grid](*args, **meta)
+        if _env.settings.interpret or compiled is None or not hasattr(compiled, "packed_metadata"):
+            return
+        if len(self._compiled) >= 4096:   # one entry per shape: bound it for long-running servers
+            self._compiled.clear()
+        names = self.fn.arg_names[len(args):]
+        missing = [n for n in names if n not in meta]
+        if missing:  # pragma: no cover - a launcher bug, caught by the GPU tests
+            raise TypeError(f"{self.name}: parameters {missing} must be passed by name")
+        self._compiled[key] = (compiled, tuple(meta[n] for n in names))
+
+    def cache_clear(self) -> None:
+        self._compiled.clear()
+
+
+_runtime_knobs = None
+
+
+def _hooks_installed() -> bool:
+    """A profiler's launch hooks are installed (they need the normal path's launch metadata)."""
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        from triton import knobs
+
+        _runtime_knobs = knobs.runtime
+    return bool(_runtime_knobs.launch_enter_hook.calls or _runtime_knobs.launch_exit_hook.calls)

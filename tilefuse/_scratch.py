@@ -1,0 +1,101 @@
+"""Zeroed scratch memory for the kernels' split-K fix-ups, safe under any interleaving of launches.
+
+Some kernels need memory that is zero when they start: fp32 partial sums that programs add into
+with atomics, and arrival counters (the last program of a tile to arrive finishes it). Every such
+kernel leaves the memory it used at zero when it ends (the finishing program re-arms it), so the
+next launch that runs *after* it may reuse it without a zeroing launch. Reuse is safe only in that
+order, so scratch is handed out by this rule (the concurrency contract of every op):
+
+* Eager calls: one arena per (device, CUDA stream). Work on one stream runs in order, so every
+  launch on that stream may share the arena whatever its shape; launches on other streams, other
+  threads' streams or other devices never touch it. When an arena grows, the old one goes back to
+  PyTorch's caching allocator, which hands that memory out again only to later work on the same
+  stream.
+* During CUDA-graph capture: every captured call gets memory of its own, kept for the life of the
+  process (a graph may be replayed at any time and on any stream; CUDA orders the replays of one
+  graph). It is carved from a reserve that eager calls zero ahead of time (``torch.cuda.graph``
+  synchronizes the device before capturing). If the reserve runs out during a capture, the call's
+  piece is zero-filled inside the graph (one memset node per replay: correct, slightly slower),
+  and the next eager call on that device enlarges the reserve.
+
+Nothing here reads the device: no host sync.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+ALIGN = 256                       # bytes: every piece starts 256-byte aligned
+RESERVE_BYTES = 4 << 20           # the first reserve per device; later ones are sized by demand
+
+_lock = threading.Lock()
+_arenas: dict[tuple[int, int], torch.Tensor] = {}     # (device index, raw stream) -> uint8 arena
+_reserves: dict[int, list] = {}                        # device index -> [slab, next free offset]
+_kept: list[torch.Tensor] = []                         # slabs handed to captured calls (never freed)
+_shortfall: dict[int, int] = {}                        # device index -> bytes a capture lacked
+
+
+def _round(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def zeroed(device: torch.device, *sizes: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    """Zeroed 1-D tensors of ``(numel, dtype)`` each, on ``device``, under the contract above.
+
+    The kernel that receives them must leave them zero when it ends.
+    """
+    nbytes = [_round(n * dtype.itemsize) for n, dtype in sizes]
+    buf = _buffer(device, max(sum(nbytes), ALIGN))
+    out, offset = [], 0
+    for (n, dtype), size in zip(sizes, nbytes):
+        out.append(buf[offset:offset + n * dtype.itemsize].view(dtype))
+        offset += size
+    return out
+
+
+def _buffer(device: torch.device, nbytes: int) -> torch.Tensor:
+    if device.type != "cuda":       # the CPU interpreter: no streams, no graphs
+        return _arena(device, -1, nbytes)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return _capture_piece(device, index, nbytes)
+    if index in _shortfall or index not in _reserves:
+        _top_up_reserve(device, index)
+    return _arena(device, torch._C._cuda_getCurrentRawStream(index), nbytes, index)
+
+
+def _arena(device: torch.device, stream: int, nbytes: int, index: int = -1) -> torch.Tensor:
+    key = (index, stream)
+    buf = _arenas.get(key)
+    if buf is None or buf.numel() < nbytes:
+        # grown geometrically; zeroed once here, kept zero by the kernels from then on
+        size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 64 << 10)
+        buf = torch.zeros(size, dtype=torch.uint8, device=device)
+        _arenas[key] = buf
+    return buf
+
+
+def _top_up_reserve(device: torch.device, index: int) -> None:
+    with _lock:
+        need = max(RESERVE_BYTES, 2 * _shortfall.pop(index, 0))
+        slab = _reserves.get(index)
+        if slab is not None and slab[0].numel() - slab[1] >= need:
+            return
+        if slab is not None:
+            _kept.append(slab[0])          # pieces of it belong to captured graphs
+        _reserves[index] = [torch.zeros(need, dtype=torch.uint8, device=device), 0]
+
+
+def _capture_piece(device: torch.device, index: int, nbytes: int) -> torch.Tensor:
+    with _lock:
+        slab = _reserves.get(index)
+        if slab is not None and slab[0].numel() - slab[1] >= nbytes:
+            piece = slab[0][slab[1]:slab[1] + nbytes]
+            slab[1] += nbytes
+            return piece
+        _shortfall[index] = _shortfall.get(index, 0) + nbytes
+    piece = torch.zeros(nbytes, dtype=torch.uint8, device=device)   # captured: zero-filled per replay
+    _kept.append(piece)
+    return piece

@@ -1,0 +1,78 @@
+"""Launch configurations of the MLA decode kernels: the measured settings and the dispatch rule.
+
+Provenance: H200 sweeps of graph-replayed decode steps (the figures and the rule are in
+``docs/mla.md``). ``TILEFUSE_CONFIGS``' ``"mla"`` section (``{key: config}`` plus an optional
+``"small_rows_variant": {"short": ..., "long": ...}``) overrides them for tuning runs.
+
+* ``"transposed"`` (ETAP): 17-63 query rows, BLOCK_H = next_pow2(rows) (16 or 32); BLOCK_N = 64
+  (one page, M = 64 for WGMMA), 2 stages: 168 KB SMEM, one program per SM.
+* ``"standard"``: >= 64 rows, 64-row head tiles (WGMMA M = 64), [64, 512] fp32 accumulator over
+  8 warps; 221 KB SMEM (Q + 2 K stages).
+* ``"standard_small"``: the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
+  (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
+
+``slot_programs``: programs per metadata slot (each takes an equal part of the slot's pages).
+``fused_combine``: the last program of a request merges the partials, else a second launch does
+(measured: the second launch is faster below 64 rows, where the fused merge is a serial tail in
+one program; about even at 128 heads, kept fused). ``"<key>:long"`` / ``"<key>:short"`` entries,
+where present, override ``"<key>"`` in that context regime.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from tilefuse import _env
+
+CONFIGS = {
+    "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
+    "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
+    "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
+}
+# Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
+# table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
+# graph. Measured: the unpadded standard kernel is 0-18 % faster in both regimes except batch 16
+# at 1K (9 % slower); at 17-63 rows the transposed kernel wins everywhere (25-43 %).
+LONG_CONTEXT_PAGES = 256
+SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
+
+_overrides = dict(_env.settings.configs.get("mla", {}))
+SMALL_ROWS_VARIANT.update(_overrides.pop("small_rows_variant", {}))
+CONFIGS.update(_overrides)
+
+
+def regime(max_blocks: int) -> str:
+    """"long" if the block table has room for >= LONG_CONTEXT_PAGES pages per request, else "short"."""
+    return "long" if max_blocks >= LONG_CONTEXT_PAGES else "short"
+
+
+def default_variant(rows: int, max_blocks: int) -> str:
+    """Standard (64-row head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16
+    rows where SMALL_ROWS_VARIANT picks per regime."""
+    if rows >= 64:
+        return "standard"
+    return SMALL_ROWS_VARIANT[regime(max_blocks)] if rows <= 16 else "transposed"
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool, int, tuple]:
+    """(kernel meta-parameters, fused combine, programs per slot, a hashable key of all three) for
+    ``rows = s_q * h_q`` query rows; cached per shape (tuning code that edits ``CONFIGS`` calls
+    ``launch_config.cache_clear()``)."""
+    key = "standard_small" if variant == "standard" and rows < 64 else variant
+    cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))
+    fused = cfg.pop("fused_combine", True)
+    per_slot = cfg.pop("slot_programs", 1)
+    block_h = max(16, _next_pow2(min(rows, 64)))
+    if variant != "transposed":
+        block_h = cfg.pop("BLOCK_H", 0) or block_h
+    else:
+        cfg.pop("BLOCK_H", None)
+    if block_h > 16:
+        cfg["num_warps"] = max(cfg["num_warps"], 8)   # [32+, 512] fp32 accumulator: 8 warps avoid spills
+    cfg["BLOCK_H"] = block_h
+    return cfg, fused, per_slot, (tuple(sorted(cfg.items())), fused, per_slot)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -17,9 +17,10 @@ class Qwen2MLP(nn.Module):  # named like transformers' class; same attributes
         self.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=torch.bfloat16)
         self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=torch.bfloat16)
         self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=torch.bfloat16)
+        self.act_fn = nn.SiLU()
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):

@@ -67,6 +67,49 @@ def test_fresh_module_and_errors():
         FusedSwiGLUMLP.from_mlp(bad)
 
 
+def test_from_mlp_refuses_what_it_cannot_compute():
+    gelu = HFStyleMLP(64, 128)
+    gelu.act_fn = nn.GELU()
+    with pytest.raises(ValueError, match="mlp.act_fn: expected SiLU"):
+        FusedSwiGLUMLP.from_mlp(gelu)
+    missing = HFStyleMLP(64, 128)
+    del missing.act_fn
+    with pytest.raises(ValueError, match="mlp.act_fn: expected SiLU"):
+        FusedSwiGLUMLP.from_mlp(missing)
+    odd = HFStyleMLP(64, 128)
+    odd.gate_proj = nn.Identity()
+    with pytest.raises(ValueError, match="mlp.gate_proj: expected an nn.Linear"):
+        FusedSwiGLUMLP.from_mlp(odd)
+
+
+def test_layout_is_part_of_the_state_dict():
+    packed = FusedSwiGLUMLP(64, 128, layout="packed")
+    merged = FusedSwiGLUMLP(64, 128, layout="merged")
+    with pytest.raises(ValueError, match="state_dict: expected gate_up_weight in layout 'merged'"):
+        merged.load_state_dict(packed.state_dict())
+    again = FusedSwiGLUMLP(64, 128, layout="packed")
+    again.load_state_dict(packed.state_dict())
+    assert torch.equal(again.gate_up_weight, packed.gate_up_weight)
+
+
+@pytest.mark.parametrize("layout", ["merged", "packed"])
+def test_fp32_module_trains(layout):
+    """A default (fp32) HF MLP converts, runs (reference path) and gets gradients for every weight."""
+    mlp = HFStyleMLP(64, 128, bias=True)
+    x = torch.randn(3, 64, requires_grad=True)
+    expected = mlp(x)
+    fused = FusedSwiGLUMLP.from_mlp(HFStyleMLP(64, 128, bias=True).requires_grad_(True), layout=layout)
+    fused.load_state_dict(FusedSwiGLUMLP.from_mlp(mlp, layout=layout).state_dict())
+    y = fused(x)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    assert fused.gate_up_weight.grad is not None and fused.gate_up_bias.grad is not None
+    assert x.grad is not None and fused.down_proj.weight.grad is not None
+    x2 = x.detach().clone().requires_grad_()
+    mlp(x2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_compile_fullgraph_traces_the_custom_op():
     """fullgraph tracing through torch.ops.tilefuse.swiglu (CPU: aot_eager, reference backend)."""
     mlp = HFStyleMLP(64, 128, dtype=torch.bfloat16)

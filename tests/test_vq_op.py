@@ -11,7 +11,7 @@ import torch
 
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
-from tilefuse.testing import poisoned
+from tilefuse.testing import assert_close, poisoned
 from tilefuse.testing.vq import error_scale, make_vq_case, reference_fp64, tolerance
 
 LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="auto"),
@@ -251,3 +251,67 @@ def test_gluon_kernels_resolve_once():
     assert vq_op._gluon_decode() is not None and vq_op._resident_decode() is not None
     assert vq_op._resident_decode() is vq_op._resident_decode()
     assert vq_op._resident_decode().fn.__name__ == "vq_decode_resident_kernel"
+
+
+# ---------------------------------------------------------------- gradients, NaN, dtypes, sizes
+def test_gradcheck():
+    """The registered backward (x, codebooks, scales, bias) against finite differences (fp64)."""
+    codes = torch.randint(0, 4, (5, 2, 2), dtype=torch.uint8)       # few distinct codes: shared entries
+    books = torch.randn(2, 256, 1, 8, dtype=torch.float64, requires_grad=True)
+    scales = (torch.rand(5, 1, 1, 1, dtype=torch.float64) + 0.5).requires_grad_()
+    bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, c, s, b: tilefuse.vq_matmul(x, codes, c, s, b),
+                                    (x, books, scales, bias), fast_mode=True)
+
+
+@pytest.mark.parametrize("variant", ["decode", "dequant", "prefill"])
+def test_kernel_path_gradients(interpret, variant):
+    case = make_vq_case(2, 24, 64, torch.float16, interpret, bias=True)
+    x = case["x"].clone().requires_grad_()
+    with tilefuse.force(variant=variant):
+        y = tilefuse.vq_matmul(x, case["codes"], case["codebooks"], case["scales"], case["bias"])
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    w = vq_op.dequantize(case["codes"], case["codebooks"], case["scales"], dtype=torch.float64)
+    assert_close(x.grad, dy.double() @ w, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("variant", ["decode", "decode_tl", "prefill", "dequant"])
+def test_nan_in_an_unused_codebook_entry_never_leaks(interpret, variant):
+    """NaN in entries no code uses: the spec ignores them, so must every kernel (no 0 x NaN)."""
+    case = make_vq_case(2, 24, 128, torch.float16, interpret)
+    case["codes"].clamp_(max=200)
+    case["codebooks"][:, 250] = float("nan")
+    _check(_run_poisoned(case, {"decode_tl": "decode_tl"}.get(variant, variant)), case, variant)
+
+
+def test_nan_in_x_propagates(interpret):
+    case = make_vq_case(2, 24, 64, torch.float16, interpret)
+    case["x"][1, 5] = float("nan")
+    y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
+
+
+def test_fp32_codebooks_from_the_quantizer_are_taken(interpret):
+    """quantize() returns fp32 codebooks: fp16 activations (kernels) and fp32 ones (reference)."""
+    case = make_vq_case(1, 16, 64, torch.float16, interpret)
+    case["codebooks"] = case["codebooks"].float()
+    _check(tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"]), case, "decode")
+    y32 = tilefuse.vq_matmul(case["x"].float(), case["codes"], case["codebooks"], case["scales"].float())
+    assert y32.dtype == torch.float32
+    assert_close(y32, reference_fp64(case), atol=1e-5, rtol=1e-5)
+
+
+def test_zero_sizes(interpret):
+    x = torch.randn(3, 0, dtype=torch.float16, device=interpret)
+    bias = torch.randn(5, dtype=torch.float16, device=interpret)
+    y = tilefuse.vq_matmul(x, torch.zeros(5, 0, 2, dtype=torch.uint8, device=interpret),
+                           torch.randn(2, 256, 1, 8, dtype=torch.float16, device=interpret),
+                           torch.ones(5, 1, 1, 1, dtype=torch.float16, device=interpret), bias)
+    assert torch.equal(y, bias.expand(3, 5))
+    y = tilefuse.vq_matmul(torch.randn(3, 16, dtype=torch.float16, device=interpret),
+                           torch.zeros(0, 2, 2, dtype=torch.uint8, device=interpret),
+                           torch.randn(2, 256, 1, 8, dtype=torch.float16, device=interpret),
+                           torch.ones(0, 1, 1, 1, dtype=torch.float16, device=interpret))
+    assert y.shape == (3, 0)

@@ -7,20 +7,32 @@ from torch import nn
 
 from tilefuse.ops.swiglu.op import LAYOUTS, pack_gate_up, swiglu
 
+# Activation modules that compute SiLU (nn.SiLU; transformers' SiLUActivation, by class name so
+# transformers need not be installed).
+_SILU_CLASS_NAMES = ("SiLU", "SiLUActivation", "Swish")
+
+
+def is_silu(act) -> bool:
+    """Whether an MLP's ``act_fn`` computes SiLU (``x * sigmoid(x)``)."""
+    return act is nn.functional.silu or type(act).__name__ in _SILU_CLASS_NAMES
+
 
 class FusedSwiGLUMLP(nn.Module):
     """``y = down_proj(silu(x Wg^T + bg) * (x Wu^T + bu))`` with the gate/up part fused.
 
     Parameters
     ----------
-    hidden_size, intermediate_size : H and I (multiples of 8; of 64 for ``layout="packed"``).
+    hidden_size, intermediate_size : H and I (multiples of 8 for bf16/fp16; of 64 for
+        ``layout="packed"``).
     bias : whether gate/up carry a bias ([2I], gate biases then up biases).
     down_bias : whether ``down_proj`` carries a bias.
     layout : "merged" (``gate_up_weight`` = gate rows then up rows) or "packed"
-        (:func:`tilefuse.pack_gate_up`).
+        (:func:`tilefuse.pack_gate_up`). The layout is part of the state dict (``_extra_state``):
+        loading one layout's weights into a module of the other raises.
 
-    Shapes: ``x: [..., H]`` bf16/fp16 -> ``[..., H]``. ``gate_up_weight: [2I, H]``,
-    ``down_proj.weight: [H, I]``.
+    Shapes: ``x: [..., H]`` bf16/fp16 (the fused kernel on CUDA) or fp32 (the PyTorch reference)
+    -> ``[..., H]``. ``gate_up_weight: [2I, H]``, ``down_proj.weight: [H, I]``. Trainable: the
+    gate/up gradients come from the op's registered backward.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
@@ -37,14 +49,25 @@ class FusedSwiGLUMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module, layout: str = "merged") -> FusedSwiGLUMLP:
-        """Build from an HF-style MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear).
+        """Build from an HF-style MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and a
+        SiLU ``act_fn`` (any other activation is refused: the kernel computes SiLU).
 
         No second copy of the weights stays alive: ``down_proj`` is the same module (shared), and
         with ``layout="merged"`` the original ``gate_proj.weight``/``up_proj.weight`` are re-pointed
         at views of the new ``[2I, H]`` tensor, so both modules share one storage (only one layer's
         gate/up exists twice, during the conversion). With ``layout="packed"`` the originals are left
-        as they are and freed when the caller drops ``mlp``.
+        as they are and freed when the caller drops ``mlp``. The new parameters require gradients
+        as the originals did.
         """
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            if not isinstance(getattr(mlp, name, None), nn.Linear):
+                raise ValueError(f"mlp.{name}: expected an nn.Linear, got {type(getattr(mlp, name, None)).__name__}")
+        act = getattr(mlp, "act_fn", None)
+        if not is_silu(act):
+            raise ValueError(f"mlp.act_fn: expected SiLU (the fused kernel computes silu(gate) * up), "
+                             f"got {type(act).__name__ if act is not None else None}")
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         if gate.weight.shape != up.weight.shape:
             raise ValueError(f"mlp.up_proj.weight: expected shape {tuple(gate.weight.shape)} like "
@@ -58,23 +81,31 @@ class FusedSwiGLUMLP(nn.Module):
         with torch.no_grad():
             if layout == "packed":
                 weight = pack_gate_up(gate.weight.detach(), up.weight.detach())
-            elif layout == "merged":
+            else:
                 weight = torch.cat((gate.weight.detach(), up.weight.detach()))
                 gate.weight.data, up.weight.data = weight[:inter], weight[inter:]
-            else:
-                raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-            new.gate_up_weight = nn.Parameter(weight, requires_grad=False)
+            new.gate_up_weight = nn.Parameter(weight, requires_grad=gate.weight.requires_grad)
             bias = None
             if gate.bias is not None:
                 bias = torch.cat((gate.bias.detach(), up.bias.detach()))
                 gate.bias.data, up.bias.data = bias[:inter], bias[inter:]
-            new.gate_up_bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+            new.gate_up_bias = (nn.Parameter(bias, requires_grad=gate.bias.requires_grad)
+                                if bias is not None else None)
         new.down_proj = down
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
         return self.down_proj(h)
+
+    def get_extra_state(self) -> dict:
+        return {"layout": self.layout}
+
+    def set_extra_state(self, state) -> None:
+        layout = state.get("layout") if isinstance(state, dict) else None
+        if layout != self.layout:
+            raise ValueError(f"state_dict: expected gate_up_weight in layout {self.layout!r} (this module's), "
+                             f"got weights saved in layout {layout!r}; build the module with layout={layout!r}")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "

@@ -38,7 +38,8 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
 
     Parameters
     ----------
-    w_gate, w_up : [I, H] bf16 or fp16 (fp32 accepted too; same dtype, device); I a multiple of 64, H of 8.
+    w_gate, w_up : [I, H] bf16 or fp16 (fp32 and fp64 accepted too; same dtype, device); I a multiple
+        of 64, H of 8.
 
     Returns
     -------
@@ -48,7 +49,7 @@ def pack_gate_up(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     weight rows therefore holds matching gate and up columns, and the large-M kernel feeds them to
     the tensor cores as a single dot.
     """
-    _checks.check_tensor("w_gate", w_gate, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=2)
+    _checks.check_tensor("w_gate", w_gate, dtypes=_checks.FLOATS, ndim=2)
     _checks.check_tensor("w_up", w_up, dtypes=(w_gate.dtype,), ndim=2)
     _checks.check_shape("w_up", w_up, tuple(w_gate.shape), f"[I, H] = {tuple(w_gate.shape)} like w_gate")
     _checks.check_same_device(w_gate=w_gate, w_up=w_up)

@@ -36,30 +36,25 @@ class Kernel:
     launch options (``num_warps``, ``num_stages``).
     """
 
-    OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-
     def __init__(self, fn):
         self.fn = fn
         self.name = getattr(fn, "__name__", None) or getattr(fn, "_fn_name", repr(fn))
-        self._compiled: dict = {}      # plan key -> (compiled kernel, trailing argument values)
+        self._compiled: dict = {}      # plan key -> (launch function, leading args, trailing args)
 
     def __call__(self, key, grid, device_index: int | None, *args, **meta):
         entry = self._compiled.get(key)
         if entry is None or _hooks_installed():
             self._first_launch(key, grid, device_index, args, meta)
             return
-        compiled, tail = entry
-        if device_index is not None and device_index != torch.cuda.current_device():
+        launch, head, tail = entry
+        current = torch.cuda.current_device()
+        if device_index is not None and device_index != current:
             with torch.cuda.device(device_index):
-                self._launch(compiled, grid, device_index, args, tail)
+                launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                       torch._C._cuda_getCurrentRawStream(device_index), *head, *args, *tail)
             return
-        self._launch(compiled, grid, torch.cuda.current_device(), args, tail)
-
-    @staticmethod
-    def _launch(compiled, grid, device_index, args, tail):
-        stream = torch._C._cuda_getCurrentRawStream(device_index)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                     compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+               torch._C._cuda_getCurrentRawStream(current), *head, *args, *tail)
 
     def _first_launch(self, key, grid, device_index, args, meta):
         if device_index is not None and torch.cuda.is_available() and device_index != torch.cuda.current_device():
@@ -75,10 +70,24 @@ class Kernel:
         missing = [n for n in names if n not in meta]
         if missing:  # pragma: no cover - a launcher bug, caught by the GPU tests
             raise TypeError(f"{self.name}: parameters {missing} must be passed by name")
-        self._compiled[key] = (compiled, tuple(meta[n] for n in names))
+        self._compiled[key] = (*_launcher(compiled), tuple(meta[n] for n in names))
 
     def cache_clear(self) -> None:
         self._compiled.clear()
+
+
+def _launcher(compiled) -> tuple:
+    """(launch function, its arguments between the stream and the kernel's own) of a compiled
+    kernel. Triton 3.6's CUDA launcher object allocates per-launch scratch first when the kernel
+    asks for it; kernels that need none (all of tilefuse's) go to its C entry point directly."""
+    run = compiled.run
+    hooks = (compiled.packed_metadata, None, None, None)     # launch metadata and hooks: none
+    direct = getattr(run, "launch", None)
+    if (direct is not None and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        return direct, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *hooks)
+    return run, (compiled.function, *hooks)
 
 
 _runtime_knobs = None

@@ -1,4 +1,4 @@
-"""Zeroed scratch memory for the kernels' split-K fix-ups, safe under any interleaving of launches.
+"""Scratch memory for the kernels' split-K fix-ups, safe under any interleaving of launches.
 
 Some kernels need memory that is zero when they start: fp32 partial sums that programs add into
 with atomics, and arrival counters (the last program of a tile to arrive finishes it). Every such
@@ -18,7 +18,8 @@ order, so scratch is handed out by this rule (the concurrency contract of every 
   piece is zero-filled inside the graph (one memset node per replay: correct, slightly slower),
   and the next eager call on that device enlarges the reserve.
 
-Nothing here reads the device: no host sync.
+:func:`workspace` hands out memory with any contents (partial results a launch writes before it
+reads them) by the same rule, without the zeroing. Nothing here reads the device: no host sync.
 """
 
 from __future__ import annotations
@@ -41,29 +42,69 @@ def _round(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def zeroed(device: torch.device, *sizes: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+_views: dict = {}                                      # (device index, stream, sizes) -> views
+_plain: dict[tuple[int, int], torch.Tensor] = {}      # workspace() arenas: any contents
+_plain_views: dict = {}
+
+
+def zeroed(device: torch.device, *sizes: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
     """Zeroed 1-D tensors of ``(numel, dtype)`` each, on ``device``, under the contract above.
 
-    The kernel that receives them must leave them zero when it ends.
+    The kernel that receives them must leave them zero when it ends. Eager calls get the same
+    views for the same stream and sizes (cached: a lookup, no tensor ops on the hot path).
     """
-    nbytes = [_round(n * dtype.itemsize) for n, dtype in sizes]
-    buf = _buffer(device, max(sum(nbytes), ALIGN))
-    out, offset = [], 0
-    for (n, dtype), size in zip(sizes, nbytes):
-        out.append(buf[offset:offset + n * dtype.itemsize].view(dtype))
-        offset += size
-    return out
-
-
-def _buffer(device: torch.device, nbytes: int) -> torch.Tensor:
     if device.type != "cuda":       # the CPU interpreter: no streams, no graphs
-        return _arena(device, -1, nbytes)
+        return _carve(_arena(device, -1, _total(sizes)), sizes)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
-        return _capture_piece(device, index, nbytes)
-    if index in _shortfall or index not in _reserves:
-        _top_up_reserve(device, index)
-    return _arena(device, torch._C._cuda_getCurrentRawStream(index), nbytes, index)
+        return _carve(_capture_piece(device, index, _total(sizes)), sizes)
+    key = (index, torch._C._cuda_getCurrentRawStream(index), sizes)
+    views = _views.get(key)
+    if views is None:
+        if index in _shortfall or index not in _reserves:
+            _top_up_reserve(device, index)
+        if len(_views) >= 4096:
+            _views.clear()
+        # the views keep their arena alive if it is replaced later: still zero, still this stream's
+        views = _views[key] = _carve(_arena(device, key[1], _total(sizes), index), sizes)
+    return views
+
+
+def workspace(device: torch.device, *sizes: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """1-D tensors of ``(numel, dtype)`` with any contents (a kernel writes before it reads them),
+    under the same contract as :func:`zeroed`: one arena per (device, stream) for eager calls,
+    cached views; fresh memory per captured call (the graph's pool)."""
+    if device.type != "cuda":
+        return _carve(torch.empty(_total(sizes), dtype=torch.uint8, device=device), sizes)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        piece = torch.empty(_total(sizes), dtype=torch.uint8, device=device)
+        _kept.append(piece)
+        return _carve(piece, sizes)
+    key = (index, torch._C._cuda_getCurrentRawStream(index), sizes)
+    views = _plain_views.get(key)
+    if views is None:
+        if len(_plain_views) >= 4096:
+            _plain_views.clear()
+        size = _total(sizes)
+        arena = _plain.get(key[:2])
+        if arena is None or arena.numel() < size:
+            arena = _plain[key[:2]] = torch.empty(max(size, 2 * (arena.numel() if arena is not None else 0)),
+                                                  dtype=torch.uint8, device=device)
+        views = _plain_views[key] = _carve(arena, sizes)
+    return views
+
+
+def _total(sizes) -> int:
+    return max(sum(_round(n * dtype.itemsize) for n, dtype in sizes), ALIGN)
+
+
+def _carve(buf: torch.Tensor, sizes) -> tuple[torch.Tensor, ...]:
+    out, offset = [], 0
+    for n, dtype in sizes:
+        out.append(buf[offset:offset + n * dtype.itemsize].view(dtype))
+        offset += _round(n * dtype.itemsize)
+    return tuple(out)
 
 
 def _arena(device: torch.device, stream: int, nbytes: int, index: int = -1) -> torch.Tensor:
@@ -96,6 +137,7 @@ def _capture_piece(device: torch.device, index: int, nbytes: int) -> torch.Tenso
             slab[1] += nbytes
             return piece
         _shortfall[index] = _shortfall.get(index, 0) + nbytes
+        _views.clear()          # the next eager call takes the slow path and enlarges the reserve
     piece = torch.zeros(nbytes, dtype=torch.uint8, device=device)   # captured: zero-filled per replay
     _kept.append(piece)
     return piece

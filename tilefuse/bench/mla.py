@@ -1,28 +1,32 @@
 """``tilefuse bench mla``: MLA decode over a paged cache, FlashMLA's grid and counting.
 
 Grid: batch {16, 32, 64} x h_q {16, 32, 64, 128} x context {1K, 4K, 16K, 64K} x s_q {1, 2}, equal
-lengths, causal, bf16, shuffled block tables; plus mixed lengths on a subset. Every case is timed
-eagerly and as a CUDA-graph replay of metadata + attention + combine (the serving number).
-``python -m tilefuse.bench.mla --sweep`` times launch configurations on a few shapes.
+lengths, causal, bf16, shuffled block tables; plus mixed lengths on a subset. Implementations:
+
+* ``tilefuse``: the attention call alone, its metadata (``get_mla_metadata``) computed once per case
+  outside the timed call, as engines compute it once per batch;
+* ``tilefuse+metadata``: metadata + attention, one decode step as an engine captures it in a CUDA
+  graph;
+* ``tilefuse:transposed`` / ``tilefuse:standard``: ``tilefuse`` with one orientation forced (below
+  64 query rows, where both apply);
+* ``torch_naive``: gather the pages, bmm, softmax, bmm (equal lengths, where it fits in memory);
+* ``flashmla`` / ``flashmla+metadata``: the same two for FlashMLA, where ``flash_mla`` is importable.
+
+Goals (:func:`summarize`): in graph mode (``tilefuse+metadata``'s graph_us) the roofline fraction
+>= 0.9 at contexts >= 16K and >= 0.8 at 4K, >= 550 TFLOP/s at 128 heads, faster than
+``flashmla+metadata`` where FlashMLA is measured; in eager mode (``tilefuse``'s eager_us)
+<= 1.1 x FlashMLA's eager_us where FlashMLA is measured, else <= 1.3 x tilefuse's own graph_us.
+Launch-configuration sweeps live outside the library (``tools/mla_sweep.py``).
 """
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from tilefuse.bench.harness import Case, best_us, geomean
+from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, tally,
+                                    upgrade_rows)
 from tilefuse.testing.mla import mla_flops_bytes, paged_cache
 
-# FlashMLA and FlashMLA-ETAP built from source on this H200 (../shared/anchors.md, NOT measured by
-# this benchmark): (batch, h_q, s_q, context) -> microseconds, do_bench median of the whole call.
-ANCHORS_FLASHMLA = {
-    (16, 16, 1, 1024): (21.6, 22.2), (16, 16, 1, 4096): (39.5, 39.9), (16, 16, 1, 16384): (93.5, 93.0),
-    (16, 16, 1, 65536): (299.0, 297.5), (32, 16, 1, 65536): (572.0, 566.0), (64, 16, 1, 4096): (98.5, 94.4),
-    (16, 32, 1, 65536): (303.0, 383.0), (16, 16, 2, 16384): (95.1, 121.0), (16, 64, 1, 16384): (97.4, 212.0),
-    (16, 128, 1, 4096): (52.2, 128.0), (16, 128, 1, 16384): (140.0, 379.0), (64, 128, 1, 4096): (141.0, 377.0),
-}
 H20 = {"tflops": 148.0, "tbps": 4.0}
 _CACHE: dict = {}
 
@@ -54,7 +58,27 @@ def _naive(q, k_cache, block_table, seqlens_list, causal):
     return torch.bmm(p, kv[..., :512]).view(batch, s_q, h_q, 512), lse
 
 
-def _case(batch, h_q, s_q, seqlens, device, dtype, mixed=False, naive=True, accuracy=False):
+def clear_cache() -> None:
+    """Drop the shared paged cache (the next case allocates its own)."""
+    _CACHE.clear()
+
+
+def _attention_impls(lib, name: str, q, k_cache, block_table, lens, rows: int) -> dict:
+    """``{name: attention with precomputed metadata, name+"+metadata": metadata + attention}`` for a
+    module with FlashMLA's API (``tilefuse`` or ``flash_mla``)."""
+    meta, splits = lib.get_mla_metadata(lens, rows, 1)
+
+    def step():
+        step_meta, step_splits = lib.get_mla_metadata(lens, rows, 1)
+        return lib.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, step_meta, step_splits, causal=True)
+
+    return {name: lambda: lib.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True),
+            f"{name}+metadata": step}
+
+
+def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, mixed: bool = False,
+             naive: bool = True, accuracy: bool = False) -> Case:
+    """One case: ``batch`` requests of ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens."""
     import tilefuse
 
     flops, nbytes = mla_flops_bytes(seqlens, s_q, h_q)
@@ -71,27 +95,25 @@ def _case(batch, h_q, s_q, seqlens, device, dtype, mixed=False, naive=True, accu
         lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
         state.update(q=q, lens=lens)
 
-        def run(variant=None):
-            def fn():
-                with tilefuse.force(variant=variant):
-                    meta, splits = tilefuse.get_mla_metadata(lens, rows, 1)
-                    return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits,
-                                                           causal=True)
-            return fn
+        def forced(variant):
+            with tilefuse.force(variant=variant):  # the metadata as this variant schedules it
+                attention = _attention_impls(tilefuse, "tilefuse", q, k_cache, block_table, lens, rows)["tilefuse"]
 
-        impls = {"tilefuse": run()}
+            def run():
+                with tilefuse.force(variant=variant):
+                    return attention()
+            return run
+
+        impls = _attention_impls(tilefuse, "tilefuse", q, k_cache, block_table, lens, rows)
         if device.type == "cuda" and rows < 64:   # both orientations apply: time both
-            impls["tilefuse:transposed"] = run("transposed")
-            impls["tilefuse:standard"] = run("standard")
+            impls["tilefuse:transposed"] = forced("transposed")
+            impls["tilefuse:standard"] = forced("standard")
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
         try:  # a peer library, only if it is installed (never built here)
             import flash_mla  # type: ignore
 
-            def peer():
-                meta, splits = flash_mla.get_mla_metadata(lens, rows, 1)
-                return flash_mla.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True)
-            impls["flashmla"] = peer
+            impls.update(_attention_impls(flash_mla, "flashmla", q, k_cache, block_table, lens, rows))
         except ImportError:
             pass
         return impls
@@ -113,15 +135,16 @@ def _case(batch, h_q, s_q, seqlens, device, dtype, mixed=False, naive=True, accu
                                 "rmse_lse": float(((lse.double() - rl) ** 2).mean().sqrt())}
         return result
 
-    return Case(params=params, flops=flops, bytes=nbytes, setup=setup, graph=device.type == "cuda",
-                extras=extras if accuracy else None)
+    return Case(params=params, flops=flops, bytes=nbytes, setup=setup, extras=extras if accuracy else None)
 
 
-def cases(device: torch.device, quick: bool) -> list[Case]:
+def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
+    """The grid above on a GPU (quick: batch 16/64 x 16/128 heads x 4K/64K, s_q 1); tiny cases on a
+    CPU. ``subset`` (an ``--only`` run) changes nothing here."""
     dtype = torch.bfloat16
     if device.type != "cuda":
         # CPU: the reference path on tiny shapes, to check the pipeline anywhere.
-        return [_case(2, h, 1, [256, 256], device, torch.float32, naive=True) for h in (16, 128)]
+        return [mla_case(2, h, 1, [256, 256], device, torch.float32, naive=True) for h in (16, 128)]
     batches, heads, contexts, sqs = (16, 32, 64), (16, 32, 64, 128), (1024, 4096, 16384, 65536), (1, 2)
     if quick:
         batches, heads, contexts, sqs = (16, 64), (16, 128), (4096, 65536), (1,)
@@ -132,7 +155,7 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
                 for s_q in sqs:
                     naive = batch * ctx <= 16 * 65536 and batch * h_q * s_q * ctx * 4 <= (2 << 30)
                     acc = batch == 16 and ctx == 4096 and s_q == 1 and h_q in (16, 128)
-                    out.append(_case(batch, h_q, s_q, [ctx] * batch, device, dtype, naive=naive, accuracy=acc))
+                    out.append(mla_case(batch, h_q, s_q, [ctx] * batch, device, dtype, naive=naive, accuracy=acc))
     gen = torch.Generator().manual_seed(0)
     for batch in (16, 64) if not quick else (16,):
         for ctx in (4096, 16384):
@@ -140,165 +163,108 @@ def cases(device: torch.device, quick: bool) -> list[Case]:
             lens = torch.randint(64, 2 * ctx - 64, (batch,), generator=gen)
             lens[:2] = torch.tensor([0, 1])
             for h_q in (16, 128):
-                out.append(_case(batch, h_q, 1, lens.tolist(), device, dtype, mixed=True))
+                out.append(mla_case(batch, h_q, 1, lens.tolist(), device, dtype, mixed=True))
     return out
 
 
+# ----------------------------------------------------------------------------- summary
+# Older results files timed "tilefuse" as metadata + attention: read them under today's name.
+LEGACY_IMPLS = {"tilefuse": "tilefuse+metadata"}
+PEER_GOAL = "graph speedup over flashmla+metadata"
+ROOFLINE_GOALS = (("roofline >= 0.9 at context >= 16K", lambda c: isinstance(c, int) and c >= 16384, 0.9),
+                  ("roofline >= 0.8 at 4K", lambda c: c == 4096, 0.8))
+PLOT = PlotSpec(
+    x="context", line=("h_q",), style="s_q", facet="batch",
+    goals={"eager": [Goal(1 / 1.1, "host goal: >= 1/1.1 of FlashMLA", vs="flashmla")],
+           "graph": [Goal(1.0, "goal: faster than FlashMLA", vs="flashmla")],
+           "host": [Goal(1.3, "host goal without FlashMLA: <= 1.3", not_vs="flashmla")],
+           "roofline": [Goal(0.9, "goal", xs=(16384, 65536)), Goal(0.8, "goal", xs=(4096, 4096))]})
+
+
 def summarize(rows: list[dict]) -> dict:
-    """Per target: pass/fail and the worst cases; both orientations; H20 prediction; accuracy."""
-    ok = [r for r in rows if r.get("median_us") and not r.get("error")]
-    best = {id(r): best_us(r) for r in ok}
-    ours = [r for r in ok if r["impl"] == "tilefuse"]
-    from tilefuse.ops.mla import op
+    """The family's goals from one run's rows, eager and graph side by side.
 
-    summary: dict = {"configs (op.CONFIGS as run)": op.CONFIGS,
-                     "orientation at <= 16 rows (17-63: transposed)": op.SMALL_ROWS_VARIANT,
-                     "long regime from block_table pages": op.LONG_CONTEXT_PAGES}
-    for name, pred, bar in (("roofline>=0.9 at context>=16K", lambda c: isinstance(c, int) and c >= 16384, 0.9),
-                            ("roofline>=0.8 at 4K", lambda c: c == 4096, 0.8)):
-        sel = [r for r in ours if pred(r["params"]["context"]) and r.get("roofline_frac")]
-        worst = sorted(sel, key=lambda r: r["roofline_frac"])[:5]
-        summary[name] = {"pass": bool(sel) and all(r["roofline_frac"] >= bar for r in sel), "cases": len(sel),
-                         "failing": sum(r["roofline_frac"] < bar for r in sel),
-                         "worst": [(_label(r), round(r["roofline_frac"], 3)) for r in worst]}
-    h128 = [r for r in ours if r["params"]["h_q"] == 128 and isinstance(r["params"]["context"], int)]
-    tf = [(r, r["tflops"] * r["median_us"] / best[id(r)]) for r in h128]
-    summary[">=550 TFLOP/s at h_q=128"] = {
-        "pass": any(t >= 550 for _, t in tf), "best": max((round(t, 1) for _, t in tf), default=None),
-        "per_case": [(_label(r), round(t, 1)) for r, t in sorted(tf, key=lambda x: -x[1])[:8]]}
-    vs = []
-    for r in ours:
-        p = r["params"]
-        key = (p["batch"], p["h_q"], p["s_q"], p["context"])
-        if key in ANCHORS_FLASHMLA:
-            fm, etap = ANCHORS_FLASHMLA[key]
-            vs.append((_label(r), round(best[id(r)], 1), fm, etap, round(fm / best[id(r)], 2)))
-    summary["vs FlashMLA (anchors.md figures, not measured in this run)"] = {
-        "pass": bool(vs) and all(v[4] > 1.0 for v in vs),
-        "cases [case, ours best-of-eager/graph us, FlashMLA us, ETAP us, speedup]": vs}
-    pairs = {}
-    for r in ok:
-        if r["impl"] in ("tilefuse:transposed", "tilefuse:standard"):
-            pairs.setdefault(_label(r), {})[r["impl"].split(":")[1]] = best[id(r)]
-    ratios = [v["standard"] / v["transposed"] for v in pairs.values() if len(v) == 2]
-    summary["transposed vs standard (h_q*s_q<64)"] = {
-        "geomean standard/transposed time": geomean(ratios),
-        "transposed faster in": sum(x > 1 for x in ratios), "of": len(ratios)}
-    h20 = []
-    for r in ok:
-        if r["impl"] != "tilefuse" or r["params"]["h_q"] * r["params"]["s_q"] >= 64:
-            continue
-        rows_q = r["params"]["h_q"] * r["params"]["s_q"]
-        flops, nbytes = r["tflops"] * r["median_us"] * 1e6, r["gbps"] * r["median_us"] * 1e3
-        t_mem = nbytes / (H20["tbps"] * 1e12)
-        t_std = max(flops * 64 / rows_q / (H20["tflops"] * 1e12), t_mem)   # padded to 64 rows
-        t_tr = max(flops / (H20["tflops"] * 1e12), t_mem)
-        h20.append((_label(r), round(1e6 * t_std, 1), round(1e6 * t_tr, 1), round(t_std / t_tr, 2)))
-    summary["H20 roofline prediction [case, standard us, transposed us, gain]"] = h20[:24]
-    acc = [(r["impl"], _label(r), {k: r[k] for k in r if k.startswith(("cos_diff", "rmse"))})
-           for r in ok if "cos_diff_out" in r]
-    summary["accuracy vs fp64 (cos_diff bar 1e-5; FlashMLA ~2e-6)"] = {
-        "pass": bool(acc) and all(a[2]["cos_diff_out"] < 1e-5 and a[2]["cos_diff_lse"] < 1e-5 for a in acc),
-        "cases": acc}
-    return summary
+    Keys: ``timing``; ``cases`` (one :func:`~tilefuse.bench.harness.compare` entry per case:
+    eager = ``tilefuse`` (precomputed metadata), graph = ``tilefuse+metadata`` (one decode step),
+    against FlashMLA's pair where measured, else ``torch_naive``; host goal; roofline and FlashMLA
+    goals); ``goals`` (tallies, best TFLOP/s at 128 heads); ``transposed_vs_standard`` (eager and
+    graph); ``h20_roofline_prediction`` (``[case, standard us, transposed us, gain]``); ``accuracy``
+    (cos_diff of out and lse against fp64 under 1e-5, FlashMLA's level being ~2e-6).
+    """
+    rows = upgrade_rows(rows, LEGACY_IMPLS)
+    table = group_rows(rows, ("batch", "h_q", "s_q", "context"))
+    cases = []
+    for key, impls in table.items():
+        peer = "flashmla" in impls
+        if peer:
+            baseline = ("flashmla", "flashmla+metadata")
+        else:
+            baseline = ("torch_naive", "torch_naive") if "torch_naive" in impls else None
+        entry = compare(_label(key), next(iter(impls.values()))["params"], impls, ("tilefuse", "tilefuse+metadata"),
+                        baseline)
+        entry["host_goal"] = (host_goal(entry, baseline_factor=1.1) if peer else host_goal(entry, graph_factor=1.3))
+        context = entry["params"]["context"]
+        entry["kernel_goals"] = [check(name, entry["roofline_frac"], ">=", bar)
+                                 for name, applies, bar in ROOFLINE_GOALS if applies(context)]
+        if peer:
+            entry["kernel_goals"].append(check(PEER_GOAL, entry["graph_speedup"], ">=", 1.0))
+        cases.append(entry)
 
-
-def _label(r):
-    p = r["params"]
-    return f"b{p['batch']} h{p['h_q']} s{p['s_q']} {p['context']}"
-
-
-SWEEP_SHAPES = [(16, 16, 1, 1024), (16, 16, 1, 4096), (64, 16, 1, 4096), (32, 16, 1, 16384), (16, 16, 1, 65536),
-                (16, 32, 1, 16384), (16, 128, 1, 16384), (64, 128, 1, 4096)]
-
-
-def sweep_configs() -> dict[str, list[dict]]:
-    """Candidates per config key ("standard_small": the standard orientation below 64 rows)."""
-    tr = dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=True)
-    two = dict(BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=True)   # 2 programs/SM
-    std = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True)
+    goals = [tally(name, (c for e in cases for c in e["kernel_goals"] if c["goal"] == name))
+             for name, _, _ in ROOFLINE_GOALS]
+    h128 = [r for r in rows if r["impl"] == "tilefuse+metadata" and r["params"]["h_q"] == 128
+            and isinstance(r["params"]["context"], int) and r.get("tflops")]
+    goals.append(check("graph: best TFLOP/s at h_q = 128", max((r["tflops"] for r in h128), default=None), ">=", 550))
+    goals.append(tally(PEER_GOAL, (c for e in cases for c in e["kernel_goals"] if c["goal"] == PEER_GOAL)))
+    goals.append(tally("eager: eager_us <= 1.1 x flashmla eager_us (without FlashMLA: <= 1.3 x own graph_us)",
+                       (e["host_goal"] for e in cases)))
     return {
-        "transposed": [tr, dict(tr, fused_combine=False)],   # 2 programs/SM: 0.73 vs standard's 0.77 (sweep3)
-        "standard_small": [dict(two, BLOCK_H=0), dict(two, BLOCK_H=0, fused_combine=False)],
-        "standard": [std, dict(std, fused_combine=False), dict(std, num_warps=16)],
+        "timing": "eager: tilefuse's eager_us (attention, metadata precomputed) against flashmla's (or torch_naive's); "
+                  "graph: tilefuse+metadata's graph_us (one decode step in a CUDA graph, cold L2) against "
+                  "flashmla+metadata's (or torch_naive's); roofline fractions from tilefuse+metadata's graph_us",
+        "cases": cases,
+        "goals": goals,
+        "transposed_vs_standard": _orientations(table),
+        "h20_roofline_prediction": _h20(table)[:24],
+        "accuracy": _accuracy(rows),
     }
 
 
-def sweep(out_path: str | None = None, device: torch.device | None = None, shapes: list | None = None,
-          margin: float = 1.02) -> dict:
-    """Time launch configurations (graph replay) on a few shapes; prints one line per config.
-
-    Picks, per config key and context regime (long: >= 16K, the block-table proxy's side), the
-    config with the best geomean roofline fraction (the first candidate, the current default,
-    unless another beats it by ``margin``), and per regime the orientation at <= 16 rows. The
-    roofline fraction uses the anchors' ceilings (4.27 TB/s copy, 729 TFLOP/s bf16 GEMM).
-    """
-    from tilefuse.bench.harness import Timer
-    from tilefuse.ops.mla import op
-
-    device = device or torch.device("cuda")
-    timer = Timer(device, rep_ms=15.0, warmup_ms=5.0)
-    time_fn = timer.graph_us if device.type == "cuda" else timer.median_us
-    configs = sweep_configs()
-    results: dict = {}   # (key, regime, config index) -> {shape: roofline fraction}
-    for batch, h_q, s_q, ctx in shapes or SWEEP_SHAPES:
-        rows, reg = h_q * s_q, "long" if ctx >= 16384 else "short"
-        case = _case(batch, h_q, s_q, [ctx] * batch, device,
-                     torch.bfloat16 if device.type == "cuda" else torch.float16, naive=False)
-        roof = max(case.bytes / 4.27e6, case.flops / 729e6)   # us
-        impls = case.setup()
-        keys = ("transposed", "standard_small") if rows <= 16 else ("transposed",) if rows < 64 else ("standard",)
-        for key in keys:
-            fn = impls.get(f"tilefuse:{'standard' if key == 'standard_small' else key}", impls["tilefuse"])
-            for idx, cfg in enumerate(configs[key]):
-                saved = {k: v for k, v in op.CONFIGS.items() if k.split(":")[0] == key}
-                for k in saved:
-                    del op.CONFIGS[k]
-                op.CONFIGS[key] = cfg
-                try:
-                    us = time_fn(fn)
-                    msg = f"{us:8.1f} us  roof {roof / us:.3f}  {case.flops / us / 1e6:6.1f} TFLOP/s"
-                    results.setdefault((key, reg, idx), {})[batch, h_q, s_q, ctx] = roof / us
-                except Exception as exc:
-                    msg = f"ERROR {type(exc).__name__}: {str(exc)[:120]}"
-                finally:
-                    del op.CONFIGS[key]
-                    op.CONFIGS.update(saved)
-                print(f"b{batch} h{h_q} s{s_q} {ctx:6d} {key:14s} {cfg}: {msg}", flush=True)
-        del impls
-        _CACHE.clear()
-    best: dict = {}
-    for key in configs:
-        for reg in ("short", "long"):
-            scored = {idx: geomean(v.values()) for (k, r, idx), v in results.items() if k == key and r == reg}
-            if not scored:
-                continue
-            idx = max(scored, key=lambda i: scored[i] / (margin if i else 1.0))
-            best[f"{key}:{reg}"] = configs[key][idx]
-            print(f"best {key} ({reg}): {configs[key][idx]} (geomean roofline fraction {scored[idx]:.3f}; "
-                  + ", ".join(f"#{i} {v:.3f}" for i, v in sorted(scored.items())) + ")", flush=True)
-    small = {}
-    for reg in ("short", "long"):   # orientation at <= 16 rows: each key's pick, on the shapes both ran
-        picked = {k: v for (k, r, idx), v in results.items()
-                  if r == reg and k in ("transposed", "standard_small") and best.get(f"{k}:{reg}") == configs[k][idx]}
-        if len(picked) == 2:
-            common = picked["transposed"].keys() & picked["standard_small"].keys()
-            tr, st = (geomean(picked[k][c] for c in common) for k in ("transposed", "standard_small"))
-            small[reg] = "transposed" if tr >= st else "standard"
-            print(f"<= 16 rows, {reg}: {small[reg]} (transposed {tr:.3f}, standard {st:.3f})", flush=True)
-    if small:
-        best["small_rows_variant"] = small
-    if out_path:
-        import json
-
-        with open(out_path, "w") as f:
-            json.dump(best, f)
-    return best
+def _orientations(table: dict) -> dict:
+    """Geomean of standard / transposed time where both ran (below 64 query rows), eager and graph."""
+    out = {}
+    for mode, key in (("eager", "eager_us"), ("graph", "graph_us")):
+        pairs = [((impls.get("tilefuse:standard") or {}).get(key), (impls.get("tilefuse:transposed") or {}).get(key))
+                 for impls in table.values()]
+        ratios = [standard / transposed for standard, transposed in pairs if standard and transposed]
+        out[mode] = {"geomean standard/transposed time": geomean(ratios),
+                     "transposed faster in": sum(x > 1 for x in ratios), "of": len(ratios)}
+    return out
 
 
-if __name__ == "__main__":
-    if "--sweep" in sys.argv:
-        sweep(sys.argv[sys.argv.index("--sweep") + 1] if len(sys.argv) > sys.argv.index("--sweep") + 1 else None)
-    else:
-        print("usage: python -m tilefuse.bench.mla --sweep [best.json]   (the benchmark itself: tilefuse bench mla)",
-              file=sys.stderr)
+def _h20(table: dict) -> list:
+    """An H20 (148 TFLOP/s, 4 TB/s) roofline model of both orientations below 64 rows, from the work
+    counts alone: the standard kernel pads the rows to 64."""
+    out = []
+    for key, impls in table.items():
+        row = next(iter(impls.values()))
+        rows_q = row["params"]["h_q"] * row["params"]["s_q"]
+        if rows_q >= 64 or "flops" not in row:
+            continue
+        t_mem = row["bytes"] / (H20["tbps"] * 1e12)
+        t_std = max(row["flops"] * 64 / rows_q / (H20["tflops"] * 1e12), t_mem)
+        t_tr = max(row["flops"] / (H20["tflops"] * 1e12), t_mem)
+        out.append((_label(key), round(1e6 * t_std, 1), round(1e6 * t_tr, 1), round(t_std / t_tr, 2)))
+    return out
+
+
+def _accuracy(rows: list[dict]) -> dict:
+    acc = [(r["impl"], _label(tuple(r["params"][k] for k in ("batch", "h_q", "s_q", "context"))),
+            {k: r[k] for k in r if k.startswith(("cos_diff", "rmse"))}) for r in rows if "cos_diff_out" in r]
+    return {"pass": bool(acc) and all(a[2]["cos_diff_out"] < 1e-5 and a[2]["cos_diff_lse"] < 1e-5 for a in acc),
+            "cases": acc}
+
+
+def _label(key: tuple) -> str:
+    batch, h_q, s_q, context = key
+    return f"b{batch} h{h_q} s{s_q} {context}"

@@ -12,18 +12,22 @@ Implementations per case (Qwen2.5 shape x M, bf16):
 
 Accuracy columns: ``frac_beyond_1ulp``, the fraction of outputs more than 1 ulp (bf16) away from the
 fp64 reference, on the first ``ACC_ROWS`` rows of the case.
+
+Goals (:func:`summarize`): in graph mode (kernel time) the dispatched kernel's time over
+``cublas_gemm``'s, geomean <= 0.97 and every shape <= 1.05; in eager mode at 1-16 tokens (the host
+path) ``eager_us <= max(1.3 x cublas_gemm's eager_us, 1.1 x tilefuse's own graph_us)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from tilefuse.bench.harness import Case, best_us, geomean
+from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
+                                    tally, upgrade_rows)
 from tilefuse.testing.compare import frac_beyond_ulp
 from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES, make_inputs, reference_f64
 
@@ -48,7 +52,8 @@ def _merged(x, w, inter):
     return F.silu(y[:, :inter]) * y[:, inter:]
 
 
-def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloat16, on_gpu=True) -> Case:
+def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloat16, on_gpu=True,
+          compile_baseline=True) -> Case:
     import tilefuse
     from tilefuse.ops.swiglu import configs
     from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel
@@ -83,7 +88,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
                 impls["tilefuse:large_m_promote"] = lambda: run_kernel(x, w, None, config=cfg)
         impls["torch_unfused"] = lambda: _unfused(x, w_gate, w_up)
         impls["torch_merged"] = lambda: _merged(x, w, inter)
-        if on_gpu and not os.environ.get("TILEFUSE_BENCH_SWIGLU_CASES"):  # partial runs skip the compile
+        if on_gpu and compile_baseline:
             compiled = _compiled()
             impls["torch_compile"] = lambda: compiled(x, w_gate, w_up)
         impls["cublas_gemm"] = lambda: F.linear(x, w)
@@ -104,7 +109,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
     return Case(params={"model": model, "H": hidden, "I": inter, "M": m, "dtype": str(dtype).replace("torch.", "")},
                 flops=2.0 * m * 2 * inter * hidden,
                 bytes=2.0 * (m * hidden + 2 * inter * hidden + m * inter),
-                setup=setup, graph=on_gpu and _floor_us(m, hidden, inter) < 150, extras=extras)
+                setup=setup, extras=extras)
 
 
 def _settle(impls, ms: float = 100.0) -> None:
@@ -129,101 +134,98 @@ def _run_for(fn, ms: float) -> None:
     torch.cuda.synchronize()
 
 
-def _floor_us(m: int, hidden: int, inter: int) -> float:
-    """Roofline of the fused op at 4.3 TB/s and 730 TFLOP/s: below ~150 us a call is within a few
-    host launch times, so the case is also timed as CUDA-graph replays (how serving engines run it)."""
-    nbytes = 2.0 * (m * hidden + 2 * inter * hidden + m * inter)
-    return 1e6 * max(nbytes / 4.3e12, 4.0 * m * inter * hidden / 730e12)
+def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
+    """The 42 Qwen2.5 cases on a GPU (quick: 0.5B/7B/72B at M = 1, 128, 4096); tiny ones on a CPU.
 
-
-def cases(device: torch.device, quick: bool) -> list[Case]:
-    """The 42 Qwen2.5 cases on a GPU (quick: 0.5B/7B/72B at M = 1, 128, 4096); tiny ones on a CPU."""
+    subset: only some of the cases will run (``--only``): leave out ``torch_compile``, whose one
+    dynamic-shape compile for all shapes costs ~30 s."""
     if device.type != "cuda":
         # CPU: the reference path on toy shapes, to check the pipeline end to end.
-        return [_case("toy", 64, 128, m, device, torch.bfloat16, on_gpu=False)
-                for m in (1, 16)]
+        return [_case("toy", 64, 128, m, device, torch.bfloat16, on_gpu=False) for m in (1, 16)]
     models = ("0.5B", "7B", "72B") if quick else tuple(QWEN25_SHAPES)
     ms = (1, 128, 4096) if quick else BENCH_M
-    # A partial re-run (the rows whose config changed): TILEFUSE_BENCH_SWIGLU_CASES="0.5B:128,7B:1024";
-    # it leaves out torch_compile (its one dynamic-shape compile costs ~30 s of device time).
-    pick = os.environ.get("TILEFUSE_BENCH_SWIGLU_CASES")
-    keep = {tuple(c.split(":")) for c in pick.split(",")} if pick else None
-    return [_case(name, *QWEN25_SHAPES[name], m, device) for name in models for m in ms
-            if keep is None or (name, str(m)) in keep]
+    return [_case(name, *QWEN25_SHAPES[name], m, device, compile_baseline=not subset) for name in models for m in ms]
 
 
 # ----------------------------------------------------------------------------- summary
+HOST_PATH_MAX_M = 16     # the host-path goal applies at 1-16 tokens
+PLOT = PlotSpec(
+    x="M", line=("model",), facet="dtype", roofline_if=lambda p: p["M"] <= 128,
+    goals={"eager": [Goal(1 / 1.3, "host goal: >= 1/1.3 (or eager <= 1.1 x graph)", xs=(1, 16))],
+           "graph": [Goal(1 / 0.97, "goal: geomean >= 1/0.97"), Goal(1 / 1.05, "goal: every shape >= 1/1.05")],
+           "host": [Goal(1.1, "host goal: <= 1.1 (or eager >= 1/1.3 of cuBLAS)", xs=(1, 16))]})
+
+
 def summarize(rows: list[dict]) -> dict:
-    """The issue's target checks, from one run's rows."""
-    by_case: dict[tuple, dict[str, dict]] = {}
-    for row in rows:
-        p = row["params"]
-        by_case.setdefault((p["model"], p["M"]), {})[row["impl"]] = row
+    """The family's goals from one run's rows, eager and graph side by side.
 
-    def t(impls, name, best=True):
-        # best: min(eager, CUDA-graph replay) for every impl alike (graph replay where the case was
-        # graph-timed, i.e. launch-bound shapes); eager: plain median_us, host launch included.
-        row = impls.get(name)
-        if not row or not row.get("median_us"):
-            return None
-        return best_us(row) if best else row["median_us"]
-
-    ratios, eager_ratios, vs_unfused, vs_compile, acc_fused, acc_unfused, packed = {}, {}, {}, {}, [], [], []
-    for (model, m), impls in by_case.items():
-        key = f"{model} M={m}"
-        ours, floor = t(impls, "tilefuse"), t(impls, "cublas_gemm")
-        unfused, compiled = t(impls, "torch_unfused"), t(impls, "torch_compile")
-        if ours and floor:
-            ratios[key] = ours / floor
-            eager_ratios[key] = t(impls, "tilefuse", False) / t(impls, "cublas_gemm", False)
-        if ours and unfused and model in SMALL_MODELS and m <= 1024:
-            # "wherever the floor allows": the bare GEMM itself must be >= 2.5x under unfused.
-            vs_unfused[key] = {"speedup": unfused / ours,
-                               "floor_allows": bool(floor and unfused / floor >= 2.5)}
-        if ours and compiled and unfused and compiled > unfused:
-            vs_compile[key] = compiled / ours
-        if ours and t(impls, "tilefuse:packed"):
-            packed.append(t(impls, "tilefuse:packed") / ours)
+    Keys: ``timing``; ``cases`` (one :func:`~tilefuse.bench.harness.compare` entry per shape:
+    tilefuse against ``cublas_gemm``); ``goals`` (graph geomean and max time over cuBLAS, the
+    host-path goal's tally); ``vs_torch_unfused``, ``vs_torch_compile``, ``packed_over_merged``
+    (eager and graph each); ``accuracy_frac_beyond_1ulp``.
+    """
+    by_case = group_rows(upgrade_rows(rows), ("model", "M", "dtype"))
+    cases, vs_unfused, vs_compile, acc_fused, acc_unfused = [], {}, {}, [], []
+    packed = {"eager": [], "graph": []}
+    for (model, m, dtype), impls in by_case.items():
+        label = f"{model} M={m}"
+        entry = compare(label, next(iter(impls.values()))["params"], impls, ("tilefuse", "tilefuse"),
+                        ("cublas_gemm", "cublas_gemm"))
+        if m <= HOST_PATH_MAX_M:
+            entry["host_goal"] = host_goal(entry, baseline_factor=1.3, graph_factor=1.1)
+        entry["kernel_goals"] = [check("graph_us / cublas_gemm graph_us", ratio(1, entry["graph_speedup"]), "<=", 1.05)]
+        cases.append(entry)
+        for mode, key in (("eager", "eager_us"), ("graph", "graph_us")):
+            ours, floor = _t(impls, "tilefuse", key), _t(impls, "cublas_gemm", key)
+            unfused, compiled = _t(impls, "torch_unfused", key), _t(impls, "torch_compile", key)
+            if ours and unfused and model in SMALL_MODELS and m <= 1024:
+                # "wherever the floor allows": the bare GEMM itself must be >= 2.5x under unfused.
+                vs_unfused.setdefault(mode, {})[label] = {"speedup": unfused / ours,
+                                                          "floor_allows": bool(floor and unfused / floor >= 2.5)}
+            if ours and compiled and unfused and compiled > unfused:
+                vs_compile.setdefault(mode, {})[label] = compiled / ours
+            if ours and _t(impls, "tilefuse:packed", key):
+                packed[mode].append(_t(impls, "tilefuse:packed", key) / ours)
         for name, row in impls.items():
-            frac = row.get("frac_beyond_1ulp")
-            if frac is None:
-                continue
-            if name == "tilefuse":
-                acc_fused.append(frac)
-            elif name == "torch_unfused":
-                acc_unfused.append(frac)
+            if row.get("frac_beyond_1ulp") is not None and name in ("tilefuse", "torch_unfused"):
+                (acc_fused if name == "tilefuse" else acc_unfused).append(row["frac_beyond_1ulp"])
 
-    geo = geomean(list(ratios.values()))
-    worst = max(ratios.items(), key=lambda kv: kv[1]) if ratios else (None, None)
-    applicable = {k: v for k, v in vs_unfused.items() if v["floor_allows"]}
-    eager_geo = geomean(list(eager_ratios.values()))
+    time_ratios = [1 / e["graph_speedup"] for e in cases if e["graph_speedup"]]
+    eager_ratios = [1 / e["eager_speedup"] for e in cases if e["eager_speedup"]]
     return {
-        "timing": "min(eager, CUDA-graph replay) per impl; graph replay only for cases with a "
-                  "roofline < 150 us (launch-bound); 'eager_*' entries use eager medians alone",
-        "vs_cublas_gemm": {
-            "shapes": len(ratios), "geomean": geo, "max": worst[1], "worst_shape": worst[0],
-            "geomean_target_0.97": bool(geo is not None and geo <= 0.97),
-            "max_target_1.05": bool(worst[1] is not None and worst[1] <= 1.05),
-            "per_shape": {k: round(v, 4) for k, v in ratios.items()},
-            "eager_geomean": eager_geo, "eager_max": max(eager_ratios.values(), default=None),
-            "eager_per_shape": {k: round(v, 4) for k, v in eager_ratios.items()},
-        },
-        "vs_unfused_small_models_m<=1024": {
-            "per_shape": {k: round(v["speedup"], 3) for k, v in vs_unfused.items()},
-            "floor_allows_2.5x": sorted(applicable),
-            "target_2.5x_met_where_allowed": (all(v["speedup"] >= 2.5 for v in applicable.values())
-                                              if applicable else None),
-            "min_where_allowed": min((v["speedup"] for v in applicable.values()), default=None),
-        },
-        "vs_torch_compile_where_compile_slower_than_eager": {
-            "per_shape": {k: round(v, 3) for k, v in vs_compile.items()},
-            "min": min(vs_compile.values(), default=None),
-            "target_3x_met": all(v >= 3 for v in vs_compile.values()) if vs_compile else None,
-        },
-        "accuracy_frac_beyond_1ulp (dispatched tilefuse vs torch_unfused)": {
+        "timing": "eager: eager_us (back-to-back eager calls, host cost included) against cublas_gemm's eager_us; "
+                  "graph: graph_us (CUDA-graph replay, cold L2) against cublas_gemm's graph_us",
+        "cases": cases,
+        "goals": [
+            check("graph: geomean tilefuse / cublas_gemm time", geomean(time_ratios), "<=", 0.97),
+            check("graph: max tilefuse / cublas_gemm time", max(time_ratios, default=None), "<=", 1.05),
+            tally(f"eager, M <= {HOST_PATH_MAX_M}: eager_us <= max(1.3 x cublas_gemm eager_us, 1.1 x graph_us)",
+                  (e["host_goal"] for e in cases)),
+        ],
+        "geomean_time_over_cublas_gemm": {"eager": geomean(eager_ratios), "graph": geomean(time_ratios),
+                                          "shapes": {"eager": len(eager_ratios), "graph": len(time_ratios)}},
+        "vs_torch_unfused_small_models_m<=1024": {mode: _vs_unfused(v) for mode, v in vs_unfused.items()},
+        "vs_torch_compile_where_compile_slower_than_unfused": {
+            mode: {"per_shape": {k: round(s, 3) for k, s in speedups.items()}, "min": min(speedups.values()),
+                   "target_3x_met": all(s >= 3 for s in speedups.values())}
+            for mode, speedups in vs_compile.items()},
+        "packed_over_merged_time_geomean": {mode: geomean(v) for mode, v in packed.items()},
+        "accuracy_frac_beyond_1ulp": {
             "fused_max": max(acc_fused, default=None), "unfused_min": min(acc_unfused, default=None),
             "unfused_max": max(acc_unfused, default=None),
             "fused_target_1e-4": bool(acc_fused and max(acc_fused) <= 1e-4),
         },
-        "packed_over_merged_geomean": geomean(packed),
     }
+
+
+def _t(impls: dict, name: str, key: str) -> float | None:
+    return (impls.get(name) or {}).get(key)
+
+
+def _vs_unfused(per_shape: dict) -> dict:
+    applicable = {k: v for k, v in per_shape.items() if v["floor_allows"]}
+    return {"per_shape": {k: round(v["speedup"], 3) for k, v in per_shape.items()},
+            "floor_allows_2.5x": sorted(applicable),
+            "target_2.5x_met_where_allowed": (all(v["speedup"] >= 2.5 for v in applicable.values())
+                                              if applicable else None),
+            "min_where_allowed": min((v["speedup"] for v in applicable.values()), default=None)}

@@ -183,9 +183,10 @@ def _launch_attention(q, k_cache, block_table, cache_seqlens, meta, num_splits, 
     num_slots = meta.shape[0]
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
-    # Partials of split requests: normalised outputs and their lse, one row per (program, query row).
-    o_acc = torch.empty(num_slots * per_slot, rows, HEAD_DIM_V, dtype=torch.float32, device=q.device)
-    lse_acc = torch.empty(num_slots * per_slot, rows, dtype=torch.float32, device=q.device)
+    # Partials of split requests (normalised outputs and their lse, one row per (program, query
+    # row)), written before they are read: per-stream workspace.
+    partials = num_slots * per_slot * rows
+    o_acc, lse_acc = _scratch.workspace(q.device, (partials * HEAD_DIM_V, torch.float32), (partials, torch.float32))
     # the fused combine's arrival counters: one per (request, head tile), zeroed scratch
     (counters,) = _scratch.zeroed(q.device, (batch * 8, torch.int32)) if fused else (lse,)
     grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]))

@@ -77,24 +77,24 @@ def _kernels():
 
 
 def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
-                   cfg: configs.SmallMConfig) -> torch.Tensor:
-    """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I] (unit last stride)."""
-    m, h = x.shape
+                   cfg: configs.SmallMConfig, m: int, stride_xm: int, stride_om: int) -> torch.Tensor:
+    """x: M rows of H (row stride ``stride_xm``, unit last stride; any leading shape), w: [2I, H]
+    contiguous, out: M rows of I (row stride ``stride_om``)."""
+    h = w.shape[1]
     inter = w.shape[0] // 2
     grid = (triton_cdiv(inter, cfg.block_n), triton_cdiv(m, cfg.block_m), cfg.split_k)
     if cfg.split_k > 1:   # fp32 partials (written before read: any memory) + zeroed tickets
-        ws = torch.empty((cfg.split_k, 2, m, inter), dtype=torch.float32, device=x.device)
+        (ws,) = _scratch.workspace(x.device, (cfg.split_k * 2 * m * inter, torch.float32))
         (locks,) = _scratch.zeroed(x.device, (grid[0] * grid[1], torch.int32))
     else:
         ws = locks = out  # unused
-    bias_arg = bias if bias is not None else w
-    key = (x.device, x.dtype, m, inter, h, x.stride(0), out.stride(0), bias is not None, packed, cfg,
+    key = (cfg, m, inter, h, stride_xm, stride_om, bias is None, packed, x.dtype, x.device,
            _launch.aligned(x, w, bias, out))
     _kernels()[0](
         key, grid, x.device.index,
-        x, w, bias_arg, out, ws, locks,
+        x, w, bias if bias is not None else w, out, ws, locks,
         m, inter, h,
-        x.stride(0), w.stride(0), out.stride(0), 0.0,
+        stride_xm, w.stride(0), stride_om, 0.0,
         HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0, PROMOTE=cfg.promote,
@@ -130,7 +130,7 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     sk_tiles, sk_iters = configs.stream_k_split(m, h, inter, cfg, num_sms)
     grid = (num_sms if sk_tiles else min(num_sms, tiles),)
     if sk_tiles:  # partials: [program, first|last piece of its K run, gate|up, BLOCK_M, BLOCK_N]
-        ws = torch.empty((num_sms, 2, 2, cfg.block_m, cfg.block_n), dtype=torch.float32, device=x.device)
+        (ws,) = _scratch.workspace(x.device, (num_sms * 2 * 2 * cfg.block_m * cfg.block_n, torch.float32))
         (locks,) = _scratch.zeroed(x.device, (sk_tiles, torch.int32))
     else:
         ws = locks = out  # unused
@@ -188,7 +188,7 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
             if not _tma_ok(x2d, w, out):  # an unaligned `out`: compute aside, then copy
                 return out.copy_(run_kernel(x2d, w, bias, layout, variant, config, num_sms=num_sms))
         return launch_large_m(x2d, w, bias, out, packed, config, num_sms)
-    return launch_small_m(x2d, w, bias, out, packed, config)
+    return launch_small_m(x2d, w, bias, out, packed, config, m, x2d.stride(0), out.stride(0))
 
 
 # ----------------------------------------------------------------------------- status, custom op
@@ -262,11 +262,18 @@ def _swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None,
             or choose_backend(x.device) != "triton"):
         return _reference(x, w_gate_up, bias, layout)
     check_interpretable("x", x.dtype)
-    x2d = x.reshape(-1, x.shape[-1])
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    out = run_kernel(x2d, w_gate_up, bias, layout, forced_variant("swiglu"))
-    return out.reshape(*x.shape[:-1], inter)
+    hidden = x.shape[-1]
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    m = out.numel() // inter
+    if m == 0:
+        return out
+    if not x.is_contiguous():
+        x = x.contiguous()
+    variant, config = plan(m, hidden, inter, x.device, forced_variant("swiglu"))
+    if variant == "small_m":   # decode sizes: no reshapes, the rows of x and out as they lie
+        return launch_small_m(x, w_gate_up, bias, out, layout == "packed", config, m, hidden, inter)
+    run_kernel(x.view(m, hidden), w_gate_up, bias, layout, variant, config, out=out.view(m, inter))
+    return out
 
 
 _checked: set = set()    # argument layouts that passed validation

@@ -95,21 +95,37 @@ def _split_scratch(device: torch.device, m_pad: int, n: int, blocks: int):
     return _scratch.zeroed(device, (m_pad * n, torch.float32), (blocks, torch.int32))
 
 
-def _launch_resident(x2d, codes, codebooks, scales, bias, out):
-    m, k = x2d.shape
+_words_cache: dict = {}
+
+
+def _code_words(codes: torch.Tensor) -> torch.Tensor:
+    """:func:`code_words`, cached per codes tensor (a view: the cache keeps its storage alive, so
+    the address cannot be reused by another tensor while it is cached)."""
+    key = (codes.data_ptr(), codes.shape, codes.device)
+    words = _words_cache.get(key)
+    if words is None:
+        if len(_words_cache) >= 1024:
+            _words_cache.clear()
+        words = _words_cache[key] = code_words(codes)
+    return words
+
+
+def _launch_resident(x, m, codes, codebooks, scales, bias, out):
+    """x: M contiguous rows of K (any leading shape); out: M contiguous rows of N."""
+    k = x.shape[-1]
     n = codes.shape[0]
-    cfg = configs.resident_config(m, n, k, num_sms(x2d.device))
+    cfg = configs.resident_config(m, n, k, num_sms(x.device))
     split = cfg["k_slices"] > 1
-    ws, cnt = _split_scratch(x2d.device, cfg["m_pad"], n, cfg["chunks"]) if split else (out, out)
-    words = code_words(codes)
+    ws, cnt = _split_scratch(x.device, cfg["m_pad"], n, cfg["chunks"]) if split else (out, out)
+    words = _code_words(codes)
     grid = (cfg["chunks"], cfg["k_slices"])
-    key = (x2d.device, x2d.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
-           m, n, k, cfg["block_r"], cfg["num_warps"], cfg["rows_per_prog"], split, x2d.stride(0), out.stride(0),
-           _launch.aligned(x2d, words, codebooks, scales, bias, out))
+    # (m, n, k) and the device's SM count (the device) determine cfg, hence every constexpr
+    key = (x.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype, x.device,
+           m, n, k, _launch.aligned(x, words, codebooks, scales, bias, out))
     _resident_decode()(
-        key, grid, x2d.device.index,
-        x2d, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
-        m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], x2d.stride(0), words.stride(0), out.stride(0),
+        key, grid, x.device.index,
+        x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
+        m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], k, words.stride(0), n,
         M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=split, HAS_BIAS=bias is not None,
         NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
     return out
@@ -129,7 +145,10 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto
     if m > configs.DECODE_MAX_TOKENS:
         raise ValueError(f"x: the decode kernel takes at most {configs.DECODE_MAX_TOKENS} tokens, got {m}")
     if impl in ("auto", "resident") and resident_applies(m, k, x2d.device):
-        return _launch_resident(x2d, codes, codebooks, scales, bias, out)
+        if x2d.stride(0) != k or out.stride(0) != n:
+            return out.copy_(_launch_resident(x2d.contiguous(), m, codes, codebooks, scales, bias,
+                                              torch.empty(m, n, dtype=out.dtype, device=out.device)))
+        return _launch_resident(x2d, m, codes, codebooks, scales, bias, out)
     if impl == "resident":
         raise ValueError(f"x: the resident decode kernel needs CUDA, at most {configs.RESIDENT_MAX_TOKENS} tokens "
                          f"and K a multiple of 16, got {m} tokens, K={k} on {x2d.device}")
@@ -264,26 +283,27 @@ def _vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sc
     if x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton":
         return _reference(x, codes, codebooks, scales, bias)
     check_interpretable("x", x.dtype)
-    x2d = x.reshape(-1, k)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    m = x2d.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    m = out.numel() // n
     if m == 0:
-        return out.reshape(*x.shape[:-1], n)
-    scales_1d = scales.reshape(n)
+        return out
+    if not x.is_contiguous():
+        x = x.contiguous()
     variant = choose_variant(m)
+    if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
+        return _launch_resident(x, m, codes, codebooks, scales, bias, out)
+    x2d, out2d, scales_1d = x.view(m, k), out.view(m, n), scales.view(n)
     if variant == "prefill":
-        launch_prefill(x2d, codes, codebooks, scales_1d, bias, out)
+        launch_prefill(x2d, codes, codebooks, scales_1d, bias, out2d)
     elif variant == "dequant":
-        launch_dequant(x2d, codes, codebooks, scales_1d, bias, out)
+        launch_dequant(x2d, codes, codebooks, scales_1d, bias, out2d)
     else:
         impl = "auto" if variant == "decode" else "tl"
         step = configs.DECODE_MAX_TOKENS
         for start in range(0, m, step):  # forced decode on more tokens: 8 at a time
             stop = min(m, start + step)
-            launch_decode(x2d[start:stop], codes, codebooks, scales_1d, bias, out[start:stop], impl=impl)
-    return out.reshape(*x.shape[:-1], n)
+            launch_decode(x2d[start:stop], codes, codebooks, scales_1d, bias, out2d[start:stop], impl=impl)
+    return out
 
 
 _checked: set = set()    # argument layouts that passed validation
@@ -291,7 +311,7 @@ _checked: set = set()    # argument layouts that passed validation
 
 def _validate(x, codes, codebooks, scales, bias) -> None:
     try:
-        key = tuple((t.shape, t.dtype, t.device, t.is_contiguous()) if t is not None else None
+        key = tuple((t.shape, t.dtype, t.device) if t is not None else None
                     for t in (x, codes, codebooks, scales, bias))
         if key in _checked:
             return

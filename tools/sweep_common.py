@@ -1,0 +1,104 @@
+"""What the tuning tools share: the ``TILEFUSE_CONFIGS`` file they write, running a candidate in a
+fresh process, and their command line.
+
+The file is one JSON object, one section per family, each in the format its ``configs.py``
+documents::
+
+    {"swiglu": [{"H": 3584, "I": 18944, "M": 128, "variant": "large_m", "config": {...}}, ...],
+     "mla":    {"transposed": {...}, "standard:long": {...}, "small_rows_variant": {"short": ..., "long": ...}},
+     "vq":     {"resident": {"block_r": 128, ...}, "gather": {...}}}
+
+Every sweep takes ``OUT_DIR`` (its full timings go there) and ``--configs FILE`` (default
+``OUT_DIR/configs.json``): it starts from the file's contents and merges its picks into its own
+family's section, so sweeps of several families can share one file. Then measure the picks with
+``TILEFUSE_CONFIGS=FILE tilefuse bench <family>`` (the results file records the variable and the
+file's contents in its ``machine`` block) and copy the winners into the family's ``configs.py``.
+The library reads the file when it is imported, so the sweeps time every candidate in a fresh
+process (:func:`run_with_configs`), exactly as the benchmark would run it.
+
+``tools/`` is on ``sys.path`` when one of the tools runs as a script, so they ``import sweep_common``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def read_configs(path: str | Path | None) -> dict:
+    """The file's sections ({} when ``path`` is None or the file does not exist yet)."""
+    if not path or not Path(path).exists():
+        return {}
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object {{family: section}}, got {type(data).__name__}")
+    return data
+
+
+def merge_section(configs: dict, family: str, section) -> dict:
+    """``configs`` with ``section`` merged into ``configs[family]``: dict sections key by key (nested
+    dicts one level deeper, as vq's), swiglu's list entry by entry (a new entry replaces the one
+    with the same H, I and M)."""
+    merged = dict(configs)
+    old = merged.get(family)
+    if isinstance(section, list):
+        shape = lambda e: (e["H"], e["I"], e["M"])  # noqa: E731
+        new_shapes = {shape(e) for e in section}
+        merged[family] = [e for e in (old or []) if shape(e) not in new_shapes] + list(section)
+    else:
+        merged[family] = {**(old or {})}
+        for key, value in section.items():
+            both_dicts = isinstance(value, dict) and isinstance(merged[family].get(key), dict)
+            merged[family][key] = {**merged[family][key], **value} if both_dicts else value
+    return merged
+
+
+def update_section(path: str | Path, family: str, section) -> dict:
+    """Merge ``section`` into the file's ``family`` section (other families are kept); returns the file."""
+    configs = merge_section(read_configs(path), family, section)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(configs, indent=1) + "\n")
+    return configs
+
+
+def run_with_configs(configs: dict, argv: list[str]):
+    """Run ``python3 <argv>`` with ``TILEFUSE_CONFIGS`` pointing at ``configs``; its last stdout line
+    is JSON and is returned (stderr passes through, for progress)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(configs, f)
+    try:
+        env = dict(os.environ, TILEFUSE_CONFIGS=f.name)
+        done = subprocess.run([sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True, check=True)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        os.unlink(f.name)
+
+
+def parse_args(doc: str, argv: list[str] | None = None, workers: bool = True, **extra) -> argparse.Namespace:
+    """``OUT_DIR [--configs FILE]`` plus ``extra`` options (name -> argparse kwargs); with ``workers``
+    also ``--quick`` and ``--measure WHAT``, the worker mode of a sweep (one candidate, in its own
+    process)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path, nargs="?", default=Path("."), help="where the sweep's timings go")
+    parser.add_argument("--configs", type=Path, default=None,
+                        help="the TILEFUSE_CONFIGS file to start from and merge the picks into "
+                             "(default OUT_DIR/configs.json)")
+    if workers:
+        parser.add_argument("--quick", action="store_true", help="fewer shapes and candidates")
+        parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
+    for name, kwargs in extra.items():
+        parser.add_argument(name, **kwargs)
+    args = parser.parse_args(argv)
+    args.configs = args.configs or args.out_dir / "configs.json"
+    return args
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    print(f"wrote {path}", file=sys.stderr)

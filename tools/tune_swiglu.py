@@ -1,0 +1,190 @@
+"""Sweep the launch configs of the fused SwiGLU kernels on a GPU and pick one per shape.
+
+    python3 tools/tune_swiglu.py OUT_DIR [--mode full|tail|tiles] [--configs FILE]
+    python3 tools/tune_swiglu.py OUT_DIR --mode promote       # time and accuracy of per-K-step promotion
+    TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench swiglu  # then measure the picks
+
+Every candidate is timed as CUDA-graph replays (cold L2, median) of ``run_kernel`` with that
+config (merged layout, bf16), beside the bare merged cuBLAS GEMM, so host launch cost does not
+hide kernel time. The config the op uses today (``configs.choose``) is candidate 0 and stays
+unless another is at least 2 % faster. Modes (which shapes, which candidates):
+
+* ``full``: every Qwen2.5 shape x benchmark M; short lists of small-M (M <= 1024) and large-M
+  (M >= 128) tile configs;
+* ``tail``: the shapes whose last wave of tiles is partial, with stream-K tails and a few tile sizes;
+* ``tiles``: data-parallel tile shapes whose tile count fills the waves better (small models at
+  M = 128 / 1024, stream-K variants at 7B).
+
+Every time goes to ``OUT_DIR/swiglu-<mode>-sweep.json``; the changed picks are merged into the
+``"swiglu"`` section of the configs file (``[{"H", "I", "M", "variant", "config"}]``), and the
+whole table is printed in the form of ``TUNED`` in ``tilefuse/ops/swiglu/configs.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from sweep_common import parse_args, update_section, write_json
+
+KEEP_MARGIN = 0.98   # a candidate replaces the current config only if it takes < 98 % of its time
+
+
+def candidates(mode: str, model: str, m: int, inter: int) -> list:
+    """The configs ``mode`` tries at (model, M), besides the current one."""
+    from tilefuse.ops.swiglu.configs import LargeMConfig as L
+    from tilefuse.ops.swiglu.configs import SmallMConfig as S
+
+    if mode == "full":
+        out = []
+        if m <= 16:
+            out += [S(16, 32, 128, 1, 4), S(16, 32, 256, 1, 3), S(16, 64, 128, 1, 4), S(16, 64, 256, 1, 3),
+                    S(16, 16, 256, 1, 4), S(16, 64, 128, 2, 4), S(16, 32, 256, 2, 3)]
+            out += [S(16, 32, 128, 4, 4)] if inter < 8192 else []
+        elif m <= 128:
+            out += [S(64, 32, 128, 1, 4), S(64, 64, 128, 1, 3), S(64, 64, 64, 1, 4), S(128, 64, 64, 1, 4, 8),
+                    S(128, 32, 128, 1, 3), S(64, 64, 128, 2, 3)]
+        elif m <= 1024:
+            out += [S(64, 64, 64, 1, 4), S(128, 64, 64, 1, 4, 8), S(128, 128, 64, 1, 3, 8)]
+        if m >= 128:
+            out += [L(128, 128, 64, 8, 3, 8, True), L(128, 128, 64, 8, 4, 8, True), L(128, 128, 64, 8, 3, 8, False),
+                    L(128, 64, 64, 8, 4, 4, False), L(128, 64, 64, 8, 4, 8, True), L(64, 128, 64, 8, 4, 4, False),
+                    L(128, 128, 64, 4, 3, 8, True), L(128, 128, 128, 8, 2, 8, True)]
+        return out
+    if mode == "tail":
+        if m <= 16:
+            return [S(16, 64, 128, 1, 4), S(16, 64, 256, 1, 3), S(16, 32, 128, 1, 4), S(16, 32, 256, 1, 3),
+                    S(16, 16, 256, 1, 4), S(16, 128, 128, 1, 4, 8), S(16, 64, 128, 2, 4)]
+        stream_k = [L(128, 128, 64, 8, 4, 8, False, 1), L(128, 128, 64, 8, 4, 8, False, 2),
+                    L(128, 64, 64, 8, 4, 4, False, 1), L(128, 64, 64, 8, 4, 4, False, 2)]
+        extra = [L(64, 128, 64, 8, 4, 4, False, 1)] if m == 128 else [L(128, 128, 64, 8, 3, 8, False, 1)]
+        return stream_k + extra
+    # tiles
+    data_parallel = [L(64, 128, 64, 8, 4, 4, False), L(128, 64, 64, 8, 4, 4, False), L(64, 64, 64, 8, 4, 4, False)]
+    if model == "7B":
+        return [L(128, 64, 64, 8, 3, 4, False, 1), L(64, 64, 64, 8, 4, 4, False, 1), L(64, 128, 64, 8, 4, 4, False)]
+    if m == 128 and model in ("0.5B", "1.5B"):
+        return [S(64, 32, 128, 1, 4), S(128, 32, 128, 1, 3), S(64, 64, 128, 1, 3), S(128, 64, 64, 1, 4, 8),
+                S(64, 128, 64, 1, 3, 8), S(32, 64, 128, 1, 4), S(64, 64, 64, 2, 4), S(32, 32, 128, 1, 4),
+                *data_parallel]
+    if m == 1024:
+        return data_parallel + [L(64, 128, 64, 8, 3, 4, False), L(128, 64, 64, 8, 4, 8, False),
+                                L(128, 128, 64, 8, 4, 8, False)]
+    return data_parallel
+
+
+def shapes(mode: str) -> list[tuple[str, int]]:
+    """(model, M) pairs of a mode."""
+    from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES
+
+    if mode == "full":
+        return [(model, m) for model in QWEN25_SHAPES for m in BENCH_M]
+    if mode == "tail":
+        return ([(model, 128) for model in QWEN25_SHAPES]
+                + [(model, 1024) for model in ("0.5B", "1.5B", "3B", "14B", "32B")] + [("0.5B", 4096)]
+                + [(model, m) for model in ("0.5B", "1.5B") for m in (1, 16)])
+    return [("0.5B", 128), ("1.5B", 128), ("3B", 128), ("0.5B", 1024), ("1.5B", 1024), ("3B", 1024), ("7B", 128)]
+
+
+def sweep(mode: str) -> tuple[list[dict], list[dict], dict]:
+    """(every time, the changed picks as "swiglu" entries, the full table {(H, I): {M: config}})."""
+    import torch
+    import torch.nn.functional as F
+
+    from tilefuse.bench.harness import Timer
+    from tilefuse.ops.swiglu import configs
+    from tilefuse.ops.swiglu.op import run_kernel
+    from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs
+
+    timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
+
+    def graph_us(fn) -> float:
+        try:
+            return timer.graph_us(fn)
+        except Exception as exc:  # a config that does not compile or run is skipped, loudly
+            print(f"    ! {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr, flush=True)
+            return float("inf")
+
+    results, changed, table, t0 = [], [], {}, time.time()
+    for model, m in shapes(mode):
+        h, i = QWEN25_SHAPES[model]
+        x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+        out = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
+        floor = graph_us(lambda: F.linear(x, w))
+        current = configs.choose(m, h, i)[1]
+        cands = [current] + [c for c in candidates(mode, model, m, i) if c != current]
+        timed = [(c, graph_us(lambda c=c: run_kernel(x, w, None, config=c, out=out))) for c in cands]
+        best, us = min(timed, key=lambda t: t[1])
+        if us > KEEP_MARGIN * timed[0][1]:
+            best, us = timed[0]
+        variant = "small_m" if isinstance(best, configs.SmallMConfig) else "large_m"
+        print(f"{model:>5} M={m:<6} cublas {floor:9.1f} us  current {timed[0][1]:9.1f} ({timed[0][1] / floor:.3f})  "
+              f"best {us:9.1f} ({us / floor:.3f})  {best}", flush=True)
+        results.append({"model": model, "H": h, "I": i, "M": m, "cublas_graph_us": floor,
+                        "candidates": [{"config": repr(c), "graph_us": t} for c, t in timed]})
+        table.setdefault((h, i), {})[m] = best
+        if best != current:
+            changed.append({"H": h, "I": i, "M": m, "variant": variant, "config": dataclasses.asdict(best)})
+        del x, w, out
+        torch.cuda.empty_cache()
+    print(f"sweep took {time.time() - t0:.0f} s", file=sys.stderr)
+    return results, changed, table
+
+
+def print_table(table: dict) -> None:
+    """The picks in the form of ``TUNED`` in ``configs.py``."""
+    print("TUNED = {")
+    for (h, i), per_m in table.items():
+        print(f"    ({h}, {i}): {{")
+        for m, cfg in sorted(per_m.items()):
+            print(f"        {m}: {repr(cfg).replace('SmallMConfig', 'S').replace('LargeMConfig', 'L')},")
+        print("    },")
+    print("}")
+
+
+def promote_check() -> None:
+    """Per-K-step promotion (``config.promote``): graph time and accuracy against the current configs."""
+    import torch
+
+    from tilefuse.bench.harness import Timer
+    from tilefuse.ops.swiglu import configs
+    from tilefuse.ops.swiglu.op import run_kernel
+    from tilefuse.testing.compare import frac_beyond_ulp
+    from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs, reference_f64
+
+    timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
+    for model in ("0.5B", "7B", "14B", "72B"):
+        h, i = QWEN25_SHAPES[model]
+        for m in (1, 16, 128):
+            x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+            ref = reference_f64(x, w)
+            variant, cfg = configs.choose(m, h, i)
+            line = [f"{model:>5} M={m:<4} {variant:<8}"]
+            for promote in (False, True):
+                c = dataclasses.replace(cfg, promote=promote)
+                us = timer.graph_us(lambda c=c: run_kernel(x, w, None, config=c))
+                frac = frac_beyond_ulp(run_kernel(x, w, None, config=c), ref)
+                line.append(f"promote={promote}: {us:8.1f} us, {frac:.2e} beyond 1 ulp")
+            print("  ".join(line), flush=True)
+
+
+def main() -> None:
+    mode = dict(choices=["full", "tail", "tiles", "promote"], default="full", help="which sweep (see above)")
+    args = parse_args(__doc__, workers=False, **{"--mode": mode})
+    if args.mode == "promote":
+        promote_check()
+        return
+    results, changed, table = sweep(args.mode)
+    print_table(table)
+    write_json(args.out_dir / f"swiglu-{args.mode}-sweep.json", results)
+    if changed:
+        update_section(args.configs, "swiglu", changed)
+        print(f"{len(changed)} changed picks merged into {args.configs}: "
+              f"TILEFUSE_CONFIGS={args.configs} tilefuse bench swiglu --only '\"M\": <M>' to measure them")
+    else:
+        print("no config changed")
+
+
+if __name__ == "__main__":
+    main()

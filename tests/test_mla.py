@@ -327,3 +327,17 @@ def test_mla_metadata_bad_inputs():
             tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=parts)
     with pytest.raises(ValueError, match="cache_seqlens: expected lengths in"):
         tilefuse.get_mla_metadata(lens - 10, 16, 1, check_contents=True)
+
+
+def test_mla_compile_fullgraph():
+    """Metadata + attention trace through the registered ops (CPU: aot_eager, reference backend)."""
+    inp = mla_inputs([70, 5], 1, 16, torch.float32, "cpu")
+
+    def step(q, k_cache, block_table, lens):
+        meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)
+        return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True)
+
+    with tilefuse.force(backend="reference"):
+        eager = step(*inp.args())
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args())
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)

@@ -3,8 +3,8 @@
 Every check raises ``ValueError`` naming the argument, what was expected and what was given, so
 bad input fails in Python before any kernel launches (never a CUDA fault or a wrong answer).
 Checks only read metadata (dtype, shape, strides, device), so they are safe under
-``torch.compile`` tracing and CUDA-graph capture; the ops run them once per argument layout
-(:func:`remember`), so an eager call pays a dictionary lookup, not the checks.
+``torch.compile`` tracing and CUDA-graph capture; the ops run them once per argument layout (the
+call plans of ``tilefuse._library``), so an eager call pays a dictionary lookup, not the checks.
 """
 
 from __future__ import annotations
@@ -86,10 +86,3 @@ def check_float(name: str, value, *, positive: bool = False) -> float:
             or (positive and number <= 0):
         raise ValueError(f"{name}: expected a finite{' positive' if positive else ''} number, got {value!r}")
     return number
-
-
-def remember(cache: set, key, limit: int = 4096) -> None:
-    """Add a validated argument layout to an op's cache (bounded: cleared when full)."""
-    if len(cache) >= limit:
-        cache.clear()
-    cache.add(key)

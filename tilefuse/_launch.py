@@ -31,9 +31,10 @@ def aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
 class Kernel:
     """A Triton or Gluon kernel launched through cached compiled handles.
 
-    Call as ``kernel(key, grid, device_index, *args, **meta)``: ``args`` are the kernel's leading
-    (run-time) parameters in order, ``meta`` its remaining parameters by name (constexprs) plus
-    launch options (``num_warps``, ``num_stages``).
+    Call as ``kernel(key, grid, device_index, *args, **meta)`` (or :meth:`launch` with ``args``
+    and ``meta`` unexpanded): ``args`` are the kernel's leading (run-time) parameters in order,
+    ``meta`` its remaining parameters by name (constexprs) plus launch options (``num_warps``,
+    ``num_stages``).
     """
 
     def __init__(self, fn):
@@ -42,6 +43,12 @@ class Kernel:
         self._compiled: dict = {}      # plan key -> (launch function, leading args, trailing args)
 
     def __call__(self, key, grid, device_index: int | None, *args, **meta):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.launch(key, grid, device_index, args, meta)
+
+    def launch(self, key, grid: tuple[int, int, int], device_index: int | None, args: tuple, meta: dict):
+        """The hot path: ``grid`` has three entries, ``args`` and ``meta`` are passed unexpanded
+        (``meta`` is only read when ``key`` is new)."""
         entry = self._compiled.get(key)
         if entry is None or _hooks_installed():
             self._first_launch(key, grid, device_index, args, meta)
@@ -50,11 +57,9 @@ class Kernel:
         current = torch.cuda.current_device()
         if device_index is not None and device_index != current:
             with torch.cuda.device(device_index):
-                launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                       torch._C._cuda_getCurrentRawStream(device_index), *head, *args, *tail)
+                launch(*grid, torch._C._cuda_getCurrentRawStream(device_index), *head, *args, *tail)
             return
-        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-               torch._C._cuda_getCurrentRawStream(current), *head, *args, *tail)
+        launch(*grid, torch._C._cuda_getCurrentRawStream(current), *head, *args, *tail)
 
     def _first_launch(self, key, grid, device_index, args, meta):
         if device_index is not None and torch.cuda.is_available() and device_index != torch.cuda.current_device():

@@ -34,7 +34,7 @@ import torch
 from tilefuse import _checks, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting, num_sms
-from tilefuse._library import no_backward, tilefuse_op
+from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table, mla_decode_reference
 
@@ -109,7 +109,6 @@ def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_p
     return (cache_seqlens.new_empty(num_sm_parts + batch, 8), cache_seqlens.new_empty(batch + 1))
 
 
-@tilefuse_op("get_mla_metadata", fake=_metadata_fake)
 def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
                       num_sm_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     batch = cache_seqlens.shape[0]
@@ -120,10 +119,14 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(256, 8192 // block_b))
-    _kernels()["metadata"]((cache_seqlens.device, batch, num_sm_parts), (1,), cache_seqlens.device.index,
-                           cache_seqlens, meta, num_splits, batch, num_sm_parts, num_slots,
-                           BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4)
+    _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
+                                  (1, 1, 1), cache_seqlens.device.index,
+                                  (cache_seqlens, meta, num_splits, batch, num_sm_parts, num_slots),
+                                  dict(BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))
     return meta, num_splits
+
+
+_get_mla_metadata_op = tilefuse_op("get_mla_metadata", fake=_metadata_fake)(_get_mla_metadata)
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -169,45 +172,67 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
         _check_lengths(cache_seqlens, None)
     if not cache_seqlens.is_contiguous():
         cache_seqlens = cache_seqlens.contiguous()
+    if torch.compiler.is_compiling():
+        return _get_mla_metadata_op(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
     return _get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
 
 
 # ---------------------------------------------------------------------------------- attention
 
 
-def _launch_attention(q, k_cache, block_table, cache_seqlens, meta, num_splits, scale, causal, variant):
+class _Call:
+    """What an attention call with one argument layout runs, worked out once (validation
+    included): the backend, the output shapes, the kernel, its grid, scratch sizes, scalar
+    arguments and constexprs, and the combine launch. Identity-hashed: it is the launch's plan
+    key (with the pointers' alignment)."""
+
+    __slots__ = ("reference", "scale", "causal", "variant", "grid", "out_shape", "lse_shape", "partials",
+                 "counters", "scalars", "meta", "combine_grid", "combine_scalars", "combine_meta")
+
+
+def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool) -> _Call:
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     max_blocks = block_table.shape[1]
-    cfg, fused, per_slot, cfg_key = configs.launch_config(variant, rows, max_blocks)
+    call = _Call()
+    call.variant = choose_variant(rows, max_blocks)
+    cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
     num_slots = meta.shape[0]
-    out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
+    call.out_shape, call.lse_shape = (batch, s_q, h_q, HEAD_DIM_V), (batch, h_q, s_q)
     # Partials of split requests (normalised outputs and their lse, one row per (program, query
     # row)), written before they are read: per-stream workspace.
     partials = num_slots * per_slot * rows
-    o_acc, lse_acc = _scratch.workspace(q.device, (partials * HEAD_DIM_V, torch.float32), (partials, torch.float32))
+    call.partials = ((partials * HEAD_DIM_V, torch.float32), (partials, torch.float32))
     # the fused combine's arrival counters: one per (request, head tile), zeroed scratch
-    (counters,) = _scratch.zeroed(q.device, (batch * 8, torch.int32)) if fused else (lse,)
-    grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]))
-    key = (q.device, q.dtype, variant, cfg_key, batch, s_q, h_q, num_slots, k_cache.shape[0], max_blocks, causal,
-           q.stride(), block_table.stride(0), _launch.aligned(q, k_cache, block_table, cache_seqlens, meta, num_splits))
-    _kernels()[variant](
-        key, grid, q.device.index,
-        q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters,
-        batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-        CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg,
-    )
-    if not fused:
-        _kernels()["combine"](
-            key, (batch, rows), q.device.index,
-            num_splits, o_acc, lse_acc, out, lse, h_q, rows, num_slots,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), S_CHUNK=8,
-            SLOT_PROGRAMS=per_slot, num_warps=4,
-        )
+    call.counters = (batch * 8, torch.int32) if fused else None
+    call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
+    out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
+    lse_strides = (h_q * s_q, s_q)
+    call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
+                    *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+                    *out_strides, *lse_strides)
+    call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                     FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg)
+    call.combine_grid = None if fused else (batch, rows, 1)
+    call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
+    call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
+    return call
+
+
+def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta, num_splits):
+    out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
+    o_acc, lse_acc = _scratch.workspace(q.device, *call.partials)
+    (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
+    key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
+           cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
+    _kernels()[call.variant].launch(
+        key, call.grid, q.device.index,
+        (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters, *call.scalars),
+        call.meta)
+    if call.combine_grid is not None:
+        _kernels()["combine"].launch(key, call.combine_grid, q.device.index,
+                                     (num_splits, o_acc, lse_acc, out, lse, *call.combine_scalars), call.combine_meta)
     return out, lse
 
 
@@ -222,15 +247,43 @@ def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, nu
 @tilefuse_op("flash_mla_with_kvcache", fake=_flash_mla_fake,
              backward=no_backward("flash_mla_with_kvcache", "MLA decode attention"),
              setup_context=lambda ctx, inputs, output: None)
-def _flash_mla(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-               head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-               softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_mla_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                  head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
+                  softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                      softmax_scale, causal)
+    return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+
+
+_plans = PlanCache()
+
+
+def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal) -> _Call:
+    key = plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
+    try:
+        key = key + (head_dim_v, softmax_scale, causal) if key is not None else None
+        call = _plans.get(key) if key is not None else None
+    except TypeError:       # an unhashable argument: validated (and refused) below
+        key = call = None
+    if call is not None:
+        return call
+    _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits)
+    scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
     if q.shape[0] == 0 or choose_backend(q.device) != "triton":
-        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal)
-    check_interpretable("q", q.dtype)
-    variant = choose_variant(q.shape[1] * q.shape[2], block_table.shape[1])
-    return _launch_attention(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                             softmax_scale, causal, variant)
+        call = _Call()
+        call.reference = True
+    else:
+        check_interpretable("q", q.dtype)
+        call = _attention_call(q, k_cache, block_table, meta, scale, bool(causal))
+        call.reference = False
+    call.scale, call.causal = scale, bool(causal)
+    return _plans.remember(key, call)
+
+
+def _run(call: _Call, q, k_cache, block_table, cache_seqlens, meta, num_splits):
+    if call.reference:
+        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, call.scale, call.causal)
+    return _launch_attention(call, q, k_cache, block_table, cache_seqlens, meta, num_splits)
 
 
 def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int | None) -> None:
@@ -264,17 +317,7 @@ def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: 
                          f"got {len(seen)}")
 
 
-_checked: set = set()    # argument layouts that passed validation
-
-
 def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits) -> None:
-    try:
-        key = tuple((t.shape, t.dtype, t.device, t.stride()) for t in
-                    (q, k_cache, block_table, cache_seqlens, meta, num_splits)) + (head_dim_v,)
-        if key in _checked:
-            return
-    except (AttributeError, TypeError):
-        key = None
     _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
     _checks.check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
@@ -307,8 +350,6 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
     _checks.check_contiguous("k_cache", k_cache)
     _checks.check_contiguous("q", q, last_dim_only=True)
     _checks.check_contiguous("block_table", block_table, last_dim_only=True)
-    if key is not None:
-        _checks.remember(_checked, key)
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -344,13 +385,15 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
     Decode only: requesting a gradient through it raises.
     """
-    _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits)
-    scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
+    if isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_contiguous():
+        cache_seqlens = cache_seqlens.contiguous()
+    call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                      softmax_scale, causal)
     if _env.settings.debug if check_contents is None else check_contents:
         _check_lengths(cache_seqlens, block_table.shape[1])
         check_block_table(block_table, cache_seqlens, k_cache.shape[0])
         check_schedule(cache_seqlens, tile_scheduler_metadata, num_splits)
-    if not cache_seqlens.is_contiguous():
-        cache_seqlens = cache_seqlens.contiguous()
-    return _flash_mla(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata, num_splits,
-                      scale, bool(causal))
+    if use_dispatcher(q, k_cache):
+        return _flash_mla_op(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata,
+                             num_splits, call.scale, call.causal)
+    return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)

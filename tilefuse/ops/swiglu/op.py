@@ -22,7 +22,7 @@ from tilefuse import _checks, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting
 from tilefuse._backend import num_sms as device_num_sms
-from tilefuse._library import tilefuse_op
+from tilefuse._library import PlanCache, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu import configs
 from tilefuse.ops.swiglu.reference import swiglu_reference
 
@@ -76,40 +76,14 @@ def _kernels():
     return _launch.Kernel(kernels.swiglu_small_m_kernel), _launch.Kernel(kernels.swiglu_large_m_kernel)
 
 
-def launch_small_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
-                   cfg: configs.SmallMConfig, m: int, stride_xm: int, stride_om: int) -> torch.Tensor:
-    """x: M rows of H (row stride ``stride_xm``, unit last stride; any leading shape), w: [2I, H]
-    contiguous, out: M rows of I (row stride ``stride_om``)."""
-    h = w.shape[1]
-    inter = w.shape[0] // 2
-    grid = (triton_cdiv(inter, cfg.block_n), triton_cdiv(m, cfg.block_m), cfg.split_k)
-    if cfg.split_k > 1:   # fp32 partials (written before read: any memory) + zeroed tickets
-        (ws,) = _scratch.workspace(x.device, (cfg.split_k * 2 * m * inter, torch.float32))
-        (locks,) = _scratch.zeroed(x.device, (grid[0] * grid[1], torch.int32))
-    else:
-        ws = locks = out  # unused
-    key = (cfg, m, inter, h, stride_xm, stride_om, bias is None, packed, x.dtype, x.device,
-           _launch.aligned(x, w, bias, out))
-    _kernels()[0](
-        key, grid, x.device.index,
-        x, w, bias if bias is not None else w, out, ws, locks,
-        m, inter, h,
-        stride_xm, w.stride(0), stride_om, 0.0,
-        HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, EVEN_K=h % cfg.block_k == 0, PROMOTE=cfg.promote,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-    )
-    return out
-
-
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
                    cfg: configs.LargeMConfig, num_sms: int | None = None) -> torch.Tensor:
-    """Same contract as :func:`launch_small_m`; x, w and out must be 16-byte aligned (TMA).
+    """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I]; x, w and out must be
+    16-byte aligned (TMA).
     ``num_sms`` (default: the device's) sizes the persistent grid; tests shrink it to mix the
     data-parallel and the stream-K parts on small shapes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -188,7 +162,8 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
             if not _tma_ok(x2d, w, out):  # an unaligned `out`: compute aside, then copy
                 return out.copy_(run_kernel(x2d, w, bias, layout, variant, config, num_sms=num_sms))
         return launch_large_m(x2d, w, bias, out, packed, config, num_sms)
-    return launch_small_m(x2d, w, bias, out, packed, config, m, x2d.stride(0), out.stride(0))
+    call = _small_m_call(m, h, inter, x2d.stride(0), out.stride(0), w.stride(0), config, bias is not None, packed)
+    return _launch_small_m(call, x2d, w, bias, out)
 
 
 # ----------------------------------------------------------------------------- status, custom op
@@ -256,38 +231,93 @@ def _swiglu_backward(ctx, grad_out):
 
 
 @tilefuse_op("swiglu", fake=_swiglu_fake, backward=_swiglu_backward, setup_context=_setup_backward)
-def _swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
-    inter = w_gate_up.shape[0] // 2
-    if (x.dtype not in KERNEL_DTYPES or x.shape[-1] == 0 or inter == 0
-            or choose_backend(x.device) != "triton"):
-        return _reference(x, w_gate_up, bias, layout)
+def _swiglu_op(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    return _run(_plan_call(x, w_gate_up, bias, layout), x, w_gate_up, bias, layout)
+
+
+class _Call:
+    """What a call with one argument layout runs, worked out once (validation included): the
+    backend and, for the kernels, the output shape, variant, config and -- on the small-M path --
+    the grid, scalar arguments and constexprs of the launch. Identity-hashed: it is the launch's
+    plan key (with the pointers' alignment)."""
+
+    __slots__ = ("reference", "out_shape", "m", "variant", "config", "grid", "scalars", "meta", "workspace", "locks")
+
+
+_plans = PlanCache()
+
+
+def _plan_call(x, w_gate_up, bias, layout) -> _Call:
+    key = plan_key(x, w_gate_up, bias)
+    key = key + (layout,) if key is not None and isinstance(layout, str) else None
+    call = _plans.get(key) if key is not None else None
+    if call is not None:
+        return call
+    _validate(x, w_gate_up, bias, layout)
+    hidden, inter = x.shape[-1], w_gate_up.shape[0] // 2
+    if (x.dtype not in KERNEL_DTYPES or hidden == 0 or inter == 0 or choose_backend(x.device) != "triton"):
+        call = _Call()
+        call.reference = True
+        return _plans.remember(key, call)
     check_interpretable("x", x.dtype)
-    hidden = x.shape[-1]
-    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
-    m = out.numel() // inter
-    if m == 0:
-        return out
-    if not x.is_contiguous():
-        x = x.contiguous()
-    variant, config = plan(m, hidden, inter, x.device, forced_variant("swiglu"))
-    if variant == "small_m":   # decode sizes: no reshapes, the rows of x and out as they lie
-        return launch_small_m(x, w_gate_up, bias, out, layout == "packed", config, m, hidden, inter)
-    run_kernel(x.view(m, hidden), w_gate_up, bias, layout, variant, config, out=out.view(m, inter))
+    m = x.numel() // hidden
+    variant, config = plan(m, hidden, inter, x.device, forced_variant("swiglu")) if m else (None, None)
+    if variant == "small_m":   # x and out rows contiguous: strides H and I
+        call = _small_m_call(m, hidden, inter, hidden, inter, w_gate_up.stride(0), config, bias is not None,
+                             layout == "packed")
+    else:
+        call = _Call()
+        call.m, call.variant, call.config = m, variant, config
+    call.reference = False
+    call.out_shape = (*x.shape[:-1], inter)
+    return _plans.remember(key, call)
+
+
+def _small_m_call(m, hidden, inter, stride_xm, stride_om, stride_wn, cfg: configs.SmallMConfig, has_bias: bool,
+                  packed: bool) -> _Call:
+    """The small-M kernel's launch: one program per [BLOCK_M, BLOCK_N] output tile and K slice."""
+    call = _Call()
+    call.m, call.variant, call.config = m, "small_m", cfg
+    call.grid = (triton_cdiv(inter, cfg.block_n), triton_cdiv(m, cfg.block_m), cfg.split_k)
+    # split-K: fp32 partials [SPLIT_K, 2, M, I] (written before read) and one zeroed ticket per tile
+    call.workspace = cfg.split_k * 2 * m * inter if cfg.split_k > 1 else 0
+    call.locks = call.grid[0] * call.grid[1] if cfg.split_k > 1 else 0
+    call.scalars = (m, inter, hidden, stride_xm, stride_wn, stride_om, 0.0)
+    call.meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                     BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=hidden % cfg.block_k == 0,
+                     PROMOTE=cfg.promote, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+    return call
+
+
+def _launch_small_m(call: _Call, x, w, bias, out) -> torch.Tensor:
+    if call.locks:
+        (ws,) = _scratch.workspace(x.device, (call.workspace, torch.float32))
+        (locks,) = _scratch.zeroed(x.device, (call.locks, torch.int32))
+    else:
+        ws = locks = out   # unused
+    key = (call, x.data_ptr() % 16, w.data_ptr() % 16, bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
+    _kernels()[0].launch(key, call.grid, x.device.index,
+                         (x, w, bias if bias is not None else w, out, ws, locks, *call.scalars), call.meta)
     return out
 
 
-_checked: set = set()    # argument layouts that passed validation
+def _run(call: _Call, x, w_gate_up, bias, layout) -> torch.Tensor:
+    if call.reference:
+        return _reference(x, w_gate_up, bias, layout)
+    out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
+    if call.m == 0:
+        return out
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if call.variant == "small_m":   # decode sizes: the rows of x and out as they lie, no reshapes
+        return _launch_small_m(call, x, w_gate_up, bias, out)
+    m, hidden = call.m, x.shape[-1]
+    run_kernel(x.view(m, hidden), w_gate_up, bias, layout, call.variant, call.config,
+               out=out.view(m, call.out_shape[-1]))
+    return out
 
 
 def _validate(x, w_gate_up, bias, layout) -> None:
-    try:
-        key = (x.shape, x.dtype, x.device, w_gate_up.shape, w_gate_up.dtype, w_gate_up.device,
-               w_gate_up.stride(), layout,
-               None if bias is None else (bias.shape, bias.dtype, bias.device, bias.stride()))
-        if key in _checked:
-            return
-    except (AttributeError, TypeError):
-        key = None
     _checks.check_tensor("x", x, dtypes=_checks.FLOATS, min_ndim=1)
     _checks.check_tensor("w_gate_up", w_gate_up, dtypes=(x.dtype,), ndim=2)
     _checks.check_choice("layout", layout, LAYOUTS)
@@ -307,8 +337,6 @@ def _validate(x, w_gate_up, bias, layout) -> None:
         _checks.check_contiguous("bias", bias)
     _checks.check_same_device(x=x, w_gate_up=w_gate_up, bias=bias)
     _checks.check_contiguous("w_gate_up", w_gate_up)
-    if key is not None:
-        _checks.remember(_checked, key)
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -339,5 +367,7 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
     >>> h = tilefuse.swiglu(x, w)                                       # [..., I]
     >>> y = h @ mlp.down_proj.weight.T
     """
-    _validate(x, w_gate_up, bias, layout)
-    return _swiglu(x, w_gate_up, bias, layout)
+    call = _plan_call(x, w_gate_up, bias, layout)
+    if use_dispatcher(x, w_gate_up, bias):
+        return _swiglu_op(x, w_gate_up, bias, layout)
+    return _run(call, x, w_gate_up, bias, layout)

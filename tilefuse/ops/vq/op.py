@@ -32,7 +32,7 @@ import torch
 from tilefuse import _checks, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting, num_sms
-from tilefuse._library import tilefuse_op
+from tilefuse._library import PlanCache, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.vq import configs
 from tilefuse.ops.vq.reference import dequantize, vq_matmul_reference
 
@@ -110,24 +110,39 @@ def _code_words(codes: torch.Tensor) -> torch.Tensor:
     return words
 
 
-def _launch_resident(x, m, codes, codebooks, scales, bias, out):
-    """x: M contiguous rows of K (any leading shape); out: M contiguous rows of N."""
-    k = x.shape[-1]
-    n = codes.shape[0]
-    cfg = configs.resident_config(m, n, k, num_sms(x.device))
+class _Call:
+    """What a call with one argument layout runs, worked out once (validation included): the
+    backend, the output shape, the variant and -- for the resident decode kernel -- its grid,
+    scratch sizes, scalar arguments and constexprs. Identity-hashed: it is the launch's plan key
+    (with the pointers' alignment)."""
+
+    __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta")
+
+
+def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool) -> _Call:
+    """The resident decode kernel's launch for M contiguous rows of K in, M rows of N out."""
+    cfg = configs.resident_config(m, n, k, num_sms(device))
+    call = _Call()
+    call.m, call.variant, call.resident = m, "decode", True
+    call.grid = (cfg["chunks"], cfg["k_slices"], 1)
     split = cfg["k_slices"] > 1
-    ws, cnt = _split_scratch(x.device, cfg["m_pad"], n, cfg["chunks"]) if split else (out, out)
+    # split-K: zeroed fp32 partial sums [M_PAD, N] and one arrival counter per row chunk
+    call.scratch = ((cfg["m_pad"] * n, torch.float32), (cfg["chunks"], torch.int32)) if split else None
+    call.scalars = (m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], k, k // 16, n)
+    call.meta = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=split, HAS_BIAS=has_bias,
+                     NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
+    return call
+
+
+def _launch_resident(call: _Call, x, codes, codebooks, scales, bias, out):
+    """x: M contiguous rows of K (any leading shape); scales: N contiguous; out: M contiguous rows of N."""
+    ws, cnt = _scratch.zeroed(x.device, *call.scratch) if call.scratch else (out, out)
     words = _code_words(codes)
-    grid = (cfg["chunks"], cfg["k_slices"])
-    # (m, n, k) and the device's SM count (the device) determine cfg, hence every constexpr
-    key = (x.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype, x.device,
-           m, n, k, _launch.aligned(x, words, codebooks, scales, bias, out))
-    _resident_decode()(
-        key, grid, x.device.index,
-        x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
-        m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], k, words.stride(0), n,
-        M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=split, HAS_BIAS=bias is not None,
-        NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
+    key = (call, x.data_ptr() % 16, words.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
+           bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
+    _resident_decode().launch(key, call.grid, x.device.index,
+                              (x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
+                               *call.scalars), call.meta)
     return out
 
 
@@ -145,10 +160,11 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto
     if m > configs.DECODE_MAX_TOKENS:
         raise ValueError(f"x: the decode kernel takes at most {configs.DECODE_MAX_TOKENS} tokens, got {m}")
     if impl in ("auto", "resident") and resident_applies(m, k, x2d.device):
+        call = _resident_call(m, n, k, x2d.device, bias is not None)
         if x2d.stride(0) != k or out.stride(0) != n:
-            return out.copy_(_launch_resident(x2d.contiguous(), m, codes, codebooks, scales, bias,
+            return out.copy_(_launch_resident(call, x2d.contiguous(), codes, codebooks, scales, bias,
                                               torch.empty(m, n, dtype=out.dtype, device=out.device)))
-        return _launch_resident(x2d, m, codes, codebooks, scales, bias, out)
+        return _launch_resident(call, x2d, codes, codebooks, scales, bias, out)
     if impl == "resident":
         raise ValueError(f"x: the resident decode kernel needs CUDA, at most {configs.RESIDENT_MAX_TOKENS} tokens "
                          f"and K a multiple of 16, got {m} tokens, K={k} on {x2d.device}")
@@ -277,28 +293,55 @@ def _vq_matmul_backward(ctx, grad_out):
 
 
 @tilefuse_op("vq_matmul", fake=_vq_matmul_fake, backward=_vq_matmul_backward, setup_context=_setup_backward)
-def _vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
+def _vq_matmul_op(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    return _run(_plan_call(x, codes, codebooks, scales, bias), x, codes, codebooks, scales, bias)
+
+
+_plans = PlanCache()
+
+
+def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
+    key = plan_key(x, codes, codebooks, scales, bias)
+    call = _plans.get(key) if key is not None else None
+    if call is not None:
+        return call
+    _validate(x, codes, codebooks, scales, bias)
     n, k = codes.shape[0], x.shape[-1]
-    if x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton":
+    m = x.numel() // k if k else 0
+    reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
+    if not reference:
+        check_interpretable("x", x.dtype)
+    variant = choose_variant(m) if not reference else None
+    if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
+        call = _resident_call(m, n, k, x.device, bias is not None)
+    else:
+        call = _Call()
+        call.m, call.variant, call.resident = m, variant, False
+    call.reference = reference
+    call.out_shape = (*x.shape[:-1], n)
+    return _plans.remember(key, call)
+
+
+def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
+    if call.reference:
         return _reference(x, codes, codebooks, scales, bias)
-    check_interpretable("x", x.dtype)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    m = out.numel() // n
+    out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
+    m = call.m
     if m == 0:
         return out
     if not x.is_contiguous():
         x = x.contiguous()
-    variant = choose_variant(m)
-    if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
-        return _launch_resident(x, m, codes, codebooks, scales, bias, out)
+    if call.resident:
+        return _launch_resident(call, x, codes, codebooks, scales, bias, out)
+    n, k = call.out_shape[-1], x.shape[-1]
     x2d, out2d, scales_1d = x.view(m, k), out.view(m, n), scales.view(n)
-    if variant == "prefill":
+    if call.variant == "prefill":
         launch_prefill(x2d, codes, codebooks, scales_1d, bias, out2d)
-    elif variant == "dequant":
+    elif call.variant == "dequant":
         launch_dequant(x2d, codes, codebooks, scales_1d, bias, out2d)
     else:
-        impl = "auto" if variant == "decode" else "tl"
+        impl = "auto" if call.variant == "decode" else "tl"
         step = configs.DECODE_MAX_TOKENS
         for start in range(0, m, step):  # forced decode on more tokens: 8 at a time
             stop = min(m, start + step)
@@ -306,17 +349,7 @@ def _vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sc
     return out
 
 
-_checked: set = set()    # argument layouts that passed validation
-
-
 def _validate(x, codes, codebooks, scales, bias) -> None:
-    try:
-        key = tuple((t.shape, t.dtype, t.device) if t is not None else None
-                    for t in (x, codes, codebooks, scales, bias))
-        if key in _checked:
-            return
-    except AttributeError:
-        key = None
     _checks.check_tensor("x", x, dtypes=_checks.FLOATS, min_ndim=1)
     _checks.check_tensor("codes", codes, dtypes=CODE_DTYPES + WIDE_CODE_DTYPES, ndim=3)
     _checks.check_tensor("codebooks", codebooks, dtypes=_checks.FLOATS, ndim=4)
@@ -335,8 +368,10 @@ def _validate(x, codes, codebooks, scales, bias) -> None:
         if not bias.dtype.is_floating_point:
             raise ValueError(f"bias: expected a floating dtype, got {bias.dtype}")
     _checks.check_same_device(x=x, codes=codes, codebooks=codebooks, scales=scales, bias=bias)
-    if key is not None:
-        _checks.remember(_checked, key)
+
+
+def _contiguous(t):
+    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
 
 
 def check_code_range(codes: torch.Tensor) -> None:
@@ -375,17 +410,13 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     cuBLAS (the measured switch point, ``configs.DECODE_SWITCH_TOKENS``). Differentiable in ``x``,
     ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """
-    _validate(x, codes, codebooks, scales, bias)
-    if codes.dtype in WIDE_CODE_DTYPES:
+    if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:
+        _validate(x, codes, codebooks, scales, bias)
         if _env.settings.debug if check_contents is None else check_contents:
             check_code_range(codes)
         codes = codes.to(torch.uint8)
-    if not codes.is_contiguous():
-        codes = codes.contiguous()
-    if not codebooks.is_contiguous():
-        codebooks = codebooks.contiguous()
-    if not scales.is_contiguous():
-        scales = scales.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    return _vq_matmul(x, codes, codebooks, scales, bias)
+    codes, codebooks, scales, bias = (_contiguous(t) for t in (codes, codebooks, scales, bias))
+    call = _plan_call(x, codes, codebooks, scales, bias)
+    if use_dispatcher(x, codebooks, scales, bias):
+        return _vq_matmul_op(x, codes, codebooks, scales, bias)
+    return _run(call, x, codes, codebooks, scales, bias)

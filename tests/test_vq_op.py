@@ -98,16 +98,17 @@ def test_extreme_codes(interpret, variant, pattern):
     _check(_run_poisoned(case, variant), case, variant)
 
 
-def test_int8_codes_match_uint8(interpret):
-    """AQLM stores int8: -1 is code 255. Same bits, same result."""
-    case = make_vq_case(1, 16, 64, torch.float16, interpret)
+@pytest.mark.parametrize("m", [1, 12])          # decode and dequant + GEMM
+def test_int8_codes_match_uint8(interpret, m):
+    """AQLM stores int8: -1 is code 255. Same bits, same result, whichever dtype comes first."""
+    case = make_vq_case(m, 16, 64, torch.float16, interpret)
     u8 = case["codes"]
     i8 = u8.view(torch.int8)
     assert (i8 < 0).any()
-    y_u8 = tilefuse.vq_matmul(case["x"], u8, case["codebooks"], case["scales"])
     y_i8 = tilefuse.vq_matmul(case["x"], i8, case["codebooks"], case["scales"])
+    y_u8 = tilefuse.vq_matmul(case["x"], u8, case["codebooks"], case["scales"])
     assert torch.equal(y_u8, y_i8)
-    _check(y_u8, case, "decode")
+    _check(y_u8, case, vq_op.choose_variant(m))
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 12])
@@ -315,3 +316,12 @@ def test_zero_sizes(interpret):
                            torch.randn(2, 256, 1, 8, dtype=torch.float16, device=interpret),
                            torch.ones(0, 1, 1, 1, dtype=torch.float16, device=interpret))
     assert y.shape == (3, 0)
+
+
+def test_non_contiguous_weights_are_copied(interpret):
+    case = make_vq_case(2, 24, 64, torch.float16, interpret, bias=True)
+    scales = torch.stack((case["scales"].reshape(24), torch.zeros(24, dtype=torch.float16, device=interpret)), 1)[:, 0]
+    bias = torch.stack((case["bias"], case["bias"]), 1)[:, 1]
+    assert not scales.is_contiguous() and not bias.is_contiguous()
+    y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], scales, bias)
+    _check(y, case, "decode")

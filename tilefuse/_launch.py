@@ -31,10 +31,10 @@ def aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
 class Kernel:
     """A Triton or Gluon kernel launched through cached compiled handles.
 
-    Call as ``kernel(key, grid, device_index, *args, **meta)`` (or :meth:`launch` with ``args``
-    and ``meta`` unexpanded): ``args`` are the kernel's leading (run-time) parameters in order,
-    ``meta`` its remaining parameters by name (constexprs) plus launch options (``num_warps``,
-    ``num_stages``).
+    Call as ``kernel(key, grid, device_index, *args, **meta)`` (or :meth:`launch`, the hot path,
+    with the arguments unexpanded): ``args`` are the kernel's leading (run-time) parameters in
+    order, tensors first, ``meta`` its remaining parameters by name (constexprs) plus launch
+    options (``num_warps``, ``num_stages``).
     """
 
     def __init__(self, fn):
@@ -43,23 +43,31 @@ class Kernel:
         self._compiled: dict = {}      # plan key -> (launch function, leading args, trailing args)
 
     def __call__(self, key, grid, device_index: int | None, *args, **meta):
+        """Convenience form: all run-time arguments positional, tensors first."""
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.launch(key, grid, device_index, args, meta)
+        split = next((i for i, a in enumerate(args) if not (a is None or hasattr(a, "data_ptr") or hasattr(a, "base"))),
+                     len(args))
+        self.launch(key, grid, device_index, args[:split], args[split:], meta)
 
-    def launch(self, key, grid: tuple[int, int, int], device_index: int | None, args: tuple, meta: dict):
-        """The hot path: ``grid`` has three entries, ``args`` and ``meta`` are passed unexpanded
-        (``meta`` is only read when ``key`` is new)."""
+    def launch(self, key, grid: tuple[int, int, int], device_index: int | None, tensors: tuple, scalars: tuple,
+               meta: dict):
+        """The hot path. ``grid`` has three entries; the kernel's leading parameters are
+        ``tensors`` (tensors or None; tensor descriptors) then ``scalars``; ``meta`` holds the rest
+        by name and is only read when ``key`` is new. Tensors go to the C launcher as raw device
+        pointers (it would otherwise call ``data_ptr()`` and query the driver for each one: the
+        op validated them when it planned the call)."""
         entry = self._compiled.get(key)
         if entry is None or _hooks_installed():
-            self._first_launch(key, grid, device_index, args, meta)
+            self._first_launch(key, grid, device_index, (*tensors, *scalars), meta)
             return
         launch, head, tail = entry
+        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
         current = torch.cuda.current_device()
         if device_index is not None and device_index != current:
             with torch.cuda.device(device_index):
-                launch(*grid, torch._C._cuda_getCurrentRawStream(device_index), *head, *args, *tail)
+                launch(*grid, torch._C._cuda_getCurrentRawStream(device_index), *head, *pointers, *scalars, *tail)
             return
-        launch(*grid, torch._C._cuda_getCurrentRawStream(current), *head, *args, *tail)
+        launch(*grid, torch._C._cuda_getCurrentRawStream(current), *head, *pointers, *scalars, *tail)
 
     def _first_launch(self, key, grid, device_index, args, meta):
         if device_index is not None and torch.cuda.is_available() and device_index != torch.cuda.current_device():

@@ -121,7 +121,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     block_p = max(16, min(256, 8192 // block_b))
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
                                   (1, 1, 1), cache_seqlens.device.index,
-                                  (cache_seqlens, meta, num_splits, batch, num_sm_parts, num_slots),
+                                  (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
                                   dict(BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))
     return meta, num_splits
 
@@ -228,11 +228,11 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
     _kernels()[call.variant].launch(
         key, call.grid, q.device.index,
-        (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters, *call.scalars),
+        (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters), call.scalars,
         call.meta)
     if call.combine_grid is not None:
-        _kernels()["combine"].launch(key, call.combine_grid, q.device.index,
-                                     (num_splits, o_acc, lse_acc, out, lse, *call.combine_scalars), call.combine_meta)
+        _kernels()["combine"].launch(key, call.combine_grid, q.device.index, (num_splits, o_acc, lse_acc, out, lse),
+                                     call.combine_scalars, call.combine_meta)
     return out, lse
 
 

@@ -297,7 +297,7 @@ def _launch_small_m(call: _Call, x, w, bias, out) -> torch.Tensor:
         ws = locks = out   # unused
     key = (call, x.data_ptr() % 16, w.data_ptr() % 16, bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
     _kernels()[0].launch(key, call.grid, x.device.index,
-                         (x, w, bias if bias is not None else w, out, ws, locks, *call.scalars), call.meta)
+                         (x, w, bias if bias is not None else w, out, ws, locks), call.scalars, call.meta)
     return out
 
 

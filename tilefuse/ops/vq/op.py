@@ -116,7 +116,8 @@ class _Call:
     scratch sizes, scalar arguments and constexprs. Identity-hashed: it is the launch's plan key
     (with the pointers' alignment)."""
 
-    __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta")
+    __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta",
+                 "copies")
 
 
 def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool) -> _Call:
@@ -141,8 +142,8 @@ def _launch_resident(call: _Call, x, codes, codebooks, scales, bias, out):
     key = (call, x.data_ptr() % 16, words.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
            bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
     _resident_decode().launch(key, call.grid, x.device.index,
-                              (x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
-                               *call.scalars), call.meta)
+                              (x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
+                              call.scalars, call.meta)
     return out
 
 
@@ -220,18 +221,18 @@ def launch_prefill(x2d, codes, codebooks, scales, bias, out, **override) -> torc
 
 def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 16, block_g: int = 64,
                    num_warps: int = 4) -> torch.Tensor:
-    """Dequantize W (one Triton kernel) into a scratch ``[N, K]`` in x's dtype, then cuBLAS."""
+    """Dequantize W (one Triton kernel) into a scratch ``[N, K]`` in x's dtype, then cuBLAS.
+    x2d: [M, K]; scales: N contiguous; out: [M, N]."""
     m, k = x2d.shape
     n = codes.shape[0]
-    codes8 = codes.view(torch.uint8)
     w = torch.empty(n, k, dtype=x2d.dtype, device=x2d.device)
-    grid = (-(-n // block_n), -(-(k // 8) // block_g))
-    key = (x2d.device, x2d.dtype, codebooks.dtype, scales.dtype, n, k, block_n, block_g, num_warps,
-           _launch.aligned(codes8, codebooks, scales))
-    _kernel("kernels", "vq_dequant_kernel")(
-        key, grid, x2d.device.index,
-        codes8, codebooks, scales, w, n, k // 8, codes8.stride(0), w.stride(0),
-        BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps)
+    grid = (-(-n // block_n), -(-(k // 8) // block_g), 1)
+    key = (x2d.dtype, codebooks.dtype, scales.dtype, x2d.device, n, k, block_n, block_g, num_warps,
+           codes.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16)
+    codes8 = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)   # AQLM's int8 codes: same bits
+    _kernel("kernels", "vq_dequant_kernel").launch(
+        key, grid, x2d.device.index, (codes8, codebooks, scales, w), (n, k // 8, k // 4, k),
+        dict(BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps))
     if bias is None:
         torch.mm(x2d, w.t(), out=out)
     else:
@@ -320,6 +321,8 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
         call.m, call.variant, call.resident = m, variant, False
     call.reference = reference
     call.out_shape = (*x.shape[:-1], n)
+    # the kernels read codes, codebooks, scales and bias as dense arrays
+    call.copies = any(t is not None and not t.is_contiguous() for t in (codes, codebooks, scales, bias))
     return _plans.remember(key, call)
 
 
@@ -335,11 +338,13 @@ def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
     if call.resident:
         return _launch_resident(call, x, codes, codebooks, scales, bias, out)
     n, k = call.out_shape[-1], x.shape[-1]
-    x2d, out2d, scales_1d = x.view(m, k), out.view(m, n), scales.view(n)
+    x2d, out2d = x.view(m, k), out.view(m, n)
+    if call.variant == "dequant":
+        launch_dequant(x2d, codes, codebooks, scales, bias, out2d)     # scales: N contiguous values
+        return out
+    scales_1d = scales.view(n)
     if call.variant == "prefill":
         launch_prefill(x2d, codes, codebooks, scales_1d, bias, out2d)
-    elif call.variant == "dequant":
-        launch_dequant(x2d, codes, codebooks, scales_1d, bias, out2d)
     else:
         impl = "auto" if call.variant == "decode" else "tl"
         step = configs.DECODE_MAX_TOKENS
@@ -368,10 +373,6 @@ def _validate(x, codes, codebooks, scales, bias) -> None:
         if not bias.dtype.is_floating_point:
             raise ValueError(f"bias: expected a floating dtype, got {bias.dtype}")
     _checks.check_same_device(x=x, codes=codes, codebooks=codebooks, scales=scales, bias=bias)
-
-
-def _contiguous(t):
-    return t.contiguous() if isinstance(t, torch.Tensor) and not t.is_contiguous() else t
 
 
 def check_code_range(codes: torch.Tensor) -> None:
@@ -415,8 +416,10 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
         if _env.settings.debug if check_contents is None else check_contents:
             check_code_range(codes)
         codes = codes.to(torch.uint8)
-    codes, codebooks, scales, bias = (_contiguous(t) for t in (codes, codebooks, scales, bias))
     call = _plan_call(x, codes, codebooks, scales, bias)
+    if call.copies:
+        codes, codebooks, scales, bias = (t if t is None else t.contiguous() for t in (codes, codebooks, scales, bias))
+        call = _plan_call(x, codes, codebooks, scales, bias)
     if use_dispatcher(x, codebooks, scales, bias):
         return _vq_matmul_op(x, codes, codebooks, scales, bias)
     return _run(call, x, codes, codebooks, scales, bias)

@@ -27,10 +27,12 @@ Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``), so 
 import triton
 import triton.language as tl
 
-PAGE = tl.constexpr(64)       # tokens per cache page (FlashMLA's block size)
-D_NOPE = tl.constexpr(512)    # latent part of the 576-wide vector: the K "nope" part and all of V
-D_ROPE = tl.constexpr(64)     # RoPE part, only in K
-LOG2E = 1.4426950408889634    # host side: qk_scale = softmax_scale * LOG2E
+from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from tilefuse.ops.tl_common import arrive
+
+PAGE = tl.constexpr(PAGE_SIZE)            # tokens per cache page (FlashMLA's block size)
+D_NOPE = tl.constexpr(HEAD_DIM_V)         # latent part of the 576-wide vector: the K "nope" part and all of V
+D_ROPE = tl.constexpr(HEAD_DIM - HEAD_DIM_V)   # RoPE part, only in K
 LN2 = tl.constexpr(0.6931471805599453)
 
 
@@ -152,10 +154,8 @@ def _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, pid_part, pid_h, n_part, f
         tl.store(lseacc_ptr + part, lse2, mask=row_ok)
     if FUSED_COMBINE:
         if n_part > 1:
-            tl.debug_barrier()                      # every thread's partial stored before the release below
             counter = cnt_ptr + req * 8 + pid_h
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == n_part - 1:
+            if arrive(counter, 1, n_part):
                 # Every partial of the request has arrived: re-arm the counter for the next call.
                 tl.atomic_xchg(counter, 0, sem="relaxed")
                 m = tl.full(lse2.shape, float("-inf"), tl.float32)

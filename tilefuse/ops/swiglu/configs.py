@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from tilefuse import _env
 
 NUM_SMS_H200 = 132
+# Rows per gate (and per up) run in the packed layout. 64 lets the large-M kernel's BLOCK_N be 64 or
+# 128 (one or two packed blocks per TMA box) and keeps every Qwen/Llama intermediate size whole.
+PACK = 64
 # M at and below which the split-K pointer kernel runs when no tuned entry says otherwise.
 SMALL_M_MAX = 256
 TUNED_M = (1, 16, 128, 1024, 4096, 16384)

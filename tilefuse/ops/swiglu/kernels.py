@@ -28,9 +28,7 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-# Rows per gate (and per up) run in the packed layout. 64 lets the large-M kernel's BLOCK_N be 64 or
-# 128 (one or two packed blocks per TMA box) and keeps every Qwen/Llama intermediate size whole.
-PACK = 64
+from tilefuse.ops.tl_common import arrive, grouped_tile
 
 
 @triton.jit
@@ -134,10 +132,8 @@ def swiglu_small_m_kernel(
         ws_offs = offs_m[:, None] * I + offs_n[None, :]
         tl.store(ws_ptr + (2 * pid_k) * plane + ws_offs, acc_g, mask=out_mask)
         tl.store(ws_ptr + (2 * pid_k + 1) * plane + ws_offs, acc_u, mask=out_mask)
-        tl.debug_barrier()
         tile = pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(lock_ptr + tile, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if arrive(lock_ptr + tile, 1, SPLIT_K):
             for s in range(SPLIT_K):
                 other = out_mask & (s != pid_k)
                 acc_g += tl.load(ws_ptr + (2 * s) * plane + ws_offs, mask=other, other=0.0,
@@ -163,18 +159,6 @@ def _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, 
     h = _silu_mul(acc_g, acc_u)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    # Grouped order: GROUP_M row-tiles sweep the N tiles together, so a weight tile loaded by one
-    # program is still in L2 when the other GROUP_M - 1 programs of its group need it.
-    group_size = GROUP_M * num_pid_n
-    first_m = (tile_id // group_size) * GROUP_M
-    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % group_size) % rows
-    pid_n = (tile_id % group_size) // rows
-    return pid_m, pid_n
 
 
 @triton.jit
@@ -262,14 +246,14 @@ def swiglu_large_m_kernel(
 
     # Data-parallel part: one whole tile per iteration.
     for tile_id in tl.range(start, dp_tiles, NUM_SMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         acc = _gate_up_mma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, k_steps, acc_zero,
                            PACKED, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE)
         gate, up = _split_gate_up(acc, PACKED, PACK, BLOCK_M, BLOCK_N)
         # Epilogue: recompute the tile from its own counter, as the flattened, warp-specialized
         # loop may run it while the next tile's loads are issued.
         tile_epi += NUM_SMS
-        pid_m, pid_n = _grouped_tile(tile_epi, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_epi, num_pid_m, num_pid_n, GROUP_M)
         _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS, BLOCK_M, BLOCK_N)
 
     if STREAM_K:
@@ -290,7 +274,7 @@ def swiglu_large_m_kernel(
         for t in range(first_t, tl.cdiv(it_hi, k_steps)):
             k_lo = tl.maximum(it_lo - t * k_steps, 0)
             k_hi = tl.minimum(it_hi - t * k_steps, k_steps)
-            pid_m, pid_n = _grouped_tile(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+            pid_m, pid_n = grouped_tile(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
             acc = _gate_up_mma(x_desc, w_desc, pid_m * BLOCK_M, pid_n * BLOCK_N, k_lo, k_hi, acc_zero,
                                PACKED, BLOCK_M, BLOCK_N, BLOCK_K, PROMOTE)
             gate, up = _split_gate_up(acc, PACKED, PACK, BLOCK_M, BLOCK_N)
@@ -299,9 +283,7 @@ def swiglu_large_m_kernel(
                 piece = ws_ptr + (2 * start + (t != first_t).to(tl.int32)) * 2 * tile_elems
                 tl.store(piece + offs, gate)
                 tl.store(piece + tile_elems + offs, up)
-                tl.debug_barrier()
-                count = tl.atomic_add(lock_ptr + t, k_hi - k_lo, sem="acq_rel") + k_hi - k_lo
-                done = count == k_steps
+                done = arrive(lock_ptr + t, k_hi - k_lo, k_steps)
                 if done:
                     # Sum the pieces in program order (this one's own re-read from L2), so the
                     # result does not depend on which piece finished last: bit-reproducible.

@@ -29,7 +29,7 @@ from tilefuse.ops.swiglu.reference import swiglu_reference
 LAYOUTS = ("merged", "packed")
 VARIANTS = _FAMILY_VARIANTS["swiglu"]
 KERNEL_DTYPES = _checks.FLOAT16S     # fp32 / fp64 inputs run the reference
-PACK = 64  # == kernels.PACK (kept here so importing op.py does not import triton)
+PACK = configs.PACK
 
 
 # ----------------------------------------------------------------------------- packed layout

@@ -27,6 +27,8 @@ shared-memory lookups of the Gluon kernel conflict-free (bank = column).
 import triton
 import triton.language as tl
 
+from tilefuse.ops.tl_common import arrive, grouped_tile
+
 
 @triton.jit
 def _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n,
@@ -45,16 +47,14 @@ def _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n
     else:
         ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]
         tl.atomic_add(ws_ptrs, part, mask=mask, sem="relaxed")
-        # every thread's partials are issued before thread 0 publishes the arrival (release)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        last = arrive(cnt_ptr + pid_n, 1, SPLIT_K)
         total = tl.zeros_like(part)
-        if arrived == SPLIT_K - 1:
+        if last:
             # read the sums where the atomics landed (L2), then leave zeros for the next call
             total = tl.atomic_add(ws_ptrs, tl.zeros_like(part), mask=mask, sem="relaxed")
             tl.store(ws_ptrs, tl.zeros_like(part), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)
-        mask = mask & (arrived == SPLIT_K - 1)
+        mask = mask & last
     if HAS_BIAS:
         total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -138,14 +138,7 @@ def vq_prefill_kernel(
 ):
     BG: tl.constexpr = BLOCK_K // 8
     # grouped tile order: GROUP_M row blocks share each weight tile while it is L2-hot
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % group_size
-    pid_n = (pid % width) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -115,9 +115,9 @@ def test_cached_plans_match_the_first_call(interpret):
     """Later calls take the cached call plan (and, on a GPU, the direct launch): same bits as a
     call that plans from scratch; a new layout or a force() block gets a plan of its own."""
     from tilefuse.ops.swiglu import op as swiglu_op
-    from tilefuse.testing.swiglu import make_inputs
+    from tilefuse.testing.swiglu import make_case
 
-    x, w, bias = make_inputs(3, 64, 96, torch.float16, interpret, bias=True)
+    x, w, bias = make_case(3, 64, 96, torch.float16, interpret, bias=True)
     swiglu_op._plans.clear()
     first = tilefuse.swiglu(x, w, bias)
     assert len(swiglu_op._plans) == 1

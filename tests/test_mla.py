@@ -1,5 +1,5 @@
 """MLA decode over a paged cache: the Triton kernels in the CPU interpreter (fp16/fp32, small
-paged cases) against the fp64 reference, the metadata schedule, and input validation.
+paged cases) against the fp64 reference, the metadata schedule, input validation, and the GPU tests.
 
 Tolerances (elementwise, |out - ref| <= atol + rtol |ref|, ref in fp64):
 * fp32: the dots run in IEEE fp32, so only accumulation-order rounding remains: 1e-5.
@@ -14,8 +14,8 @@ import torch
 import tilefuse
 from tilefuse.ops.mla import configs, op
 from tilefuse.ops.mla.reference import mla_decode_reference
-from tilefuse.testing.compare import assert_close
-from tilefuse.testing.mla import mla_inputs
+from tilefuse.testing.compare import assert_close, cos_diff
+from tilefuse.testing.mla import make_case
 
 TOL = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
 
@@ -62,7 +62,7 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("lens,s_q,h_q,causal,variant,parts", CASES)
 def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts):
-    inp = mla_inputs(lens, s_q, h_q, dtype, interpret)
+    inp = make_case(lens, s_q, h_q, dtype, interpret)
     out, lse = _run(inp, causal, parts, variant)
     _check(out, lse, inp, causal)
 
@@ -79,7 +79,7 @@ def test_mla_other_configs(interpret, monkeypatch, mla_configs, variant, config,
     """The sweep's alternatives: second-launch combine, unpadded standard tiles, half-page steps,
     several programs per slot (empty parts included: one-page slots cut in 2 or 3)."""
     monkeypatch.setitem(configs.CONFIGS, "standard_small" if variant == "standard" else variant, config)
-    inp = mla_inputs([0, 1, 130, 200, 64], 2, 8, dtype, interpret)
+    inp = make_case([0, 1, 130, 200, 64], 2, 8, dtype, interpret)
     out, lse = _run(inp, True, 9, variant)
     _check(out, lse, inp, True)
 
@@ -100,14 +100,14 @@ def test_mla_regime_dispatch(interpret, monkeypatch, mla_configs):
                         dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=2, slot_programs=2, fused_combine=False))
     cfg, fused, per_slot, _ = configs.launch_config("standard", 16, 3)
     assert fused is False and per_slot == 2 and cfg["num_stages"] == 2
-    inp = mla_inputs([0, 150, 64, 33], 1, 16, torch.float16, interpret)
+    inp = make_case([0, 150, 64, 33], 1, 16, torch.float16, interpret)
     out, lse = _run(inp, True, 5)
     _check(out, lse, inp, True)
 
 
 def test_mla_metadata_reused_across_layers(interpret):
     """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
-    inp = mla_inputs([300, 5, 0, 170], 2, 16, torch.float16, interpret)
+    inp = make_case([300, 5, 0, 170], 2, 16, torch.float16, interpret)
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 32, 1, num_sm_parts=12)
     assert int(splits[-1]) > len(splits) - 1, "the case must split some request"
     for _ in range(3):
@@ -117,7 +117,7 @@ def test_mla_metadata_reused_across_layers(interpret):
 
 
 def test_mla_softmax_scale(interpret):
-    inp = mla_inputs([90, 33], 1, 16, torch.float32, interpret)
+    inp = make_case([90, 33], 1, 16, torch.float32, interpret)
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
     out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, softmax_scale=0.3)
     ro, rl = mla_decode_reference(*inp.args(), 512, 0.3, compute_dtype=torch.float64)
@@ -152,7 +152,7 @@ def test_mla_metadata_schedule(interpret, lens, parts):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mla_stale_metadata_is_still_correct(interpret, backend):
     """Metadata planned for other lengths (same batch) only schedules: outputs follow cache_seqlens."""
-    inp = mla_inputs([300, 5, 0, 170], 2, 16, torch.float16, interpret)
+    inp = make_case([300, 5, 0, 170], 2, 16, torch.float16, interpret)
     stale = torch.tensor([1, 600, 64, 0], dtype=torch.int32)
     with tilefuse.force(backend=backend):
         meta, splits = tilefuse.get_mla_metadata(stale, 32, 1, num_sm_parts=7)
@@ -174,7 +174,7 @@ def _garbage_schedules(inp):
 def test_mla_bad_schedules_stay_in_bounds_and_debug_raises(interpret, which):
     """No metadata / num_splits contents move a kernel access outside its tensors (the interpreter
     would fail on a wild pointer); check_contents names the bad argument."""
-    inp = mla_inputs([130, 70, 0], 1, 16, torch.float16, interpret)
+    inp = make_case([130, 70, 0], 1, 16, torch.float16, interpret)
     meta, splits = _garbage_schedules(inp)[which]
     out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
     assert out.shape == (3, 1, 16, 512)
@@ -186,7 +186,7 @@ def test_mla_bad_schedules_stay_in_bounds_and_debug_raises(interpret, which):
 def test_mla_bad_block_table_stays_in_bounds_and_is_refused(interpret, bad):
     """A used page outside the cache: the kernels clamp (no fault); the spec and the debug check
     raise ValueError naming block_table. Entries past a request's length are never read."""
-    inp = mla_inputs([130, 70], 1, 16, torch.float16, interpret)
+    inp = make_case([130, 70], 1, 16, torch.float16, interpret)
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
     table = inp.block_table.clone()
     table[0, 1] = bad
@@ -209,7 +209,7 @@ def test_mla_bad_block_table_stays_in_bounds_and_is_refused(interpret, bad):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mla_nan_propagates_and_masked_slots_never_leak(interpret, backend):
     """NaN in one query head gives NaN in that head only; NaN slots past the lengths never leak."""
-    inp = mla_inputs([90, 33], 1, 16, torch.float32, interpret)
+    inp = make_case([90, 33], 1, 16, torch.float32, interpret)
     inp.q[1, 0, 5, 7] = float("nan")
     with tilefuse.force(backend=backend):
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
@@ -224,7 +224,7 @@ def test_mla_nan_propagates_and_masked_slots_never_leak(interpret, backend):
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mla_fp16_extremes_stay_a_convex_combination(interpret, backend):
     """q, k near fp16's top (60000): scores ~1e11; outputs are weighted means of V rows, never inf."""
-    inp = mla_inputs([70, 20], 1, 16, torch.float16, interpret, nan_tail=False)
+    inp = make_case([70, 20], 1, 16, torch.float16, interpret, nan_tail=False)
     inp.q.fill_(60000.0)
     inp.k_cache.copy_(torch.where(torch.rand_like(inp.k_cache, dtype=torch.float32) < 0.5, 60000.0, 59000.0))
     with tilefuse.force(backend=backend):
@@ -236,7 +236,7 @@ def test_mla_fp16_extremes_stay_a_convex_combination(interpret, backend):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mla_empty_batch(interpret, backend):
-    inp = mla_inputs([5], 1, 16, torch.float16, interpret)
+    inp = make_case([5], 1, 16, torch.float16, interpret)
     q = inp.q[:0]
     with tilefuse.force(backend=backend):
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens[:0], 16, 1, num_sm_parts=4)
@@ -246,7 +246,7 @@ def test_mla_empty_batch(interpret, backend):
 
 
 def test_mla_gradient_request_is_refused(interpret):
-    inp = mla_inputs([40], 1, 16, torch.float32, interpret)
+    inp = make_case([40], 1, 16, torch.float32, interpret)
     q = inp.q.clone().requires_grad_()
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=2)
     out, _ = tilefuse.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits)
@@ -256,7 +256,7 @@ def test_mla_gradient_request_is_refused(interpret):
 
 def test_mla_reference_backend_on_cpu():
     """Without the interpreter forced, CPU tensors run the PyTorch reference (same results)."""
-    inp = mla_inputs([70, 0], 2, 16, torch.float32, "cpu")
+    inp = make_case([70, 0], 2, 16, torch.float32, "cpu")
     with tilefuse.force(backend="reference"):
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 32, 1)
         out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
@@ -268,7 +268,7 @@ def test_mla_reference_backend_on_cpu():
 def test_mla_module(interpret):
     from tilefuse.nn import MLADecodeAttention
 
-    inp = mla_inputs([80, 130], 1, 16, torch.float16, interpret)
+    inp = make_case([80, 130], 1, 16, torch.float16, interpret)
     attn = MLADecodeAttention(num_heads=16, softmax_scale=None, causal=True)
     attn.plan(inp.cache_seqlens)
     out, lse = attn(inp.q, inp.k_cache, inp.block_table)
@@ -283,7 +283,7 @@ def test_mla_module(interpret):
 
 
 def _valid(dtype=torch.float16):
-    inp = mla_inputs([70, 10], 1, 16, dtype, "cpu")
+    inp = make_case([70, 10], 1, 16, dtype, "cpu")
     meta, splits = op._metadata_torch(inp.cache_seqlens, 4)
     return dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
                 head_dim_v=512, tile_scheduler_metadata=meta, num_splits=splits)
@@ -331,7 +331,7 @@ def test_mla_metadata_bad_inputs():
 
 def test_mla_compile_fullgraph():
     """Metadata + attention trace through the registered ops (CPU: aot_eager, reference backend)."""
-    inp = mla_inputs([70, 5], 1, 16, torch.float32, "cpu")
+    inp = make_case([70, 5], 1, 16, torch.float32, "cpu")
 
     def step(q, k_cache, block_table, lens):
         meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)
@@ -341,3 +341,100 @@ def test_mla_compile_fullgraph():
         eager = step(*inp.args())
         compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args())
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- GPU (H200)
+# Real shapes, bf16 and fp16, against the fp64 reference.
+#
+# Tolerances: out is compared by cos_diff (FlashMLA's bar, 1e-5) and elementwise with
+# atol = rtol = 1e-2 (bf16 output rounding is 2^-8 = 4e-3 relative; out values are O(0.1)); lse
+# with atol 1e-3 (fp32 online softmax over <= 64K keys with bf16-rounded P in the second dot only).
+
+
+def _run_gpu(inp, s_q, h_q, causal, variant=None):
+    with tilefuse.force(backend="triton", variant=variant):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        return tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=causal)
+
+
+def _check_gpu(out, lse, inp, causal):
+    ro, rl = mla_decode_reference(*inp.args(), 512, causal=causal, compute_dtype=torch.float64)
+    assert torch.isfinite(out).all()
+    assert cos_diff(out, ro) < 1e-5
+    finite = torch.isfinite(rl)
+    assert torch.equal(torch.isinf(lse), ~finite)          # empty rows: lse = +inf exactly
+    assert cos_diff(lse[finite], rl[finite]) < 1e-5
+    assert_close(out, ro, atol=1e-2, rtol=1e-2)
+    assert_close(lse, rl, atol=1e-3, rtol=1e-4, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (64, 1), (128, 2), (1, 4)])
+@pytest.mark.parametrize("variant", ["transposed", "standard"])   # the default is one of them
+def test_mla_gpu_equal(dtype, h_q, s_q, variant):
+    if variant == "transposed" and h_q * s_q >= 64:
+        pytest.skip("transposed applies below 64 query rows")
+    inp = make_case([4096 + 17] * 8, s_q, h_q, dtype, "cuda")
+    out, lse = _run_gpu(inp, s_q, h_q, True, variant)
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (16, 2, True), (128, 1, True), (128, 2, False)])
+def test_mla_gpu_mixed(dtype, h_q, s_q, causal):
+    lens = [0, 1, 63, 64, 65, 1000, 20000, 4097, 0, 333, 70000, 128]
+    inp = make_case(lens, s_q, h_q, dtype, "cuda")
+    out, lse = _run_gpu(inp, s_q, h_q, causal)
+    _check_gpu(out, lse, inp, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_mla_gpu_graph_replay(h_q):
+    """Capture metadata + attention once, replay with new lengths: the result follows the lengths."""
+    s_q, dtype = 1, torch.bfloat16
+    inp = make_case([3000] * 6, s_q, h_q, dtype, "cuda")
+    lens = inp.cache_seqlens.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run_gpu(inp, s_q, h_q, True)                       # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _run_gpu(inp, s_q, h_q, True)
+    for new in ([3000] * 6, [1, 0, 2999, 64, 1500, 2000], [100] * 6):
+        inp.cache_seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_gpu(out, lse, inp, True)
+    inp.cache_seqlens.copy_(lens)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_nan_tail_does_not_leak():
+    """Every slot past the lengths is NaN (make_case poisons them): outputs must stay finite."""
+    inp = make_case([65, 130, 1], 1, 16, torch.bfloat16, "cuda")
+    out, lse = _run_gpu(inp, 1, 16, False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("key,variant", [("transposed", "transposed"), ("standard_small", "standard"),
+                                         ("standard", "standard")])
+@pytest.mark.gpu
+def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
+    """The second-launch combine (a sweep candidate) with each kernel, on mixed lengths."""
+    from tilefuse.ops.mla import configs
+
+    configs.launch_config.cache_clear()
+    monkeypatch.setitem(configs.CONFIGS, key, dict(configs.CONFIGS[key], fused_combine=False))
+    h_q = 128 if key == "standard" else 16
+    inp = make_case([0, 1, 65, 20000, 4097, 333, 70000, 128], 1, h_q, torch.bfloat16, "cuda")
+    try:
+        out, lse = _run_gpu(inp, 1, h_q, True, variant)
+    finally:
+        monkeypatch.undo()
+        configs.launch_config.cache_clear()
+    _check_gpu(out, lse, inp, True)

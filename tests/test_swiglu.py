@@ -1,4 +1,4 @@
-"""Fused SwiGLU gate/up GEMM on the CPU: kernels in the Triton interpreter, API, errors.
+"""Fused SwiGLU gate/up GEMM: kernels in the Triton interpreter (CPU), API, errors, and the GPU tests.
 
 Interpreter runs use fp16 and fp32 (the interpreter computes bf16 ``tl.dot`` from raw bits) on
 small shapes, including H and I that are not multiples of any tile.
@@ -20,7 +20,8 @@ import tilefuse
 from tilefuse.ops.swiglu import configs
 from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel, unpack_gate_up
 from tilefuse.testing import assert_close, frac_beyond_ulp, poisoned
-from tilefuse.testing.swiglu import make_inputs, reference_f64
+from tilefuse.testing.swiglu import SHAPES as MODEL_SHAPES
+from tilefuse.testing.swiglu import make_case, reference_fp64
 
 TOL = {torch.float16: dict(atol=1e-4, rtol=2 ** -10), torch.float32: dict(atol=1e-5, rtol=1e-5)}
 
@@ -37,7 +38,7 @@ LARGE_CFGS = [configs.LargeMConfig(32, 32, 32, group_m=2, num_stages=2, num_warp
 
 
 def _check(out, x, w, bias, dtype):
-    ref = reference_f64(x, w, bias)
+    ref = reference_fp64(x, w, bias)
     assert out.dtype == dtype and out.shape == ref.shape
     assert_close(out, ref, **TOL[dtype])
 
@@ -47,7 +48,7 @@ def _check(out, x, w, bias, dtype):
 @pytest.mark.parametrize("cfg", SMALL_CFGS, ids=["auto", "split3", "split2"])
 def test_small_m_kernel(interpret, shape, dtype, cfg):
     m, h, i = shape
-    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=cfg is not None and cfg.split_k == 2)
+    x, w, bias = make_case(m, h, i, dtype, interpret, bias=cfg is not None and cfg.split_k == 2)
     out = poisoned((m, i), dtype, interpret)
     run_kernel(x, w, bias, "merged", "small_m", cfg, out=out)
     _check(out, x, w, bias, dtype)
@@ -58,7 +59,7 @@ def test_small_m_kernel(interpret, shape, dtype, cfg):
 @pytest.mark.parametrize("cfg", LARGE_CFGS, ids=["32x32", "64x16"])
 def test_large_m_kernel(interpret, shape, dtype, cfg):
     m, h, i = shape
-    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=cfg.block_n == 16)
+    x, w, bias = make_case(m, h, i, dtype, interpret, bias=cfg.block_n == 16)
     out = poisoned((m, i), dtype, interpret)
     run_kernel(x, w, bias, "merged", "large_m", cfg, out=out)
     _check(out, x, w, bias, dtype)
@@ -76,7 +77,7 @@ def test_large_m_stream_k(interpret, shape, dtype, num_sms, cfg):
     """Stream-K tail: whole waves plus K runs that start and end inside tiles (3 and 7 programs),
     or every tile split over many programs (132); the tickets are re-armed for the second call."""
     m, h, i = shape
-    x, w, bias = make_inputs(m, h, i, dtype, interpret, bias=num_sms == 7)
+    x, w, bias = make_case(m, h, i, dtype, interpret, bias=num_sms == 7)
     sk_tiles, sk_iters = configs.stream_k_split(m, h, i, cfg, num_sms)
     tiles = -(-m // cfg.block_m) * -(-i // cfg.block_n)
     assert sk_tiles == (0 if tiles % num_sms == 0 else min(tiles, tiles % num_sms + (cfg.stream_k - 1) * num_sms))
@@ -136,7 +137,7 @@ def test_stream_k_split_and_wave_efficiency():
 @pytest.mark.parametrize("m", [3, 37])
 def test_packed_layout(interpret, variant, cfg, m):
     h, i = 88, 192  # 3 packed blocks: a BLOCK_N = 128 tile straddles the end of I
-    x, w, bias = make_inputs(m, h, i, torch.float16, interpret, bias=True)
+    x, w, bias = make_case(m, h, i, torch.float16, interpret, bias=True)
     packed = pack_gate_up(w[:i], w[i:])
     out = poisoned((m, i), torch.float16, interpret)
     run_kernel(x, packed, bias, "packed", variant, cfg, out=out)
@@ -155,9 +156,9 @@ def test_pack_roundtrip_and_layout():
 @pytest.mark.parametrize("layout", ["merged", "packed"])
 def test_public_op_dispatch(interpret, layout):
     """The public op on a 3-D input, through dispatch (small M) and a forced large-M run."""
-    x, w, bias = make_inputs(0, 64, 128, torch.float16, interpret, bias=True, lead=(2, 3))
+    x, w, bias = make_case(0, 64, 128, torch.float16, interpret, bias=True, lead=(2, 3))
     wk = w if layout == "merged" else pack_gate_up(w[:128], w[128:])
-    ref = reference_f64(x, w, bias)
+    ref = reference_fp64(x, w, bias)
     assert_close(tilefuse.swiglu(x, wk, bias, layout=layout), ref, **TOL[torch.float16])
     with tilefuse.force(variant="large_m"):
         assert_close(tilefuse.swiglu(x, wk, bias, layout=layout), ref, **TOL[torch.float16])
@@ -165,20 +166,20 @@ def test_public_op_dispatch(interpret, layout):
 
 def test_reference_backend_and_accuracy_measure():
     """Reference path (bf16 on CPU): packed equals merged; one rounding stays within 1 ulp."""
-    x, w, _ = make_inputs(5, 64, 128, torch.bfloat16, "cpu")
+    x, w, _ = make_case(5, 64, 128, torch.bfloat16, "cpu")
     with tilefuse.force(backend="reference"):
         merged = tilefuse.swiglu(x, w)
         packed = tilefuse.swiglu(x, pack_gate_up(w[:128], w[128:]), layout="packed")
     assert torch.equal(merged, packed)
-    assert frac_beyond_ulp(merged, reference_f64(x, w)) == 0.0
+    assert frac_beyond_ulp(merged, reference_fp64(x, w)) == 0.0
     # The unfused recipe rounds gate, up and silu(gate) to bf16: the measure must see that.
     g, u = (x @ w[:128].T), (x @ w[128:].T)
     unfused = torch.nn.functional.silu(g) * u
-    assert frac_beyond_ulp(unfused, reference_f64(x, w)) > 0.01
+    assert frac_beyond_ulp(unfused, reference_fp64(x, w)) > 0.01
 
 
 def test_empty_batch(interpret):
-    x, w, _ = make_inputs(0, 64, 64, torch.float16, interpret, lead=(0,))
+    x, w, _ = make_case(0, 64, 64, torch.float16, interpret, lead=(0,))
     assert tilefuse.swiglu(x, w).shape == (0, 64)
 
 
@@ -230,7 +231,7 @@ def test_gradcheck(layout):
 
 def test_kernel_path_gradients_match_reference(interpret):
     """fp16 through the kernel (forward) + the registered backward == autograd of the fp32 spec."""
-    x, w, bias = make_inputs(4, 64, 64, torch.float16, interpret, bias=True)
+    x, w, bias = make_case(4, 64, 64, torch.float16, interpret, bias=True)
     x.requires_grad_(), w.requires_grad_(), bias.requires_grad_()
     y = tilefuse.swiglu(x, w, bias)
     dy = torch.randn_like(y)
@@ -254,10 +255,10 @@ def test_compile_in_grad_mode():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fp32_fp64_run_the_reference(dtype):
-    x, w, bias = make_inputs(5, 40, 24, dtype, "cpu", bias=True)
+    x, w, bias = make_case(5, 40, 24, dtype, "cpu", bias=True)
     out = tilefuse.swiglu(x, w, bias)
     assert out.dtype == dtype
-    assert_close(out, reference_f64(x, w, bias), atol=1e-5, rtol=1e-5)
+    assert_close(out, reference_fp64(x, w, bias), atol=1e-5, rtol=1e-5)
 
 
 def test_zero_sizes(interpret):
@@ -270,3 +271,146 @@ def test_zero_sizes(interpret):
     assert_close(out, expect.expand(3, 8), atol=1e-3, rtol=1e-3)
     assert tilefuse.swiglu(torch.randn(3, 8, dtype=torch.float16, device=interpret),
                            torch.zeros(0, 8, dtype=torch.float16, device=interpret)).shape == (3, 0)
+
+
+# ---------------------------------------------------------------- GPU (H200)
+# Bench shapes, bf16 and fp16, both schedules forced and dispatched.
+#
+# Tolerances, against the fp64 reference:
+# * elementwise: 1 ulp relative (``rtol = 2^-7`` bf16, ``2^-10`` fp16) plus ``atol = 1e-3`` for outputs
+#   near zero; one rounding after fp32 accumulation is within 0.5 ulp + ~1e-5 absolute for H <= 8192.
+#   A wrong row/column/layout/SiLU is off by O(1).
+# * fraction of outputs beyond 1 ulp (the paper's measure): an output whose gate or up projection
+#   lies within ~500x the accumulation error of zero can round to the neighbouring value. Exact fp32
+#   (CPU) gives ~1e-5..3e-5 (bf16); the H200's tensor cores accumulate fp32 with truncation, and the
+#   first H200 run measured 1e-4 (H = 896) growing with H to 1.1e-3 (H = 8192) for bf16, ~6e-3 for
+#   fp16 (finer ulp). Bounds: 2e-3 (bf16), 1.5e-2 (fp16), plus 3 elements for small samples; the
+#   unfused recipe sits at ~10 %, a wrong kernel near 100 %. With per-K-step promotion (opt-in
+#   ``promote=True``) the bound is the project's goal, 1e-4 (met on the H200). The benchmark reports the fractions.
+# The reference is computed in fp64 on a sample of rows (first, last and random ones); every output
+# element is checked to be written (the buffer is poisoned with NaN).
+
+
+GPU_RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}
+GPU_FRAC = {torch.bfloat16: 2e-3, torch.float16: 1.5e-2}
+
+
+def _sample_rows(m):
+    if m <= 384:
+        return torch.arange(m)
+    return torch.cat((torch.arange(128), torch.randint(128, m - 128, (128,)), torch.arange(m - 128, m)))
+
+
+def _check_gpu(out, x, w, bias, frac_bound=None):
+    assert torch.isfinite(out).all(), "unwritten (NaN) or overflowed outputs"
+    rows = _sample_rows(x.shape[0]).to(x.device)
+    ref = reference_fp64(x[rows], w, bias)
+    n = ref.numel()
+    frac = frac_beyond_ulp(out[rows], ref)
+    bound = GPU_FRAC[out.dtype] if frac_bound is None else frac_bound
+    assert frac <= bound + 3 / n, f"{frac:.2e} of {n} outputs beyond 1 ulp"
+    assert_close(out[rows], ref, atol=1e-3, rtol=GPU_RTOL[out.dtype])
+
+
+MODELS_BF16 = list(MODEL_SHAPES)
+MODELS_FP16 = ["0.5B", "14B", "72B"]
+GPU_CASES = ([(mdl, torch.bfloat16) for mdl in MODELS_BF16] + [(mdl, torch.float16) for mdl in MODELS_FP16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["small_m", "large_m", None], ids=["small_m", "large_m", "dispatch"])
+@pytest.mark.parametrize("m", [1, 128, 4096])
+@pytest.mark.parametrize("model,dtype", GPU_CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in GPU_CASES])
+def test_bench_shapes(model, dtype, m, variant):
+    h, i = MODEL_SHAPES[model]
+    x, w, _ = make_case(m, h, i, dtype, "cuda")
+    out = poisoned((m, i), dtype, "cuda")
+    run_kernel(x, w, None, "merged", variant, out=out)
+    _check_gpu(out, x, w, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["small_m", "large_m"])
+@pytest.mark.parametrize("m", [1, 37, 300, 2051])
+def test_packed_and_bias_odd_m(variant, m):
+    h, i = MODEL_SHAPES["1.5B"]
+    x, w, bias = make_case(m, h, i, torch.bfloat16, "cuda", bias=True)
+    with tilefuse.force(variant=variant):
+        merged = tilefuse.swiglu(x, w, bias)
+        packed = tilefuse.swiglu(x, pack_gate_up(w[:i], w[i:]), bias, layout="packed")
+    _check_gpu(merged, x, w, bias)
+    _check_gpu(packed, x, w, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_split_k_fixup_repeated(split_k):
+    """Split-K tickets are re-armed: many back-to-back launches stay exact and identical."""
+    h, i = MODEL_SHAPES["7B"]
+    x, w, _ = make_case(16, h, i, torch.bfloat16, "cuda")
+    cfg = configs.SmallMConfig(16, 32, 128, split_k=split_k)
+    first = run_kernel(x, w, None, config=cfg)
+    _check_gpu(first, x, w, None)
+    for _ in range(20):
+        again = run_kernel(x, w, None, config=cfg)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cfg", [configs.LargeMConfig(), configs.LargeMConfig(128, 64, 64, 8, 4, 4, False),
+                                 configs.LargeMConfig(64, 128, 64, 8, 4, 4, False)], ids=["ws", "128x64", "64x128"])
+@pytest.mark.gpu
+def test_large_m_configs_odd_shape(cfg):
+    x, w, _ = make_case(1000, 1032, 1000, torch.float16, "cuda")  # nothing divides the tiles
+    _check_gpu(run_kernel(x, w, None, config=cfg), x, w, None)
+
+
+@pytest.mark.parametrize("cfg", [configs.LargeMConfig(128, 128, 64, 8, 4, 8, False, stream_k=1),
+                                 configs.LargeMConfig(128, 64, 64, 8, 4, 4, False, stream_k=2)], ids=["sk1", "sk2"])
+@pytest.mark.parametrize("model,m", [("0.5B", 128), ("1.5B", 128), ("7B", 128), ("0.5B", 1024), ("3B", 1024),
+                                     ("72B", 37)])
+@pytest.mark.gpu
+def test_stream_k_tail(model, m, cfg):
+    """Stream-K tail on bench shapes: exact, every output written, bit-identical over repeated
+    launches and CUDA-graph replays (the tickets are re-armed, the fix-up order is fixed)."""
+    h, i = MODEL_SHAPES[model]
+    x, w, bias = make_case(m, h, i, torch.bfloat16, "cuda", bias=model == "1.5B")
+    out = poisoned((m, i), torch.bfloat16, "cuda")
+    first = run_kernel(x, w, bias, config=cfg, out=out).clone()
+    _check_gpu(first, x, w, bias)
+    for _ in range(5):
+        torch.testing.assert_close(run_kernel(x, w, bias, config=cfg), first, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = run_kernel(x, w, bias, config=cfg)
+    for _ in range(3):
+        graph.replay()
+    torch.testing.assert_close(replayed, first, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_unaligned_and_strided_inputs():
+    h, i = 896, 4864
+    x, w, _ = make_case(130, h + 8, i, torch.bfloat16, "cuda")
+    w = w[:, :h].contiguous()
+    strided = x[:, 8:]  # row stride H + 8 (16-byte multiple), offset 16 bytes: TMA-able as is
+    flat = torch.randn(130 * h + 4, device="cuda").to(torch.bfloat16)
+    unaligned = flat[4:].view(130, h)  # base 8 bytes off a 16-byte boundary: not TMA-able
+    assert unaligned.data_ptr() % 16 == 8
+    for variant in ("small_m", "large_m"):
+        with tilefuse.force(variant=variant):
+            _check_gpu(tilefuse.swiglu(strided, w), strided, w, None)
+            _check_gpu(tilefuse.swiglu(unaligned, w), unaligned, w, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["7B", "72B"])
+def test_promoted_accumulation_meets_accuracy_target(model):
+    """Small-M kernel with promote=True: <= 0.01 % of bf16 outputs beyond 1 ulp (the accuracy goal).
+
+    The first H200 run failed this (4.4e-4 at 7B, 1.0e-3 at 72B) because Triton had folded the
+    promotion away; the run-time-zero version passed on the H200 (2026-11-29 tail runs, as xfail).
+    """
+    h, i = MODEL_SHAPES[model]
+    x, w, _ = make_case(16, h, i, torch.bfloat16, "cuda")
+    out = run_kernel(x, w, None, config=configs.SmallMConfig(16, 64, 256, 1, 3, promote=True))
+    _check_gpu(out, x, w, None, frac_bound=1e-4)

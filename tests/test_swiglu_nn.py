@@ -7,7 +7,7 @@ from torch import nn
 import tilefuse
 from tilefuse.nn.swiglu import FusedSwiGLUMLP
 from tilefuse.testing import rel_err
-from tilefuse.testing.swiglu import reference_f64
+from tilefuse.testing.swiglu import reference_fp64
 
 
 class HFStyleMLP(nn.Module):
@@ -28,7 +28,7 @@ def mlp_reference_f64(mlp, x):
     """fp64 MLP with the gate/up output rounded once to x's dtype (what the fused kernel returns)."""
     w = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight))
     b = None if mlp.gate_proj.bias is None else torch.cat((mlp.gate_proj.bias, mlp.up_proj.bias))
-    h = reference_f64(x, w, b).to(x.dtype).double()
+    h = reference_fp64(x, w, b).to(x.dtype).double()
     return h @ mlp.down_proj.weight.double().T
 
 

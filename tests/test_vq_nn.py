@@ -7,12 +7,12 @@ from torch import nn
 import tilefuse
 from tilefuse.nn import VQLinear
 from tilefuse.ops.vq.reference import dequantize
-from tilefuse.testing.vq import make_vq_weight
+from tilefuse.testing.vq import make_weight
 
 
 def _aqlm_state_dict(n, k, bias=True):
     """A state dict laid out as an AQLM 2x8 QuantizedLinear (int8 codes, fp16 books/scales)."""
-    codes, books, scales = make_vq_weight(n, k, torch.float16, "cpu", codes_dtype=torch.int8)
+    codes, books, scales = make_weight(n, k, torch.float16, "cpu", codes_dtype=torch.int8)
     sd = {"codes": codes, "codebooks": books, "scales": scales}
     if bias:
         sd["bias"] = torch.randn(n).half()
@@ -88,7 +88,7 @@ def test_constructor_errors():
 
 def test_fp32_layer_and_inputs_run_the_reference():
     """fp32 (a default nn.Linear, quantize's codebooks): accepted, computed by the reference."""
-    codes, books, scales = make_vq_weight(16, 64, torch.float32, "cpu")
+    codes, books, scales = make_weight(16, 64, torch.float32, "cpu")
     layer = VQLinear(64, 16, bias=False, dtype=torch.float32).load_quantized(codes, books, scales)
     x = torch.randn(3, 64)
     expect = x.double() @ dequantize(codes, books.double(), scales.double(), dtype=torch.float64).T

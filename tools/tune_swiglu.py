@@ -76,12 +76,12 @@ def candidates(mode: str, model: str, m: int, inter: int) -> list:
 
 def shapes(mode: str) -> list[tuple[str, int]]:
     """(model, M) pairs of a mode."""
-    from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES
+    from tilefuse.testing.swiglu import BENCH_M, SHAPES
 
     if mode == "full":
-        return [(model, m) for model in QWEN25_SHAPES for m in BENCH_M]
+        return [(model, m) for model in SHAPES for m in BENCH_M]
     if mode == "tail":
-        return ([(model, 128) for model in QWEN25_SHAPES]
+        return ([(model, 128) for model in SHAPES]
                 + [(model, 1024) for model in ("0.5B", "1.5B", "3B", "14B", "32B")] + [("0.5B", 4096)]
                 + [(model, m) for model in ("0.5B", "1.5B") for m in (1, 16)])
     return [("0.5B", 128), ("1.5B", 128), ("3B", 128), ("0.5B", 1024), ("1.5B", 1024), ("3B", 1024), ("7B", 128)]
@@ -95,7 +95,7 @@ def sweep(mode: str) -> tuple[list[dict], list[dict], dict]:
     from tilefuse.bench.harness import Timer
     from tilefuse.ops.swiglu import configs
     from tilefuse.ops.swiglu.op import run_kernel
-    from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs
+    from tilefuse.testing.swiglu import SHAPES, make_case
 
     timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
 
@@ -108,8 +108,8 @@ def sweep(mode: str) -> tuple[list[dict], list[dict], dict]:
 
     results, changed, table, t0 = [], [], {}, time.time()
     for model, m in shapes(mode):
-        h, i = QWEN25_SHAPES[model]
-        x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
+        h, i = SHAPES[model]
+        x, w, _ = make_case(m, h, i, torch.bfloat16, "cuda")
         out = torch.empty((m, i), dtype=torch.bfloat16, device="cuda")
         floor = graph_us(lambda: F.linear(x, w))
         current = configs.choose(m, h, i)[1]
@@ -151,14 +151,14 @@ def promote_check() -> None:
     from tilefuse.ops.swiglu import configs
     from tilefuse.ops.swiglu.op import run_kernel
     from tilefuse.testing.compare import frac_beyond_ulp
-    from tilefuse.testing.swiglu import QWEN25_SHAPES, make_inputs, reference_f64
+    from tilefuse.testing.swiglu import SHAPES, make_case, reference_fp64
 
     timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
     for model in ("0.5B", "7B", "14B", "72B"):
-        h, i = QWEN25_SHAPES[model]
+        h, i = SHAPES[model]
         for m in (1, 16, 128):
-            x, w, _ = make_inputs(m, h, i, torch.bfloat16, "cuda")
-            ref = reference_f64(x, w)
+            x, w, _ = make_case(m, h, i, torch.bfloat16, "cuda")
+            ref = reference_fp64(x, w)
             variant, cfg = configs.choose(m, h, i)
             line = [f"{model:>5} M={m:<4} {variant:<8}"]
             for promote in (False, True):

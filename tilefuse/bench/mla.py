@@ -25,7 +25,7 @@ import torch
 
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, tally,
                                     upgrade_rows)
-from tilefuse.testing.mla import mla_flops_bytes, paged_cache
+from tilefuse.testing.mla import flops_bytes, paged_cache
 
 H20 = {"tflops": 148.0, "tbps": 4.0}
 _CACHE: dict = {}
@@ -81,7 +81,7 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
     """One case: ``batch`` requests of ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens."""
     import tilefuse
 
-    flops, nbytes = mla_flops_bytes(seqlens, s_q, h_q)
+    flops, nbytes = flops_bytes(seqlens, s_q, h_q)
     ctx = max(seqlens)
     rows = s_q * h_q
     params = {"batch": batch, "h_q": h_q, "s_q": s_q, "context": ctx if not mixed else f"mixed<={ctx}",

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
                                     tally, upgrade_rows)
 from tilefuse.testing.compare import frac_beyond_ulp
-from tilefuse.testing.swiglu import BENCH_M, QWEN25_SHAPES, make_inputs, reference_f64
+from tilefuse.testing.swiglu import BENCH_M, SHAPES, make_case, reference_fp64
 
 ACC_ROWS = 512
 SMALL_MODELS = ("0.5B", "1.5B", "3B")
@@ -61,7 +61,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
     state: dict = {}  # the case's inputs, handed from setup() to extras() and dropped there
 
     def setup():
-        x, w, _ = make_inputs(m, hidden, inter, dtype, device)
+        x, w, _ = make_case(m, hidden, inter, dtype, device)
         w_gate, w_up = w[:inter], w[inter:]
         w_packed = pack_gate_up(w_gate, w_up) if inter % 64 == 0 else None
         state.update(x=x, w=w)
@@ -97,7 +97,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
     def extras(impls):
         try:
             rows = min(m, ACC_ROWS)
-            ref = reference_f64(state["x"][:rows], state["w"])
+            ref = reference_fp64(state["x"][:rows], state["w"])
             out = {name: {"frac_beyond_1ulp": frac_beyond_ulp(fn()[:rows], ref)}
                    for name, fn in impls.items() if name != "cublas_gemm"}
             del ref
@@ -142,9 +142,9 @@ def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]
     if device.type != "cuda":
         # CPU: the reference path on toy shapes, to check the pipeline end to end.
         return [_case("toy", 64, 128, m, device, torch.bfloat16, on_gpu=False) for m in (1, 16)]
-    models = ("0.5B", "7B", "72B") if quick else tuple(QWEN25_SHAPES)
+    models = ("0.5B", "7B", "72B") if quick else tuple(SHAPES)
     ms = (1, 128, 4096) if quick else BENCH_M
-    return [_case(name, *QWEN25_SHAPES[name], m, device, compile_baseline=not subset) for name in models for m in ms]
+    return [_case(name, *SHAPES[name], m, device, compile_baseline=not subset) for name in models for m in ms]
 
 
 # ----------------------------------------------------------------------------- summary

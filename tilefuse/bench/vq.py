@@ -20,9 +20,8 @@ import torch.nn.functional as F
 
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
                                     tally, upgrade_rows)
+from tilefuse.testing.vq import SHAPES, TOKENS   # the layer shapes the tests use too
 
-SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
-TOKENS = [1, 2, 4, 8, 16, 64, 512]
 DTYPES = [torch.float16, torch.bfloat16]
 
 
@@ -30,11 +29,11 @@ def vq_case(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) ->
     def setup():
         import tilefuse
         from tilefuse.ops.vq.reference import dequantize
-        from tilefuse.testing.vq import make_vq_case
+        from tilefuse.testing.vq import make_case
 
-        c = make_vq_case(m, n, k, dtype, device)
-        args = (c["x"], c["codes"], c["codebooks"], c["scales"])
-        w = dequantize(c["codes"], c["codebooks"], c["scales"], dtype=dtype)
+        c = make_case(m, n, k, dtype, device)
+        args = (c.x, c.codes, c.codebooks, c.scales)
+        w = dequantize(c.codes, c.codebooks, c.scales, dtype=dtype)
 
         def forced(variant):
             def run():
@@ -49,7 +48,7 @@ def vq_case(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) ->
             impls["tilefuse:dequant"] = forced("dequant")
             if m in (16, 512):
                 impls["tilefuse:prefill"] = forced("prefill")
-        impls["fp16_cublas"] = lambda: F.linear(c["x"], w)
+        impls["fp16_cublas"] = lambda: F.linear(c.x, w)
         return impls
 
     size = 2 if dtype != torch.float32 else 4

@@ -1,4 +1,8 @@
-"""Input builders for MLA decode, shared by the tests and the benchmark."""
+"""Cases for MLA decode, shared by the tests and ``tilefuse bench mla``.
+
+``SHAPES`` ((batch, h_q, context) of the benchmark grid), ``make_case()`` (queries and a paged cache),
+``reference_fp64()`` (the spec in fp64), plus FlashMLA's FLOP and byte counts.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,13 @@ import torch
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 
+# (batch, h_q, context): DeepSeek-V2/V3 decode with 16 heads per GPU (128 over 8) and all 128
+SHAPES = [(batch, h_q, ctx) for batch in (16, 32, 64) for h_q in (16, 32, 64, 128)
+          for ctx in (1024, 4096, 16384, 65536)]
+
+
 @dataclass
-class MLAInputs:
+class MLACase:
     q: torch.Tensor              # [b, s_q, h_q, 576]
     k_cache: torch.Tensor        # [num_blocks, 64, 1, 576]
     block_table: torch.Tensor    # [b, max_blocks] int32, shuffled pages
@@ -46,16 +55,23 @@ def paged_cache(seqlens: list[int], dtype: torch.dtype, device, *, extra_blocks:
     return k_cache, block_table
 
 
-def mla_inputs(seqlens: list[int], s_q: int, h_q: int, dtype: torch.dtype, device, **cache_kw) -> MLAInputs:
+def make_case(seqlens: list[int], s_q: int, h_q: int, dtype: torch.dtype, device, **cache_kw) -> MLACase:
     """Queries and a paged cache for one decode step of ``len(seqlens)`` requests."""
     batch = len(seqlens)
     q = torch.randn(batch, s_q, h_q, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
     k_cache, block_table = paged_cache(seqlens, dtype, device, **cache_kw)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
-    return MLAInputs(q, k_cache, block_table, lens)
+    return MLACase(q, k_cache, block_table, lens)
 
 
-def mla_flops_bytes(seqlens: list[int], s_q: int, h_q: int, elem_bytes: int = 2) -> tuple[float, float]:
+def reference_fp64(case: MLACase, causal: bool, softmax_scale: float | None = None):
+    """(out, lse) of the spec in fp64 on the case's inputs."""
+    from tilefuse.ops.mla.reference import mla_decode_reference
+
+    return mla_decode_reference(*case.args(), HEAD_DIM_V, softmax_scale, causal, compute_dtype=torch.float64)
+
+
+def flops_bytes(seqlens: list[int], s_q: int, h_q: int, elem_bytes: int = 2) -> tuple[float, float]:
     """FlashMLA's counts: FLOPs = 2 s_q sum(L) h_q (576 + 512); bytes = (sum(L) 576 + b s_q h_q (576 + 512)) * 2."""
     total = float(sum(seqlens))
     flops = 2.0 * s_q * total * h_q * (HEAD_DIM + HEAD_DIM_V)

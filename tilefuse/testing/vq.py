@@ -1,18 +1,37 @@
-"""Input builders for the VQ family, shared by the tests and ``tilefuse bench vq``.
+"""Cases for the VQ family, shared by the tests and ``tilefuse bench vq``.
 
-Random codes / codebooks / scales in AQLM's 2x8 layout. Magnitudes are chosen so that the
-dequantized weight has entries of order ``1/sqrt(K)`` (like a trained layer) and outputs of order 1.
+``SHAPES`` ((N, K) layer shapes), ``make_case()`` (random inputs), ``reference_fp64()`` (the spec in
+fp64), plus the error scale and tolerances the comparisons use. Random codes / codebooks / scales
+in AQLM's 2x8 layout; magnitudes are chosen so that the dequantized weight has entries of order
+``1/sqrt(K)`` (like a trained layer) and outputs of order 1.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+# (N, K) of the benchmark's layers: Llama-2-7B (4096/11008), 70B (8192/28672) projections.
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
+TOKENS = (1, 2, 4, 8, 16, 64, 512)
 
-def make_vq_weight(n: int, k: int, dtype: torch.dtype, device, *, codes_dtype: torch.dtype = torch.uint8,
-                   scale_dtype: torch.dtype | None = None):
+
+@dataclass
+class VQCase:
+    x: torch.Tensor                   # [M, K]
+    codes: torch.Tensor               # [N, K/8, 2]
+    codebooks: torch.Tensor           # [2, 256, 1, 8]
+    scales: torch.Tensor              # [N, 1, 1, 1]
+    bias: torch.Tensor | None         # [N] or None
+
+    def args(self):
+        return self.x, self.codes, self.codebooks, self.scales, self.bias
+
+
+def make_weight(n: int, k: int, dtype: torch.dtype, device, *, codes_dtype: torch.dtype = torch.uint8,
+                scale_dtype: torch.dtype | None = None):
     """(codes [N, K/8, 2], codebooks [2, 256, 1, 8] dtype, scales [N, 1, 1, 1]) with random content."""
     codes = torch.randint(0, 256, (n, k // 8, 2), dtype=torch.int32, device=device)
     if codes_dtype == torch.int8:
@@ -23,26 +42,25 @@ def make_vq_weight(n: int, k: int, dtype: torch.dtype, device, *, codes_dtype: t
     return codes, codebooks, scales.to(scale_dtype or dtype)
 
 
-def make_vq_case(m: int, n: int, k: int, dtype: torch.dtype, device, *, bias: bool = False,
-                 codes_dtype: torch.dtype = torch.uint8):
-    """Dict with x [m, K], codes, codebooks, scales, bias ([N] or None)."""
-    codes, codebooks, scales = make_vq_weight(n, k, dtype, device, codes_dtype=codes_dtype)
+def make_case(m: int, n: int, k: int, dtype: torch.dtype, device, *, bias: bool = False,
+              codes_dtype: torch.dtype = torch.uint8) -> VQCase:
+    """x [m, K], a random 2x8 weight [N, K] (codes, codebooks, scales) and a bias [N] or None."""
+    codes, codebooks, scales = make_weight(n, k, dtype, device, codes_dtype=codes_dtype)
     x = torch.randn(m, k, device=device).to(dtype)
     b = torch.randn(n, device=device).to(dtype) if bias else None
-    return dict(x=x, codes=codes, codebooks=codebooks, scales=scales, bias=b)
+    return VQCase(x, codes, codebooks, scales, b)
 
 
-def reference_fp64(case: dict) -> torch.Tensor:
+def reference_fp64(case: VQCase) -> torch.Tensor:
     """The spec evaluated in fp64 on the case's (already rounded) inputs."""
     from tilefuse.ops.vq.reference import vq_matmul_reference
 
-    b = case["bias"]
-    return vq_matmul_reference(case["x"].double(), case["codes"], case["codebooks"].double(),
-                               case["scales"].double(), None if b is None else b.double(),
-                               compute_dtype=torch.float64)
+    b = case.bias
+    return vq_matmul_reference(case.x.double(), case.codes, case.codebooks.double(), case.scales.double(),
+                               None if b is None else b.double(), compute_dtype=torch.float64)
 
 
-def error_scale(case: dict) -> torch.Tensor:
+def error_scale(case: VQCase) -> torch.Tensor:
     """``|x| @ |W|^T`` in fp64: what rounding errors of the products are measured against.
 
     A relative error ``d`` on every weight moves an output by at most ``d * (|x| @ |W|^T)``, which
@@ -50,8 +68,8 @@ def error_scale(case: dict) -> torch.Tensor:
     """
     from tilefuse.ops.vq.reference import dequantize
 
-    w = dequantize(case["codes"], case["codebooks"].double(), case["scales"].double(), dtype=torch.float64)
-    return case["x"].double().abs() @ w.abs().T
+    w = dequantize(case.codes, case.codebooks.double(), case.scales.double(), dtype=torch.float64)
+    return case.x.double().abs() @ w.abs().T
 
 
 def tolerance(dtype: torch.dtype, variant: str) -> dict:

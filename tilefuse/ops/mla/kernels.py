@@ -284,7 +284,10 @@ def mla_split_transposed_kernel(
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
-    dots have M = BLOCK_N (64) and M = 512, N = BLOCK_H (16 or 32)."""
+    dots have M = BLOCK_N (64) and M = 512, N = BLOCK_H (16 or 32).
+
+    A deliberate twin of :func:`mla_split_standard_kernel`: the same prologue and page loop, every
+    tile transposed; two kernels so that each reads as one orientation."""
     pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
     valid, req, tok_begin, tok_end, length, n_part, first_part, part_idx = _slot_work(

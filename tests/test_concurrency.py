@@ -23,11 +23,10 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse.ops.mla.reference import mla_decode_reference
 from tilefuse.testing import assert_close, cos_diff
-from tilefuse.testing.mla import mla_inputs
-from tilefuse.testing.swiglu import make_inputs, reference_f64
-from tilefuse.testing.vq import make_vq_case, reference_fp64
+from tilefuse.testing import mla as mla_cases
+from tilefuse.testing import swiglu as swiglu_cases
+from tilefuse.testing import vq as vq_cases
 
 pytestmark = pytest.mark.gpu
 DT = torch.bfloat16
@@ -37,16 +36,15 @@ def _calls():
     """name -> (zero-arg call returning one tensor, fp64 reference or None, exact?)."""
     calls = {}
     for h, i in ((8192, 1024), (16384, 512)):          # split-K widths 2 and 4 (heuristic, M = 1)
-        x, w, _ = make_inputs(1, h, i, DT, "cuda")
-        calls[f"swiglu H{h} I{i}"] = (lambda x=x, w=w: tilefuse.swiglu(x, w), reference_f64(x, w), True)
+        x, w, _ = swiglu_cases.make_case(1, h, i, DT, "cuda")
+        calls[f"swiglu H{h} I{i}"] = (lambda x=x, w=w: tilefuse.swiglu(x, w), swiglu_cases.reference_fp64(x, w), True)
     for k in (4096, 14336):                             # same N, different K (K slices 8 and 28)
-        c = make_vq_case(1, 4096, k, DT, "cuda", bias=True)
-        calls[f"vq N4096 K{k}"] = (lambda c=c: tilefuse.vq_matmul(c["x"], c["codes"], c["codebooks"], c["scales"],
-                                                                   c["bias"]), reference_fp64(c), False)
+        c = vq_cases.make_case(1, 4096, k, DT, "cuda", bias=True)
+        calls[f"vq N4096 K{k}"] = (lambda c=c: tilefuse.vq_matmul(*c.args()), vq_cases.reference_fp64(c), False)
     for h_q in (16, 128):                               # second-launch combine / fused combine
-        inp = mla_inputs([3000, 70, 0, 9000], 1, h_q, DT, "cuda")
+        inp = mla_cases.make_case([3000, 70, 0, 9000], 1, h_q, DT, "cuda")
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1)
-        ref = mla_decode_reference(*inp.args(), 512, causal=True, compute_dtype=torch.float64)[0]
+        ref = mla_cases.reference_fp64(inp, causal=True)[0]
         calls[f"mla h{h_q}"] = (lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
             *inp.args(), 512, meta, splits, causal=True)[0], ref, True)
     return calls
@@ -150,14 +148,14 @@ def test_default_paths_never_sync_with_the_host():
     """Every op and module on its default path, after warm-up, under sync debug mode "error"."""
     from tilefuse.nn import FusedSwiGLUMLP, MLADecodeAttention, VQLinear
 
-    x1, w, _ = make_inputs(1, 896, 4864, DT, "cuda")
+    x1, w, _ = swiglu_cases.make_case(1, 896, 4864, DT, "cuda")
     x4k = torch.randn(4096, 896, dtype=DT, device="cuda")
     mlp = FusedSwiGLUMLP(896, 4864, dtype=DT, device="cuda")
-    c = make_vq_case(16, 4096, 4096, DT, "cuda", bias=True)
-    layer = VQLinear(4096, 4096, dtype=DT, device="cuda").load_quantized(c["codes"], c["codebooks"], c["scales"],
-                                                                          c["bias"])
-    inp = mla_inputs([3000, 70], 1, 16, DT, "cuda")
-    inp128 = mla_inputs([3000, 70], 1, 128, DT, "cuda")
+    c = vq_cases.make_case(16, 4096, 4096, DT, "cuda", bias=True)
+    layer = VQLinear(4096, 4096, dtype=DT, device="cuda").load_quantized(c.codes, c.codebooks, c.scales,
+                                                                          c.bias)
+    inp = mla_cases.make_case([3000, 70], 1, 16, DT, "cuda")
+    inp128 = mla_cases.make_case([3000, 70], 1, 128, DT, "cuda")
     attn = MLADecodeAttention(16)
 
     def step():
@@ -165,8 +163,8 @@ def test_default_paths_never_sync_with_the_host():
         tilefuse.swiglu(x4k, w)
         mlp(x1)
         for m in (1, 4, 16):
-            tilefuse.vq_matmul(c["x"][:m], c["codes"], c["codebooks"], c["scales"], c["bias"])
-            layer(c["x"][:m])
+            tilefuse.vq_matmul(c.x[:m], c.codes, c.codebooks, c.scales, c.bias)
+            layer(c.x[:m])
         for i in (inp, inp128):
             meta, splits = tilefuse.get_mla_metadata(i.cache_seqlens, i.q.shape[2], 1)
             tilefuse.flash_mla_with_kvcache(*i.args(), 512, meta, splits, causal=True)

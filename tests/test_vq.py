@@ -12,7 +12,7 @@ import torch
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
 from tilefuse.testing import assert_close, poisoned
-from tilefuse.testing.vq import error_scale, make_vq_case, reference_fp64, tolerance
+from tilefuse.testing.vq import SHAPES, error_scale, make_case, reference_fp64, tolerance
 
 LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="auto"),
           "decode_resident": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="resident"),
@@ -23,8 +23,8 @@ LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="aut
 
 
 def _args(case):
-    n = case["codes"].shape[0]
-    return case["x"], case["codes"], case["codebooks"], case["scales"].reshape(n), case["bias"]
+    n = case.codes.shape[0]
+    return case.x, case.codes, case.codebooks, case.scales.reshape(n), case.bias
 
 
 def _check(out, case, variant):
@@ -41,8 +41,8 @@ def _check(out, case, variant):
 
 
 def _run_poisoned(case, variant):
-    m, n = case["x"].shape[0], case["codes"].shape[0]
-    out = poisoned((m, n), case["x"].dtype, case["x"].device)
+    m, n = case.x.shape[0], case.codes.shape[0]
+    out = poisoned((m, n), case.x.dtype, case.x.device)
     LAUNCH[variant](case, out)
     return out
 
@@ -55,7 +55,7 @@ CPU_SHAPES = [(1, 1, 64), (1, 37, 264), (2, 37, 136), (3, 16, 64), (8, 33, 72)]
 @pytest.mark.parametrize("m,n,k", CPU_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_interpreted(interpret, variant, m, n, k, bias):
-    case = make_vq_case(m, n, k, torch.float16, interpret, bias=bias)
+    case = make_case(m, n, k, torch.float16, interpret, bias=bias)
     _check(_run_poisoned(case, variant), case, variant)
 
 
@@ -73,7 +73,7 @@ def test_decode_split_k_leaves_scratch_clean(interpret, split_k):
     """Split-K partials meet in zeroed scratch that the last program must leave zeroed."""
     from tilefuse import _scratch
 
-    case = make_vq_case(2, 40, 512, torch.float16, interpret)
+    case = make_case(2, 40, 512, torch.float16, interpret)
     outs = []
     for _ in range(2):  # a second call must not see the first call's sums
         out = poisoned((2, 40), torch.float16, interpret)
@@ -87,8 +87,8 @@ def test_decode_split_k_leaves_scratch_clean(interpret, split_k):
 @pytest.mark.parametrize("variant", ["decode", "prefill", "dequant"])
 @pytest.mark.parametrize("pattern", ["zeros", "255", "alternating"])
 def test_extreme_codes(interpret, variant, pattern):
-    case = make_vq_case(2, 24, 128, torch.float16, interpret)
-    codes = case["codes"]
+    case = make_case(2, 24, 128, torch.float16, interpret)
+    codes = case.codes
     if pattern == "zeros":
         codes.zero_()
     elif pattern == "255":
@@ -101,12 +101,12 @@ def test_extreme_codes(interpret, variant, pattern):
 @pytest.mark.parametrize("m", [1, 12])          # decode and dequant + GEMM
 def test_int8_codes_match_uint8(interpret, m):
     """AQLM stores int8: -1 is code 255. Same bits, same result, whichever dtype comes first."""
-    case = make_vq_case(m, 16, 64, torch.float16, interpret)
-    u8 = case["codes"]
+    case = make_case(m, 16, 64, torch.float16, interpret)
+    u8 = case.codes
     i8 = u8.view(torch.int8)
     assert (i8 < 0).any()
-    y_i8 = tilefuse.vq_matmul(case["x"], i8, case["codebooks"], case["scales"])
-    y_u8 = tilefuse.vq_matmul(case["x"], u8, case["codebooks"], case["scales"])
+    y_i8 = tilefuse.vq_matmul(case.x, i8, case.codebooks, case.scales)
+    y_u8 = tilefuse.vq_matmul(case.x, u8, case.codebooks, case.scales)
     assert torch.equal(y_u8, y_i8)
     _check(y_u8, case, vq_op.choose_variant(m))
 
@@ -114,28 +114,28 @@ def test_int8_codes_match_uint8(interpret, m):
 @pytest.mark.parametrize("m", [1, 2, 3, 12])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
     """x: [..., K] with leading dims; 1-4 tokens dispatch to decode, more to dequant + GEMM."""
-    case = make_vq_case(m, 24, 64, torch.float16, interpret, bias=True)
-    x3 = case["x"].reshape(1, m, 64)
-    y = tilefuse.vq_matmul(x3, case["codes"], case["codebooks"], case["scales"], case["bias"])
+    case = make_case(m, 24, 64, torch.float16, interpret, bias=True)
+    x3 = case.x.reshape(1, m, 64)
+    y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 24)
     assert vq_op.choose_variant(m) == ("decode" if m <= 4 else "dequant")
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
 def test_wide_codes_are_narrowed_and_checked(interpret):
-    case = make_vq_case(1, 8, 64, torch.float16, interpret)
-    wide = case["codes"].to(torch.int32)
-    y = tilefuse.vq_matmul(case["x"], wide, case["codebooks"], case["scales"], check_contents=True)
+    case = make_case(1, 8, 64, torch.float16, interpret)
+    wide = case.codes.to(torch.int32)
+    y = tilefuse.vq_matmul(case.x, wide, case.codebooks, case.scales, check_contents=True)
     _check(y, case, "decode")
     wide[0, 0, 1] = 256
     with pytest.raises(ValueError, match="codes"):
-        tilefuse.vq_matmul(case["x"], wide, case["codebooks"], case["scales"], check_contents=True)
+        tilefuse.vq_matmul(case.x, wide, case.codebooks, case.scales, check_contents=True)
 
 
 def test_reference_backend_on_cpu(device):
-    case = make_vq_case(3, 8, 64, torch.float16, device)
+    case = make_case(3, 8, 64, torch.float16, device)
     with tilefuse.force(backend="reference"):
-        y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])
+        y = tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)
     _check(y, case, "prefill")
 
 
@@ -180,7 +180,7 @@ def test_forced_variant_is_validated():
 
 
 # ---------------------------------------------------------------- GPU (H200): bench shapes
-GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
+GPU_SHAPES = SHAPES
 
 
 @pytest.mark.gpu
@@ -188,7 +188,7 @@ GPU_SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("dequant", 16), ("dequant", 512), ("prefill", 64)])
 def test_gpu_bench_shapes(dtype, n, k, variant, m):
-    case = make_vq_case(m, n, k, dtype, "cuda", bias=True)
+    case = make_case(m, n, k, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, variant), case, variant)
 
 
@@ -198,7 +198,7 @@ def test_gpu_bench_shapes(dtype, n, k, variant, m):
 @pytest.mark.parametrize("m", [1, 2, 4])
 def test_gpu_decode_resident(dtype, n, k, m):
     """The shared-memory-resident table kernel (default decode for 1-4 tokens, K % 16 == 0)."""
-    case = make_vq_case(m, n, k, dtype, "cuda", bias=True)
+    case = make_case(m, n, k, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, "decode_resident"), case, "decode")
 
 
@@ -207,7 +207,7 @@ def test_gpu_decode_resident(dtype, n, k, m):
 @pytest.mark.parametrize("bias", [False, True])
 def test_gpu_decode_resident_edges(m, n, k, bias):
     """Partial K slices (K/8 not a multiple of 64 / M_PAD groups), N = 1 and odd N, 3 tokens."""
-    case = make_vq_case(m, n, k, torch.bfloat16, "cuda", bias=bias)
+    case = make_case(m, n, k, torch.bfloat16, "cuda", bias=bias)
     _check(_run_poisoned(case, "decode_resident"), case, "decode")
 
 
@@ -215,8 +215,8 @@ def test_gpu_decode_resident_edges(m, n, k, bias):
 @pytest.mark.parametrize("m,k", [(1, 1032), (8, 4096)])
 def test_gpu_decode_gather(m, k):
     """The gl.gather kernel: decode for 5-8 tokens and for K/8 odd."""
-    case = make_vq_case(m, 1000, k, torch.bfloat16, "cuda", bias=True)
-    assert not vq_op.resident_applies(m, k, case["x"].device)
+    case = make_case(m, 1000, k, torch.bfloat16, "cuda", bias=True)
+    assert not vq_op.resident_applies(m, k, case.x.device)
     _check(_run_poisoned(case, "decode_gather"), case, "decode")
 
 
@@ -224,7 +224,7 @@ def test_gpu_decode_gather(m, k):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 3])
 def test_gpu_decode_tl(dtype, m):
-    case = make_vq_case(m, 1000, 1032, dtype, "cuda", bias=True)
+    case = make_case(m, 1000, 1032, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, "decode_tl"), case, "decode_tl")
 
 
@@ -233,9 +233,9 @@ def test_gpu_cuda_graph_replays():
     """The split-K workspace protocol survives graph replay (no zeroing launch inside); a stale
     workspace would add the previous call's sums. fp32 atomics land in any order, so replays may
     differ from each other in the last bits, never by a whole call."""
-    case = make_vq_case(1, 4096, 4096, torch.float16, "cuda")
+    case = make_case(1, 4096, 4096, torch.float16, "cuda")
     assert vq_op.configs.resident_config(1, 4096, 4096, 132)["k_slices"] > 1
-    fn = lambda: tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])  # noqa: E731
+    fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731
     fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -268,38 +268,38 @@ def test_gradcheck():
 
 @pytest.mark.parametrize("variant", ["decode", "dequant", "prefill"])
 def test_kernel_path_gradients(interpret, variant):
-    case = make_vq_case(2, 24, 64, torch.float16, interpret, bias=True)
-    x = case["x"].clone().requires_grad_()
+    case = make_case(2, 24, 64, torch.float16, interpret, bias=True)
+    x = case.x.clone().requires_grad_()
     with tilefuse.force(variant=variant):
-        y = tilefuse.vq_matmul(x, case["codes"], case["codebooks"], case["scales"], case["bias"])
+        y = tilefuse.vq_matmul(x, case.codes, case.codebooks, case.scales, case.bias)
     dy = torch.randn_like(y)
     y.backward(dy)
-    w = vq_op.dequantize(case["codes"], case["codebooks"], case["scales"], dtype=torch.float64)
+    w = vq_op.dequantize(case.codes, case.codebooks, case.scales, dtype=torch.float64)
     assert_close(x.grad, dy.double() @ w, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("variant", ["decode", "decode_tl", "prefill", "dequant"])
 def test_nan_in_an_unused_codebook_entry_never_leaks(interpret, variant):
     """NaN in entries no code uses: the spec ignores them, so must every kernel (no 0 x NaN)."""
-    case = make_vq_case(2, 24, 128, torch.float16, interpret)
-    case["codes"].clamp_(max=200)
-    case["codebooks"][:, 250] = float("nan")
+    case = make_case(2, 24, 128, torch.float16, interpret)
+    case.codes.clamp_(max=200)
+    case.codebooks[:, 250] = float("nan")
     _check(_run_poisoned(case, {"decode_tl": "decode_tl"}.get(variant, variant)), case, variant)
 
 
 def test_nan_in_x_propagates(interpret):
-    case = make_vq_case(2, 24, 64, torch.float16, interpret)
-    case["x"][1, 5] = float("nan")
-    y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"])
+    case = make_case(2, 24, 64, torch.float16, interpret)
+    case.x[1, 5] = float("nan")
+    y = tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)
     assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
 
 
 def test_fp32_codebooks_from_the_quantizer_are_taken(interpret):
     """quantize() returns fp32 codebooks: fp16 activations (kernels) and fp32 ones (reference)."""
-    case = make_vq_case(1, 16, 64, torch.float16, interpret)
-    case["codebooks"] = case["codebooks"].float()
-    _check(tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], case["scales"]), case, "decode")
-    y32 = tilefuse.vq_matmul(case["x"].float(), case["codes"], case["codebooks"], case["scales"].float())
+    case = make_case(1, 16, 64, torch.float16, interpret)
+    case.codebooks = case.codebooks.float()
+    _check(tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales), case, "decode")
+    y32 = tilefuse.vq_matmul(case.x.float(), case.codes, case.codebooks, case.scales.float())
     assert y32.dtype == torch.float32
     assert_close(y32, reference_fp64(case), atol=1e-5, rtol=1e-5)
 
@@ -319,9 +319,9 @@ def test_zero_sizes(interpret):
 
 
 def test_non_contiguous_weights_are_copied(interpret):
-    case = make_vq_case(2, 24, 64, torch.float16, interpret, bias=True)
-    scales = torch.stack((case["scales"].reshape(24), torch.zeros(24, dtype=torch.float16, device=interpret)), 1)[:, 0]
-    bias = torch.stack((case["bias"], case["bias"]), 1)[:, 1]
+    case = make_case(2, 24, 64, torch.float16, interpret, bias=True)
+    scales = torch.stack((case.scales.reshape(24), torch.zeros(24, dtype=torch.float16, device=interpret)), 1)[:, 0]
+    bias = torch.stack((case.bias, case.bias), 1)[:, 1]
     assert not scales.is_contiguous() and not bias.is_contiguous()
-    y = tilefuse.vq_matmul(case["x"], case["codes"], case["codebooks"], scales, bias)
+    y = tilefuse.vq_matmul(case.x, case.codes, case.codebooks, scales, bias)
     _check(y, case, "decode")

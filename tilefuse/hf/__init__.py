@@ -1,11 +1,18 @@
-"""Patch Hugging Face models so their SwiGLU MLPs run :class:`tilefuse.nn.FusedSwiGLUMLP`.
+"""Patch Hugging Face models in place to run tilefuse's modules.
 
-One table maps a config's ``model_type`` to the class name of its MLP; every such MLP has
-``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU activation (``config.hidden_act``).
+* :func:`patch_swiglu` -- every SwiGLU MLP becomes a :class:`tilefuse.nn.FusedSwiGLUMLP`. One table
+  maps a config's ``model_type`` to the class name of its MLP; every such MLP has ``gate_proj``,
+  ``up_proj``, ``down_proj`` and a SiLU activation (``config.hidden_act``).
+* :func:`patch_vq` -- the attention and MLP projections become 2-bit :class:`tilefuse.nn.VQLinear`
+  layers (AQLM 2x8), quantized with calibration data, without, or filled randomly for speed runs.
 """
 
 from __future__ import annotations
 
+import sys
+import time
+
+import torch
 from torch import nn
 
 # model_type -> MLP class name (all with gate_proj / up_proj / down_proj and act_fn).
@@ -40,3 +47,145 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, FusedSwiGLUMLP.from_mlp(mod, layout=layout))
     return len(targets)
+
+
+# Module names of the projections ``patch_vq`` replaces: attention q/k/v/o and the SwiGLU MLP's
+# gate/up/down (Llama, Mistral, Qwen2, Qwen3 all use these names). ``lm_head`` is left dense.
+VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
+             targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool = False,
+             **quantize_opts) -> int:
+    """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
+
+    Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
+    becomes a VQLinear in AQLM's 2x8 format, in the Linear's dtype and on its device; the dense
+    weight is freed. Three ways to fill the codes:
+
+    * ``calibration`` given (token ids): GPTQ/AQLM practice. Forward hooks collect, for every target
+      layer, ``X^T X`` (fp32, ``[K, K]``) of its inputs over one pass of the *dense* model over the
+      calibration tokens; then each weight is quantized by ``tilefuse.vq.quantize(weight, X^T X)``.
+      Memory: ``4 K^2`` bytes per target layer until it is quantized
+      (SmolLM2-135M: 0.5 GB in all; a Llama-3-8B block: 1.2 GB, mostly ``down_proj``).
+    * neither: each weight is quantized without calibration (plain weight MSE).
+    * ``random_codes=True``: random codes, codebook entries ``N(0, 1/2)`` (so ``C0[a] + C1[b]`` has unit
+      variance) and per-row scales equal to the dense row's RMS, so the layer's weights and outputs
+      have the dense layer's magnitude. For speed measurements only; fast, computed on the model's
+      device.
+
+    Parameters
+    ----------
+    model : an HF-style model; with ``calibration`` it is called as ``model(input_ids=ids, use_cache=False)``.
+    calibration : token ids: a LongTensor ``[batch, seq]`` or ``[seq]``, or a list of such tensors
+        (windows, each one forward pass).
+    random_codes : fill the codes randomly instead of quantizing (no ``calibration`` then).
+    targets : attribute names of the Linear modules to replace.
+    seed : seeds the random codes, and the quantizer's k-means (``quantize(seed=...)``).
+    progress : one line per replaced layer on stderr.
+    **quantize_opts : passed to :func:`tilefuse.vq.quantize` (``iters``, ``beam``, ``init_iters``,
+        ``feedback``, ``device``).
+
+    Returns the number of modules replaced. Raises ValueError (naming the argument) when no target
+    Linear is found, a target's ``in_features`` is not a multiple of 8, or ``calibration`` is not
+    token ids or is combined with ``random_codes``.
+
+    >>> patch_vq(model, tokenizer(text, return_tensors="pt").input_ids)     # calibrated, 2 bits/weight
+    >>> patch_vq(model, random_codes=True)                                  # speed runs
+    """
+    windows = _calibration_windows(calibration, random_codes)
+    layers = _vq_targets(model, targets)
+    grams = _input_grams(model, layers, windows) if windows else {}
+    generator = None
+    for i, (name, linear) in enumerate(layers, 1):
+        start = time.perf_counter()
+        if random_codes:
+            generator = generator or torch.Generator(device=linear.weight.device).manual_seed(seed)
+            layer = _random_vq_linear(linear, generator)
+        else:
+            from tilefuse.nn.vq import VQLinear
+
+            quantize_opts.setdefault("progress", False)
+            layer = VQLinear.from_linear(linear, grams.pop(name, None), seed=seed, **quantize_opts)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        if progress:
+            print(f"patch_vq [{i}/{len(layers)}] {name} {linear.out_features}x{linear.in_features} "
+                  f"({time.perf_counter() - start:.2f} s)", file=sys.stderr, flush=True)
+    return len(layers)
+
+
+def _calibration_windows(calibration, random_codes: bool) -> list[torch.Tensor]:
+    """``calibration`` as a list of ``[batch, seq]`` int64 tensors (empty for None), validated."""
+    if calibration is None:
+        return []
+    if random_codes:
+        raise ValueError("calibration: expected None with random_codes=True (random codes use no data), "
+                         "got token ids")
+    items = [calibration] if isinstance(calibration, torch.Tensor) else calibration
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"calibration: expected token ids (a LongTensor [batch, seq] or [seq], or a non-empty list "
+                         f"of them), got {type(calibration).__name__}")
+    windows = []
+    for ids in items:
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64) or ids.dim() not in (1, 2):
+            what = (f"{ids.dtype} tensor of shape {tuple(ids.shape)}" if isinstance(ids, torch.Tensor)
+                    else type(ids).__name__)
+            raise ValueError(f"calibration: expected integer token ids of shape [batch, seq] or [seq], got {what}")
+        if ids.numel():
+            windows.append(ids.long().reshape(-1, ids.shape[-1]))
+    if not windows:
+        raise ValueError("calibration: expected at least one token, got none")
+    return windows
+
+
+def _vq_targets(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
+    """The (name, Linear) pairs to replace; every one with in_features a multiple of 8."""
+    if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets):
+        raise ValueError(f"targets: expected a non-empty tuple of module names, got {targets!r}")
+    layers = [(name, mod) for name, mod in model.named_modules()
+              if isinstance(mod, nn.Linear) and name.rpartition(".")[2] in targets]
+    if not layers:
+        raise ValueError(f"model: expected nn.Linear modules named {tuple(targets)}, found none")
+    for name, mod in layers:
+        if mod.in_features % 8:
+            raise ValueError(f"model: {name}.in_features must be a multiple of 8 (AQLM 2x8 groups of 8 inputs), "
+                             f"got {mod.in_features}")
+    return layers
+
+
+@torch.no_grad()
+def _input_grams(model: nn.Module, layers, windows) -> dict[str, torch.Tensor]:
+    """``X^T X`` (fp32 ``[K, K]``, on the layer's device) of every layer's inputs over ``windows``."""
+    grams = {name: torch.zeros(mod.in_features, mod.in_features, dtype=torch.float32, device=mod.weight.device)
+             for name, mod in layers}
+
+    def accumulate(name):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            grams[name].addmm_(x.T, x)
+        return hook
+
+    device = layers[0][1].weight.device
+    handles = [mod.register_forward_pre_hook(accumulate(name)) for name, mod in layers]
+    try:
+        for ids in windows:
+            model(input_ids=ids.to(device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return grams
+
+
+@torch.no_grad()
+def _random_vq_linear(linear: nn.Linear, generator: torch.Generator) -> nn.Module:
+    """A VQLinear with random codes and codebooks, scaled to the dense weight's row RMS."""
+    from tilefuse.nn.vq import VQLinear
+
+    weight = linear.weight
+    n, k = weight.shape
+    layer = VQLinear(k, n, linear.bias is not None, dtype=weight.dtype, device=weight.device)
+    codes = torch.randint(0, 256, (n, k // 8, 2), generator=generator, device=weight.device, dtype=torch.uint8)
+    books = torch.randn(2, 256, 1, 8, generator=generator, device=weight.device) * 0.5 ** 0.5
+    scales = weight.float().pow(2).mean(1).sqrt()
+    return layer.load_quantized(codes, books.to(weight.dtype), scales.to(weight.dtype), linear.bias)

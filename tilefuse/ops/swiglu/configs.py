@@ -77,8 +77,9 @@ S, L = SmallMConfig, LargeMConfig
 # 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
 # entries marked "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py
 # tail|tiles` runs, bench/results/swiglu-{tail,tiles}-sweep-h200.json in commit 319cdd7).
-# _M64_NOTE: where the new M = 128 entry has 128-row tiles, an M = 64 entry keeps the former M = 128 config for M = 17..64 (the 128-row tile
-# would do 2-8x padded MMA work there; neither was timed at those M). Fields in order:
+# _M64_NOTE: where the new M = 128 entry has 128-row tiles, an M = 64 entry keeps the former
+# M = 128 config for M = 17..64 (the 128-row tile would do 2-8x padded MMA work there; neither was
+# timed at those M). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
 TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {

@@ -1,0 +1,151 @@
+"""``tilefuse bench model``: the CPU pipeline check end to end, and the pieces the GPU run relies on
+(the static-cache decode route against ``generate()``, agreement, goals, case selection)."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tilefuse.bench import model as bench_model  # noqa: E402
+
+TEXT = " ".join(f"In the beginning {i} was the word, and the word was with {i % 7} and was good." for i in range(120))
+
+
+def tiny(arch="llama", dtype=torch.float32):
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = transformers.Qwen2Config(**common) if arch == "qwen2" else transformers.LlamaConfig(**common)
+    return bench_model.random_model(config, torch.device("cpu"), dtype)
+
+
+def test_cli_pipeline_check_writes_the_results(tmp_path, capsys):
+    """The CPU run end to end through the CLI's code: every variant, JSON schema, table, plot."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    assert bench_model.main(out_dir=tmp_path, text=str(text), device=torch.device("cpu")) == 0
+    data = json.loads(next(tmp_path.glob("model-*.json")).read_text())
+    assert {"machine", "plan", "models", "rows", "summary"} <= set(data) and "incomplete" not in data
+    assert {"gpu", "torch", "triton", "transformers", "date"} <= set(data["machine"])
+    assert set(data["models"]["tiny-llama"]["variants"]) == set(bench_model.VARIANTS)
+    assert data["models"]["tiny-llama"]["variants"]["vq2"]["codes"] == "calibrated"
+    rows = data["rows"]
+    decode = [r for r in rows if r["mode"] == "eager"]
+    assert {(r["variant"], r["batch"]) for r in decode} == {(v, b) for v in bench_model.VARIANTS for b in (1, 16)}
+    for r in decode:
+        assert "error" not in r, r
+        assert r["ms_per_token"] > 0 and r["x_stock"] > 0 and 0 <= r["agreement"] <= 1
+        assert 0 <= r["agreement_forced"] <= 1 and r["new_tokens"] == r["timed_steps"] + 1 + data["plan"]["skip_tokens"]
+    assert all(0 <= r["self_consistency"] <= 1 for r in decode if r["variant"] == "stock")
+    for mode, key in (("prefill", "prefill_ms"), ("perplexity", "perplexity")):
+        assert {r["variant"] for r in rows if r["mode"] == mode and r[key] > 0} == set(bench_model.VARIANTS)
+    stock = [r for r in decode if r["variant"] == "stock"]
+    assert all(r["agreement"] == 1.0 and r["x_stock"] == 1.0 for r in stock)
+    goals = data["summary"]["goals"]
+    assert len(goals) == 4 and all({"goal", "target", "measured", "met"} <= set(g) for g in goals)
+    assert all(g["met"] is None for g in goals)          # CPU timings are not judged
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert out[-1].startswith("tiny-llama") and "ms/token" in out[-7]
+    if not next(tmp_path.glob("model-*.png"), None):
+        pytest.importorskip("matplotlib")
+        raise AssertionError("matplotlib is importable but no plot was written")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_cache_decode_matches_generate(arch, batch):
+    """The graph route's step, run eagerly: same greedy tokens as generate() (twice: the cache resets)."""
+    model = tiny(arch)
+    prompt = torch.randint(0, 256, (batch, 11))
+    expected = bench_model.generate_eager(model, prompt, 12)
+    decoder = bench_model.GraphDecoder(model, batch, max_len=11 + 12, capture=False)
+    for _ in range(2):
+        clock = bench_model.Clock(torch.device("cpu"), 12)
+        assert torch.equal(decoder.decode(prompt, 12, clock), expected)
+        assert len(clock.intervals_ms()) == 11
+    assert torch.equal(bench_model.forced_argmax(model, prompt, expected), expected)   # fp32: no near-ties
+    decoder.prefill(prompt)                      # what the GPU capture does first: warm-up steps write ahead
+    for _ in range(decoder.warmup_steps):
+        decoder.step()
+    assert torch.equal(decoder.decode(prompt, 12), expected)
+    with pytest.raises(ValueError, match="prompt"):
+        decoder.decode(prompt, 13)
+
+
+def test_compare_fills_speedups_and_agreement():
+    def row(variant, mode, ms):
+        return {"model": "m", "variant": variant, "mode": mode, "batch": 2, "ms_per_token": ms}
+
+    rows = [row("stock", "eager", 10.0), row("stock", "graph", 4.0), row("vq2", "eager", 5.0), row("vq2", "graph", 2.0),
+            {"model": "m", "variant": "vq2", "mode": "prefill", "batch": 1, "prefill_ms": 3.0},
+            {"model": "m", "variant": "stock", "mode": "prefill", "batch": 1, "prefill_ms": 6.0}]
+    ref = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    tokens = {("stock", "eager", 2): ref, ("stock", "graph", 2): ref,
+              ("vq2", "eager", 2): torch.tensor([[1, 2, 0, 4], [5, 6, 7, 8]]), ("vq2", "graph", 2): ref}
+    bench_model.compare(rows, tokens)
+    assert [r["x_stock"] for r in rows] == [1.0, 1.0, 2.0, 2.0, 2.0, 1.0]
+    assert rows[2]["agreement"] == 0.875 and rows[2]["agreement_prefix"] == 0.75
+    assert rows[3]["agreement"] == 1.0 and rows[3]["agreement_vs_eager"] == 0.875
+
+
+def test_summary_goals():
+    def row(model, variant, mode, batch, x, **extra):
+        return {"model": model, "variant": variant, "mode": mode, "batch": batch, "ms_per_token": 1.0, "x_stock": x,
+                **extra}
+
+    rows = [row("llama3-8b", "swiglu", "eager", 1, 1.2), row("llama3-8b", "swiglu", "graph", 16, 0.9),
+            row("llama3-8b", "vq2", "graph", 1, 2.1), row("llama3-8b", "vq2", "eager", 1, 1.4),
+            row("smollm2-135m", "stock", "eager", 16, 1.0, self_consistency=0.97),
+            row("smollm2-135m", "swiglu", "eager", 1, 1.0, agreement_forced=1.0),
+            row("smollm2-135m", "swiglu", "eager", 16, 1.0, agreement_forced=0.962)]
+    goals = {g["goal"].split(":")[0]: g for g in bench_model.summarize(rows)["goals"]}
+    swiglu = next(g for k, g in goals.items() if k.startswith("patch_swiglu never"))
+    assert swiglu["measured"] == 0.9 and swiglu["met"] is False and swiglu["worst_case"] == "llama3-8b graph batch 16"
+    vq = next(g for k, g in goals.items() if k.startswith("vq2 never"))
+    assert vq["measured"] == 1.4 and vq["met"] is True
+    graph = next(g for g in goals.values() if "Llama-3-8B" in g["goal"])
+    assert graph["measured"] == 2.1 and graph["met"] is True and "(vq2)" in graph["goal"]
+    tokens = next(g for g in goals.values() if "teacher-forced" in g["goal"])
+    assert tokens["measured"] == 0.962 and tokens["target"] == ">= 0.96" and tokens["met"] is True
+    assert all(g["met"] is None for g in bench_model.summarize(rows, judge=False)["goals"])
+
+
+def test_only_selects_cases_like_the_kernel_benches(tmp_path):
+    models = ["llama3-8b", "smollm2-135m"]
+    assert bench_model.select(models, None) == {m: list(bench_model.VARIANTS) for m in models}
+    assert bench_model.select(models, "vq2") == {m: ["stock", "vq2"] for m in models}
+    assert bench_model.select(models, "smollm2") == {"smollm2-135m": list(bench_model.VARIANTS)}
+    assert bench_model.select(models, '"llama3-8b", "variant": "swiglu"') == {"llama3-8b": ["stock", "swiglu"]}
+    assert bench_model.main(out_dir=tmp_path, only="no-such-case", device=torch.device("cpu")) == 2
+    assert not list(tmp_path.iterdir())
+
+
+def test_cli_knows_the_model_family(capsys):
+    from tilefuse.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "model" in out and "--gguf" in out and "--text" in out and "--layers" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["stock", "swiglu", "vq2"])
+def test_cuda_graph_replay_matches_the_eager_step(variant):
+    """The captured step replays what the eager step computes: same greedy tokens (exactly for stock;
+    the tilefuse kernels' split-K atomics may reorder sums, so near-ties may flip there)."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = bench_model.random_model(config, torch.device("cuda"), torch.bfloat16)
+    bench_model.apply_variant(model, variant, None, {})
+    for batch in (1, 16):
+        prompt = torch.randint(0, 256, (batch, 20), device="cuda")
+        eager = bench_model.GraphDecoder(model, batch, 20 + 16, capture=False).decode(prompt, 16)
+        graphed = bench_model.GraphDecoder(model, batch, 20 + 16, capture=True)
+        clock = bench_model.Clock(torch.device("cuda"), 16)
+        first, again = graphed.decode(prompt, 16, clock), graphed.decode(prompt, 16)
+        assert graphed.graph is not None and len(clock.intervals_ms()) == 15
+        for other in (eager, again):                 # vs the eager step; a second replayed decode
+            same = (first == other).float().mean().item()
+            assert same == 1.0 if variant == "stock" else same >= 0.9, (variant, batch, same)

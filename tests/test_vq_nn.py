@@ -55,7 +55,7 @@ def test_uint8_layer_loads_int8_codes():
 
 
 def test_from_linear_quantizes(interpret):
-    pytest.importorskip("tilefuse.vq")
+    pytest.importorskip("tilefuse.quantizer")
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=True, dtype=torch.float16)
     layer = VQLinear.from_linear(linear, iters=1, beam=1, init_iters=2, progress=False, device="cpu")

@@ -5,6 +5,7 @@ Public ops (PyTorch custom ops under ``torch.ops.tilefuse``):
 * :func:`swiglu`, :func:`pack_gate_up` -- fused SwiGLU gate/up GEMM (paper 1)
 * :func:`vq_matmul` -- 2-bit VQ linear layer in AQLM's 2x8 format (paper 2)
 * :func:`get_mla_metadata`, :func:`flash_mla_with_kvcache` -- MLA decode over a paged cache (paper 3)
+* :func:`quantize` -- dense weight -> 2x8 codes, codebooks, scales (:mod:`tilefuse.quantizer`)
 
 :func:`force` pins the backend (``"triton"`` / ``"reference"``) or a kernel variant for a block.
 Each family is imported on first use, so ``import tilefuse`` stays cheap and side-effect free.
@@ -23,7 +24,8 @@ _PUBLIC = {
     "get_mla_metadata": "tilefuse.ops.mla.op",
     "flash_mla_with_kvcache": "tilefuse.ops.mla.op",
     "nn": "tilefuse.nn",
-    "vq": "tilefuse.vq",
+    "quantize": "tilefuse.quantizer",
+    "quantizer": "tilefuse.quantizer",
     "hf": "tilefuse.hf",
 }
 

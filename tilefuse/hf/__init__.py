@@ -65,7 +65,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
 
     * ``calibration`` given (token ids): GPTQ/AQLM practice. Forward hooks collect, for every target
       layer, ``X^T X`` (fp32, ``[K, K]``) of its inputs over one pass of the *dense* model over the
-      calibration tokens; then each weight is quantized by ``tilefuse.vq.quantize(weight, X^T X)``.
+      calibration tokens; then each weight is quantized by ``tilefuse.quantize(weight, X^T X)``.
       Memory: ``4 K^2`` bytes per target layer until it is quantized
       (SmolLM2-135M: 0.5 GB in all; a Llama-3-8B block: 1.2 GB, mostly ``down_proj``).
     * neither: each weight is quantized without calibration (plain weight MSE).
@@ -83,7 +83,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     targets : attribute names of the Linear modules to replace.
     seed : seeds the random codes, and the quantizer's k-means (``quantize(seed=...)``).
     progress : one line per replaced layer on stderr.
-    **quantize_opts : passed to :func:`tilefuse.vq.quantize` (``iters``, ``beam``, ``init_iters``,
+    **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
     Returns the number of modules replaced. Raises ValueError (naming the argument) when no target

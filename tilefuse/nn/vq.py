@@ -54,8 +54,8 @@ class VQLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, calib: torch.Tensor | None = None, *,
                     dtype: torch.dtype | None = None, codes_dtype: torch.dtype = torch.int8,
                     **quantize_opts) -> "VQLinear":
-        """Quantize a dense ``nn.Linear`` with :func:`tilefuse.vq.quantize` (``calib``: ``X^T X``)."""
-        from tilefuse.vq import quantize
+        """Quantize a dense ``nn.Linear`` with :func:`tilefuse.quantize` (``calib``: ``X^T X``)."""
+        from tilefuse.quantizer import quantize
 
         weight = linear.weight.detach()
         dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32)

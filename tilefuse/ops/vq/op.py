@@ -395,7 +395,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
         PyTorch reference (dequantize, then a GEMM) on every device.
     codes : [N, K/8, 2] uint8, or int8 as AQLM stores them (two's complement: -1 is code 255).
         A wider integer dtype (int16/32/64) is narrowed to uint8; its values must lie in [0, 256).
-    codebooks : [2, 256, 1, 8], any floating dtype (fp32 as :func:`tilefuse.vq.quantize` returns
+    codebooks : [2, 256, 1, 8], any floating dtype (fp32 as :func:`tilefuse.quantize` returns
         them, or fp16/bf16 as AQLM stores them). The resident decode kernel, the dequantize path
         and the reference compute with them at their own precision; the tensor-core table kernels
         (5-8 tokens, K/8 odd, prefill) round them to x's dtype.

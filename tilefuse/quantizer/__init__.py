@@ -6,7 +6,7 @@
 * :func:`relative_output_error` -- ``||X (W - W_hat)^T|| / ||X W^T||`` from ``X^T X``
 """
 
-from tilefuse.vq.baselines import kmeans_vq, relative_output_error, rtn
-from tilefuse.vq.quantize import quantize
+from tilefuse.quantizer.baselines import kmeans_vq, relative_output_error, rtn
+from tilefuse.quantizer.quantize import quantize
 
 __all__ = ["quantize", "rtn", "kmeans_vq", "relative_output_error"]

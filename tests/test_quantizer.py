@@ -1,4 +1,4 @@
-"""tilefuse.vq.quantize (AQLM 2x8 quantizer) and the quality-study baselines, on the CPU.
+"""tilefuse.quantize (AQLM 2x8 quantizer) and the quality-study baselines, on the CPU.
 
 Shapes are small (a few thousand 8-groups) so the file runs in seconds; with fewer groups than
 about 4 x 256 the two 256-entry codebooks could nearly memorise the weight and the comparisons
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tilefuse.ops.vq.reference import dequantize
-from tilefuse.vq import kmeans_vq, quantize, relative_output_error, rtn
+from tilefuse.quantizer import kmeans_vq, quantize, relative_output_error, rtn
 
 
 def _weight(n, k):
@@ -102,7 +102,7 @@ def test_progress_goes_to_stderr_only_when_asked(capsys):
     w = _weight(8, 16)
     quantize(w, iters=2, init_iters=1, progress=True)
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("tilefuse.vq.quantize [8x16]") == 3
+    assert captured.out == "" and captured.err.count("tilefuse.quantize [8x16]") == 3
     quantize(w, iters=2, init_iters=1, progress=False)
     assert capsys.readouterr().err == ""
 
@@ -165,8 +165,8 @@ def test_error_feedback_lowers_full_objective():
 
 
 def test_feedback_pass_spreads_nothing_across_independent_groups():
-    from tilefuse.vq import _feedback
-    from tilefuse.vq.quantize import _update_codes
+    from tilefuse.quantizer import _feedback
+    from tilefuse.quantizer.quantize import _update_codes
     n, k = 16, 32
     w = _weight(n, k)
     blocks = [torch.randn(8, 8) for _ in range(k // 8)]

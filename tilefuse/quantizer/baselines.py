@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from tilefuse.vq import _core
+from tilefuse.quantizer import _core
 
 
 def rtn(weight: torch.Tensor, bits: int, group: int = 128) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Dense weight -> AQLM 2x8 codes, codebooks and scales (``tilefuse.vq.quantize``).
+"""Dense weight -> AQLM 2x8 codes, codebooks and scales (``tilefuse.quantize``).
 
 Objective: ``sum_n sum_g (w_ng - s_n u_ng)^T H_g (w_ng - s_n u_ng)`` with ``u_ng = C0[a_ng] + C1[b_ng]``,
 ``w_ng`` the g-th 8-weight group of row n, and ``H_g`` the 8x8 diagonal block of the calibration
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from tilefuse.vq import _core, _feedback
+from tilefuse.quantizer import _core, _feedback
 
 GROUP = 8
 ENTRIES = 256
@@ -176,7 +176,7 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
 
     def log(stage, loss):
         if progress:
-            print(f"tilefuse.vq.quantize [{num_rows}x{k}] {stage}: rel. error {loss:.5f} "
+            print(f"tilefuse.quantize [{num_rows}x{k}] {stage}: rel. error {loss:.5f} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
 
     w = weight.detach().to(dev, torch.float32).reshape(num_rows, num_groups, GROUP)

@@ -167,10 +167,13 @@ def _garbage_schedules(inp):
     wild_meta = meta.clone()
     wild_meta[:, 0] = torch.tensor([10 ** 6, -7, b, 2 ** 31 - 1] * 3)[: meta.shape[0]]
     wild_splits = torch.tensor([0, 10 ** 6, -5] + [3] * (b - 2), dtype=torch.int32)
-    return {"zeroed": zeroed, "wild_requests": (wild_meta, splits), "wild_splits": (meta, wild_splits)}
+    # int32 counts whose differences and products overflow: bounds must be checked before arithmetic
+    overflow = torch.tensor([2 ** 31 - 1, -2 ** 31 + 5, 2 ** 31 - 1, -2 ** 31 + 3][: b + 1], dtype=torch.int32)
+    return {"zeroed": zeroed, "wild_requests": (wild_meta, splits), "wild_splits": (meta, wild_splits),
+            "overflowing_splits": (meta, overflow)}
 
 
-@pytest.mark.parametrize("which", ["zeroed", "wild_requests", "wild_splits"])
+@pytest.mark.parametrize("which", ["zeroed", "wild_requests", "wild_splits", "overflowing_splits"])
 def test_mla_bad_schedules_stay_in_bounds_and_debug_raises(interpret, which):
     """No metadata / num_splits contents move a kernel access outside its tensors (the interpreter
     would fail on a wild pointer); check_contents names the bad argument."""

@@ -83,8 +83,11 @@ def mla_cases_to_run(one: bool):
         wild[:, 0] = torch.tensor([10 ** 6, -7, b, 2 ** 31 - 1], dtype=torch.int32).repeat(meta.shape[0])[:meta.shape[0]]
         wild[:, 1] = 10 ** 6
         wild_splits = torch.tensor([0, 10 ** 6, -5, 2 ** 31 - 1, 3], dtype=torch.int32, device=DEV)
+        # counts that overflow int32 when differenced or scaled: the bounds must hold before arithmetic
+        overflow = torch.tensor([2 ** 31 - 1, -2 ** 31 + 5, 2 ** 31 - 1, -2 ** 31 + 3, 4], dtype=torch.int32, device=DEV)
         for name, (md, ns) in {"zeroed": (torch.zeros_like(meta), torch.zeros_like(splits)),
-                               "wild metadata": (wild, splits), "wild num_splits": (meta, wild_splits)}.items():
+                               "wild metadata": (wild, splits), "wild num_splits": (meta, wild_splits),
+                               "overflowing num_splits": (meta, overflow)}.items():
             yield f"mla h{h_q} {name}", lambda inp=inp, md=md, ns=ns: tilefuse.flash_mla_with_kvcache(
                 *inp.args(), 512, md, ns, causal=True)
 

@@ -103,8 +103,12 @@ def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, 
     valid = (req >= 0) & (req < batch)
     req = tl.where(valid, req, 0)
     first = tl.load(splits_ptr + req)
-    n = tl.load(splits_ptr + req + 1) - first
-    valid = valid & (split >= 0) & (split < n) & (first >= 0) & (first + n <= num_slots)
+    nxt = tl.load(splits_ptr + req + 1)
+    # slots [first, nxt) of the request inside [0, num_slots], compared before any arithmetic
+    # (so that no contents can overflow into an in-range index)
+    valid = valid & (first >= 0) & (first < nxt) & (nxt <= num_slots)
+    n = tl.where(valid, nxt - first, 1)
+    valid = valid & (split >= 0) & (split < n)
     length = tl.minimum(tl.maximum(tl.load(seqlens_ptr + req), 0), max_tokens)
     pages = (length + PAGE - 1) // PAGE
     per = (pages + tl.maximum(n, 1) - 1) // tl.maximum(n, 1)
@@ -345,11 +349,13 @@ def mla_combine_kernel(
     req = tl.program_id(0)
     row = tl.program_id(1)
     first_slot = tl.load(num_splits_ptr + req)
-    n_slots = tl.load(num_splits_ptr + req + 1) - first_slot
-    first = first_slot * SLOT_PROGRAMS          # partials are per program
-    n = n_slots * SLOT_PROGRAMS
-    # one slot: the split kernel wrote the result; out-of-range num_splits: nothing was written
-    if (n > 1) & (first_slot >= 0) & (first_slot + n_slots <= num_slots):
+    next_slot = tl.load(num_splits_ptr + req + 1)
+    # slots inside [0, num_slots], compared before any arithmetic (no overflow into range)
+    in_range = (first_slot >= 0) & (first_slot < next_slot) & (next_slot <= num_slots)
+    first = tl.where(in_range, first_slot, 0) * SLOT_PROGRAMS          # partials are per program
+    n = tl.where(in_range, next_slot - first_slot, 0) * SLOT_PROGRAMS
+    # one partial: the split kernel wrote the result; out-of-range num_splits: nothing was written
+    if n > 1:
         offs_s = tl.arange(0, S_CHUNK)
         offs_v = tl.arange(0, D_NOPE)
         m = tl.full([S_CHUNK], float("-inf"), tl.float32)

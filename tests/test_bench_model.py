@@ -8,6 +8,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tilefuse.bench import hf_decode  # noqa: E402
 from tilefuse.bench import model as bench_model  # noqa: E402
 
 TEXT = " ".join(f"In the beginning {i} was the word, and the word was with {i % 7} and was good." for i in range(120))
@@ -61,13 +62,13 @@ def test_static_cache_decode_matches_generate(arch, batch):
     """The graph route's step, run eagerly: same greedy tokens as generate() (twice: the cache resets)."""
     model = tiny(arch)
     prompt = torch.randint(0, 256, (batch, 11))
-    expected = bench_model.generate_eager(model, prompt, 12)
-    decoder = bench_model.GraphDecoder(model, batch, max_len=11 + 12, capture=False)
+    expected = hf_decode.generate_eager(model, prompt, 12)
+    decoder = hf_decode.GraphDecoder(model, batch, max_len=11 + 12, capture=False)
     for _ in range(2):
-        clock = bench_model.Clock(torch.device("cpu"), 12)
+        clock = hf_decode.Clock(torch.device("cpu"), 12)
         assert torch.equal(decoder.decode(prompt, 12, clock), expected)
         assert len(clock.intervals_ms()) == 11
-    assert torch.equal(bench_model.forced_argmax(model, prompt, expected), expected)   # fp32: no near-ties
+    assert torch.equal(hf_decode.forced_argmax(model, prompt, expected), expected)   # fp32: no near-ties
     decoder.prefill(prompt)                      # what the GPU capture does first: warm-up steps write ahead
     for _ in range(decoder.warmup_steps):
         decoder.step()
@@ -144,9 +145,9 @@ def test_cuda_graph_replay_matches_the_eager_step(variant):
     bench_model.apply_variant(model, variant, None, {})
     for batch in (1, 16):
         prompt = torch.randint(0, 256, (batch, 20), device="cuda")
-        eager = bench_model.GraphDecoder(model, batch, 20 + 16, capture=False).decode(prompt, 16)
-        graphed = bench_model.GraphDecoder(model, batch, 20 + 16, capture=True)
-        clock = bench_model.Clock(torch.device("cuda"), 16)
+        eager = hf_decode.GraphDecoder(model, batch, 20 + 16, capture=False).decode(prompt, 16)
+        graphed = hf_decode.GraphDecoder(model, batch, 20 + 16, capture=True)
+        clock = hf_decode.Clock(torch.device("cuda"), 16)
         first, again = graphed.decode(prompt, 16, clock), graphed.decode(prompt, 16)
         assert graphed.graph is not None and len(clock.intervals_ms()) == 15
         for other in (eager, again):                 # vs the eager step; a second replayed decode

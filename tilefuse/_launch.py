@@ -10,7 +10,8 @@ models slower than stock PyTorch.
 calls with that key hand the arguments straight to the compiled kernel's C launcher. The caller's
 key must pin everything Triton specializes on: the device, every constexpr, the dtype of every
 tensor, which integer arguments equal 1 or are multiples of 16, and which pointers are 16-byte
-aligned. The ops build it from shapes, strides, dtypes, the launch config and :func:`aligned`.
+aligned. The ops build it from their cached call plan (shapes, strides, dtypes, config) and the
+pointers' alignment (:func:`aligned`, or ``data_ptr() % 16``).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests), or while a Triton launch hook is installed (profilers),
 every call takes the normal path.

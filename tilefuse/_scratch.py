@@ -32,7 +32,7 @@ ALIGN = 256                       # bytes: every piece starts 256-byte aligned
 RESERVE_BYTES = 4 << 20           # the first reserve per device; later ones are sized by demand
 
 _lock = threading.Lock()
-_arenas: dict[tuple[int, int], torch.Tensor] = {}     # (device index, raw stream) -> uint8 arena
+_arenas: dict[tuple[int, int, bool], torch.Tensor] = {}  # (device index, raw stream, zeroed) -> uint8 arena
 _reserves: dict[int, list] = {}                        # device index -> [slab, next free offset]
 _kept: list[torch.Tensor] = []                         # slabs handed to captured calls (never freed)
 _shortfall: dict[int, int] = {}                        # device index -> bytes a capture lacked
@@ -42,9 +42,7 @@ def _round(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-_views: dict = {}                                      # (device index, stream, sizes) -> views
-_plain: dict[tuple[int, int], torch.Tensor] = {}      # workspace() arenas: any contents
-_plain_views: dict = {}
+_views: dict = {}     # (device index, stream, sizes, zeroed) -> views (eager calls)
 
 
 def zeroed(device: torch.device, *sizes: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
@@ -53,45 +51,33 @@ def zeroed(device: torch.device, *sizes: tuple[int, torch.dtype]) -> tuple[torch
     The kernel that receives them must leave them zero when it ends. Eager calls get the same
     views for the same stream and sizes (cached: a lookup, no tensor ops on the hot path).
     """
-    if device.type != "cuda":       # the CPU interpreter: no streams, no graphs
-        return _carve(_arena(device, -1, _total(sizes)), sizes)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing():
-        return _carve(_capture_piece(device, index, _total(sizes)), sizes)
-    key = (index, torch._C._cuda_getCurrentRawStream(index), sizes)
-    views = _views.get(key)
-    if views is None:
-        if index in _shortfall or index not in _reserves:
-            _top_up_reserve(device, index)
-        if len(_views) >= 4096:
-            _views.clear()
-        # the views keep their arena alive if it is replaced later: still zero, still this stream's
-        views = _views[key] = _carve(_arena(device, key[1], _total(sizes), index), sizes)
-    return views
+    return _hand_out(device, sizes, zero=True)
 
 
 def workspace(device: torch.device, *sizes: tuple[int, torch.dtype]) -> tuple[torch.Tensor, ...]:
     """1-D tensors of ``(numel, dtype)`` with any contents (a kernel writes before it reads them),
     under the same contract as :func:`zeroed`: one arena per (device, stream) for eager calls,
     cached views; fresh memory per captured call (the graph's pool)."""
-    if device.type != "cuda":
-        return _carve(torch.empty(_total(sizes), dtype=torch.uint8, device=device), sizes)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.is_current_stream_capturing():
-        piece = torch.empty(_total(sizes), dtype=torch.uint8, device=device)
-        _kept.append(piece)
-        return _carve(piece, sizes)
-    key = (index, torch._C._cuda_getCurrentRawStream(index), sizes)
-    views = _plain_views.get(key)
+    return _hand_out(device, sizes, zero=False)
+
+
+def _hand_out(device: torch.device, sizes, zero: bool) -> tuple[torch.Tensor, ...]:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.is_current_stream_capturing():
+            return _carve(_capture_piece(device, index, _total(sizes), zero), sizes)
+        stream = torch._C._cuda_getCurrentRawStream(index)
+    else:                           # the CPU interpreter: no streams, no graphs
+        index = stream = -1
+    key = (index, stream, sizes, zero)
+    views = _views.get(key)
     if views is None:
-        if len(_plain_views) >= 4096:
-            _plain_views.clear()
-        size = _total(sizes)
-        arena = _plain.get(key[:2])
-        if arena is None or arena.numel() < size:
-            arena = _plain[key[:2]] = torch.empty(max(size, 2 * (arena.numel() if arena is not None else 0)),
-                                                  dtype=torch.uint8, device=device)
-        views = _plain_views[key] = _carve(arena, sizes)
+        if zero and index >= 0 and (index in _shortfall or index not in _reserves):
+            _top_up_reserve(device, index)
+        if len(_views) >= 4096:
+            _views.clear()
+        # the views keep their arena alive if it is replaced later: still this stream's (and zero)
+        views = _views[key] = _carve(_arena(device, index, stream, _total(sizes), zero), sizes)
     return views
 
 
@@ -107,14 +93,13 @@ def _carve(buf: torch.Tensor, sizes) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
-def _arena(device: torch.device, stream: int, nbytes: int, index: int = -1) -> torch.Tensor:
-    key = (index, stream)
+def _arena(device: torch.device, index: int, stream: int, nbytes: int, zero: bool) -> torch.Tensor:
+    key = (index, stream, zero)
     buf = _arenas.get(key)
     if buf is None or buf.numel() < nbytes:
-        # grown geometrically; zeroed once here, kept zero by the kernels from then on
+        # grown geometrically; a zeroed arena is zeroed once here and kept zero by the kernels
         size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 64 << 10)
-        buf = torch.zeros(size, dtype=torch.uint8, device=device)
-        _arenas[key] = buf
+        buf = _arenas[key] = (torch.zeros if zero else torch.empty)(size, dtype=torch.uint8, device=device)
     return buf
 
 
@@ -129,15 +114,17 @@ def _top_up_reserve(device: torch.device, index: int) -> None:
         _reserves[index] = [torch.zeros(need, dtype=torch.uint8, device=device), 0]
 
 
-def _capture_piece(device: torch.device, index: int, nbytes: int) -> torch.Tensor:
-    with _lock:
-        slab = _reserves.get(index)
-        if slab is not None and slab[0].numel() - slab[1] >= nbytes:
-            piece = slab[0][slab[1]:slab[1] + nbytes]
-            slab[1] += nbytes
-            return piece
-        _shortfall[index] = _shortfall.get(index, 0) + nbytes
-        _views.clear()          # the next eager call takes the slow path and enlarges the reserve
-    piece = torch.zeros(nbytes, dtype=torch.uint8, device=device)   # captured: zero-filled per replay
+def _capture_piece(device: torch.device, index: int, nbytes: int, zero: bool) -> torch.Tensor:
+    if zero:
+        with _lock:
+            slab = _reserves.get(index)
+            if slab is not None and slab[0].numel() - slab[1] >= nbytes:
+                piece = slab[0][slab[1]:slab[1] + nbytes]
+                slab[1] += nbytes
+                return piece
+            _shortfall[index] = _shortfall.get(index, 0) + nbytes
+            _views.clear()          # the next eager call takes the slow path and enlarges the reserve
+    # the graph's pool; zeroed: zero-filled per replay (the reserve ran out)
+    piece = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
     _kept.append(piece)
     return piece

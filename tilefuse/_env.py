@@ -5,6 +5,7 @@
 | ``TILEFUSE_BACKEND`` | ``triton``, ``reference`` | force one backend for the whole process (default: the Triton kernels on CUDA tensors, the PyTorch reference elsewhere) |
 | ``TILEFUSE_DEBUG`` | ``0`` / ``1`` | checks that read tensor *contents* back to the host (a sync per call): code ranges, block-table pages, MLA metadata against the lengths; off by default |
 | ``TILEFUSE_CONFIGS`` | path to a JSON file | launch-config overrides, one section per family (``{"swiglu": ..., "mla": ..., "vq": ...}``, formats in each family's ``configs.py``); used by tuning runs |
+| ``TILEFUSE_FLASHMLA`` | ``label=path[,label=path]`` | ``tilefuse bench mla``: FlashMLA builds to time beside tilefuse, each a folder holding a built ``flash_mla`` package (default: ``import flash_mla`` if installed) |
 | ``TRITON_INTERPRET`` | ``0`` / ``1`` | Triton's own: run ``@triton.jit`` kernels in its CPU interpreter; must be set before tilefuse is imported |
 
 The values are read when this module is first imported; :func:`reload` reads them again (tests).
@@ -17,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-VARIABLES = ("TILEFUSE_BACKEND", "TILEFUSE_DEBUG", "TILEFUSE_CONFIGS", "TRITON_INTERPRET")
+VARIABLES = ("TILEFUSE_BACKEND", "TILEFUSE_DEBUG", "TILEFUSE_CONFIGS", "TILEFUSE_FLASHMLA", "TRITON_INTERPRET")
 BACKENDS = ("triton", "reference")
 
 
@@ -31,6 +32,7 @@ class Settings:
     debug: bool = False                     # TILEFUSE_DEBUG
     configs: dict = field(default_factory=dict)   # TILEFUSE_CONFIGS, parsed
     interpret: bool = False                 # TRITON_INTERPRET
+    flashmla: tuple = ()                    # TILEFUSE_FLASHMLA, ((label, path), ...)
 
 
 def _read() -> Settings:
@@ -46,8 +48,14 @@ def _read() -> Settings:
             raise ValueError(f"TILEFUSE_CONFIGS: expected a readable JSON file, got {path!r} ({exc})") from exc
         if not isinstance(configs, dict):
             raise ValueError(f"TILEFUSE_CONFIGS: expected a JSON object {{family: section}}, got {type(configs).__name__}")
+    flashmla = []
+    for item in filter(None, os.environ.get("TILEFUSE_FLASHMLA", "").split(",")):
+        label, sep, folder = item.partition("=")
+        if not sep or not label.strip() or not folder.strip():
+            raise ValueError(f"TILEFUSE_FLASHMLA: expected label=path[,label=path], got {item!r}")
+        flashmla.append((label.strip(), folder.strip()))
     return Settings(backend=backend, debug=_flag("TILEFUSE_DEBUG"), configs=configs,
-                    interpret=_flag("TRITON_INTERPRET"))
+                    interpret=_flag("TRITON_INTERPRET"), flashmla=tuple(flashmla))
 
 
 settings = _read()

@@ -4,6 +4,7 @@ Every expected number below is worked out by hand from the rows in the test."""
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,13 +102,28 @@ def test_mla_summary_eager_without_metadata_graph_with_it():
     assert case["host_goal"]["goal"] == "eager_us <= 1.1 x flashmla eager_us"
     assert case["host_goal"]["measured"] == round(60 / 55, 4) and case["host_goal"]["met"] is False
     assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [
-        ("roofline >= 0.9 at context >= 16K", False), ("graph speedup over flashmla+metadata", False)]
+        ("roofline >= 0.9 at context >= 16K", False), (mla.PEER_GOAL, False)]
 
     alone = mla.summarize(mla_rows(with_flashmla=False))["cases"][0]
     assert alone["baseline"] == "torch_naive" and alone["graph_speedup"] == pytest.approx(400 / 50)
     # no FlashMLA: eager 60 us <= 1.3 x own graph 40 us = 52 us? no
     assert alone["host_goal"]["goal"] == "eager_us <= 1.3 x own graph_us"
     assert alone["host_goal"]["measured"] == round(60 / 52, 4) and alone["host_goal"]["met"] is False
+
+
+def test_mla_summary_judges_against_the_faster_flashmla_build():
+    params = {"batch": 16, "h_q": 16, "s_q": 3, "context": "mixed<=7400", "dtype": "bfloat16"}
+    rows = [row("mla", "tilefuse", params, eager=60.0, graph=40.0, roofline=0.7),
+            row("mla", "tilefuse+metadata", params, eager=80.0, graph=50.0, roofline=0.56),
+            row("mla", "flashmla@b31bfe7", params, eager=50.0, graph=35.0),
+            row("mla", "flashmla@b31bfe7+metadata", params, eager=70.0, graph=70.0),
+            row("mla", "flashmla@main", params, eager=55.0, graph=38.0),
+            row("mla", "flashmla@main+metadata", params, eager=75.0, graph=60.0)]
+    case = mla.summarize(rows)["cases"][0]
+    assert case["baseline"] == "flashmla@main" and case["graph_speedup"] == pytest.approx(60 / 50)
+    assert case["flashmla_builds"]["flashmla@b31bfe7"]["graph_speedup"] == pytest.approx(70 / 50)
+    # 16 heads, 3 query tokens: faster than FlashMLA (1.2 >= 1) but not by 1.3x
+    assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [(mla.PEER_GOAL, True), (mla.SHORT_GOAL, False)]
 
 
 def test_host_goal_with_a_term_missing():
@@ -215,3 +231,26 @@ def test_tools_start_without_a_gpu(tool):
     script = Path(__file__).parents[1] / "tools" / tool
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode in (0, 2) and "tools/" + tool in done.stdout + done.stderr
+
+
+def test_two_flashmla_builds_load_side_by_side(tmp_path, monkeypatch):
+    from tilefuse import _env
+
+    for label in ("old", "new"):
+        (tmp_path / label / "flash_mla").mkdir(parents=True)
+        (tmp_path / label / "flash_mla" / "__init__.py").write_text(f"BUILD = {label!r}\n")
+    monkeypatch.setenv("TILEFUSE_FLASHMLA", f"b31bfe7={tmp_path / 'old'},main={tmp_path / 'new'}")
+    monkeypatch.setattr(mla, "_PEERS", None)
+    _env.reload()
+    try:
+        peers = mla.flashmla_peers()
+        assert {name: module.BUILD for name, module in peers.items()} == {"flashmla@b31bfe7": "old",
+                                                                           "flashmla@main": "new"}
+        assert "flash_mla" not in sys.modules and str(tmp_path / "old") not in sys.path
+        monkeypatch.setenv("TILEFUSE_FLASHMLA", "main")
+        with pytest.raises(ValueError, match="TILEFUSE_FLASHMLA: expected label=path"):
+            _env.reload()
+    finally:
+        monkeypatch.delenv("TILEFUSE_FLASHMLA")
+        _env.reload()
+        mla._PEERS = None

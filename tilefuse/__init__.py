@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "swiglu": "tilefuse.ops.swiglu.op",
     "pack_gate_up": "tilefuse.ops.swiglu.op",
+    "swiglu_fp8": "tilefuse.ops.swiglu_fp8.op",
     "vq_matmul": "tilefuse.ops.vq.op",
     "get_mla_metadata": "tilefuse.ops.mla.op",
     "flash_mla_with_kvcache": "tilefuse.ops.mla.op",

@@ -1,6 +1,7 @@
 """Cases for the SwiGLU family, shared by the tests and ``tilefuse bench swiglu``.
 
-``SHAPES`` (model -> (H, I)), ``make_case()`` (random inputs), ``reference_fp64()`` (the spec in fp64).
+``SHAPES`` (model -> (H, I)), ``make_case()`` (random inputs), ``reference_fp64()`` (the spec in fp64);
+for ``swiglu_fp8``: ``LLAMA3_SHAPES``, ``make_fp8_case()``, ``reference_fp8_fp64()``.
 """
 
 from __future__ import annotations
@@ -57,3 +58,61 @@ def reference_fp64(case: SwiGLUCase | torch.Tensor, w_gate_up: torch.Tensor | No
 
     x, w_gate_up, bias = case.args() if isinstance(case, SwiGLUCase) else (case, w_gate_up, bias)
     return swiglu_reference(x, w_gate_up, bias, compute_dtype=torch.float64, out_dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- FP8
+# Llama-3 MLP shapes (H, I), held out of the tuning table: the FP8 benchmark's and the bf16 one's
+# extra cases.
+LLAMA3_SHAPES = {"L3-8B": (4096, 14336), "L3-70B": (8192, 28672)}
+# Scale layouts: activations "group" (1 x 128) | "token" | "tensor"; weights "block" (128 x 128) |
+# "channel" | "tensor".
+X_SCALINGS = ("group", "token", "tensor")
+W_SCALINGS = ("block", "channel", "tensor")
+
+
+@dataclass
+class SwiGLUFp8Case:
+    x: torch.Tensor                   # [M, K] (or [*lead, K]) float8_e4m3fn
+    x_scales: torch.Tensor            # [M, K/128] | [M, 1] | [] fp32
+    w_gate_up: torch.Tensor           # [2I, K] float8_e4m3fn, merged
+    w_scales: torch.Tensor            # [2I/128, K/128] | [2I, 1] | [] fp32
+
+    def args(self):
+        return self.x, self.x_scales, self.w_gate_up, self.w_scales
+
+
+def make_fp8_case(m: int, hidden: int, inter: int, device, *, x_scaling: str = "group", w_scaling: str = "block",
+                  lead: tuple[int, ...] | None = None) -> SwiGLUFp8Case:
+    """Random bf16-like inputs quantized to e4m3 with the chosen scale layouts (as a model's FP8
+    checkpoint and its dynamic activation quantization would give). Rows of x and blocks of w get
+    magnitudes spread over 2^-4..2^4, so the scales differ per group and block and a kernel that
+    applies a wrong one fails."""
+    from tilefuse.ops.swiglu_fp8.reference import quantize_fp8
+
+    shape = (*lead, hidden) if lead else (m, hidden)
+    x = torch.randn(shape, device=device) * torch.exp2(torch.randint(-4, 5, (*shape[:-1], -(-hidden // 128)),
+                                                                    device=device).float()).repeat_interleave(128, -1)[..., :hidden]
+    w = torch.randn(2 * inter, hidden, device=device) * hidden ** -0.5
+    w = w * torch.exp2(torch.randint(-2, 3, (-(-2 * inter // 128), 1), device=device).float()).repeat_interleave(128, 0)[:2 * inter]
+    if x_scaling == "tensor":
+        xq, xs = quantize_fp8(x.reshape(1, -1), None)
+        xq, xs = xq.reshape(shape), xs.reshape(())
+    else:
+        xq, xs = quantize_fp8(x, 128 if x_scaling == "group" else None)
+    if w_scaling == "tensor":
+        wq, ws = quantize_fp8(w.reshape(1, -1), None)
+        wq, ws = wq.reshape(w.shape), ws.reshape(())
+    else:
+        wq, ws = quantize_fp8(w, None, block=w_scaling == "block")
+    return SwiGLUFp8Case(xq, xs, wq, ws)
+
+
+def reference_fp8_fp64(case: SwiGLUFp8Case, rows=None) -> torch.Tensor:
+    """The fp64 spec of ``swiglu_fp8`` (unrounded ``h``), optionally for some rows of x only."""
+    from tilefuse.ops.swiglu_fp8.reference import swiglu_fp8_reference
+
+    x, xs, w, ws = case.args()
+    if rows is not None:
+        x = x[rows]
+        xs = xs[rows] if xs.dim() else xs
+    return swiglu_fp8_reference(x, xs, w, ws, out_dtype=torch.float64)

@@ -1,0 +1,244 @@
+"""FP8 fused SwiGLU (``tilefuse.swiglu_fp8``): the kernel in the Triton interpreter (CPU), the spec,
+the quantizers, errors, and the GPU tests.
+
+The interpreter multiplies e4m3 ``tl.dot`` operands exactly (checked against fp64 here), but its
+fp32 -> e4m3 and fp32 -> bf16 conversions are not round-to-nearest (seen: -7.75 -> -4 in e4m3), so
+CPU runs write fp16/fp32 outputs, and an e4m3 output as the unrounded fp32 quotients
+(``op._run`` does that under ``TRITON_INTERPRET``) which PyTorch rounds; the GPU tests cover the
+kernel's own e4m3 and bf16 stores.
+
+Tolerances against the fp64 spec (``h`` from the same e4m3 values and scales):
+* the products of two e4m3 values are exact in fp32, so the kernel's error is the fp32 summation
+  over K (~K 2^-24 relative to sum |terms|) plus the scaling; the test inputs spread their groups
+  over 2^-4..2^4, so terms cancel and gate/up reach ~10 (SiLU * mul then amplifies an absolute
+  error by ~|up|): fp32 output ``rtol = atol = 1e-4`` (seen: 4e-5 at K = 128); fp16: 1 ulp (2^-10)
+  + 1e-4; bf16 (GPU): 1 ulp (2^-7) + 1e-3.
+* e4m3 output: the group scale is ``amax / 448`` of the kernel's fp32 ``h`` (its error as for an fp32
+  output: ``rtol = 1e-4``); each value
+  within 1 e4m3 ulp (2^-3 relative) of ``h / scale``, or of the subnormal step (2^-9) near zero:
+  a fp32 sum that lands on the other side of a rounding tie than the fp64 one moves one code by
+  one ulp; at most 1e-3 of the codes (+ 3) may differ from the spec's. A wrong scale, group,
+  block or SiLU is off by far more.
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.swiglu_fp8 import configs
+from tilefuse.ops.swiglu_fp8.reference import FP8, dequantize, quantize_fp8, swiglu_fp8_reference
+from tilefuse.testing import assert_close
+from tilefuse.testing.swiglu import LLAMA3_SHAPES, SHAPES, X_SCALINGS, W_SCALINGS, make_fp8_case, reference_fp8_fp64
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.float16: dict(atol=1e-4, rtol=2 ** -10),
+       torch.bfloat16: dict(atol=1e-3, rtol=2 ** -7)}
+
+
+def check_quantized(q, scales, ref, frac=1e-3):
+    """e4m3 output + 1 x 128 group scales against the fp64 ``ref`` (see the module docstring)."""
+    assert q.dtype == FP8 and scales.dtype == torch.float32
+    want_q, want_s = quantize_fp8(ref)
+    assert_close(scales, want_s, atol=0, rtol=1e-4, name="out_scales")
+    assert torch.isfinite(q.float()).all(), "unwritten (NaN) or saturated-to-NaN outputs"
+    deq = dequantize(q, scales)
+    step = scales.double().repeat_interleave(128, -1) * 2 ** -9           # e4m3's subnormal step
+    err = (deq - ref.to(deq.device)).abs()
+    assert bool((err <= 2 ** -3 * ref.abs().to(deq.device) + step).all()), f"max error {err.max().item():.3e}"
+    differ = (q.float() != want_q.to(q.device).float()).float().mean().item()
+    assert differ <= frac + 3 / q.numel(), f"{differ:.2e} of the e4m3 codes differ from the spec's"
+
+
+def run(case, out_dtype):
+    with tilefuse.force(backend="triton"):
+        return tilefuse.swiglu_fp8(*case.args(), out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------- interpreter (CPU) / kernel
+# (M, K, I): M = 1 (one padded tile), 37, 130 (a second row tile at BLOCK_M 64 or 128); K = 128..384,
+# I = 128 and 256 (one and two BLOCK_N = 128 tiles, two to four BLOCK_N = 64 ones).
+KERNEL_SHAPES = [(1, 256, 128), (37, 384, 256), (130, 128, 128)]
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel"), ("group", "channel"),
+                                                 ("tensor", "block"), ("token", "tensor")])
+def test_kernel_scalings(interpret, shape, x_scaling, w_scaling):
+    m, k, i = shape
+    case = make_fp8_case(m, k, i, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
+    ref = reference_fp8_fp64(case)
+    out = run(case, torch.float32 if m != 37 else torch.float16)
+    assert_close(out, ref, **TOL[out.dtype])
+
+
+@pytest.mark.parametrize("shape", KERNEL_SHAPES)
+@pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel")])
+def test_kernel_quantized_output(interpret, shape, x_scaling, w_scaling):
+    m, k, i = shape
+    case = make_fp8_case(m, k, i, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
+    q, scales = run(case, FP8)
+    assert q.shape == (m, i) and scales.shape == (m, i // 128)
+    check_quantized(q, scales, reference_fp8_fp64(case))
+
+
+def test_kernel_leading_dims_and_zero_groups(interpret):
+    """[2, 3, K] input with [2, 3, K/128] scales; an all-zero output group (zero x rows) gets scale 1
+    and zero codes; a large-scale group saturates nothing (the largest |h| is exactly 448 x scale)."""
+    case = make_fp8_case(0, 256, 256, interpret, lead=(2, 3))
+    case.x[1, 2] = 0
+    case.x_scales[0, 1] *= 2 ** 20
+    q, scales = run(case, FP8)
+    assert q.shape == (2, 3, 256) and scales.shape == (2, 3, 2)
+    assert torch.equal(scales[1, 2], torch.ones(2)) and not q[1, 2].float().any()
+    assert q[0, 1].float().abs().amax(-1).eq(448).all()
+    check_quantized(q, scales, reference_fp8_fp64(case))
+
+
+def test_config_register_budget():
+    """Block-scaled tiles keep two fp32 tiles of <= 64 registers per thread (8 warps); quantized
+    outputs have one group per tile row."""
+    for m in (1, 128, 4096):
+        for quant in (False, True):
+            cfg = configs.choose(m, 4096, 14336, True, quant)
+            assert cfg.block_m * 2 * cfg.block_n // (32 * cfg.num_warps) <= 64 and cfg.block_k == 128
+            assert not quant or cfg.block_n == 128
+    cfg = configs.choose(4096, 4096, 14336, False, False)
+    assert cfg.block_m * 2 * cfg.block_n // 256 <= 128
+
+
+# ---------------------------------------------------------------- spec, quantizers
+def test_reference_is_blockwise_scaled_gemm():
+    """The spec equals the sum over K blocks of scale_x * scale_w * (block product), computed apart."""
+    case = make_fp8_case(5, 256, 128, "cpu")
+    x, xs, w, ws = (t.double() for t in case.args())
+    acc = torch.zeros(5, 256, dtype=torch.float64)
+    for kb in range(2):
+        blk = slice(128 * kb, 128 * kb + 128)
+        acc += (x[:, blk] @ w[:, blk].T) * xs[:, kb, None] * ws[:, kb].repeat_interleave(128)[None, :]
+    h = torch.nn.functional.silu(acc[:, :128]) * acc[:, 128:]
+    torch.testing.assert_close(reference_fp8_fp64(case), h, rtol=1e-12, atol=1e-12)
+
+
+def test_quantizer_edge_cases():
+    t = torch.randn(2, 256) * 3
+    t[0, :128] = 0                                # zero group -> scale 1, zero codes
+    t[1, 5] = 1e30                                # max magnitude -> exactly 448, no inf / NaN
+    q, s = quantize_fp8(t)
+    assert s[0, 0] == 1 and not q[0, :128].float().any()
+    assert q[1, 5].float() == 448 and torch.isfinite(q.float()).all()
+    w = torch.randn(256, 128)
+    wq, ws = quantize_fp8(w, None, block=True)
+    assert ws.shape == (2, 1) and wq.float().abs().amax() == 448
+    assert_close(dequantize(wq, ws, weight=True), w, rtol=2 ** -4, atol=ws.max().item() * 2 ** -10)
+
+
+def test_reference_backend_on_cpu():
+    """Without the interpreter forced, CPU tensors run the reference (fp32), both output kinds."""
+    case = make_fp8_case(3, 128, 128, "cpu")
+    with tilefuse.force(backend="reference"):
+        out = tilefuse.swiglu_fp8(*case.args())
+        q, s = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, reference_fp8_fp64(case), atol=1e-3, rtol=2 ** -8)
+    check_quantized(q, s, reference_fp8_fp64(case))
+
+
+def test_custom_op_fake_and_compile():
+    case = make_fp8_case(4, 128, 128, "cpu")
+    fn = torch.compile(lambda *a: tilefuse.swiglu_fp8(*a, out_dtype=FP8), fullgraph=True, backend="aot_eager")
+    q, s = fn(*case.args())
+    assert q.shape == (4, 128) and s.shape == (4, 1) and q.dtype == FP8
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda c: c.update(x=c["x"].to(torch.bfloat16)), "x: expected dtype float8_e4m3fn"),
+    (lambda c: c.update(w=c["w"].to(torch.float8_e5m2)), "w_gate_up: expected dtype float8_e4m3fn"),
+    (lambda c: c.update(xs=c["xs"].double()), "x_scales: expected dtype float32"),
+    (lambda c: c.update(xs=c["xs"][:, :1].repeat(1, 3)), r"x_scales: expected shape \[\.\.\., K/128=2\]"),
+    (lambda c: c.update(ws=c["ws"][:1]), r"w_scales: expected shape \[2I/128=2, K/128=2\]"),
+    (lambda c: c.update(ws=torch.ones(256, 2)), r"w_scales: expected shape"),
+    (lambda c: c.update(x=c["x"][:, :192].contiguous(), xs=c["xs"][:, :2].contiguous(),
+                        w=c["w"][:, :192].contiguous(), ws=torch.ones(256, 1)),
+     "x: expected K .* to be a multiple of 128"),
+    (lambda c: c.update(x=c["x"][:, :200].contiguous(), xs=torch.ones(4, 1), w=c["w"][:, :200].contiguous(),
+                        ws=torch.ones(256, 1)), "x: expected K .* to be a multiple of 16"),
+    (lambda c: c.update(out_dtype=torch.float8_e5m2), "out_dtype: expected one of"),
+    (lambda c: c.update(w=c["w"][:192], ws=torch.ones(192, 1), out_dtype=FP8),
+     "w_gate_up: expected I .* to be a multiple of 128"),
+    (lambda c: c.update(w=c["w"][:192], ws=torch.ones(2, 2)), "w_gate_up: expected I .*128 x 128 blocks"),
+    (lambda c: c.update(w=c["w"][:, :128]), r"w_gate_up: expected shape \[2I, K=256\]"),
+])
+def test_errors_name_the_argument(mutate, match):
+    case = make_fp8_case(4, 256, 128, "cpu")
+    c = dict(x=case.x, xs=case.x_scales, w=case.w_gate_up, ws=case.w_scales, out_dtype=torch.bfloat16)
+    mutate(c)
+    with pytest.raises(ValueError, match=match):
+        tilefuse.swiglu_fp8(c["x"], c["xs"], c["w"], c["ws"], out_dtype=c["out_dtype"])
+
+
+# ---------------------------------------------------------------- GPU (H200)
+def _rows(m):
+    return torch.arange(m) if m <= 256 else torch.cat((torch.arange(64), torch.randint(64, m - 64, (64,)),
+                                                       torch.arange(m - 64, m)))
+
+
+def _scaled_mm_error(case, rows, ref):
+    """Relative error of torch._scaled_mm (cuBLASLt, row-wise scales, bf16 out) + SiLU * mul in fp32
+    on the same e4m3 inputs, for per-token / per-channel cases: the bar the fused kernel is held to."""
+    x, xs, w, ws = case.args()
+    inter = w.shape[0] // 2
+    y = torch._scaled_mm(x[rows], w.T, scale_a=xs[rows].reshape(-1, 1), scale_b=ws.reshape(1, -1),
+                         out_dtype=torch.float32)
+    h = torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+    return ((h.double() - ref).norm() / ref.norm()).item()
+
+
+GPU_SHAPES = {**{k: SHAPES[k] for k in ("0.5B", "7B", "72B")}, **LLAMA3_SHAPES}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 37, 128, 1000, 4096])
+@pytest.mark.parametrize("model", list(GPU_SHAPES))
+@pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel")])
+def test_gpu_bench_shapes(model, m, x_scaling, w_scaling):
+    h, i = GPU_SHAPES[model]
+    if w_scaling == "block" and i % 128:
+        pytest.skip("block scaling needs I a multiple of 128")
+    case = make_fp8_case(m, h, i, "cuda", x_scaling=x_scaling, w_scaling=w_scaling)
+    rows = _rows(m).cuda()
+    ref = reference_fp8_fp64(case, rows)
+    out = tilefuse.swiglu_fp8(*case.args())
+    assert torch.isfinite(out).all()
+    assert_close(out[rows], ref, **TOL[torch.bfloat16])
+    if x_scaling == "token":
+        # accuracy goal: relative error within 1.5x of _scaled_mm's own (+ bf16 output rounding)
+        err = ((out[rows].double() - ref).norm() / ref.norm()).item()
+        assert err <= 1.5 * _scaled_mm_error(case, rows, ref) + 2 ** -9, err
+    if i % 128 == 0:
+        q, scales = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+        check_quantized(q[rows], scales[rows], ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_scaling,w_scaling", [(x, w) for x in X_SCALINGS for w in W_SCALINGS])
+def test_gpu_all_scalings_odd_m(x_scaling, w_scaling):
+    case = make_fp8_case(333, 1024, 768, "cuda", x_scaling=x_scaling, w_scaling=w_scaling)
+    ref = reference_fp8_fp64(case)
+    assert_close(tilefuse.swiglu_fp8(*case.args()), ref, **TOL[torch.bfloat16])
+    q, scales = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    check_quantized(q, scales, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_capture_and_saturation():
+    case = make_fp8_case(64, 512, 256, "cuda")
+    case.x_scales[3] = 2.0 ** 40          # huge products: fp32 holds them, the output re-quantizes
+    ref = reference_fp8_fp64(case)
+    q, s = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q2, s2 = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    check_quantized(q, s, ref)
+    assert swiglu_fp8_reference(*case.args(), out_dtype=FP8)[1].shape == s.shape

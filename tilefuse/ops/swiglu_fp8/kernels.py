@@ -1,0 +1,106 @@
+"""Triton kernel of the FP8 fused SwiGLU gate/up projection with scaled e4m3 inputs.
+
+``h = silu(Xd Wgd^T) * (Xd Wud^T)`` where ``Xd = x * x_scales`` and ``Wd = w * w_scales`` are the
+dequantized operands (e4m3 values times fp32 scales). The kernel never dequantizes: the tensor
+core multiplies the e4m3 tiles (fp32 accumulation) and the scales are applied to the fp32
+products, per K block where they vary along K:
+
+* block scaling (DeepSeek-V3's recipe): ``x_scales [M, K/128]`` (one scale per token and 1 x 128
+  group of K), ``w_scales [2I/128, K/128]`` (one scale per 128 x 128 weight block). Each 128-wide
+  K step's product ``x_k w_k^T`` starts from zero in the tensor core and is added to the fp32
+  total times ``x_scale[m, k] * w_scale[n/128, k]``.
+* per-token / per-channel scaling (Llama FP8 checkpoints, ``torch._scaled_mm`` row-wise):
+  ``x_scales [M, 1]``, ``w_scales [2I, 1]``; constant along K, so the products chain in the tensor
+  core and the scales multiply the finished accumulator once. Either side may be of either kind.
+
+Epilogue: SiLU * mul in fp32 on the scaled gate and up accumulators, then either one rounding to
+bf16/fp16, or a re-quantization to e4m3 with one fp32 scale per token and 1 x 128 group of output
+columns (``scale = amax / 448``, 1 for an all-zero group), the layout the down projection's
+block-scaled GEMM takes: the ``[M, 2I]`` intermediate never reaches HBM, nor a bf16 ``[M, I]``.
+
+Weight layout: merged ``[2I, K]`` (gate rows, then up rows), viewed as ``[2, I, K]`` so one 3-D TMA
+box ``[2, BLOCK_N, BLOCK_K]`` holds a tile's gate and up rows and one dot of N = 2 BLOCK_N feeds
+the tensor core per K step (as the bf16 large-M kernel does).
+"""
+
+import triton
+import triton.language as tl
+
+from tilefuse.ops.tl_common import grouped_tile
+
+FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
+WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
+
+
+@triton.jit
+def swiglu_fp8_kernel(
+    # TMA descriptors (host-side) and plain pointers
+    x_desc, w_desc, out_desc, xs_ptr, ws_ptr, os_ptr,
+    # sizes
+    M, I, K,
+    # scale strides: x_scales [M, K/128 or 1], w_scales [2I/128, K/128] or [2I, 1], out_scales [M, I/128]
+    stride_xs_m, stride_xs_k, stride_ws_n, stride_ws_k, stride_os_m,
+    # meta-parameters
+    X_GROUPED: tl.constexpr, W_BLOCKED: tl.constexpr, QUANT_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One program = one [BLOCK_M, BLOCK_N] output tile (a BLOCK_M x 2 BLOCK_N GEMM tile).
+
+    Grid: (cdiv(M, BLOCK_M) * cdiv(I, BLOCK_N),) in grouped order. With block-scaled operands
+    BLOCK_K = 128 (one scale per K step) and BLOCK_N divides 128 (a tile's gate rows, and its up
+    rows, lie in one weight block); QUANT_OUT needs BLOCK_N = 128 (one output group per tile row).
+    x_desc boxes [BLOCK_M, BLOCK_K], w_desc [2, BLOCK_N, BLOCK_K] over the weight viewed as
+    [2, I, K], out_desc [BLOCK_M, BLOCK_N].
+    """
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(I, BLOCK_N), GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    # Scale rows: out-of-range tokens are clamped to the last one (their outputs are not stored).
+    rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), M - 1)
+    is_gate = tl.arange(0, 2 * BLOCK_N) < BLOCK_N
+    k_steps = tl.cdiv(K, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    # Main loop: HBM -TMA-> SMEM (ring of num_stages) -WGMMA (e4m3 x e4m3 -> fp32)-> registers.
+    # TMA zero-fills rows past M and I (each plane of the [2, I, K] view) and the K tail.
+    for ks in range(k_steps):
+        x = x_desc.load([off_m, ks * BLOCK_K])
+        w = w_desc.load([0, off_n, ks * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+        if X_GROUPED or W_BLOCKED:
+            # Scales that vary along K: this K block's product is scaled in fp32 before it joins
+            # the total (x: one scale per row; w: one for the gate block, one for the up block).
+            part = tl.dot(x, w.T)
+            if X_GROUPED:
+                part = part * tl.load(xs_ptr + rows * stride_xs_m + ks * stride_xs_k)[:, None]
+            if W_BLOCKED:
+                ws_gate = tl.load(ws_ptr + (off_n // WBLOCK) * stride_ws_n + ks * stride_ws_k)
+                ws_up = tl.load(ws_ptr + ((I + off_n) // WBLOCK) * stride_ws_n + ks * stride_ws_k)
+                part = part * tl.where(is_gate, ws_gate, ws_up)[None, :]
+            acc += part
+        else:
+            acc = tl.dot(x, w.T, acc)
+
+    # Scales constant along K multiply the finished accumulator: per token (rows) and per weight
+    # row (columns: gate rows off_n.., up rows I + off_n..; clamped at I, dropped by the store).
+    if not X_GROUPED:
+        acc = acc * tl.load(xs_ptr + rows * stride_xs_m)[:, None]
+    if not W_BLOCKED:
+        cols = tl.minimum(off_n + tl.arange(0, 2 * BLOCK_N) % BLOCK_N, I - 1)
+        acc = acc * tl.load(ws_ptr + (cols + tl.where(is_gate, 0, I)) * stride_ws_n)[None, :]
+
+    # Epilogue: split the gate | up halves, SiLU * mul in fp32.
+    gate, up = tl.split(acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1))
+    h = gate * tl.sigmoid(gate) * up
+    if QUANT_OUT:
+        # Re-quantize each row's 128 columns (one group) to e4m3: scale = amax / 448 (1 for an
+        # all-zero group), values h / scale clamped to +-448 (no NaN from a rounding overshoot);
+        # the scales go to out_scales[m, n / 128].
+        amax = tl.max(tl.abs(h), axis=1)
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        q = tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX)
+        out_desc.store([off_m, off_n], q.to(out_desc.dtype))
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
+    else:
+        # One rounding to the output dtype; the TMA store clips at M and I.
+        out_desc.store([off_m, off_n], h.to(out_desc.dtype))

@@ -1,0 +1,219 @@
+"""``tilefuse.swiglu_fp8``: validation, launch plan, custom op.
+
+The kernel lives in ``kernels.py``, the tile choice in ``configs.py``, the spec and the e4m3
+quantizers in ``reference.py``. e4m3 inputs on CUDA (sm_90+: TMA, FP8 WGMMA) run the kernel; on
+other devices the reference computes in fp32 (``TRITON_INTERPRET=1`` interprets the kernel on CPU
+tensors, as for the other families).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tilefuse import _checks, _launch
+from tilefuse._backend import choose_backend, interpreting
+from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
+from tilefuse.ops.swiglu_fp8 import configs
+from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, swiglu_fp8_reference
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
+
+
+@functools.cache
+def _kernel():
+    from tilefuse.ops.swiglu_fp8 import kernels
+
+    return _launch.Kernel(kernels.swiglu_fp8_kernel)
+
+
+# ----------------------------------------------------------------------------- scales
+def _scale_kind(name: str, scales, grouped: tuple[int, ...], per_row: tuple[tuple[int, ...], ...],
+                expected: str) -> str:
+    """Validate a scale tensor: "k" (shape ``grouped``: varies along K), "row" (one of ``per_row``:
+    per token / per channel) or "tensor" (0-dim); ``expected`` spells the shapes for the error."""
+    _checks.check_tensor(name, scales, dtypes=(torch.float32,))
+    shape = tuple(scales.shape)
+    if scales.dim() == 0:
+        return "tensor"
+    if shape in per_row:
+        return "row"
+    if shape == grouped:
+        return "k"
+    raise ValueError(f"{name}: expected shape {expected}, got {shape}")
+
+
+def _as_2d(scales: torch.Tensor, rows: int) -> torch.Tensor:
+    """Scales as the kernel reads them, 2-D with strides: a 0-dim (per-tensor) scale broadcast to
+    [rows, 1] (stride 0), [rows] as [rows, 1], leading dimensions flattened."""
+    if scales.dim() == 0:
+        return scales.reshape(1, 1).expand(rows, 1)
+    if scales.dim() == 1:
+        return scales[:, None]
+    return scales.reshape(-1, scales.shape[-1])
+
+
+# ----------------------------------------------------------------------------- plan
+class _Call:
+    """What a call with one argument layout runs (validation included), worked out once."""
+
+    __slots__ = ("reference", "m", "inter", "hidden", "out_shape", "scale_shape", "config", "x_grouped",
+                 "w_blocked", "quant")
+
+
+_plans = PlanCache()
+
+
+def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
+    key = plan_key(x, x_scales, w_gate_up, w_scales)
+    key = key + (out_dtype,) if key is not None and isinstance(out_dtype, torch.dtype) else None
+    call = _plans.get(key) if key is not None else None
+    if call is not None:
+        return call
+    x_kind, w_kind = _validate(x, x_scales, w_gate_up, w_scales, out_dtype)
+    call = _Call()
+    call.hidden, call.inter = x.shape[-1], w_gate_up.shape[0] // 2
+    call.m = x.numel() // call.hidden if call.hidden else x.numel()
+    call.out_shape = (*x.shape[:-1], call.inter)
+    call.quant = out_dtype == FP8
+    call.scale_shape = (*x.shape[:-1], call.inter // GROUP) if call.quant else (0,)
+    call.x_grouped, call.w_blocked = x_kind == "k", w_kind == "k"
+    call.reference = call.hidden == 0 or call.inter == 0 or choose_backend(x.device) != "triton"
+    if not call.reference:
+        if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
+            raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
+                             f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
+        call.config = configs.choose(call.m, call.hidden, call.inter, call.x_grouped or call.w_blocked, call.quant)
+    return _plans.remember(key, call)
+
+
+def _validate(x, x_scales, w_gate_up, w_scales, out_dtype) -> tuple[str, str]:
+    _checks.check_tensor("x", x, dtypes=(FP8,), min_ndim=1)
+    _checks.check_tensor("w_gate_up", w_gate_up, dtypes=(FP8,), ndim=2)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype: expected one of {tuple(str(d).replace('torch.', '') for d in OUT_DTYPES)}, "
+                         f"got {out_dtype!r}")
+    hidden, rows = x.shape[-1], w_gate_up.shape[0]
+    _checks.check_shape("w_gate_up", w_gate_up, (None, hidden), f"[2I, K={hidden}]")
+    _checks.check_multiple("w_gate_up", rows, 2, "2I (rows)")
+    lead, kg, ng = tuple(x.shape[:-1]), -(-hidden // GROUP), -(-rows // GROUP)
+    x_kind = _scale_kind("x_scales", x_scales, (*lead, kg), ((*lead, 1),),
+                         f"[..., K/128={kg}] (1 x 128 groups), [..., 1] (per token) or [] (per tensor), "
+                         f"with x's leading dimensions {list(lead)}")
+    w_kind = _scale_kind("w_scales", w_scales, (ng, kg), ((rows, 1), (rows,)),
+                         f"[2I/128={ng}, K/128={kg}] (128 x 128 blocks), [2I={rows}, 1] or [2I] (per channel) "
+                         f"or [] (per tensor)")
+    if "k" in (x_kind, w_kind):
+        what = "x_scales has 1 x 128 groups" if x_kind == "k" else "w_scales has 128 x 128 blocks"
+        _checks.check_multiple("x", hidden, GROUP, f"K (last dimension; {what})")
+    else:
+        _checks.check_multiple("x", hidden, 16, "K (last dimension; 16-byte rows for TMA)")
+    if w_kind == "k":
+        _checks.check_multiple("w_gate_up", rows // 2, GROUP, "I (2I rows; w_scales has 128 x 128 blocks)")
+    if out_dtype == FP8:
+        _checks.check_multiple("w_gate_up", rows // 2, GROUP, "I (2I rows; out_dtype e4m3 has 1 x 128 groups)")
+    else:
+        _checks.check_multiple("w_gate_up", rows // 2, 16, "I (2I rows; 16-byte output rows for TMA)")
+    _checks.check_contiguous("x", x)
+    _checks.check_contiguous("w_gate_up", w_gate_up)
+    _checks.check_same_device(x=x, x_scales=x_scales, w_gate_up=w_gate_up, w_scales=w_scales)
+    return x_kind, w_kind
+
+
+# ----------------------------------------------------------------------------- launch
+def run_kernel(x2d, xs, w, ws, out, out_scales, cfg: configs.Fp8Config, x_grouped: bool, w_blocked: bool,
+               quant: bool) -> None:
+    """Launch on a 2-D problem: ``x2d [M, K]`` e4m3, ``xs`` [M, K/128] or [M, 1], ``w [2I, K]``,
+    ``ws`` [2I/128, K/128] or [2I, 1]; ``out [M, I]`` (e4m3 when ``quant``, or an fp32 buffer that
+    receives the unrounded quotients: the interpreter's e4m3 conversion is wrong), ``out_scales
+    [M, I/128]`` fp32 when ``quant``. All 16-byte aligned, unit last stride."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = x2d.shape
+    inter = w.shape[0] // 2
+    x_desc = TensorDescriptor(x2d, [m, k], [x2d.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(w, [2, inter, k], [inter * k, k, 1], [2, cfg.block_n, cfg.block_k])
+    out_desc = TensorDescriptor(out, [m, inter], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+    tiles = -(-m // cfg.block_m) * -(-inter // cfg.block_n)
+    os_ = out_scales if quant else xs
+    key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, x_grouped, w_blocked,
+           quant, _launch.aligned(xs, ws, os_))
+    _kernel()(key, (tiles,), x2d.device.index,
+              x_desc, w_desc, out_desc, xs, ws, os_,
+              m, inter, k, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), os_.stride(0),
+              X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant,
+              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+              num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+
+
+def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
+    if call.reference:
+        out = swiglu_fp8_reference(x, x_scales, w_gate_up, w_scales, out_dtype=out_dtype,
+                                   compute_dtype=torch.float32)
+        return out if call.quant else (out, x.new_empty(call.scale_shape, dtype=torch.float32))
+    carrier = call.quant and interpreting()
+    out = torch.empty(call.out_shape, dtype=torch.float32 if carrier else out_dtype, device=x.device)
+    scales = torch.empty(call.scale_shape, dtype=torch.float32, device=x.device)
+    if call.m:
+        m, hidden, inter = call.m, call.hidden, call.inter
+        run_kernel(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter),
+                   out.view(m, inter), scales.view(m, -1) if call.quant else scales, call.config,
+                   call.x_grouped, call.w_blocked, call.quant)
+    return (out.to(FP8) if carrier else out), scales
+
+
+def _fake(x, x_scales, w_gate_up, w_scales, out_dtype):
+    inter = w_gate_up.shape[0] // 2
+    quant = out_dtype == FP8
+    return (x.new_empty(*x.shape[:-1], inter, dtype=out_dtype),
+            x.new_empty(*(x.shape[:-1] + (inter // GROUP,) if quant else (0,)), dtype=torch.float32))
+
+
+@tilefuse_op("swiglu_fp8", fake=_fake, backward=no_backward("swiglu_fp8", "the FP8 inference op"),
+             setup_context=lambda ctx, inputs, output: None)
+def _swiglu_fp8_op(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor, w_scales: torch.Tensor,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run(_plan_call(x, x_scales, w_gate_up, w_scales, out_dtype), x, x_scales, w_gate_up, w_scales,
+                out_dtype)
+
+
+def swiglu_fp8(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor, w_scales: torch.Tensor, *,
+               out_dtype: torch.dtype = torch.bfloat16):
+    """Fused FP8 ``silu(Xd Wgd^T) * (Xd Wud^T)`` from scaled e4m3 operands (``Xd = x * x_scales``,
+    ``Wd = w_gate_up * w_scales``); fp32 accumulation, scales applied per 128-wide K block.
+
+    Parameters
+    ----------
+    x : [..., K] float8_e4m3fn, contiguous. K a multiple of 128 when either side has group/block
+        scales, else of 16.
+    x_scales : fp32; [..., K/128] (1 x 128 groups per token, DeepSeek-V3 / transformers' dynamic
+        FP8 activations), [..., 1] (per token) or [] (per tensor).
+    w_gate_up : [2I, K] float8_e4m3fn, contiguous, merged (gate rows, then up rows).
+    w_scales : fp32; [2I/128, K/128] (128 x 128 blocks: transformers' ``weight_scale_inv``
+        stacked for gate and up; I a multiple of 128), [2I, 1] or [2I] (per output channel,
+        ``torch._scaled_mm`` row-wise) or [] (per tensor).
+    out_dtype : bfloat16 (default), float16 or float32: ``h`` rounded once. float8_e4m3fn: ``h``
+        re-quantized in the epilogue with one fp32 scale per token and 1 x 128 group of the I
+        output columns (``amax / 448``; 1 for an all-zero group; I a multiple of 128), ready for a
+        block-scaled down projection.
+
+    Returns
+    -------
+    [..., I] in ``out_dtype``; for float8_e4m3fn the pair (``h`` [..., I] e4m3, scales
+    [..., I/128] fp32) with ``h ~= out * scales`` per group. Inference only (no backward).
+
+    Examples
+    --------
+    >>> from tilefuse.ops.swiglu_fp8.reference import quantize_fp8
+    >>> w, w_s = quantize_fp8(torch.cat([w_gate, w_up]), block=True)     # [2I, K], [2I/128, K/128]
+    >>> x8, x_s = quantize_fp8(x)                                        # [M, K], [M, K/128]
+    >>> h = tilefuse.swiglu_fp8(x8, x_s, w, w_s)                         # [M, I] bf16
+    >>> h8, h_s = tilefuse.swiglu_fp8(x8, x_s, w, w_s, out_dtype=torch.float8_e4m3fn)
+    """
+    call = _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype)
+    if use_dispatcher(x, x_scales, w_gate_up, w_scales):
+        out, scales = _swiglu_fp8_op(x, x_scales, w_gate_up, w_scales, out_dtype)
+    else:
+        out, scales = _run(call, x, x_scales, w_gate_up, w_scales, out_dtype)
+    return (out, scales) if call.quant else out

@@ -25,11 +25,14 @@ SWIGLU_MLP_CLASSES = {
 SILU_NAMES = ("silu", "swish")
 
 
-def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
+def patch_swiglu(model: nn.Module, layout: str = "merged", *, fp8: bool = False) -> int:
     """Swap every SwiGLU MLP of ``model`` for ``FusedSwiGLUMLP.from_mlp`` in place.
 
     ``model.config.model_type`` picks the MLP class from :data:`SWIGLU_MLP_CLASSES`; models whose
-    ``hidden_act`` is not SiLU are refused. Returns the number of modules replaced.
+    ``hidden_act`` is not SiLU are refused. MLPs with e4m3 weights (a model loaded from an FP8
+    checkpoint through transformers' ``FP8Linear``) run :func:`tilefuse.swiglu_fp8`; ``fp8=True``
+    quantizes bf16/fp16 gate/up weights to that layout (128 x 128 blocks). Returns the number of
+    modules replaced.
     """
     from tilefuse.nn.swiglu import FusedSwiGLUMLP
 
@@ -45,7 +48,7 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
     for name, mod in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, FusedSwiGLUMLP.from_mlp(mod, layout=layout))
+        setattr(parent, attr, FusedSwiGLUMLP.from_mlp(mod, layout=layout, fp8=fp8))
     return len(targets)
 
 

@@ -1,4 +1,5 @@
-"""``FusedSwiGLUMLP``: an LLaMA/Qwen-style MLP whose gate/up projection runs as one fused kernel."""
+"""``FusedSwiGLUMLP``: an LLaMA/Qwen-style MLP whose gate/up projection runs as one fused kernel
+(bf16/fp16 weights: :func:`tilefuse.swiglu`; e4m3 weights with scales: :func:`tilefuse.swiglu_fp8`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 from torch import nn
 
 from tilefuse.ops.swiglu.op import LAYOUTS, pack_gate_up, swiglu
+from tilefuse.ops.swiglu_fp8.op import swiglu_fp8
+from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, quantize_fp8
 
 # Activation modules that compute SiLU (nn.SiLU; transformers' SiLUActivation, by class name so
 # transformers need not be installed).
@@ -47,10 +50,19 @@ class FusedSwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=down_bias, **factory)
         nn.init.normal_(self.gate_up_weight, std=hidden_size ** -0.5)
 
+    fp8 = False
+    act_group: int | None = None
+
     @classmethod
-    def from_mlp(cls, mlp: nn.Module, layout: str = "merged") -> FusedSwiGLUMLP:
+    def from_mlp(cls, mlp: nn.Module, layout: str = "merged", *, fp8: bool = False) -> FusedSwiGLUMLP:
         """Build from an HF-style MLP with ``gate_proj``, ``up_proj``, ``down_proj`` (nn.Linear) and a
         SiLU ``act_fn`` (any other activation is refused: the kernel computes SiLU).
+
+        FP8 (the gate/up projection by :func:`tilefuse.swiglu_fp8`): taken when ``gate_proj.weight``
+        is float8_e4m3fn (a model loaded from an FP8 checkpoint; see :meth:`_from_fp8_mlp` for the
+        layouts read), or with ``fp8=True`` from bf16/fp16 weights, which are then quantized in
+        128 x 128 blocks (per output channel if H or I is not a multiple of 128). ``down_proj`` is
+        kept as it is (the model's own, FP8 or not).
 
         No second copy of the weights stays alive: ``down_proj`` is the same module (shared), and
         with ``layout="merged"`` the original ``gate_proj.weight``/``up_proj.weight`` are re-pointed
@@ -69,6 +81,10 @@ class FusedSwiGLUMLP(nn.Module):
             raise ValueError(f"mlp.act_fn: expected SiLU (the fused kernel computes silu(gate) * up), "
                              f"got {type(act).__name__ if act is not None else None}")
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if fp8 or gate.weight.dtype == FP8:
+            if layout != "merged":
+                raise ValueError(f"layout: expected 'merged' for an FP8 MLP, got {layout!r}")
+            return cls._from_fp8_mlp(mlp)
         if gate.weight.shape != up.weight.shape:
             raise ValueError(f"mlp.up_proj.weight: expected shape {tuple(gate.weight.shape)} like "
                              f"gate_proj.weight, got {tuple(up.weight.shape)}")
@@ -94,19 +110,79 @@ class FusedSwiGLUMLP(nn.Module):
         new.down_proj = down
         return new
 
+    @classmethod
+    def _from_fp8_mlp(cls, mlp: nn.Module) -> FusedSwiGLUMLP:
+        """The FP8 layout. Read from e4m3 ``gate_proj``/``up_proj`` weights ``[I, H]`` with their
+        scales as transformers' ``FP8Linear`` holds them (checkpoints quantized the DeepSeek-V3 /
+        ``FineGrainedFP8Config`` way): ``weight_scale_inv`` ``[I/128, H/128]`` (128 x 128 blocks)
+        or ``[]`` (per tensor), or ``weight_scale`` ``[I, 1]`` / ``[I]`` (per channel, as
+        compressed-tensors FP8 checkpoints store it); scales multiply (``W = weight * scale``).
+        Activations are quantized on the fly: 1 x 128 groups with block-scaled weights (as
+        ``FP8Linear`` does), per token otherwise. Gate/up biases are refused (no FP8 model has them).
+        """
+        gate, up = mlp.gate_proj, mlp.up_proj
+        if gate.bias is not None or up.bias is not None:
+            raise ValueError("mlp.gate_proj.bias: expected no gate/up bias for an FP8 MLP")
+        if gate.weight.shape != up.weight.shape:
+            raise ValueError(f"mlp.up_proj.weight: expected shape {tuple(gate.weight.shape)} like "
+                             f"gate_proj.weight, got {tuple(up.weight.shape)}")
+        inter, hidden = gate.weight.shape
+        with torch.no_grad():
+            if gate.weight.dtype == FP8:
+                scales = [_fp8_scales(lin, f"mlp.{name}") for name, lin in (("gate_proj", gate), ("up_proj", up))]
+                weight = torch.cat((gate.weight.detach(), up.weight.detach()))
+                if scales[0].dim() == 2 and scales[0].shape[0] != inter:        # 128 x 128 blocks
+                    if inter % GROUP:
+                        raise ValueError(f"mlp.gate_proj.weight: expected I a multiple of 128 with 128 x 128 "
+                                         f"block scales, got {inter}")
+                    scale = torch.cat(scales)
+                else:                                                           # per channel / tensor
+                    scale = torch.cat([s.reshape(-1, 1).expand(inter, 1) for s in scales])
+            else:
+                w = torch.cat((gate.weight.detach(), up.weight.detach()))
+                blocks = inter % GROUP == 0 and hidden % GROUP == 0
+                weight, scale = quantize_fp8(w, None, block=blocks)
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.hidden_size, new.intermediate_size, new.layout, new.fp8 = hidden, inter, "merged", True
+        new.gate_up_weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+        new.register_buffer("gate_up_scales", scale.float().contiguous())
+        new.gate_up_bias = None
+        new.act_group = GROUP if scale.shape[0] != 2 * inter else None
+        new.down_proj = mlp.down_proj
+        return new
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
+        if self.fp8:
+            # dynamic activation quantization (1 x 128 groups or per token), then the fused kernel
+            xq, x_scales = quantize_fp8(x, self.act_group)
+            h = swiglu_fp8(xq, x_scales, self.gate_up_weight, self.gate_up_scales, out_dtype=x.dtype)
+        else:
+            h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
         return self.down_proj(h)
 
     def get_extra_state(self) -> dict:
-        return {"layout": self.layout}
+        return {"layout": self.layout, "fp8": self.fp8}
 
     def set_extra_state(self, state) -> None:
         layout = state.get("layout") if isinstance(state, dict) else None
         if layout != self.layout:
             raise ValueError(f"state_dict: expected gate_up_weight in layout {self.layout!r} (this module's), "
                              f"got weights saved in layout {layout!r}; build the module with layout={layout!r}")
+        if bool(state.get("fp8", False)) != self.fp8:
+            raise ValueError(f"state_dict: expected {'FP8' if self.fp8 else 'bf16/fp16'} gate/up weights "
+                             f"(this module's), got the other kind")
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"layout={self.layout!r}, bias={self.gate_up_bias is not None}")
+                f"layout={self.layout!r}, bias={self.gate_up_bias is not None}"
+                + (f", fp8=True, act_group={self.act_group}" if self.fp8 else ""))
+
+
+def _fp8_scales(linear: nn.Module, name: str) -> torch.Tensor:
+    """The dequantization scales of an e4m3 Linear (``weight_scale_inv`` or ``weight_scale``)."""
+    for attr in ("weight_scale_inv", "weight_scale"):
+        scale = getattr(linear, attr, None)
+        if isinstance(scale, torch.Tensor):
+            return scale.detach()
+    raise ValueError(f"{name}: expected an e4m3 weight with a weight_scale_inv or weight_scale tensor, found neither")

@@ -90,10 +90,11 @@ def make_fp8_case(m: int, hidden: int, inter: int, device, *, x_scaling: str = "
     from tilefuse.ops.swiglu_fp8.reference import quantize_fp8
 
     shape = (*lead, hidden) if lead else (m, hidden)
-    x = torch.randn(shape, device=device) * torch.exp2(torch.randint(-4, 5, (*shape[:-1], -(-hidden // 128)),
-                                                                    device=device).float()).repeat_interleave(128, -1)[..., :hidden]
-    w = torch.randn(2 * inter, hidden, device=device) * hidden ** -0.5
-    w = w * torch.exp2(torch.randint(-2, 3, (-(-2 * inter // 128), 1), device=device).float()).repeat_interleave(128, 0)[:2 * inter]
+    groups = -(-hidden // 128)
+    x_mag = torch.exp2(torch.randint(-4, 5, (*shape[:-1], groups), device=device).float())
+    x = torch.randn(shape, device=device) * x_mag.repeat_interleave(128, -1)[..., :hidden]
+    w_mag = torch.exp2(torch.randint(-2, 3, (-(-2 * inter // 128), 1), device=device).float())
+    w = torch.randn(2 * inter, hidden, device=device) * hidden ** -0.5 * w_mag.repeat_interleave(128, 0)[:2 * inter]
     if x_scaling == "tensor":
         xq, xs = quantize_fp8(x.reshape(1, -1), None)
         xq, xs = xq.reshape(shape), xs.reshape(())

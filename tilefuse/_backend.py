@@ -27,7 +27,7 @@ BACKENDS = _env.BACKENDS
 # Kernel variants of each family (the ops dispatch among these; force() accepts any of them).
 VARIANTS = {
     "swiglu": ("small_m", "large_m"),
-    "vq": ("decode", "decode_tl", "prefill", "dequant"),
+    "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
     "mla": ("transposed", "standard"),
 }
 _ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)

@@ -25,7 +25,7 @@ import torch
 
 from tilefuse.bench.harness import LEGACY_NOTE, ROW_FIELDS, Ceilings, Timer, measure_ceilings, run_case
 
-FAMILIES = ("swiglu", "mla", "vq")
+FAMILIES = ("swiglu", "swiglu_fp8", "mla", "vq")
 DEFAULT_OUT = Path("bench/results")
 EAGER_LOOP_MS = 20.0
 GPU_TIMING = ("GPU: gpu_us, eager_us and graph_us per row (see fields); tflops, gbps and roofline_frac from "

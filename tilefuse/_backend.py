@@ -28,7 +28,7 @@ BACKENDS = _env.BACKENDS
 VARIANTS = {
     "swiglu": ("small_m", "large_m"),
     "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
-    "mla": ("transposed", "standard"),
+    "mla": ("transposed", "standard", "wgmma"),
 }
 _ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
 

@@ -18,7 +18,9 @@ LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="aut
           "decode_resident": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="resident"),
           "decode_gather": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="gather"),
           "decode_tl": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="tl"),
-          "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out),
+          "mma": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="auto"),
+          "mma_gluon": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="gluon"),
+          "prefill": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="tl"),
           "dequant": lambda c, out: vq_op.launch_dequant(*_args(c), out)}
 
 
@@ -51,7 +53,7 @@ def _run_poisoned(case, variant):
 CPU_SHAPES = [(1, 1, 64), (1, 37, 264), (2, 37, 136), (3, 16, 64), (8, 33, 72)]
 
 
-@pytest.mark.parametrize("variant", ["decode", "prefill", "dequant"])
+@pytest.mark.parametrize("variant", ["decode", "mma", "dequant"])
 @pytest.mark.parametrize("m,n,k", CPU_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernels_interpreted(interpret, variant, m, n, k, bias):
@@ -84,7 +86,17 @@ def test_decode_split_k_leaves_scratch_clean(interpret, split_k):
     assert all(not buf.any() for (_, _, zero), buf in _scratch._arenas.items() if zero)
 
 
-@pytest.mark.parametrize("variant", ["decode", "prefill", "dequant"])
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("m,n,k", [(2, 37, 264), (16, 33, 520)])
+def test_mma_split_k_interpreted(interpret, split_k, m, n, k):
+    """The tl MMA kernel with its K split forced, odd N, K/8 not a multiple of the step."""
+    case = make_case(m, n, k, torch.float16, interpret, bias=True, codes_dtype=torch.int8)
+    out = poisoned((m, n), torch.float16, interpret)
+    vq_op.launch_mma(*_args(case), out, split_k=split_k)
+    _check(out, case, "mma")
+
+
+@pytest.mark.parametrize("variant", ["decode", "mma", "dequant"])
 @pytest.mark.parametrize("pattern", ["zeros", "255", "alternating"])
 def test_extreme_codes(interpret, variant, pattern):
     case = make_case(2, 24, 128, torch.float16, interpret)
@@ -98,7 +110,7 @@ def test_extreme_codes(interpret, variant, pattern):
     _check(_run_poisoned(case, variant), case, variant)
 
 
-@pytest.mark.parametrize("m", [1, 12])          # decode and dequant + GEMM
+@pytest.mark.parametrize("m", [1, 12, 20])      # decode, MMA decode, dequant + GEMM
 def test_int8_codes_match_uint8(interpret, m):
     """AQLM stores int8: -1 is code 255. Same bits, same result, whichever dtype comes first."""
     case = make_case(m, 16, 64, torch.float16, interpret)
@@ -111,14 +123,15 @@ def test_int8_codes_match_uint8(interpret, m):
     _check(y_u8, case, vq_op.choose_variant(m))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 12])
+@pytest.mark.parametrize("m", [1, 2, 3, 17])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
-    """x: [..., K] with leading dims; 1-4 tokens dispatch to decode, more to dequant + GEMM."""
+    """x: [..., K] with leading dims; 1 token dispatches to the table decode, 2-16 to the MMA decode,
+    more to dequant + GEMM."""
     case = make_case(m, 24, 64, torch.float16, interpret, bias=True)
     x3 = case.x.reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 24)
-    assert vq_op.choose_variant(m) == ("decode" if m <= 4 else "dequant")
+    assert vq_op.choose_variant(m) == ("decode" if m == 1 else "mma" if m <= 16 else "dequant")
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
@@ -186,10 +199,65 @@ GPU_SHAPES = SHAPES
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("dequant", 16), ("dequant", 512), ("prefill", 64)])
+@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 8), ("dequant", 16), ("dequant", 512), ("prefill", 64),
+                                       ("prefill", 512)])
 def test_gpu_bench_shapes(dtype, n, k, variant, m):
     case = make_case(m, n, k, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, variant), case, variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GPU_SHAPES + [(4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("m", [2, 3, 8, 16, 64])
+def test_gpu_mma_bench_shapes(dtype, n, k, m):
+    """The Gluon MMA decode kernel (default at 2-16 tokens), forced, at the bench shapes."""
+    case = make_case(m, n, k, dtype, "cuda", bias=True)
+    _check(_run_poisoned(case, "mma_gluon"), case, "mma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(2, 1, 64), (5, 37, 1032), (16, 333, 8200), (9, 1000, 4104), (40, 129, 2056)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codes_dtype", [torch.uint8, torch.int8])
+def test_gpu_mma_edges(m, n, k, dtype, codes_dtype):
+    """Odd N, K/8 not a multiple of the K step (masked tail), int8 codes, token tiles (40)."""
+    case = make_case(m, n, k, dtype, "cuda", bias=True, codes_dtype=codes_dtype)
+    _check(_run_poisoned(case, "mma_gluon"), case, "mma")
+    for split_k in (1, 5):
+        out = poisoned((m, n), dtype, "cuda")
+        vq_op.launch_mma(*_args(case), out, impl="gluon", split_k=split_k)
+        _check(out, case, "mma")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_mma_fp32_codebooks_and_nan(dtype):
+    """fp32 codebooks (rounded to x's dtype in shared memory); NaN in unused entries stays out."""
+    case = make_case(8, 4096, 4096, dtype, "cuda")
+    case.codebooks = case.codebooks.float()
+    _check(_run_poisoned(case, "mma_gluon"), case, "dequant")   # two roundings per weight: dequant's bound
+    case.codes.clamp_(max=200)
+    case.codebooks[:, 250] = float("nan")
+    _check(_run_poisoned(case, "mma_gluon"), case, "dequant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 8, 16])
+def test_gpu_mma_cuda_graph_replays(m):
+    """The MMA decode's split-K workspace survives graph replay (default dispatch at 2-16 tokens)."""
+    case = make_case(m, 4096, 4096, torch.bfloat16, "cuda")
+    assert vq_op.choose_variant(m) == "mma"
+    fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, case, "mma")
 
 
 @pytest.mark.gpu
@@ -266,7 +334,7 @@ def test_gradcheck():
                                     (x, books, scales, bias), fast_mode=True)
 
 
-@pytest.mark.parametrize("variant", ["decode", "dequant", "prefill"])
+@pytest.mark.parametrize("variant", ["decode", "mma", "dequant"])
 def test_kernel_path_gradients(interpret, variant):
     case = make_case(2, 24, 64, torch.float16, interpret, bias=True)
     x = case.x.clone().requires_grad_()
@@ -278,7 +346,7 @@ def test_kernel_path_gradients(interpret, variant):
     assert_close(x.grad, dy.double() @ w, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("variant", ["decode", "decode_tl", "prefill", "dequant"])
+@pytest.mark.parametrize("variant", ["decode", "decode_tl", "mma", "dequant"])
 def test_nan_in_an_unused_codebook_entry_never_leaks(interpret, variant):
     """NaN in entries no code uses: the spec ignores them, so must every kernel (no 0 x NaN)."""
     case = make_case(2, 24, 128, torch.float16, interpret)

@@ -77,12 +77,13 @@ def tolerance(dtype: torch.dtype, variant: str) -> dict:
 
     rtol: one ulp of the output dtype (the final rounding is at most half of it).
     scale: the decode kernel's table and sums are fp32 (codebooks and x are exact in fp32 products):
-    2^-14 bounds its accumulation error far below the output rounding. The prefill kernel also
+    2^-14 bounds its accumulation error far below the output rounding. The MMA kernels (``mma``,
+    ``prefill``) also
     rounds each dequantized weight ``C0[a] + C1[b]`` to x's dtype before the tensor-core GEMM: at
     most one unit roundoff u (2^-11 fp16, 2^-8 bf16) per weight, hence ``u + 2^-14``. The dequant
     path rounds ``scale * (C0[a] + C1[b])`` once per weight too, then leaves the GEMM to cuBLAS,
     whose fp16/bf16 reductions PyTorch lets run in reduced precision: ``2u + 2^-14``.
     """
     ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
-    scale = 2.0 ** -14 + {"prefill": ulp / 2, "dequant": ulp}.get(variant, 0.0)
+    scale = 2.0 ** -14 + {"prefill": ulp / 2, "mma": ulp / 2, "mma_gluon": ulp / 2, "dequant": ulp}.get(variant, 0.0)
     return dict(rtol=ulp, scale=scale)

@@ -2,7 +2,7 @@
 
 Every function here is cached per problem size, so after the first call of a shape the hot path
 is a dictionary lookup (no search at launch time). ``TILEFUSE_CONFIGS``' ``"vq"`` section
-(``{"resident": {key: value}, "gather": {key: value}}``) overrides the measured settings for
+(``{"resident": {...}, "gather": {...}, "mma": {...}, "prefill": {...}}``) overrides the measured settings for
 tuning runs.
 
 Provenance: the resident kernel's and the gather kernel's settings are the H200 sweep's picks,
@@ -16,7 +16,8 @@ import functools
 from tilefuse import _env
 
 DECODE_MAX_TOKENS = 8            # the gather decode kernel packs up to 8 tokens into its table columns
-DECODE_SWITCH_TOKENS = 4         # measured: the resident decode beats dequantize + cuBLAS up to 4 tokens
+DECODE_SWITCH_TOKENS = 1         # the resident table decode up to this many tokens, the MMA decode above
+MMA_SWITCH_TOKENS = 16           # the MMA decode up to this many tokens, dequantize + cuBLAS above
 RESIDENT_MAX_TOKENS = 4          # resident table columns = 64 = groups per slice x tokens
 TABLE_COLS = 32                  # gather kernel: (token, group) columns of the table per K step
 
@@ -42,6 +43,11 @@ def _with_overrides(section: str, measured: dict) -> dict:
 GATHER = _with_overrides("gather", dict(block_n=256, num_warps=8, convert_table=1, split_mult=2))
 # H200: the resident kernel's row block, warps, and the table build's cost in rows' worth of lookups.
 RESIDENT = _with_overrides("resident", dict(block_r=128, num_warps=16, build_rows=256))
+# H200: the MMA decode kernel's row block, K step (krep * 32 inputs), warps, and programs per SM to
+# aim the split-K at (64 KB of codebook copies: at most 3 resident per SM).
+MMA = _with_overrides("mma", dict(block_n=128, krep=4, num_warps=4, ctas_per_sm=3))
+# H200: the fused prefill kernel's (``tl``) tiles.
+PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, num_warps=8, num_stages=3))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -83,15 +89,39 @@ def resident_config(m: int, n: int, k: int, num_sms: int) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def prefill_config(m: int, on_gpu: bool) -> dict:
-    """Tiles of the fused dequantize-in-registers GEMM (opt-in; slower than dequant + cuBLAS)."""
-    if not on_gpu:
-        return dict(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=1, group_m=4)
-    block_m = min(128, max(16, _next_pow2(m)))
-    return dict(block_m=block_m, block_n=128, block_k=64, num_warps=8 if block_m >= 64 else 4,
-                num_stages=3, group_m=8)
+def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
+    """Tiles and K split of the dequantize-in-registers MMA kernels.
+
+    impl: "gluon" (``kernels_mma``, the decode kernel), "tl" (``kernels.vq_mma_kernel`` on the GPU:
+    the fused prefill tiles) or "interpret" (the ``tl`` kernel on the CPU: small tiles). One token
+    tile of ``tokens`` (>= 16, an MMA's least N) splits K so that about ``ctas_per_sm`` programs per
+    SM run; more tokens run token tiles without a split."""
+    groups = k // 8
+    if impl == "gluon" and m <= 16:
+        block_n, num_warps, krep, num_stages, tokens = MMA["block_n"], MMA["num_warps"], MMA["krep"], 1, 16
+        bg = 4 * krep
+    elif impl == "gluon":   # 64-token tiles: x^T takes the registers, so 8 warps of 16 rows, 64-input steps
+        block_n, num_warps, krep, num_stages, tokens, bg = 128, 8, 2, 1, 64, 8
+    elif impl == "tl":
+        block_n, num_warps, num_stages = PREFILL["block_n"], PREFILL["num_warps"], PREFILL["num_stages"]
+        tokens, bg, krep = min(PREFILL["tokens"], max(16, _next_pow2(m))), PREFILL["block_k"] // 8, None
+    else:
+        block_n, num_warps, tokens, bg, krep, num_stages = 32, 4, 16, 4, None, 1
+    token_tiles = _cdiv(m, tokens)
+    steps = _cdiv(groups, bg)
+    row_blocks = _cdiv(n, block_n)
+    split = 1
+    if token_tiles == 1 and impl != "tl":
+        split = max(1, min(steps, round(MMA["ctas_per_sm"] * num_sms / row_blocks)))
+    groups_per_split = _cdiv(steps, split) * bg
+    return dict(block_n=block_n, tokens=tokens, block_k=8 * bg, krep=krep, num_warps=num_warps,
+                num_stages=num_stages, token_tiles=token_tiles, row_blocks=row_blocks,
+                groups_per_split=groups_per_split, split_k=_cdiv(groups, groups_per_split), even=groups % bg == 0)
 
 
 def default_variant(m: int) -> str:
-    """The measured dispatch: one-launch decode up to ``DECODE_SWITCH_TOKENS``, dequant + cuBLAS above."""
-    return "decode" if m <= DECODE_SWITCH_TOKENS else "dequant"
+    """The measured dispatch: the table decode up to ``DECODE_SWITCH_TOKENS``, the MMA decode up to
+    ``MMA_SWITCH_TOKENS``, dequant + cuBLAS above."""
+    if m <= DECODE_SWITCH_TOKENS:
+        return "decode"
+    return "mma" if m <= MMA_SWITCH_TOKENS else "dequant"

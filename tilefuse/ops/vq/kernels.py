@@ -14,9 +14,10 @@
   a warp-local layout: 8 shuffles + 8 selects per lookup for a 256-entry table), so the fast
   kernel is the Gluon twin in ``kernels_gluon.py``, which pins the layouts so that the gather
   goes through shared memory without bank conflicts.
-* :func:`vq_prefill_kernel` -- many tokens: dequantize a ``[BLOCK_N, BLOCK_K]`` weight tile in
+* :func:`vq_mma_kernel` -- 2 tokens and up: dequantize a ``[BLOCK_N, BLOCK_K]`` weight tile in
   registers (vectorized 16-byte gathers of codebook rows, which stay L1-resident: 2 x 4 KB) and
-  feed ``tl.dot`` (tensor cores) in the same kernel.
+  feed ``tl.dot`` (tensor cores, x^T as the B operand) in the same kernel, split-K like the decode
+  kernel. The CPU-tested twin of the Gluon ``kernels_mma.py`` kernel.
 
 Token/group packing of the table columns (decode): the table has ``COLS`` columns; token ``m``
 uses columns ``[m * GM, (m + 1) * GM)`` for the ``GM = COLS / M_PAD`` groups of the current K
@@ -27,7 +28,7 @@ shared-memory lookups of the Gluon kernel conflict-free (bank = column).
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import arrive, grouped_tile
+from tilefuse.ops.tl_common import arrive
 
 
 @triton.jit
@@ -125,54 +126,63 @@ def vq_decode_kernel(
 
 
 @triton.jit
-def vq_prefill_kernel(
-    # pointers
-    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
+def vq_mma_kernel(
+    # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
+    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     # sizes
-    M, N, K,
-    # strides (codes are read as uint8 [N, K/8, 2])
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT, SPLIT_K,
+    # strides
     stride_xm, stride_cn, stride_om,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TOKENS: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    """Dequantize ``[BLOCK_N, BLOCK_K]`` weight tiles in registers and multiply them with x^T
+    (``[BLOCK_K, TOKENS]``) on tensor cores (swap-AB: rows are the MMA's M, tokens its N); split-K
+    over the grid's axis 1, token tiles over axis 2 (then SPLIT is False).
+
+    The ``tl`` twin of ``kernels_mma.vq_decode_mma_kernel`` (same arithmetic: each weight
+    ``C0[a] + C1[b]`` rounded once to x's dtype, fp32 accumulation, the row scale applied to the
+    sums), the one the CPU tests run; on the GPU the codebook rows are gathered through L1 instead
+    of the Gluon kernel's conflict-free shared-memory copies. Also the fused prefill variant."""
     BG: tl.constexpr = BLOCK_K // 8
-    # grouped tile order: GROUP_M row blocks share each weight tile while it is L2-hot
-    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    toks = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)
+    g_begin = pid_k * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
+    dtype = x_ptr.dtype.element_ty
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, BG)
+    offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, 8)
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
-    c_ptrs = codes_ptr + offs_n[:, None] * stride_cn + offs_g[None, :] * 2
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + offs_k) < K
-        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-        # codes tile [BLOCK_N, BG] per codebook (HBM -> registers)
-        g_ok = (offs_n[:, None] < N) & ((k0 // 8 + offs_g[None, :]) < K // 8)
-        c0 = tl.load(c_ptrs, mask=g_ok, other=0).to(tl.int32)
-        c1 = tl.load(c_ptrs + 1, mask=g_ok, other=0).to(tl.int32)
-        # dequantize: 16-byte codebook rows (L1-resident) -> [BLOCK_N, BG, 8] -> [BLOCK_N, BLOCK_K]
-        e0 = c0 * 8          # multiples of 8 elements: 16-byte aligned rows
-        e1 = c1 * 8 + 2048
-        o0 = tl.max_contiguous(tl.multiple_of(e0[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
-        o1 = tl.max_contiguous(tl.multiple_of(e1[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
-        w = tl.load(cb_ptr + o0).to(tl.float32)
-        w += tl.load(cb_ptr + o1).to(tl.float32)
-        w = tl.reshape(w.to(x_ptr.dtype.element_ty), (BLOCK_N, BLOCK_K))
-        acc = tl.dot(x, tl.trans(w), acc)
+    # rows past N are clamped to N - 1 (loads stay in bounds; those rows are never stored)
+    c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + offs_g[None, :]
+    x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, TOKENS], dtype=tl.float32)
+    for g0 in range(g_begin, g_end, BG):
+        # codes [BLOCK_N, BG] int16 (HBM -> registers); groups past g_end read code 0
+        g_ok = (g0 + offs_g) < g_end
+        cv = tl.load(c_ptrs, mask=g_ok[None, :], other=0)
+        c0 = (cv & 0xFF).to(tl.int32) * 8               # multiples of 8 elements: 16-byte rows
+        c1 = ((cv >> 8) & 0xFF).to(tl.int32) * 8 + 2048
+        o0 = tl.max_contiguous(tl.multiple_of(c0[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        o1 = tl.max_contiguous(tl.multiple_of(c1[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        # dequantize (L1-resident codebook rows -> registers): one rounding to x's dtype; groups
+        # past g_end are zeroed (an entry 0 of inf / NaN must not meet x's zeros there)
+        w = (tl.load(cb_ptr + o0).to(tl.float32) + tl.load(cb_ptr + o1).to(tl.float32)).to(dtype)
+        w = tl.where(g_ok[None, :, None], w, 0.0)
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        # x^T [BLOCK_K, TOKENS] (L2 -> registers); tokens past M and inputs past g_end read zero
+        xv = tl.load(x_ptrs, mask=(toks[None, :] < M) & ((g0 * 8 + offs_k) < g_end * 8)[:, None], other=0.0)
+        acc = tl.dot(w, xv, acc)
+        c_ptrs += BG
         x_ptrs += BLOCK_K
-        c_ptrs += BG * 2
 
-    scale = tl.load(scales_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    acc = acc * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    _splitk_epilogue(acc * scale[:, None], rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n, M, N, stride_om,
+                     SPLIT_K, SPLIT, HAS_BIAS)
 
 
 @triton.jit

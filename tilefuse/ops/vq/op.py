@@ -1,8 +1,9 @@
 """``tilefuse.vq_matmul``: validation, launchers, dispatch, custom-op registration.
 
-Kernels: ``kernels.py`` (``tl``: the CPU-tested decode schedule, the fused prefill and the
-dequantize kernel), ``kernels_gluon.py`` (decode by ``gl.gather``), ``kernels_resident.py`` (decode
-with the table resident in shared memory). Launch settings and dispatch points: ``configs.py``.
+Kernels: ``kernels.py`` (``tl``: the CPU-tested decode schedule, the dequantize-in-registers MMA
+kernel and the dequantize kernel), ``kernels_gluon.py`` (decode by ``gl.gather``),
+``kernels_resident.py`` (decode with the table resident in shared memory), ``kernels_mma.py``
+(decode for 2-16 tokens: weight tiles dequantized in registers from shared-memory codebooks, MMA). Launch settings and dispatch points: ``configs.py``.
 Spec: ``reference.py``.
 
 Variants (``tilefuse.force(variant=...)``):
@@ -11,10 +12,13 @@ Variants (``tilefuse.force(variant=...)``):
   with K a multiple of 16, else the ``gl.gather`` Gluon kernel (1-8 tokens); the ``tl`` schedule
   under the CPU interpreter
 * ``"decode_tl"`` -- the same schedule written in ``tl`` (CPU-tested; slow on a GPU, see kernels.py)
-* ``"prefill"``   -- fused: dequantize tiles in registers + tensor-core GEMM in one kernel
+* ``"mma"``       -- one launch: weight tiles dequantized in registers (codebooks copied into
+  shared memory) times x^T on tensor cores, split-K (Gluon); the ``tl`` kernel under the interpreter
+* ``"prefill"``   -- the same computation in ``tl`` (codebooks read through L1), prefill tiles
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch (``configs.default_variant``): ``decode`` up to 4 tokens, ``dequant`` above. fp16
+Default dispatch (``configs.default_variant``): ``decode`` at 1 token, ``mma`` at 2-16 tokens,
+``dequant`` above (the measured switch points, ``configs.py``). fp16
 and bf16 inputs run the kernels on CUDA; fp32 / fp64 inputs run the reference (dequantize, then a
 cuBLAS GEMM on a GPU) on every device.
 
@@ -66,13 +70,15 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     """Which VQ kernel variants run on ``device`` ("ok" or why not)."""
     if device.type != "cuda":
         why = "ok (interpreter)" if interpreting() else "needs CUDA or TRITON_INTERPRET=1"
-        return {"decode": why + "; tl schedule", "decode_tl": why, "prefill": why, "dequant": why}
+        return {"decode": why + "; tl schedule", "decode_tl": why, "mma": why + "; tl kernel", "prefill": why,
+                "dequant": why}
     major, _ = torch.cuda.get_device_capability(device)
     mma_ok = "ok" if major >= 8 else f"needs sm_80+ (got sm_{major}x)"
     return {
         "decode": mma_ok if _gluon_decode() is not None else "Gluon not importable: falls back to decode_tl",
         "decode_tl": "ok (correct but slow on GPU: Triton lowers tl.gather to warp shuffles)",
-        "prefill": mma_ok + " (fused; slower than dequant + cuBLAS, see docs/vq.md)",
+        "mma": mma_ok if _mma_decode() is not None else "Gluon not importable: falls back to the tl kernel",
+        "prefill": mma_ok + " (fused, tl; see docs/vq.md for where it stands against dequant + cuBLAS)",
         "dequant": "ok",
     }
 
@@ -200,22 +206,49 @@ def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto
     return out
 
 
-def launch_prefill(x2d, codes, codebooks, scales, bias, out, **override) -> torch.Tensor:
-    """Dequantize-in-registers GEMM: ``out = x2d @ W^T (+ bias)``; x2d [M, K], out [M, N]."""
+def _mma_decode():
+    """The Gluon MMA decode kernel (``kernels_mma.py``), or None."""
+    return _kernel("kernels_mma", "vq_decode_mma_kernel")
+
+
+def launch_mma(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", **override) -> torch.Tensor:
+    """Dequantize-in-registers MMA kernel, one launch: ``out = x2d @ W^T (+ bias)``.
+
+    x2d: [M, K] (K/8 groups); codes: [N, K/8, 2] uint8/int8 contiguous; scales: [N]; out: [M, N]
+    (any contents). impl: "auto" (the Gluon kernel on CUDA, the ``tl`` one under the interpreter),
+    "gluon", or "tl" (``kernels.vq_mma_kernel``: the fused prefill variant on the GPU). ``override``
+    replaces entries of ``configs.mma_config`` (tuning and tests; the split is recomputed)."""
     m, k = x2d.shape
     n = codes.shape[0]
-    cfg = {**configs.prefill_config(m, x2d.device.type == "cuda"), **{key: v for key, v in override.items() if v}}
-    codes8 = codes.view(torch.uint8)
-    grid = (-(-m // cfg["block_m"]) * -(-n // cfg["block_n"]),)
-    key = (x2d.device, x2d.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
+    if impl == "auto":
+        impl = "gluon" if x2d.device.type == "cuda" and _mma_decode() is not None else "tl"
+    mode = impl if x2d.device.type == "cuda" else "interpret"
+    cfg = configs.mma_config(m, n, k, mode, num_sms(x2d.device))
+    if override:
+        cfg = {**cfg, **{key: v for key, v in override.items() if v is not None}}
+        bg = cfg["block_k"] // 8 if impl == "tl" else 4 * cfg["krep"]
+        steps, groups = -(-(k // 8) // bg), k // 8
+        cfg["block_k"], cfg["token_tiles"], cfg["row_blocks"] = 8 * bg, -(-m // cfg["tokens"]), -(-n // cfg["block_n"])
+        split = max(1, min(steps, cfg.get("split_k", 1))) if cfg["token_tiles"] == 1 else 1
+        cfg["groups_per_split"] = -(-steps // split) * bg
+        cfg["split_k"], cfg["even"] = -(-groups // cfg["groups_per_split"]), groups % bg == 0
+    split = cfg["split_k"] > 1
+    ws, cnt = _split_scratch(x2d.device, cfg["tokens"], n, cfg["row_blocks"]) if split else (out, out)
+    codes16 = codes.view(torch.int16).view(n, k // 8)
+    grid = (cfg["row_blocks"], cfg["split_k"], cfg["token_tiles"])
+    args = (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
+            m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], x2d.stride(0), codes16.stride(0), out.stride(0))
+    key = (impl, x2d.device, x2d.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
            m, n, k, x2d.stride(0), out.stride(0), tuple(sorted(cfg.items())),
-           _launch.aligned(x2d, codes8, codebooks, scales, bias, out))
-    _kernel("kernels", "vq_prefill_kernel")(
-        key, grid, x2d.device.index,
-        x2d, codes8, codebooks, scales, bias if bias is not None else scales, out,
-        m, n, k, x2d.stride(0), codes8.stride(0), out.stride(0),
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], GROUP_M=cfg["group_m"],
-        HAS_BIAS=bias is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+           _launch.aligned(x2d, codes16, codebooks, scales, bias, out))
+    meta = dict(BLOCK_N=cfg["block_n"], TOKENS=cfg["tokens"], SPLIT=split, HAS_BIAS=bias is not None,
+                num_warps=cfg["num_warps"])
+    if impl == "gluon":
+        _mma_decode()(key, grid, x2d.device.index, *args, **meta, KREP=cfg["krep"], NUM_WARPS=cfg["num_warps"],
+                      EVEN=cfg["even"])
+    else:
+        _kernel("kernels", "vq_mma_kernel")(key, grid, x2d.device.index, *args, **meta, BLOCK_K=cfg["block_k"],
+                                            num_stages=cfg["num_stages"])
     return out
 
 
@@ -343,8 +376,8 @@ def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
         launch_dequant(x2d, codes, codebooks, scales, bias, out2d)     # scales: N contiguous values
         return out
     scales_1d = scales.view(n)
-    if call.variant == "prefill":
-        launch_prefill(x2d, codes, codebooks, scales_1d, bias, out2d)
+    if call.variant in ("mma", "prefill"):
+        launch_mma(x2d, codes, codebooks, scales_1d, bias, out2d, impl="auto" if call.variant == "mma" else "tl")
     else:
         impl = "auto" if call.variant == "decode" else "tl"
         step = configs.DECODE_MAX_TOKENS

@@ -68,3 +68,18 @@ def reduce_emit_asm(rpt: int) -> tuple[str, str]:
     lines += [f"mov.u32 ${i}, 0;" for i in range(n)]
     constraints = ",".join(["=r"] * n + ["f"] * n + ["l"] * n + ["r"] * n)
     return "{ " + " ".join(lines) + " }", constraints
+
+
+def dequant_asm(kind: str) -> str:
+    """PTX for one group of the MMA decode kernel (``kernels_mma.py``): 8 weights ``C0[a] + C1[b]``.
+
+    Operands (``pack = 8``): outputs $0..$3 (the 8 values as 4 packed 16-bit pairs), then 8 copies
+    of the byte offset of C0[a]'s copy for this lane, then 8 of C1[b]'s (only the first of each is
+    read). Codebook 1 starts 32 KB after codebook 0 in ``global_smem``. One rounding to ``kind``
+    ("f16": ``add.rn.f16x2``; "bf16": ``fma.rn.bf16x2`` with 1.0, which sm_80 has too)."""
+    add = {"f16": "add.rn.f16x2 $%d, p%d, q%d;", "bf16": "fma.rn.bf16x2 $%d, p%d, one, q%d;"}[kind]
+    lines = [".reg .u32 a, b, base;", ".reg .b32 one, p<4>, q<4>;", "mov.u32 base, global_smem;",
+             "mov.b32 one, 0x3F803F80;", "add.u32 a, $4, base;", "add.u32 b, $12, base;",
+             "ld.shared.v4.b32 {p0, p1, p2, p3}, [a];", "ld.shared.v4.b32 {q0, q1, q2, q3}, [b+32768];"]
+    lines += [add % (i, i, i) for i in range(4)]
+    return "{ " + " ".join(lines) + " }"

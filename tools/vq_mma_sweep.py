@@ -1,0 +1,99 @@
+"""Sweep the MMA decode kernel's launch settings and the VQ switch points on a GPU.
+
+    python3 tools/vq_mma_sweep.py OUT_DIR [--quick]
+
+For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096 and 28672x8192) at 2, 8 and
+16 tokens (fp16), each candidate ``(block_n, krep, num_warps, ctas_per_sm)`` of
+``kernels_mma.vq_decode_mma_kernel`` is timed as CUDA-graph replays (cold L2) through
+``op.launch_mma`` with the settings passed as overrides (one process). Beside it, once per case:
+fp16 cuBLAS on the dequantized weight, the table decode (2-4 tokens) and dequantize + cuBLAS (16
+tokens). An output more than 2e-3 (relative) away from cuBLAS's gets no time, so a wrong config is
+never picked. Every time goes to ``OUT_DIR/vq-mma-sweep.json`` with the pick (best geomean time
+over all cases) and the per-token geomean speedups over cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+CANDIDATES = [dict(block_n=bn, krep=kr, num_warps=nw, ctas_per_sm=c)
+              for bn, kr, nw, c in [(128, 4, 4, 3), (64, 8, 4, 3), (128, 4, 8, 3), (128, 8, 4, 3), (128, 4, 4, 6),
+                                    (64, 4, 4, 3)]]
+TOKENS = (2, 4, 8, 16)
+MAX_REL_ERR = 2e-3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    import tilefuse
+    from tilefuse._backend import num_sms
+    from tilefuse.bench.harness import Timer
+    from tilefuse.bench.vq import BENCH_SHAPES
+    from tilefuse.ops.vq import op as vq_op
+    from tilefuse.ops.vq.reference import dequantize
+    from tilefuse.testing.vq import make_case
+
+    timer = Timer(torch.device("cuda"), rep_ms=10)
+    sms = num_sms(torch.device("cuda"))
+    shapes = [BENCH_SHAPES[0], BENCH_SHAPES[4]] if args.quick else BENCH_SHAPES
+    rows = []
+
+    def record(n, k, m, impl, fn, ref, **extra):
+        try:
+            err = float((fn().float() - ref).norm() / ref.norm())
+            us = timer.graph_us(fn) if err < MAX_REL_ERR else None
+        except Exception as exc:  # a config that does not compile or launch gets no time
+            err, us = repr(exc)[:200], None
+        rows.append(dict(N=n, K=k, tokens=m, impl=impl, us=us, rel_err=err, **extra))
+        print(f"{n}x{k} m={m} {impl:10s} {extra.get('config', '')} {us if us is None else round(us, 2)} us",
+              file=sys.stderr, flush=True)
+
+    for (n, k), m in itertools.product(shapes, TOKENS):
+        c = make_case(m, n, k, torch.float16, "cuda")
+        w = dequantize(c.codes, c.codebooks, c.scales, dtype=torch.float16)
+        ref = F.linear(c.x, w).float()
+        record(n, k, m, "fp16_cublas", lambda: F.linear(c.x, w), ref)
+        for variant in (["decode"] if m <= 4 else []) + (["dequant"] if m >= 8 else []):
+            def forced(variant=variant):
+                with tilefuse.force(variant=variant):
+                    return tilefuse.vq_matmul(c.x, c.codes, c.codebooks, c.scales)
+            record(n, k, m, variant, forced, ref)
+        out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+        for cfg in CANDIDATES:
+            steps = -(-(k // 8) // (4 * cfg["krep"]))
+            split = max(1, min(steps, round(cfg["ctas_per_sm"] * sms / -(-n // cfg["block_n"]))))
+            record(n, k, m, "mma", lambda cfg=cfg, split=split: vq_op.launch_mma(
+                c.x, c.codes, c.codebooks, c.scales.reshape(n), None, out, impl="gluon", block_n=cfg["block_n"],
+                krep=cfg["krep"], num_warps=cfg["num_warps"], split_k=split), ref, config=cfg)
+
+    def score(cfg):
+        times = [r["us"] for r in rows if r.get("config") == cfg]
+        return math.exp(sum(map(math.log, times)) / len(times)) if times and all(times) else math.inf
+
+    pick = min(CANDIDATES, key=score)
+    cublas = {(r["N"], r["K"], r["tokens"]): r["us"] for r in rows if r["impl"] == "fp16_cublas"}
+    speedups = {}
+    for m in TOKENS:
+        s = [cublas[r["N"], r["K"], m] / r["us"] for r in rows
+             if r.get("config") == pick and r["tokens"] == m and r["us"] and cublas.get((r["N"], r["K"], m))]
+        speedups[m] = round(math.exp(sum(map(math.log, s)) / len(s)), 3) if s else None
+    print(f"pick: {pick}, geomean speedup over cuBLAS by tokens {speedups}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "vq-mma-sweep.json").write_text(json.dumps(
+        {"candidates": CANDIDATES, "rows": rows, "pick": pick, "pick_speedup_geomean": speedups}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -28,6 +28,7 @@ _PUBLIC = {
     "quantize": "tilefuse.quantizer",
     "quantizer": "tilefuse.quantizer",
     "hf": "tilefuse.hf",
+    "parallel": "tilefuse.parallel",
 }
 
 __all__ = ["force", *_PUBLIC]

@@ -1,0 +1,218 @@
+"""Cut full (one-device) modules into this rank's tensor-parallel shard.
+
+* :func:`shard` -- one module: a SwiGLU MLP (:class:`~tilefuse.nn.FusedSwiGLUMLP` or an HF-style
+  MLP) becomes a :class:`~tilefuse.parallel.ParallelSwiGLUMLP`; an ``nn.Linear`` or
+  :class:`~tilefuse.nn.VQLinear` a :class:`~tilefuse.parallel.ColumnParallel` or
+  :class:`~tilefuse.parallel.RowParallel` (``style=``); an :class:`~tilefuse.nn.MLADecodeAttention`
+  a :class:`~tilefuse.parallel.ParallelMLADecodeAttention`.
+* :func:`shard_model` -- every decoder block of a Llama, Mistral, Qwen2 or Qwen3 model, the
+  layout of transformers' own plan for them (q/k/v and gate/up column-parallel, o and down
+  row-parallel), dense or after :func:`tilefuse.hf.patch_swiglu` / :func:`tilefuse.hf.patch_vq`.
+
+Every rank builds the same full module (same seed or checkpoint) and keeps its part; the shards
+are copies, so the caller may drop the full module afterwards. VQ codebooks and per-row scales
+are replicated: a 2x8 layer shards by rows (codes and scales of its output rows) or by K groups
+(the codes of its input groups of 8; each rank applies every row's scale to its partial sum).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tilefuse.nn.mla import MLADecodeAttention
+from tilefuse.nn.swiglu import FusedSwiGLUMLP
+from tilefuse.nn.vq import VQLinear
+from tilefuse.parallel.group import Placement, placement, split
+from tilefuse.parallel.layers import ColumnParallel, ParallelSwiGLUMLP, RowParallel
+from tilefuse.parallel.mla import ParallelMLADecodeAttention
+
+STYLES = ("column", "row")
+# Attribute names -> style in the decoder blocks shard_model handles (transformers' tp plan of
+# these models: "colwise" / "rowwise").
+COLUMN_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_NAMES = ("o_proj", "down_proj")
+
+
+# ----------------------------------------------------------------------------- local shards
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool = False) -> nn.Linear:
+    """An ``nn.Linear`` holding ``weight [N, K]`` and ``bias [N]`` (no initialization pass)."""
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=requires_grad)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=requires_grad)
+    return layer
+
+
+def _vq_from(layer: VQLinear, codes, scales, bias) -> VQLinear:
+    part = VQLinear(codes.shape[1] * 8, codes.shape[0], bias is not None, dtype=layer.codebooks.dtype,
+                    codes_dtype=layer.codes.dtype, device=layer.codes.device)
+    return part.load_quantized(codes, layer.codebooks, scales, bias)
+
+
+def _check_linear(module) -> None:
+    if not isinstance(module, (nn.Linear, VQLinear)):
+        raise ValueError(f"module: expected an nn.Linear or a VQLinear for a column/row split, "
+                         f"got {type(module).__name__}")
+
+
+def rows_of(module: nn.Module, where: Placement) -> nn.Module:
+    """This rank's output rows of an ``nn.Linear`` / ``VQLinear`` (weights or codes, scales, bias)."""
+    _check_linear(module)
+    split(module.out_features, where.world_size, "out_features", why="each rank holds out_features / world_size output rows")
+    rows = where.part(module.out_features)
+    bias = None if module.bias is None else module.bias.detach()[rows]
+    if isinstance(module, VQLinear):
+        return _vq_from(module, module.codes[rows], module.scales[rows], bias)
+    return linear_from(module.weight.detach()[rows], bias, module.weight.requires_grad)
+
+
+def columns_of(module: nn.Module, where: Placement) -> nn.Module:
+    """This rank's input columns of an ``nn.Linear`` / ``VQLinear`` (K groups of 8 for VQ); the
+    bias goes to rank 0 only."""
+    _check_linear(module)
+    multiple = 8 if isinstance(module, VQLinear) else 1
+    split(module.in_features, where.world_size, "in_features", multiple,
+          why="each rank holds in_features / world_size input columns" + (", whole groups of 8 for 2x8 VQ" if multiple > 1 else ""))
+    cols = where.part(module.in_features)
+    bias = module.bias.detach() if module.bias is not None and where.rank == 0 else None
+    if isinstance(module, VQLinear):
+        groups = slice(cols.start // 8, cols.stop // 8)
+        return _vq_from(module, module.codes[:, groups], module.scales, bias)
+    return linear_from(module.weight.detach()[:, cols], bias, module.weight.requires_grad)
+
+
+def _gate_up(mlp: nn.Module):
+    """(w_gate, w_up, b_gate, b_up, down Linear, act, layout) of a FusedSwiGLUMLP or HF-style MLP."""
+    if isinstance(mlp, FusedSwiGLUMLP):
+        w = mlp.gate_up_weight.detach()
+        if mlp.layout == "packed":
+            from tilefuse.ops.swiglu.op import unpack_gate_up
+
+            w_gate, w_up = unpack_gate_up(w)
+        else:
+            w_gate, w_up = w[:mlp.intermediate_size], w[mlp.intermediate_size:]
+        b = mlp.gate_up_bias
+        b_gate, b_up = (None, None) if b is None else (b.detach()[:mlp.intermediate_size],
+                                                        b.detach()[mlp.intermediate_size:])
+        return w_gate, w_up, b_gate, b_up, mlp.down_proj, nn.SiLU(), mlp.layout
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not isinstance(getattr(mlp, name, None), nn.Linear):
+            raise ValueError(f"mlp.{name}: expected an nn.Linear, got {type(getattr(mlp, name, None)).__name__}")
+    bias = lambda lin: None if lin.bias is None else lin.bias.detach()  # noqa: E731
+    return (mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach(), bias(mlp.gate_proj), bias(mlp.up_proj),
+            mlp.down_proj, getattr(mlp, "act_fn", None), "merged")
+
+
+def local_swiglu(w_gate, w_up, b_gate, b_up, w_down, b_down, act, layout: str) -> FusedSwiGLUMLP:
+    """A FusedSwiGLUMLP over one rank's tensors (gate/up rows ``[I/w, H]``, down columns ``[H, I/w]``,
+    ``b_down`` on rank 0 only), through ``FusedSwiGLUMLP.from_mlp`` and its checks."""
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = linear_from(w_gate, b_gate), linear_from(w_up, b_up)
+    mlp.down_proj, mlp.act_fn = linear_from(w_down, b_down), act
+    return FusedSwiGLUMLP.from_mlp(mlp, layout=layout)
+
+
+def swiglu_of(mlp: nn.Module, where: Placement, layout: str | None = None) -> FusedSwiGLUMLP:
+    """This rank's FusedSwiGLUMLP: its slice of the intermediate size I (gate rows, the matching
+    up rows, the matching down columns); ``layout`` defaults to the source's ("merged" for HF MLPs)."""
+    w_gate, w_up, b_gate, b_up, down, act, source_layout = _gate_up(mlp)
+    layout = layout or source_layout
+    inter = w_gate.shape[0]
+    split(inter, where.world_size, "intermediate_size", 64 if layout == "packed" else 1,
+          why="each rank holds intermediate_size / world_size gate and up rows")
+    part = where.part(inter)
+    b_down = down.bias.detach() if down.bias is not None and where.rank == 0 else None
+    return local_swiglu(w_gate[part], w_up[part], None if b_gate is None else b_gate[part],
+                        None if b_up is None else b_up[part], down.weight.detach()[:, part], b_down, act, layout)
+
+
+def _is_swiglu_mlp(module: nn.Module) -> bool:
+    return isinstance(module, FusedSwiGLUMLP) or all(
+        isinstance(getattr(module, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+
+
+# ----------------------------------------------------------------------------- public
+def shard(module: nn.Module, group=None, *, style: str | None = None, rank: int | None = None,
+          world_size: int | None = None, gather_output: bool = False, reduce_results: bool = True,
+          layout: str | None = None) -> nn.Module:
+    """This rank's tensor-parallel shard of ``module``.
+
+    Parameters
+    ----------
+    module : a FusedSwiGLUMLP or HF-style SwiGLU MLP (``gate_proj``, ``up_proj``, ``down_proj``
+        Linears and a SiLU ``act_fn``) -> :class:`ParallelSwiGLUMLP`; an ``nn.Linear`` or
+        ``VQLinear`` with ``style`` -> :class:`ColumnParallel` (``"column"``) or
+        :class:`RowParallel` (``"row"``); an ``MLADecodeAttention`` -> :class:`ParallelMLADecodeAttention`.
+    group, rank, world_size : the tensor-parallel group (default: ``torch.distributed``'s default
+        group), or an explicit rank and world size (:func:`tilefuse.parallel.group.placement`).
+    gather_output : column-parallel and MLA: all-gather the output.
+    reduce_results : row-parallel and MLP: all-reduce the output (else partial sums).
+    layout : MLP: the FusedSwiGLUMLP layout of the shard (default: the source's).
+
+    Raises ValueError naming ``world_size`` when it does not divide the split dimension
+    (``intermediate_size``, ``out_features``, ``in_features`` (whole groups of 8 for VQ), ``num_heads``).
+    """
+    where = placement(group, rank, world_size)
+    if isinstance(module, MLADecodeAttention):
+        return ParallelMLADecodeAttention.from_module(module, group, rank=where.rank, world_size=where.world_size,
+                                                      gather_output=gather_output)
+    if isinstance(module, (nn.Linear, VQLinear)):
+        if style not in STYLES:
+            raise ValueError(f"style: expected one of {STYLES} for a {type(module).__name__}, got {style!r}")
+        if style == "column":
+            return ColumnParallel(rows_of(module, where), where, gather_output=gather_output)
+        return RowParallel(columns_of(module, where), where, reduce_results=reduce_results)
+    if _is_swiglu_mlp(module):
+        return ParallelSwiGLUMLP(swiglu_of(module, where, layout), where, reduce_results=reduce_results)
+    raise ValueError(f"module: expected a FusedSwiGLUMLP or HF-style SwiGLU MLP, an nn.Linear or VQLinear, or an "
+                     f"MLADecodeAttention, got {type(module).__name__}")
+
+
+def _check_heads(config, world: int) -> None:
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads is not None:
+            split(heads, world, f"config.{name}", why="each rank runs its share of the attention heads")
+
+
+def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_size: int | None = None) -> int:
+    """Shard every decoder block of an HF Llama / Mistral / Qwen2 / Qwen3 model in place.
+
+    q/k/v projections become :class:`ColumnParallel` (this rank's heads: the models' attention
+    reshapes with ``-1`` heads, and their caches size themselves from the keys, so they run on a
+    rank's heads unchanged), ``o_proj`` :class:`RowParallel`; a dense SwiGLU MLP (HF's or
+    ``FusedSwiGLUMLP``) becomes a fused :class:`ParallelSwiGLUMLP`; an MLP whose projections are
+    ``VQLinear`` (after :func:`tilefuse.hf.patch_vq`) gets gate/up column- and down row-parallel.
+    Embeddings, norms and ``lm_head`` stay replicated. Returns the number of modules replaced.
+
+    Every rank must hold the same full model. Raises ValueError naming ``world_size`` when it does
+    not divide ``config.num_attention_heads``, ``config.num_key_value_heads`` or a projection's size.
+    """
+    from tilefuse.hf import SWIGLU_MLP_CLASSES
+
+    where = placement(group, rank, world_size)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SWIGLU_MLP_CLASSES:
+        raise ValueError(f"model: expected config.model_type in {sorted(SWIGLU_MLP_CLASSES)}, got {model_type!r}")
+    _check_heads(config, where.world_size)
+    mlp_class = SWIGLU_MLP_CLASSES[model_type]
+    done: list[str] = []                      # replaced modules: their children are left alone
+    for name, module in list(model.named_modules()):
+        if any(name.startswith(prefix + ".") for prefix in done):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        if isinstance(module, FusedSwiGLUMLP) or (type(module).__name__ == mlp_class
+                                                  and isinstance(getattr(module, "gate_proj", None), nn.Linear)):
+            new = ParallelSwiGLUMLP(swiglu_of(module, where), where)
+        elif isinstance(module, (nn.Linear, VQLinear)) and attr in COLUMN_NAMES:
+            new = ColumnParallel(rows_of(module, where), where)
+        elif isinstance(module, (nn.Linear, VQLinear)) and attr in ROW_NAMES:
+            new = RowParallel(columns_of(module, where), where)
+        else:
+            continue
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        done.append(name)
+    return len(done)

@@ -1,0 +1,135 @@
+"""Tensor-parallel checks shared by the tests and ``tilefuse bench tp``: a pool of ranks, and the
+tolerance within which a sharded module's output equals the one-device module's.
+
+:class:`Ranks` spawns ``world_size`` processes in one ``torch.distributed`` group (gloo on CPU
+tensors, NCCL with one GPU per rank) once, then runs any number of jobs on all of them, so a test
+module pays the process start once.
+
+Tolerance (:func:`tp_tolerance`, :func:`check_within`): elementwise
+``|y_tp - y_1| <= factor * S`` with ``S = |x| @ |W|^T`` in fp64, the sum of the magnitudes of the
+products that make each output (it does not vanish where the sum cancels). The two outputs differ
+only in reduction order and roundings:
+
+* column-parallel (and MLA heads): every output is the same dot product over the full K on a
+  smaller matrix; a different blocking may move the fp32 sum by ~2^-16 S and flip the final
+  rounding: 2 ulp, ``factor = 2u + 2^-16``;
+* row-parallel: each rank rounds its partial sum to the activation dtype (``u |p_r|``), the
+  all-reduce rounds the sum of the partials (``u |y|``), the one-device layer rounds once
+  (``u |y|``); with ``sum |p_r| <= S``: ``factor = 3u + 2^-16``, written ``4u + 2^-16`` for room;
+* SwiGLU MLP: the row-parallel down projection plus a possible 1-ulp flip of each intermediate
+  ``h`` (``2u |h|`` into S of the down projection): ``factor = 6u + 2^-16``.
+
+``u`` is the unit roundoff of the activation dtype: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
+FACTOR_ULPS = {"column": 2, "row": 4, "mlp": 6}
+ACCUMULATION = 2.0 ** -16
+
+
+def tp_tolerance(dtype: torch.dtype, kind: str) -> float:
+    """``factor`` of ``|y_tp - y_1| <= factor * S`` for a layer ``kind`` ("column", "row", "mlp")."""
+    return FACTOR_ULPS[kind] * UNIT_ROUNDOFF[dtype] + ACCUMULATION
+
+
+def error_scale(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``|x| @ |W|^T`` in fp64: x ``[..., K]``, weight ``[N, K]`` -> ``[..., N]``."""
+    return x.detach().double().abs() @ weight.detach().double().abs().T
+
+
+def check_within(out: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, factor: float, name: str = "out") -> float:
+    """Raise AssertionError unless ``|out - ref| <= factor * scale`` elementwise (NaN fails); returns
+    the worst ``|out - ref| / (factor * scale)`` (<= 1 passes)."""
+    if out.shape != ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    diff = (out.detach().double() - ref.detach().double()).abs()
+    bound = factor * scale.double().to(diff.device) + 1e-30
+    ratio = diff / bound
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    if not worst <= 1.0:
+        idx = ratio.flatten().nan_to_num(float("inf")).argmax()
+        raise AssertionError(f"{name}: |tp - one device| up to {worst:.3g} x the tolerance ({factor:.3g} x |x||W|); "
+                             f"worst element {float(out.flatten()[idx]):.6g} vs {float(ref.flatten()[idx]):.6g}")
+    return worst
+
+
+# ----------------------------------------------------------------------------- a pool of ranks
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(rank: int, world_size: int, backend: str, port: int, jobs, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+    try:
+        while (job := jobs.get()) is not None:
+            fn, args = job
+            try:
+                results.put((rank, True, fn(*args)))
+            except BaseException:  # noqa: BLE001 -- sent back to the parent, which raises
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class Ranks:
+    """``world_size`` spawned processes in one process group; :meth:`run` runs a job on all.
+
+    backend : "gloo" (CPU tensors) or "nccl" (rank r on ``cuda:r``). Jobs are module-level
+    functions (picklable); each rank returns a picklable result.
+    """
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 300.0):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world_size, self.timeout = world_size, timeout
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world_size, backend, port, self.jobs[r], self.results),
+                                  daemon=True) for r in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn, *args) -> list:
+        """``fn(*args)`` on every rank; the ranks' results in rank order. A rank's exception is
+        raised here as an AssertionError carrying its traceback."""
+        for queue in self.jobs:
+            queue.put((fn, args))
+        out, failures = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            rank, ok, value = self.results.get(timeout=self.timeout)
+            if ok:
+                out[rank] = value
+            else:
+                failures.append(f"rank {rank}:\n{value}")
+        if failures:
+            raise AssertionError("\n".join(failures))
+        return out
+
+    def close(self) -> None:
+        for queue in self.jobs:
+            queue.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

@@ -373,8 +373,8 @@ def _check_gpu(out, lse, inp, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (64, 1), (128, 2), (1, 4)])
-@pytest.mark.parametrize("variant", ["transposed", "standard"])   # the default is one of them
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (16, 3), (16, 4), (32, 1), (64, 1), (128, 2), (1, 4)])
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])   # the default is one of them
 def test_mla_gpu_equal(dtype, h_q, s_q, variant):
     if variant == "transposed" and h_q * s_q >= 64:
         pytest.skip("transposed applies below 64 query rows")
@@ -386,10 +386,11 @@ def test_mla_gpu_equal(dtype, h_q, s_q, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (16, 2, True), (128, 1, True), (128, 2, False)])
-def test_mla_gpu_mixed(dtype, h_q, s_q, causal):
+@pytest.mark.parametrize("variant", [None, "wgmma"])
+def test_mla_gpu_mixed(dtype, h_q, s_q, causal, variant):
     lens = [0, 1, 63, 64, 65, 1000, 20000, 4097, 0, 333, 70000, 128]
     inp = make_case(lens, s_q, h_q, dtype, "cuda")
-    out, lse = _run_gpu(inp, s_q, h_q, causal)
+    out, lse = _run_gpu(inp, s_q, h_q, causal, variant)
     _check_gpu(out, lse, inp, causal)
 
 
@@ -417,11 +418,37 @@ def test_mla_gpu_graph_replay(h_q):
 
 
 @pytest.mark.gpu
-def test_mla_gpu_nan_tail_does_not_leak():
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])
+def test_mla_gpu_nan_tail_does_not_leak(variant):
     """Every slot past the lengths is NaN (make_case poisons them): outputs must stay finite."""
-    inp = make_case([65, 130, 1], 1, 16, torch.bfloat16, "cuda")
-    out, lse = _run_gpu(inp, 1, 16, False)
+    inp = make_case([65, 130, 1, 32, 96], 1, 16, torch.bfloat16, "cuda")
+    out, lse = _run_gpu(inp, 1, 16, False, variant)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    _check_gpu(out, lse, inp, False)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
+    """A cache view whose base is not 16-byte aligned (TMA cannot address it) still gives the
+    right answer (the call falls back to the tl kernel of the same orientation)."""
+    inp = make_case([300, 70], 1, 64, torch.bfloat16, "cuda")
+    flat = torch.empty(inp.k_cache.numel() + 1, dtype=inp.k_cache.dtype, device="cuda")
+    shifted = flat[1:].view(inp.k_cache.shape)
+    shifted.copy_(inp.k_cache)
+    inp.k_cache = shifted
+    assert shifted.data_ptr() % 16
+    out, lse = _run_gpu(inp, 1, 64, True, "wgmma")
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+def test_mla_gpu_default_is_wgmma_on_hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is Hopper's")
+    assert op.kernel_status(torch.device("cuda"))["wgmma"] == "ok"
+    q = torch.empty(1, 1, 128, 576, dtype=torch.bfloat16, device="cuda")
+    assert op.choose_variant(128, 64, q) == "wgmma"
+    assert op.choose_variant(128, 64, q.float()) == "standard"      # fp32: the tl kernel
 
 
 @pytest.mark.parametrize("key,variant", [("transposed", "transposed"), ("standard_small", "standard"),

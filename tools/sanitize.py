@@ -65,8 +65,10 @@ def mla_cases_to_run(one: bool):
     for h_q in (16, 128):
         inp = mla_cases.make_case([130, 70, 0, 700], 1, h_q, DT, DEV)
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1, num_sm_parts=6)
-        yield f"mla h{h_q}", lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
-            *inp.args(), 512, meta, splits, causal=True)
+        for variant in ("transposed", "standard", "wgmma"):   # each kernel, whatever the default
+            if variant != "transposed" or h_q < 64:
+                yield f"mla h{h_q} {variant}", lambda inp=inp, meta=meta, splits=splits, variant=variant: (
+                    _forced(variant, tilefuse.flash_mla_with_kvcache, *inp.args(), 512, meta, splits, causal=True))
         if one:
             continue
         b = inp.q.shape[0]
@@ -92,14 +94,24 @@ def mla_cases_to_run(one: bool):
                 *inp.args(), 512, md, ns, causal=True)
 
 
+def _forced(variant, fn, *args, **kwargs):
+    with tilefuse.force(variant=variant):
+        return fn(*args, **kwargs)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--one", action="store_true", help="one case per kernel")
     parser.add_argument("--gluon", action="store_true", help="only the Gluon (VQ decode) kernels")
+    parser.add_argument("--only", default=None, help="only the cases whose name starts with this (e.g. mla)")
     args = parser.parse_args(argv)
-    runs = list(vq_cases_to_run(args.one, args.gluon))
+    families = {"vq": lambda: vq_cases_to_run(args.one, args.gluon)}
     if not args.gluon:
-        runs = list(swiglu_cases_to_run(args.one)) + runs + list(mla_cases_to_run(args.one))
+        families = {"swiglu": lambda: swiglu_cases_to_run(args.one), **families,
+                    "mla": lambda: mla_cases_to_run(args.one)}
+    runs = [(name, fn) for family, cases in families.items()
+            if args.only is None or family.startswith(args.only) or args.only.startswith(family)
+            for name, fn in cases() if args.only is None or name.startswith(args.only)]
     for name, fn in runs:
         with tilefuse.force(backend="triton"):
             fn()

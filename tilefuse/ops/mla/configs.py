@@ -8,6 +8,10 @@ Provenance: H200 sweeps of graph-replayed decode steps (the figures and the rule
   (one page, M = 64 for WGMMA), 2 stages: 168 KB SMEM, one program per SM.
 * ``"standard"``: >= 64 rows, 64-row head tiles (WGMMA M = 64), [64, 512] fp32 accumulator over
   8 warps; 221 KB SMEM (Q + 2 K stages).
+* ``"wgmma"`` (Gluon, Hopper): the standard orientation with KV tiles of BLOCK_N tokens arriving
+  by TMA into a ring of STAGES shared-memory buffers (``kernels_gluon.py``); 64-row head tiles at
+  any row count, 8 warps; Q + the ring take 216-225 KB of SMEM (BLOCK_N = 64 x 2 stages or
+  32 x 4), one program per SM; partials merged by the combine kernel.
 * ``"standard_small"``: the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
   (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
 
@@ -28,6 +32,7 @@ CONFIGS = {
     "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
+    "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=8, slot_programs=1, fused_combine=False),
 }
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
@@ -35,6 +40,7 @@ CONFIGS = {
 # both regimes except batch 16 at 1K (10 % slower); at 17-63 rows the transposed kernel wins
 # everywhere (the standard one is 10-26 % slower).
 LONG_CONTEXT_PAGES = 256
+WGMMA_FROM_ROWS = 17
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 
 _overrides = dict(_env.settings.configs.get("mla", {}))
@@ -47,9 +53,12 @@ def regime(max_blocks: int) -> str:
     return "long" if max_blocks >= LONG_CONTEXT_PAGES else "short"
 
 
-def default_variant(rows: int, max_blocks: int) -> str:
-    """Standard (64-row head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16
-    rows where SMALL_ROWS_VARIANT picks per regime."""
+def default_variant(rows: int, max_blocks: int, wgmma: bool = False) -> str:
+    """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): ``wgmma`` from
+    WGMMA_FROM_ROWS query rows. Otherwise standard (64-row head tiles) from 64 query rows; below,
+    transposed (ETAP), except at <= 16 rows where SMALL_ROWS_VARIANT picks per regime."""
+    if wgmma and rows >= WGMMA_FROM_ROWS:
+        return "wgmma"
     if rows >= 64:
         return "standard"
     return SMALL_ROWS_VARIANT[regime(max_blocks)] if rows <= 16 else "transposed"
@@ -64,6 +73,8 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))
     fused = cfg.pop("fused_combine", True)
     per_slot = cfg.pop("slot_programs", 1)
+    if variant == "wgmma":        # 64-row head tiles whatever the row count; one program per slot
+        return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     block_h = max(16, _next_pow2(min(rows, 64)))
     if variant != "transposed":
         block_h = cfg.pop("BLOCK_H", 0) or block_h

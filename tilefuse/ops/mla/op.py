@@ -51,13 +51,30 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         why = "ok (Triton interpreter)"
     else:
         why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernels)"
-    return {v: why for v in VARIANTS}
+    status = {v: why for v in VARIANTS}
+    status["wgmma"] = ("ok" if wgmma_usable(device) else
+                       "needs a Hopper GPU (sm_90: TMA, WGMMA) and Gluon; the tl kernels run instead")
+    return status
 
 
-def choose_variant(rows: int, max_blocks: int = 1) -> str:
+def wgmma_usable(device: torch.device) -> bool:
+    """The Gluon kernel runs here: a Hopper GPU (TMA, WGMMA) and an importable Gluon."""
+    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
+            and _kernels().get("wgmma") is not None)
+
+
+def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
-    ``configs.default_variant``."""
-    return forced_variant("mla") or configs.default_variant(rows, max_blocks)
+    ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
+    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs."""
+    variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, wgmma=q is not None and _wgmma_fits(q))
+    if variant == "wgmma" and not (q is not None and _wgmma_fits(q)):
+        return "standard"
+    return variant
+
+
+def _wgmma_fits(q: torch.Tensor) -> bool:
+    return q.dtype in (torch.bfloat16, torch.float16) and wgmma_usable(q.device)
 
 
 def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> int:
@@ -70,9 +87,15 @@ def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> 
 def _kernels():
     from tilefuse.ops.mla import kernels
 
+    try:
+        from tilefuse.ops.mla.kernels_gluon import mla_split_gluon_kernel
+        wgmma = _launch.Kernel(mla_split_gluon_kernel)
+    except ImportError:        # a Triton without Gluon's Hopper module: the tl kernels serve
+        wgmma = None
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
+                wgmma=wgmma,
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -187,15 +210,18 @@ class _Call:
     key (with the pointers' alignment)."""
 
     __slots__ = ("reference", "scale", "causal", "variant", "grid", "out_shape", "lse_shape", "partials",
-                 "counters", "scalars", "meta", "combine_grid", "combine_scalars", "combine_meta")
+                 "counters", "scalars", "meta", "combine_grid", "combine_scalars", "combine_meta", "fallback")
 
 
-def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool) -> _Call:
+def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, variant: str | None = None) -> _Call:
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     max_blocks = block_table.shape[1]
     call = _Call()
-    call.variant = choose_variant(rows, max_blocks)
+    call.variant = variant or choose_variant(rows, max_blocks, q)
+    # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
+    call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
+                     if call.variant == "wgmma" else None)
     cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
     num_slots = meta.shape[0]
     call.out_shape, call.lse_shape = (batch, s_q, h_q, HEAD_DIM_V), (batch, h_q, s_q)
@@ -205,14 +231,20 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool) -
     call.partials = ((partials * HEAD_DIM_V, torch.float32), (partials, torch.float32))
     # the fused combine's arrival counters: one per (request, head tile), zeroed scratch
     call.counters = (batch * 8, torch.int32) if fused else None
-    call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
-    call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
-                    *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
-                    *out_strides, *lse_strides)
-    call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                     FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg)
+    if call.variant == "wgmma":
+        call.grid = (num_slots, -(-rows // 64), 1)
+        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
+                        *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
+        call.meta = dict(CAUSAL=causal, **cfg)
+    else:
+        call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
+        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
+                        *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
+                        *out_strides, *lse_strides)
+        call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg)
     call.combine_grid = None if fused else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
@@ -220,16 +252,20 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool) -
 
 
 def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta, num_splits):
+    if call.fallback is not None and k_cache.data_ptr() % 16:
+        call = call.fallback
     out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)
     o_acc, lse_acc = _scratch.workspace(q.device, *call.partials)
-    (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
     key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
-    _kernels()[call.variant].launch(
-        key, call.grid, q.device.index,
-        (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters), call.scalars,
-        call.meta)
+    if call.variant == "wgmma":
+        kv_nope, kv_rope = _kv_descriptors(k_cache, call.meta["BLOCK_N"])
+        tensors = (q, kv_nope, kv_rope, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
+    else:
+        (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
+        tensors = (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
+    _kernels()[call.variant].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
     if call.combine_grid is not None:
         _kernels()["combine"].launch(key, call.combine_grid, q.device.index, (num_splits, o_acc, lse_acc, out, lse),
                                      call.combine_scalars, call.combine_meta)
@@ -237,6 +273,45 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
 
 
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
+
+
+class _Address:
+    """A TMA descriptor's base: the address and dtype the launcher reads, without a reference
+    that would keep a freed cache alive in :func:`_kv_descriptors`' table."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+_descriptors: dict = {}
+
+
+def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
+    """TMA descriptors of the cache as ``[num_blocks * 64, 576]`` rows: columns 0..511 in
+    ``[block_n, 512]`` boxes, columns 512..575 in ``[block_n, 64]`` boxes; one pair per cache
+    address and shape (the launcher encodes them at each launch)."""
+    key = (k_cache.data_ptr(), k_cache.shape[0], k_cache.dtype, block_n)
+    pair = _descriptors.get(key)
+    if pair is None:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        element = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
+        rows, width = k_cache.shape[0] * PAGE_SIZE, HEAD_DIM
+        pair = tuple(
+            TensorDescriptor(_Address(k_cache.data_ptr() + offset * k_cache.element_size(), k_cache.dtype),
+                             [rows, cols], [width, 1], [block_n, cols],
+                             gl.NVMMASharedLayout.get_default_for([block_n, cols], element))
+            for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
+        if len(_descriptors) >= 256:
+            _descriptors.clear()
+        _descriptors[key] = pair
+    return pair
 
 
 def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal):

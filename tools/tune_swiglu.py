@@ -2,6 +2,7 @@
 
     python3 tools/tune_swiglu.py OUT_DIR [--mode full|tail|tiles] [--configs FILE]
     python3 tools/tune_swiglu.py OUT_DIR --mode promote       # time and accuracy of per-K-step promotion
+    python3 tools/tune_swiglu.py OUT_DIR --mode fp8           # swiglu_fp8 tiles per (scaling, output, M)
     TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench swiglu  # then measure the picks
 
 Every candidate is timed as CUDA-graph replays (cold L2, median) of ``run_kernel`` with that
@@ -23,10 +24,11 @@ whole table is printed in the form of ``TUNED`` in ``tilefuse/ops/swiglu/configs
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 
-from sweep_common import parse_args, update_section, write_json
+from sweep_common import parse_args, read_configs, update_section, write_json
 
 KEEP_MARGIN = 0.98   # a candidate replaces the current config only if it takes < 98 % of its time
 
@@ -132,6 +134,64 @@ def sweep(mode: str) -> tuple[list[dict], list[dict], dict]:
     return results, changed, table
 
 
+FP8_SHAPES = ("L3-8B", "72B")
+
+
+def fp8_candidates(quant: bool) -> list:
+    """swiglu_fp8 tiles (block scales) that fit the register budget (ptxas, sm_90a: no spills)."""
+    from tilefuse.ops.swiglu_fp8.configs import Fp8Config as F
+
+    if quant:   # BLOCK_N = 128: one output group per tile row
+        return [F(64, 128, 128, 8, 4, 8), F(64, 128, 128, 8, 3, 8), F(64, 128, 128, 4, 4, 8)]
+    return [F(64, 128, 128, 8, 4, 8), F(128, 64, 128, 8, 4, 8), F(128, 64, 128, 8, 3, 8), F(64, 64, 128, 8, 4, 4),
+            F(64, 64, 128, 8, 3, 4), F(64, 64, 128, 8, 2, 4)]
+
+
+def fp8_sweep() -> tuple[list[dict], list[dict]]:
+    """Block-scaled swiglu_fp8 (x 1 x 128 groups, w 128 x 128 blocks), bf16 and e4m3 outputs: every
+    candidate's CUDA-graph time on the FP8_SHAPES at M = 128, 1024, 4096; per (output, M) the
+    config with the least total time over the shapes (the heuristic's unless 2 % faster)."""
+    import torch
+
+    from tilefuse.bench.harness import Timer
+    from tilefuse.ops.swiglu_fp8 import configs
+    from tilefuse.ops.swiglu_fp8.op import _as_2d, run_kernel
+    from tilefuse.testing.swiglu import LLAMA3_SHAPES, SHAPES, make_fp8_case
+
+    timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
+    shapes = {**SHAPES, **LLAMA3_SHAPES}
+    results, picks = [], []
+    for quant in (False, True):
+        for m in (128, 1024, 4096):
+            totals: dict = {}
+            for model in FP8_SHAPES:
+                h, i = shapes[model]
+                case = make_fp8_case(m, h, i, "cuda")
+                x, xs, w, ws = case.args()
+                out = torch.empty((m, i), dtype=torch.float8_e4m3fn if quant else torch.bfloat16, device="cuda")
+                oscale = torch.empty((m, i // 128), dtype=torch.float32, device="cuda")
+                current = configs.heuristic(m, h, i, True, quant)
+                for c in [current] + [c for c in fp8_candidates(quant) if c != current]:
+                    try:
+                        us = timer.graph_us(lambda c=c: run_kernel(x, _as_2d(xs, m), w, ws, out, oscale, c, True, True,
+                                                                   quant))
+                    except Exception as exc:
+                        print(f"    ! {c}: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr, flush=True)
+                        us = float("inf")
+                    totals[c] = totals.get(c, 0.0) + us
+                    results.append({"model": model, "M": m, "quant": quant, "config": repr(c), "graph_us": us})
+                    print(f"fp8 quant={quant} {model:>6} M={m:<5} {us:9.1f} us  {c}", flush=True)
+                del case, x, xs, w, ws, out
+                torch.cuda.empty_cache()
+            current = configs.heuristic(m, *shapes[FP8_SHAPES[0]], True, quant)
+            best = min(totals, key=totals.get)
+            if totals[best] > KEEP_MARGIN * totals.get(current, float("inf")):
+                best = current
+            print(f"fp8 quant={quant} M={m}: pick {best}", flush=True)
+            picks.append({"k_scaled": True, "quant": quant, "M": m, "config": dataclasses.asdict(best)})
+    return results, picks
+
+
 def print_table(table: dict) -> None:
     """The picks in the form of ``TUNED`` in ``configs.py``."""
     print("TUNED = {")
@@ -170,10 +230,18 @@ def promote_check() -> None:
 
 
 def main() -> None:
-    mode = dict(choices=["full", "tail", "tiles", "promote"], default="full", help="which sweep (see above)")
+    mode = dict(choices=["full", "tail", "tiles", "promote", "fp8"], default="full", help="which sweep (see above)")
     args = parse_args(__doc__, workers=False, **{"--mode": mode})
     if args.mode == "promote":
         promote_check()
+        return
+    if args.mode == "fp8":
+        results, picks = fp8_sweep()
+        write_json(args.out_dir / "swiglu-fp8-sweep.json", results)
+        configs = {**read_configs(args.configs), "swiglu_fp8": picks}
+        args.configs.parent.mkdir(parents=True, exist_ok=True)
+        args.configs.write_text(json.dumps(configs, indent=1) + "\n")
+        print(f"picks merged into {args.configs}: TILEFUSE_CONFIGS={args.configs} tilefuse bench swiglu_fp8")
         return
     results, changed, table = sweep(args.mode)
     print_table(table)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from tilefuse import _env
+
 NUM_SMS_H200 = 132
+TUNED_M = (16, 128, 1024, 4096, 16384)
 
 
 @dataclass(frozen=True)
@@ -26,11 +29,32 @@ class Fp8Config:
     num_warps: int = 8
 
 
+# Measured picks by (k_scaled, quant_out) and M bucket (the TUNED_M entry at or above M), for all
+# shapes: the "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"k_scaled", "quant", "M",
+# "config"}], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import.
+TUNED: dict[tuple[bool, bool], dict[int, Fp8Config]] = {}
+
+
+def apply_overrides(entries: list[dict]) -> None:
+    for entry in entries:
+        TUNED.setdefault((bool(entry["k_scaled"]), bool(entry["quant"])), {})[entry["M"]] = Fp8Config(**entry["config"])
+    choose.cache_clear()
+
+
 @functools.lru_cache(maxsize=4096)
 def choose(m: int, k: int, i: int, k_scaled: bool, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
     """The config for ``x [m, k] x w [2i, k]``. ``k_scaled``: some scale varies along K (block or
     group scaling: BLOCK_K = 128, the scale block); ``quant_out``: e4m3 output with 1 x 128 group
     scales (BLOCK_N = 128)."""
+    bucket = next((t for t in TUNED_M if m <= t), TUNED_M[-1])
+    tuned = TUNED.get((k_scaled, quant_out), {}).get(bucket)
+    if tuned is not None:
+        return tuned
+    return heuristic(m, k, i, k_scaled, quant_out, num_sms)
+
+
+def heuristic(m: int, k: int, i: int, k_scaled: bool, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
+    """Tiles from the register budget and the tile count (the module docstring)."""
     if quant_out:
         block_n = 128
     elif k_scaled:
@@ -46,3 +70,6 @@ def choose(m: int, k: int, i: int, k_scaled: bool, quant_out: bool, num_sms: int
     stage_bytes = block_m * 128 + 2 * block_n * 128
     num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
     return Fp8Config(block_m, block_n, 128 if k_scaled or k % 128 == 0 else 64, num_stages=num_stages)
+
+
+apply_overrides(_env.settings.configs.get("swiglu_fp8", []))

@@ -8,8 +8,9 @@ heads with uneven lengths, batch 128 at 1K, and 32/64 heads at 16K. Implementati
   outside the timed call, as engines compute it once per batch;
 * ``tilefuse+metadata``: metadata + attention, one decode step as an engine captures it in a CUDA
   graph;
-* ``tilefuse:transposed`` / ``tilefuse:standard``: ``tilefuse`` with one orientation forced (below
-  64 query rows, where both apply);
+* ``tilefuse:transposed`` / ``tilefuse:standard`` / ``tilefuse:wgmma``: ``tilefuse`` with one
+  kernel forced (below 64 query rows, where all apply; ``wgmma`` is the standard orientation's
+  Gluon kernel, ``standard`` its ``tl`` one);
 * ``torch_naive``: gather the pages, bmm, softmax, bmm (equal lengths, where it fits in memory);
 * ``flashmla`` / ``flashmla+metadata``: the same two for FlashMLA, where ``flash_mla`` is importable;
   with ``TILEFUSE_FLASHMLA=b31bfe7=DIR,main=DIR`` each named build instead, as ``flashmla@b31bfe7``,
@@ -149,9 +150,10 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
             return run
 
         impls = _attention_impls(tilefuse, "tilefuse", q, k_cache, block_table, lens, rows)
-        if device.type == "cuda" and rows < 64:   # both orientations apply: time both
+        if device.type == "cuda" and rows < 64:   # every kernel applies: time each
             impls["tilefuse:transposed"] = forced("transposed")
             impls["tilefuse:standard"] = forced("standard")
+            impls["tilefuse:wgmma"] = forced("wgmma")
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
         if device.type == "cuda":   # peer builds, only where present (never built by tilefuse)

@@ -3,29 +3,45 @@
     python3 tools/vq_mma_sweep.py OUT_DIR [--quick]
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096 and 28672x8192) at 2, 8 and
-16 tokens (fp16), each candidate ``(block_n, krep, num_warps, ctas_per_sm)`` of
-``kernels_mma.vq_decode_mma_kernel`` is timed as CUDA-graph replays (cold L2) through
-``op.launch_mma`` with the settings passed as overrides (one process). Beside it, once per case:
+16 tokens (fp16), each candidate ``configs.MMA`` setting of ``kernels_mma.vq_decode_mma_kernel``
+is timed as CUDA-graph replays (cold L2) through ``op.launch_mma`` (one process; the per-shape
+split is recomputed for each). Beside it, once per case:
 fp16 cuBLAS on the dequantized weight, the table decode (2-4 tokens) and dequantize + cuBLAS (16
 tokens). An output more than 2e-3 (relative) away from cuBLAS's gets no time, so a wrong config is
 never picked. Every time goes to ``OUT_DIR/vq-mma-sweep.json`` with the pick (best geomean time
-over all cases) and the per-token geomean speedups over cuBLAS.
+over all cases) and the per-token geomean speedups over cuBLAS; ``OUT_DIR/configs.json`` holds the
+pick as a ``TILEFUSE_CONFIGS`` file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import sys
 from pathlib import Path
 
-CANDIDATES = [dict(block_n=bn, krep=kr, num_warps=nw, ctas_per_sm=c)
-              for bn, kr, nw, c in [(128, 4, 4, 3), (64, 8, 4, 3), (128, 4, 8, 3), (128, 8, 4, 3), (128, 4, 4, 6),
-                                    (64, 4, 4, 3)]]
+CANDIDATES = [dict(block_n=bn, krep=kr, num_warps=nw, ctas_per_sm=c, fixed_steps=4)
+              for bn, kr, nw, c in [(128, 4, 4, 3), (256, 4, 4, 2), (256, 2, 4, 2), (128, 4, 8, 3), (128, 2, 4, 3)]]
 TOKENS = (2, 4, 8, 16)
 MAX_REL_ERR = 2e-3
+
+
+@contextlib.contextmanager
+def _mma_settings(cfg):
+    """The MMA kernel's measured settings replaced by ``cfg`` (the per-shape choice recomputed)."""
+    from tilefuse.ops.vq import configs
+
+    saved = dict(configs.MMA)
+    configs.MMA.update(cfg)
+    configs.mma_config.cache_clear()
+    try:
+        yield
+    finally:
+        configs.MMA.update(saved)
+        configs.mma_config.cache_clear()
 
 
 def main() -> None:
@@ -38,7 +54,6 @@ def main() -> None:
     import torch.nn.functional as F
 
     import tilefuse
-    from tilefuse._backend import num_sms
     from tilefuse.bench.harness import Timer
     from tilefuse.bench.vq import BENCH_SHAPES
     from tilefuse.ops.vq import op as vq_op
@@ -46,7 +61,6 @@ def main() -> None:
     from tilefuse.testing.vq import make_case
 
     timer = Timer(torch.device("cuda"), rep_ms=10)
-    sms = num_sms(torch.device("cuda"))
     shapes = [BENCH_SHAPES[0], BENCH_SHAPES[4]] if args.quick else BENCH_SHAPES
     rows = []
 
@@ -72,11 +86,9 @@ def main() -> None:
             record(n, k, m, variant, forced, ref)
         out = torch.empty(m, n, dtype=torch.float16, device="cuda")
         for cfg in CANDIDATES:
-            steps = -(-(k // 8) // (4 * cfg["krep"]))
-            split = max(1, min(steps, round(cfg["ctas_per_sm"] * sms / -(-n // cfg["block_n"]))))
-            record(n, k, m, "mma", lambda cfg=cfg, split=split: vq_op.launch_mma(
-                c.x, c.codes, c.codebooks, c.scales.reshape(n), None, out, impl="gluon", block_n=cfg["block_n"],
-                krep=cfg["krep"], num_warps=cfg["num_warps"], split_k=split), ref, config=cfg)
+            with _mma_settings(cfg):
+                record(n, k, m, "mma", lambda: vq_op.launch_mma(c.x, c.codes, c.codebooks, c.scales.reshape(n), None,
+                                                                out, impl="gluon"), ref, config=cfg)
 
     def score(cfg):
         times = [r["us"] for r in rows if r.get("config") == cfg]
@@ -93,6 +105,8 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "vq-mma-sweep.json").write_text(json.dumps(
         {"candidates": CANDIDATES, "rows": rows, "pick": pick, "pick_speedup_geomean": speedups}, indent=1))
+    (args.out_dir / "configs.json").write_text(json.dumps({"vq": {"mma": pick}}, indent=1))
+    print(f"TILEFUSE_CONFIGS={args.out_dir / 'configs.json'} tilefuse bench vq  # measures the pick")
 
 
 if __name__ == "__main__":

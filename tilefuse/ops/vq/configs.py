@@ -43,9 +43,10 @@ def _with_overrides(section: str, measured: dict) -> dict:
 GATHER = _with_overrides("gather", dict(block_n=256, num_warps=8, convert_table=1, split_mult=2))
 # H200: the resident kernel's row block, warps, and the table build's cost in rows' worth of lookups.
 RESIDENT = _with_overrides("resident", dict(block_r=128, num_warps=16, build_rows=256))
-# H200: the MMA decode kernel's row block, K step (krep * 32 inputs), warps, and programs per SM to
-# aim the split-K at (64 KB of codebook copies: at most 3 resident per SM).
-MMA = _with_overrides("mma", dict(block_n=128, krep=4, num_warps=4, ctas_per_sm=3))
+# H200: the MMA decode kernel's row block, K step (krep * 32 inputs), warps, programs resident per SM
+# (64 KB of codebook copies: at most 3) and the fixed cost of a program (codebook copies, epilogue)
+# in K steps' worth, which the split-K choice weighs against wave quantization.
+MMA = _with_overrides("mma", dict(block_n=128, krep=4, num_warps=4, ctas_per_sm=3, fixed_steps=4))
 # H200: the fused prefill kernel's (``tl``) tiles.
 PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, num_warps=8, num_stages=3))
 
@@ -94,8 +95,8 @@ def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
 
     impl: "gluon" (``kernels_mma``, the decode kernel), "tl" (``kernels.vq_mma_kernel`` on the GPU:
     the fused prefill tiles) or "interpret" (the ``tl`` kernel on the CPU: small tiles). One token
-    tile of ``tokens`` (>= 16, an MMA's least N) splits K so that about ``ctas_per_sm`` programs per
-    SM run; more tokens run token tiles without a split."""
+    tile of ``tokens`` (>= 16, an MMA's least N) splits K to minimize ``waves x (K steps per program
+    + fixed_steps)``; more tokens run token tiles without a split."""
     groups = k // 8
     if impl == "gluon" and m <= 16:
         block_n, num_warps, krep, num_stages, tokens = MMA["block_n"], MMA["num_warps"], MMA["krep"], 1, 16
@@ -111,8 +112,13 @@ def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
     steps = _cdiv(groups, bg)
     row_blocks = _cdiv(n, block_n)
     split = 1
-    if token_tiles == 1 and impl != "tl":
-        split = max(1, min(steps, round(MMA["ctas_per_sm"] * num_sms / row_blocks)))
+    if token_tiles == 1 and impl != "tl":   # least waves x (steps per program + fixed cost)
+        slots = MMA["ctas_per_sm"] * num_sms
+
+        def cost(s):
+            return _cdiv(row_blocks * s, slots) * (_cdiv(steps, s) + MMA["fixed_steps"])
+
+        split = min(range(1, steps + 1), key=lambda s: (cost(s), s))
     groups_per_split = _cdiv(steps, split) * bg
     return dict(block_n=block_n, tokens=tokens, block_k=8 * bg, krep=krep, num_warps=num_warps,
                 num_stages=num_stages, token_tiles=token_tiles, row_blocks=row_blocks,

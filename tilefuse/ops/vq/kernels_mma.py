@@ -154,6 +154,7 @@ def vq_decode_mma_kernel(
     tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, L_TG))[:, None]
     tg = gl.arange(0, BG, layout=gl.SliceLayout(0, L_TG))[None, :]
     copy_off = ((tg % 4) + 4 * (tr % 2)) * 16
+    tg_mem = (tg % 4) * KREP + tg // 4                # the step's group that tile group tg holds
     xk = gl.arange(0, BK, layout=gl.SliceLayout(1, B_OP))
     x_col = (((xk // 8) % 4) * KREP + xk // 32) * 8 + xk % 8
     x_col = gl.max_contiguous(gl.multiple_of(x_col, 8), 8)[:, None]
@@ -187,7 +188,7 @@ def vq_decode_mma_kernel(
         else:
             k_ok = (g0 * 8 + x_col) < g_end * 8
             xv = gl.load(x_ptrs, mask=x_tok_ok & k_ok, other=0.0)
-            w = gl.where(gl.convert_layout(gl.reshape(gl.broadcast((g0 + tg < g_end)[:, :, None],
+            w = gl.where(gl.convert_layout(gl.reshape(gl.broadcast((g0 + tg_mem < g_end)[:, :, None],
                                                                    gl.zeros([BLOCK_N, BG, 8], gl.int1, L3))[0],
                                                       [BLOCK_N, BK]), A_OP), w, gl.zeros_like(w))
         acc = mma_v2(w, xv, acc)

@@ -32,7 +32,19 @@ class Fp8Config:
 # Measured picks by (k_scaled, quant_out) and M bucket (the TUNED_M entry at or above M), for all
 # shapes: the "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"k_scaled", "quant", "M",
 # "config"}], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import.
-TUNED: dict[tuple[bool, bool], dict[int, Fp8Config]] = {}
+# Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-11-30 (bench/results/swiglu-fp8-sweep-h200.json),
+# total graph time over Llama-3-8B and Qwen2.5-72B; block scales (the only kind swept).
+F = Fp8Config
+TUNED: dict[tuple[bool, bool], dict[int, Fp8Config]] = {
+    (True, False): {  # bf16 output
+        128: F(64, 64, 128, 8, 4, 4),       # 51.7 / 179.4 us vs 56.2 / 191.6 (heuristic 128 x 64, 64 x 128)
+        1024: F(64, 64, 128, 8, 4, 4),      # 294.1 / 1190.8 vs 312.4 / 1234.5
+        4096: F(128, 64, 128, 8, 3, 8),     # 1245.9 / 4911.3 vs 1371.4 / 5004.9 (64 x 64: 1156.0 / 5169.6)
+    },
+    (True, True): {   # e4m3 output
+        128: F(64, 128, 128, 4, 4, 8),      # 60.6 / 195.6 vs 74.8 / 195.7
+    },
+}
 
 
 def apply_overrides(entries: list[dict]) -> None:

@@ -1,4 +1,4 @@
-"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,model,all}``.
+"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,model,all,tp}``.
 
 ``bench all`` runs the kernel families, then the end-to-end ``model`` benchmark."""
 
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="GPU, versions, and which kernels run here")
     bench = sub.add_parser("bench", help="time tilefuse against baselines and the chip's ceilings")
-    bench.add_argument("family", choices=[*FAMILIES, "model", "all"],
-                       help="a kernel family, 'model' (end-to-end HF models, docs/model.md), or all of them")
+    bench.add_argument("family", choices=[*FAMILIES, "model", "all", "tp"],
+                       help="a kernel family, 'model' (end-to-end HF models, docs/model.md), or all of them; "
+                            "'tp': tensor parallelism, under torchrun --nproc-per-node 2 (docs/parallel.md)")
     bench.add_argument("--quick", action="store_true", help="a few representative cases, shorter timings")
     bench.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     bench.add_argument("--only", default=None, help="only cases whose params JSON contains this text")
@@ -79,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    if args.family == "tp":
+        from tilefuse.bench.tp import main as tp_main
+
+        return tp_main(args.quick, args.out, args.only, args.tag, args.layers)
     from tilefuse.bench.model import main as model_main
     from tilefuse.bench.runner import main as bench_main
 

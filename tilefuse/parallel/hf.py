@@ -27,7 +27,7 @@ from torch import nn
 
 from tilefuse.parallel.group import Placement
 from tilefuse.parallel.layers import ColumnParallel, ParallelSwiGLUMLP, RowParallel
-from tilefuse.parallel.sharding import columns_of, linear_from, local_swiglu, rows_of
+from tilefuse.parallel.sharding import columns_of, linear_from, local_swiglu, rows_of, swiglu_mlp_class
 
 
 def _dtensor_class():
@@ -79,20 +79,12 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
     """:func:`tilefuse.hf.patch_swiglu` for a ``tp_plan`` model: every SwiGLU MLP (gate/up "colwise",
     down "rowwise") becomes a :class:`~tilefuse.parallel.ParallelSwiGLUMLP` over this rank's
     shards, whose one all-reduce replaces the down projection's. Returns the number replaced."""
-    from tilefuse.hf import SILU_NAMES, SWIGLU_MLP_CLASSES
     from tilefuse.hf import patch_swiglu as patch_one_device
 
     if not is_tensor_parallel(model):
         return patch_one_device(model, layout)
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SWIGLU_MLP_CLASSES:
-        raise ValueError(f"model: expected config.model_type in {sorted(SWIGLU_MLP_CLASSES)}, got {model_type!r}")
-    act = getattr(config, "hidden_act", "silu")
-    if act not in SILU_NAMES:
-        raise ValueError(f"model: expected config.hidden_act in {SILU_NAMES} (SwiGLU), got {act!r}")
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if type(mod).__name__ == SWIGLU_MLP_CLASSES[model_type]]
+    mlp_class = swiglu_mlp_class(model)
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ == mlp_class]
     for name, mlp in targets:
         styles = {}
         for proj in ("gate_proj", "up_proj", "down_proj"):

@@ -170,6 +170,21 @@ def shard(module: nn.Module, group=None, *, style: str | None = None, rank: int 
                      f"MLADecodeAttention, got {type(module).__name__}")
 
 
+def swiglu_mlp_class(model: nn.Module, require_silu: bool = True) -> str:
+    """The class name of ``model``'s SwiGLU MLPs (``tilefuse.hf.SWIGLU_MLP_CLASSES`` by
+    ``config.model_type``); ``require_silu``: refuse a ``config.hidden_act`` other than SiLU."""
+    from tilefuse.hf import SILU_NAMES, SWIGLU_MLP_CLASSES
+
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SWIGLU_MLP_CLASSES:
+        raise ValueError(f"model: expected config.model_type in {sorted(SWIGLU_MLP_CLASSES)}, got {model_type!r}")
+    act = getattr(config, "hidden_act", "silu")
+    if require_silu and act not in SILU_NAMES:
+        raise ValueError(f"model: expected config.hidden_act in {SILU_NAMES} (SwiGLU), got {act!r}")
+    return SWIGLU_MLP_CLASSES[model_type]
+
+
 def _check_heads(config, world: int) -> None:
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)
@@ -190,15 +205,9 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
     Every rank must hold the same full model. Raises ValueError naming ``world_size`` when it does
     not divide ``config.num_attention_heads``, ``config.num_key_value_heads`` or a projection's size.
     """
-    from tilefuse.hf import SWIGLU_MLP_CLASSES
-
     where = placement(group, rank, world_size)
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SWIGLU_MLP_CLASSES:
-        raise ValueError(f"model: expected config.model_type in {sorted(SWIGLU_MLP_CLASSES)}, got {model_type!r}")
-    _check_heads(config, where.world_size)
-    mlp_class = SWIGLU_MLP_CLASSES[model_type]
+    mlp_class = swiglu_mlp_class(model, require_silu=False)
+    _check_heads(model.config, where.world_size)
     done: list[str] = []                      # replaced modules: their children are left alone
     for name, module in list(model.named_modules()):
         if any(name.startswith(prefix + ".") for prefix in done):

@@ -17,7 +17,10 @@ only in reduction order and roundings:
   all-reduce rounds the sum of the partials (``u |y|``), the one-device layer rounds once
   (``u |y|``); with ``sum |p_r| <= S``: ``factor = 3u + 2^-16``, written ``4u + 2^-16`` for room;
 * SwiGLU MLP: the row-parallel down projection plus a possible 1-ulp flip of each intermediate
-  ``h`` (``2u |h|`` into S of the down projection): ``factor = 6u + 2^-16``.
+  ``h`` (``2u |h|`` into S of the down projection): ``factor = 6u + 2^-16``;
+* unfused SwiGLU (``silu(gate(x)) * up(x)`` in the activation dtype, the 2-bit VQ MLP): gate, up,
+  silu and the product are each rounded, and each may flip by one ulp: ``8u |h|``, plus the
+  row-parallel down projection's ``4u``: ``factor = 12u + 2^-16``.
 
 ``u`` is the unit roundoff of the activation dtype: 2^-8 bf16, 2^-11 fp16, 2^-24 fp32.
 """
@@ -31,7 +34,7 @@ import traceback
 import torch
 
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
-FACTOR_ULPS = {"column": 2, "row": 4, "mlp": 6}
+FACTOR_ULPS = {"column": 2, "row": 4, "mlp": 6, "unfused-mlp": 12}
 ACCUMULATION = 2.0 ** -16
 
 

@@ -1,0 +1,732 @@
+"""``tilefuse bench tp``: tensor-parallel decode at TP=1 and TP=N, launched by ``torchrun``.
+
+    torchrun --nproc-per-node 2 -m tilefuse bench tp [--quick] [--out DIR]
+
+Every rank measures TP=1 on its own GPU at the same time (the one-device modules, no collective),
+then all ranks measure TP=N together (``tilefuse.parallel`` shards, NCCL). Without ``torchrun``
+only TP=1 runs; without a GPU, gloo processes run the reference path on toy shapes (a pipeline
+check, not a measurement).
+
+Per-layer cases (bf16, one decode step, weights built from one seed on every rank):
+
+* ``mlp`` -- Llama-3-8B (H 4096, I 14336) and 70B (8192, 28672) SwiGLU MLPs at M = 1, 4, 16 tokens:
+  ``FusedSwiGLUMLP`` at TP=1, :class:`~tilefuse.parallel.ParallelSwiGLUMLP` at TP=N;
+* ``mlp-vq2`` -- the 70B MLP in 2-bit 2x8 VQ (gate/up column-, down row-parallel ``VQLinear``) at M = 1, 4;
+* ``mla`` -- a DeepSeek-V3 MLA decode layer (hidden 7168, q latent 1536, 128 or 32 heads, 576/512
+  latent, v head 128), batch 16, 16K and 64K context: q up-projection (column-parallel over the
+  heads), W_UK absorption, paged attention on the rank's heads
+  (:class:`~tilefuse.parallel.ParallelMLADecodeAttention`, replicated latent cache), W_UV, output
+  projection (row-parallel, the all-reduce).
+
+Implementations per case: ``layer`` (the whole layer, its all-reduce included), ``local`` (TP=N
+only: the layer without its all-reduce, the rank's compute), ``allreduce`` (TP=N: the all-reduce
+of the layer's output alone), ``attention`` (MLA: the attention call alone). Times as the other
+benchmarks (``gpu_us`` per eager call with cold L2, ``graph_us`` CUDA-graph replay with cold L2,
+``eager_us`` wall clock of back-to-back calls) with two changes that collectives need: every rank
+runs the same fixed number of calls (no per-rank calibration, which could leave a rank waiting in
+an all-reduce forever), and each timed call starts right after a one-element all-reduce, so the
+ranks start together and a call's time is not another rank's lateness. A row's times are the
+slowest rank's (a step waits for it); ``rank_graph_us`` lists all.
+
+End to end (``e2e``): greedy decoding of a Llama-3-8B-shaped model (random weights, ``--layers``
+blocks, 4 with ``--quick``), ms per token with a CUDA-graph decode step and eagerly, batch 1 and
+16: stock and fused (``tilefuse.hf.patch_swiglu``) at TP=1; at TP=N through
+:func:`tilefuse.parallel.shard_model` (dense and fused) and, where ``accelerate`` is installed,
+transformers' own ``tp_plan="auto"`` (stock, and with :func:`tilefuse.parallel.hf.patch_swiglu`).
+
+Results: ``<out>/tp-<gpu>x<N>[-quick][-<tag>].json`` (rows, summary with the TP=N / TP=1 ratios
+and goals, machine with every rank's GPU, NCCL version). Goals: 70B MLP at M 1-16 and the
+128-head MLA layer at >= 16K context, TP=N layer time over TP=1 <= 0.6 and <= 0.55 (graph and
+eager judged apart); TP=N outputs within the tolerance of :mod:`tilefuse.testing.parallel`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tilefuse.bench.harness import check, geomean, ratio, tally
+
+MLP_SHAPES = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
+# DeepSeek-V3's MLA: hidden, q latent (q_lora_rank), nope / rope query dims, value head dim
+MLA_DIMS = dict(hidden=7168, q_rank=1536, nope=128, rope=64, v_head=128)
+FLUSH_BYTES = 256 << 20
+
+
+def log(msg: str) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(f"[tp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class Plan:
+    mlp_tokens: tuple[int, ...]
+    vq_tokens: tuple[int, ...]
+    mla_heads: tuple[int, ...]
+    mla_contexts: tuple[int, ...]
+    mla_batch: int
+    warmup: int
+    reps: int
+    eager_ms: float
+    e2e_layers: int
+    e2e_batches: tuple[int, ...]
+    e2e_prompt: int
+    e2e_tokens: int
+
+
+GPU_PLAN = Plan((1, 4, 16), (1, 4), (128, 32), (16384, 65536), 16, 10, 100, 20.0, 8, (1, 16), 128, 48)
+GPU_QUICK_PLAN = Plan((1, 4, 16), (1, 4), (128, 32), (16384, 65536), 16, 5, 40, 10.0, 4, (1, 16), 64, 24)
+CPU_PLAN = Plan((1, 4), (1,), (8,), (256,), 2, 1, 3, 2.0, 2, (1,), 8, 6)
+
+
+# ----------------------------------------------------------------------------- timing
+class TPTimer:
+    """Times zero-arg callables the same number of times on every rank of ``group`` (None: this
+    rank alone). See the module docstring for the three times."""
+
+    def __init__(self, device: torch.device, group, plan: Plan):
+        self.device, self.group, self.plan = device, group, plan
+        self.cuda = device.type == "cuda"
+        self.flush = torch.empty(FLUSH_BYTES if self.cuda else 1, dtype=torch.int8, device=device)
+        self.token = torch.zeros(1, device=device)
+
+    def _align(self) -> None:
+        if self.group is not None:
+            dist.all_reduce(self.token, group=self.group)
+
+    def agree_max(self, value: float) -> float:
+        """The largest ``value`` over the ranks of the group."""
+        if self.group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t)
+
+    def _per_call_us(self, fn: Callable[[], object]) -> float:
+        """Median of single calls, each after an L2 flush and an aligning all-reduce (GPU)."""
+        for _ in range(self.plan.warmup):
+            fn()
+        pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                 for _ in range(self.plan.reps)]
+        for start, end in pairs:
+            self.flush.zero_()
+            self._align()
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+    def eager_us(self, fn: Callable[[], object], calls: int) -> float:
+        """Wall clock per call of ``calls`` back-to-back calls, one synchronize at the end; median of 3."""
+        sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        fn()
+        samples = []
+        for _ in range(3):
+            sync()
+            self._align()
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        return 1e6 * statistics.median(samples) / calls
+
+    def times(self, fn: Callable[[], object]) -> dict:
+        """gpu_us, graph_us (GPU) and eager_us of this rank; the same call counts on every rank."""
+        out: dict = {}
+        if self.cuda:
+            out["gpu_us"] = self._per_call_us(fn)
+            try:
+                graph, _ = capture(fn)
+                out["graph_us"] = self._per_call_us(graph.replay)
+                del graph
+            except RuntimeError as exc:
+                out["graph_us"], out["graph_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+            guess = self.agree_max(out["gpu_us"])
+        else:
+            t0 = time.perf_counter()
+            fn()
+            guess = self.agree_max(1e6 * (time.perf_counter() - t0))
+        calls = int(min(2000, max(5, self.plan.eager_ms * 1e3 / max(guess, 1.0))))
+        out["eager_us"], out["eager_calls"] = self.eager_us(fn, calls), calls
+        return out
+
+
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a CUDA graph of ``fn``, the output its replays write), after a warm-up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def gather_rows(local: dict, world: int) -> list[dict]:
+    """Every rank's dict (rank order); on one process just ``[local]``."""
+    if world == 1:
+        return [local]
+    parts: list = [None] * world
+    dist.all_gather_object(parts, local)
+    return parts
+
+
+def merge(per_rank: list[dict]) -> dict:
+    """One row's times from all ranks': the slowest rank's, plus each rank's graph/eager time."""
+    row = dict(per_rank[0])
+    for key in ("gpu_us", "graph_us", "eager_us"):
+        values = [r.get(key) for r in per_rank]
+        if all(v is not None for v in values):
+            row[key] = max(values)
+            row[f"rank_{key}"] = [round(v, 2) for v in values]
+    return row
+
+
+# ----------------------------------------------------------------------------- layers
+def _draw(gen: torch.Generator, shape, std: float, dtype, device) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+
+def mlp_layer(hidden: int, inter: int, dtype, device, seed: int = 0) -> nn.Module:
+    """A FusedSwiGLUMLP with random O(1)-output weights, the same on every rank."""
+    from tilefuse.nn.swiglu import FusedSwiGLUMLP
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mlp = FusedSwiGLUMLP(hidden, inter, device="meta", dtype=dtype)
+    mlp.gate_up_weight = nn.Parameter(_draw(gen, (2 * inter, hidden), hidden ** -0.5, dtype, device),
+                                      requires_grad=False)
+    mlp.down_proj.weight = nn.Parameter(_draw(gen, (hidden, inter), inter ** -0.5, dtype, device), requires_grad=False)
+    return mlp
+
+
+class VQMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` over 2x8 VQ projections (or their tensor-parallel shards)."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module):
+        super().__init__()
+        self.gate, self.up, self.down = gate, up, down
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+def vq_mlp(hidden: int, inter: int, dtype, device, seed: int = 0) -> VQMLP:
+    from tilefuse.nn.vq import VQLinear
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def layer(n, k):
+        vq = VQLinear(k, n, bias=False, dtype=dtype, device=device)
+        codes = torch.randint(0, 256, (n, k // 8, 2), generator=gen, device=device, dtype=torch.uint8)
+        books = _draw(gen, (2, 256, 1, 8), 0.5 ** 0.5, dtype, device)
+        return vq.load_quantized(codes, books, torch.full((n,), k ** -0.5, dtype=dtype, device=device))
+
+    return VQMLP(layer(inter, hidden), layer(inter, hidden), layer(hidden, inter))
+
+
+def shard_vq_mlp(mlp: VQMLP, group, reduce_results: bool = True) -> VQMLP:
+    from tilefuse.parallel import shard
+
+    return VQMLP(shard(mlp.gate, group, style="column"), shard(mlp.up, group, style="column"),
+                 shard(mlp.down, group, style="row", reduce_results=reduce_results))
+
+
+class MLADecodeLayer(nn.Module):
+    """One decode step of a DeepSeek-style MLA layer with absorbed weights, on ``heads`` heads.
+
+    c_q ``[b, q_rank]`` -> q_b projection -> per head (nope, rope) -> q_nope W_UK -> latent query
+    ``[b, 1, h, 576]`` -> paged attention -> W_UV ``[h, 512, v]`` -> o_proj ``[hidden, h v]`` -> ``[b, hidden]``.
+    Built full (TP=1) by :func:`mla_layer`, or as a rank's shard by :meth:`shard`.
+    """
+
+    def __init__(self, q_b: nn.Module, w_uk: torch.Tensor, w_uv: torch.Tensor, attn: nn.Module, o_proj: nn.Module):
+        super().__init__()
+        self.q_b, self.attn, self.o_proj = q_b, attn, o_proj
+        self.register_buffer("w_uk", w_uk)          # [h, nope, 512]
+        self.register_buffer("w_uv", w_uv)          # [h, 512, v]
+
+    def forward(self, c_q, k_cache, block_table):
+        """c_q [b, q_rank]; the attention's schedule from its last ``plan(cache_seqlens)`` (once per step)."""
+        b, heads = c_q.shape[0], self.w_uk.shape[0]
+        q = self.q_b(c_q).view(b, heads, MLA_DIMS["nope"] + MLA_DIMS["rope"])
+        q_nope, q_pe = q.split((MLA_DIMS["nope"], MLA_DIMS["rope"]), dim=-1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)               # [b, h, 512]
+        q = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(1)                                   # [b, 1, h, 576]
+        out, _ = self.attn(q, k_cache, block_table)                                             # [b, 1, h, 512]
+        v = torch.bmm(out[:, 0].transpose(0, 1), self.w_uv).transpose(0, 1).reshape(b, -1)    # [b, h v]
+        return self.o_proj(v)
+
+    def shard(self, group, reduce_results: bool = True) -> MLADecodeLayer:
+        """This rank's heads: q_b rows, W_UK / W_UV heads, attention heads, o_proj columns."""
+        from tilefuse.parallel import placement, shard
+
+        where = placement(group)
+        heads = where.part(self.w_uk.shape[0])
+        return MLADecodeLayer(shard(self.q_b, group, style="column").local, self.w_uk[heads].contiguous(),
+                              self.w_uv[heads].contiguous(), shard(self.attn, group),
+                              shard(self.o_proj, group, style="row", reduce_results=reduce_results))
+
+
+def mla_layer(heads: int, dtype, device, seed: int = 0) -> MLADecodeLayer:
+    from tilefuse.nn.mla import MLADecodeAttention
+    from tilefuse.parallel.sharding import linear_from
+
+    d = MLA_DIMS
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q_b = linear_from(_draw(gen, (heads * (d["nope"] + d["rope"]), d["q_rank"]), d["q_rank"] ** -0.5, dtype, device),
+                      None)
+    w_uk = _draw(gen, (heads, d["nope"], 512), d["nope"] ** -0.5, dtype, device)
+    w_uv = _draw(gen, (heads, 512, d["v_head"]), 512 ** -0.5, dtype, device)
+    o_proj = linear_from(_draw(gen, (d["hidden"], heads * d["v_head"]), (heads * d["v_head"]) ** -0.5, dtype,
+                               device), None)
+    return MLADecodeLayer(q_b, w_uk, w_uv, MLADecodeAttention(heads), o_proj)
+
+
+# ----------------------------------------------------------------------------- cases
+@dataclass
+class Case:
+    """One per-layer case: ``build(group, reduce)`` makes the layer (group None: TP=1) and
+    ``inputs()`` its call arguments; ``out_shape`` the output (for the all-reduce alone)."""
+
+    kind: str
+    params: dict
+    build: Callable
+    inputs: Callable
+    scale: Callable | None = None     # (layer, args) -> |.| @ |W|^T of the output, for the tolerance
+    tolerance_kind: str = "mlp"
+
+
+def mlp_cases(plan: Plan, dtype, device, cpu: bool) -> list[Case]:
+    from tilefuse.parallel import shard
+
+    shapes = {"toy": (64, 256)} if cpu else MLP_SHAPES
+    out = []
+    for model, (hidden, inter) in shapes.items():
+        for m in plan.mlp_tokens:
+            def build(group, reduce, hidden=hidden, inter=inter):
+                full = mlp_layer(hidden, inter, dtype, device)
+                return full if group is None else shard(full, group, reduce_results=reduce)
+
+            def inputs(m=m, hidden=hidden):
+                gen = torch.Generator(device=device).manual_seed(1)
+                return (torch.randn(m, hidden, generator=gen, device=device).to(dtype),)
+
+            out.append(Case("mlp", {"model": model, "H": hidden, "I": inter, "M": m}, build, inputs, _mlp_scale))
+    hidden, inter = (64, 256) if cpu else MLP_SHAPES["llama3-70b"]
+    for m in plan.vq_tokens:
+        def build_vq(group, reduce, hidden=hidden, inter=inter):
+            full = vq_mlp(hidden, inter, dtype, device)
+            return full if group is None else shard_vq_mlp(full, group, reduce)
+
+        def inputs_vq(m=m, hidden=hidden):
+            gen = torch.Generator(device=device).manual_seed(1)
+            return (torch.randn(m, hidden, generator=gen, device=device).to(dtype),)
+
+        out.append(Case("mlp-vq2", {"model": "llama3-70b" if not cpu else "toy", "H": hidden, "I": inter, "M": m},
+                        build_vq, inputs_vq, _vq_scale, "unfused-mlp"))
+    return out
+
+
+def _mlp_scale(layer, args):
+    from tilefuse.ops.swiglu.reference import swiglu_reference
+    from tilefuse.testing.parallel import error_scale
+
+    (x,) = args
+    h = swiglu_reference(x.double(), layer.gate_up_weight.double(), compute_dtype=torch.float64)
+    return error_scale(h, layer.down_proj.weight)
+
+
+def _vq_scale(layer, args):
+    from tilefuse.testing.parallel import error_scale
+
+    (x,) = args
+    h = F.silu(layer.gate(x.double())) * layer.up(x.double())
+    return error_scale(h, layer.down.dequantize())
+
+
+_MLA_CACHE: dict = {}
+
+
+def mla_cases(plan: Plan, dtype, device, cpu: bool) -> list[Case]:
+    from tilefuse.testing.mla import paged_cache
+
+    out = []
+    for ctx in plan.mla_contexts:
+        for heads in plan.mla_heads:
+            def build(group, reduce, heads=heads):
+                full = mla_layer(heads, dtype, device)
+                return full if group is None else full.shard(group, reduce)
+
+            def inputs(ctx=ctx):
+                key = (ctx, plan.mla_batch)
+                if key not in _MLA_CACHE:
+                    _MLA_CACHE.clear()
+                    torch.manual_seed(3)     # the same cache and block table on every rank
+                    k_cache, table = paged_cache([ctx] * plan.mla_batch, dtype, device, nan_tail=False)
+                    lens = torch.full((plan.mla_batch,), ctx, dtype=torch.int32, device=device)
+                    gen = torch.Generator(device=device).manual_seed(1)
+                    c_q = torch.randn(plan.mla_batch, MLA_DIMS["q_rank"], generator=gen, device=device).to(dtype)
+                    _MLA_CACHE[key] = (c_q, k_cache, table, lens)
+                return _MLA_CACHE[key]
+
+            out.append(Case("mla", {"model": "deepseek-v3", "heads": heads, "batch": plan.mla_batch, "context": ctx},
+                            build, inputs, None, "mla"))
+    return out
+
+
+def run_case(case: Case, tp: int, group, timer: TPTimer, reference: dict) -> list[dict]:
+    """The case's rows at TP=tp on this rank (group None: TP=1, this rank alone)."""
+    from tilefuse.parallel import placement
+    from tilefuse.testing.compare import cos_diff
+    from tilefuse.testing.parallel import check_within, tp_tolerance
+
+    args = case.inputs()
+    layer = case.build(group, True)
+    if case.kind == "mla":      # c_q, cache, block table; the lengths plan the attention once per step
+        lens, args = args[3], args[:3]
+        layer.attn.plan(lens)
+        q = torch.randn(args[0].shape[0], 1, layer.w_uk.shape[0], 576, device=args[0].device, dtype=args[0].dtype)
+    impls: dict[str, Callable[[], object]] = {"layer": lambda: layer(*args)}
+    if case.kind == "mla":
+        impls["attention"] = lambda: layer.attn(q, *args[1:3])
+    with torch.no_grad():
+        out = layer(*args)
+    rows = []
+    extra: dict = {}
+    if tp == 1:
+        reference[case_key(case)] = out.clone()
+        if case.scale is not None:
+            with torch.no_grad():
+                reference[case_key(case) + ("scale",)] = case.scale(layer, args)
+    else:
+        want = reference.get(case_key(case))
+        if want is not None:
+            extra["cos_diff_vs_tp1"] = cos_diff(out, want)
+            extra["max_rel_diff_vs_tp1"] = float((out.double() - want.double()).abs().max() / want.double().abs().max())
+            scale = reference.get(case_key(case) + ("scale",))
+            if scale is not None:
+                factor = tp_tolerance(out.dtype, case.tolerance_kind)
+                try:
+                    extra["worst_over_tolerance"] = check_within(out, want, scale, factor)
+                except AssertionError as exc:
+                    extra["worst_over_tolerance"], extra["tolerance_error"] = float("inf"), str(exc)[:300]
+        local = case.build(group, False)
+        if case.kind == "mla":
+            local.attn.plan(lens)
+        impls["local"] = lambda: local(*args)
+        reduced = torch.empty_like(out)
+        where = placement(group)
+        impls["allreduce"] = lambda: dist.all_reduce(reduced, group=where.group)
+    for impl, fn in impls.items():
+        with torch.no_grad():
+            times = timer.times(fn)
+        rows.append({"family": "tp", "kind": case.kind, "tp": tp, "impl": impl, "params": dict(case.params),
+                     **times, **(extra if impl == "layer" else {})})
+    if case.kind == "mla":
+        rows[0]["kernel"] = layer.attn.kernel(1, args[2].shape[1]) if tp > 1 else _kernel(layer.attn, args[2])
+    return rows
+
+
+def _kernel(attn, block_table) -> str:
+    from tilefuse.ops.mla.op import choose_variant
+
+    return choose_variant(attn.num_heads, block_table.shape[1])
+
+
+def case_key(case: Case) -> tuple:
+    return (case.kind, *sorted(case.params.items()))
+
+
+# ----------------------------------------------------------------------------- end to end
+def e2e_rows(plan: Plan, device, dtype, world: int, cpu: bool) -> list[dict]:
+    """Greedy decode ms/token of a Llama-3-8B-shaped model: TP=1 stock / fused, TP=world through
+    shard_model (dense / fused) and transformers' tp_plan (stock / tilefuse.parallel.hf.patch_swiglu)."""
+    import importlib.util
+
+    import tilefuse.hf
+    from tilefuse.bench.hf_decode import Clock, GraphDecoder
+    from tilefuse.bench.model import llama3_8b_config, random_model, tiny_llama_config
+    from tilefuse.parallel import shard_model
+
+    config = tiny_llama_config(plan.e2e_layers) if cpu else llama3_8b_config(plan.e2e_layers)
+    rows, tokens = [], {}
+
+    def measure(name: str, tp: int, make: Callable[[], nn.Module]) -> None:
+        model = make()
+        for batch in plan.e2e_batches:
+            gen = torch.Generator(device="cpu").manual_seed(7)
+            prompt = torch.randint(0, config.vocab_size, (batch, plan.e2e_prompt), generator=gen).to(device)
+            for mode in ("graph", "eager") if not cpu else ("eager",):
+                clock = Clock(device, plan.e2e_tokens)
+                decoder = GraphDecoder(model, batch, plan.e2e_prompt + plan.e2e_tokens, capture=mode == "graph")
+                with torch.no_grad():
+                    ids = decoder.decode(prompt, plan.e2e_tokens, clock)
+                steps = clock.intervals_ms()[min(4, plan.e2e_tokens // 4):]
+                local = {"ms_per_token": statistics.median(steps)}
+                per_rank = gather_rows(local, world) if tp > 1 else [local]
+                row = {"family": "tp", "kind": "e2e", "tp": tp, "impl": name, "mode": mode,
+                       "params": {"model": "llama3-8b-shapes" if not cpu else "tiny-llama", "layers": plan.e2e_layers,
+                                  "batch": batch},
+                       "ms_per_token": round(max(r["ms_per_token"] for r in per_rank), 4),
+                       "rank_ms_per_token": [round(r["ms_per_token"], 4) for r in per_rank]}
+                base = tokens.setdefault((batch, mode), ids.cpu())
+                row["agreement_vs_tp1_stock"] = round(float((ids.cpu() == base).float().mean()), 4)
+                rows.append(row)
+                log(f"e2e {name} tp={tp} batch={batch} {mode}: {row['ms_per_token']:.3f} ms/token")
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def fused(model):
+        tilefuse.hf.patch_swiglu(model)
+        return model
+
+    def sharded(model, fuse: bool):
+        if fuse:
+            tilefuse.hf.patch_swiglu(model)
+        shard_model(model)
+        return model
+
+    measure("stock", 1, lambda: random_model(config, device, dtype))
+    measure("tilefuse-swiglu", 1, lambda: fused(random_model(config, device, dtype)))
+    if world > 1:
+        measure("shard_model", world, lambda: sharded(random_model(config, device, dtype), False))
+        measure("shard_model+swiglu", world, lambda: sharded(random_model(config, device, dtype), True))
+        if importlib.util.find_spec("accelerate") is not None:
+            tp_plan_rows(config, device, dtype, world, measure)
+        else:
+            log("accelerate is not installed: transformers' tp_plan route skipped")
+    return rows
+
+
+def tp_plan_rows(config, device, dtype, world, measure) -> None:
+    """transformers' tp_plan="auto" from a checkpoint rank 0 writes: stock, and patched by tilefuse."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tilefuse.bench.model import random_model
+    from tilefuse.parallel.hf import patch_swiglu
+
+    folder = [tempfile.mkdtemp(prefix="tilefuse-tp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    if dist.get_rank() == 0:
+        random_model(config, device, dtype).save_pretrained(folder[0])
+    dist.barrier()
+
+    def load(patch: bool):
+        model = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto", dtype=dtype).eval()
+        if patch:
+            patch_swiglu(model)
+        return model
+
+    try:
+        measure("tp_plan", world, lambda: load(False))
+        measure("tp_plan+parallel.hf.patch_swiglu", world, lambda: load(True))
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder[0], ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- summary
+MLP_GOAL, MLA_GOAL = 0.6, 0.55
+
+
+def summarize(rows: list[dict], world: int) -> dict:
+    """TP=world / TP=1 layer-time ratios per case (gpu, graph, eager), the all-reduce's share, the
+    accuracy against TP=1, and the goals."""
+    table: dict = {}
+    for row in rows:
+        if row["kind"] != "e2e":
+            table.setdefault((row["kind"], json.dumps(row["params"], sort_keys=True)), {})[(row["tp"], row["impl"])] = row
+    cases, goals = [], {"mlp": [], "mla": []}
+    for (kind, params), impls in table.items():
+        one, many = impls.get((1, "layer"), {}), impls.get((world, "layer"), {}) if world > 1 else {}
+        reduce = impls.get((world, "allreduce"), {})
+        entry = {"kind": kind, "params": json.loads(params)}
+        for mode in ("gpu_us", "graph_us", "eager_us"):
+            entry[f"tp1_{mode}"], entry[f"tp{world}_{mode}"] = one.get(mode), many.get(mode)
+            entry[f"ratio_{mode.removesuffix('_us')}"] = ratio(many.get(mode), one.get(mode))
+            entry[f"allreduce_{mode}"] = reduce.get(mode)
+            entry[f"local_{mode}"] = impls.get((world, "local"), {}).get(mode)
+        for key in ("worst_over_tolerance", "cos_diff_vs_tp1", "max_rel_diff_vs_tp1"):
+            entry[key] = many.get(key)
+        if kind == "mla":
+            entry["kernel_tp1"], entry[f"kernel_tp{world}"] = one.get("kernel"), many.get("kernel")
+            entry["attention_ratio_graph"] = ratio(impls.get((world, "attention"), {}).get("graph_us"),
+                                                   impls.get((1, "attention"), {}).get("graph_us"))
+        p = entry["params"]
+        if kind == "mlp" and p["model"] == "llama3-70b" and p["M"] <= 16:
+            goals["mlp"].append(entry)
+        if kind == "mla" and p["heads"] == 128 and p["context"] >= 16384:
+            goals["mla"].append(entry)
+        cases.append(entry)
+    judged = []
+    for name, bound, entries in (("70B MLP, M 1-16", MLP_GOAL, goals["mlp"]),
+                                 ("MLA 128 heads, >= 16K context", MLA_GOAL, goals["mla"])):
+        for mode in ("graph", "eager"):
+            judged.append(tally(f"{name}: TP={world} / TP=1 layer {mode} time <= {bound}",
+                                [check(name, e[f"ratio_{mode}"], "<=", bound) for e in entries]))
+    acc = [c["worst_over_tolerance"] for c in cases if c.get("worst_over_tolerance") is not None]
+    judged.append(check(f"TP={world} outputs within the TP=1 tolerance (worst |diff| / tolerance)",
+                        max(acc) if acc else None, "<=", 1.0))
+    mla_cos = [c["cos_diff_vs_tp1"] for c in cases if c["kind"] == "mla" and c.get("cos_diff_vs_tp1") is not None]
+    judged.append(check(f"MLA layer TP={world} vs TP=1 cos_diff", max(mla_cos) if mla_cos else None, "<=", 1e-5))
+    e2e = [r for r in rows if r["kind"] == "e2e"]
+    return {"cases": cases, "goals": judged, "e2e": _e2e_table(e2e),
+            "geomean_ratio_graph": geomean(c["ratio_graph"] for c in cases if c.get("ratio_graph"))}
+
+
+def _e2e_table(rows: list[dict]) -> list[dict]:
+    """Each e2e row with its ms/token over TP=1 stock's (same batch and mode)."""
+    base = {(r["params"]["batch"], r["mode"]): r["ms_per_token"] for r in rows if r["impl"] == "stock"}
+    return [{"impl": r["impl"], "tp": r["tp"], "batch": r["params"]["batch"], "mode": r["mode"],
+             "ms_per_token": r["ms_per_token"], "x_tp1_stock": ratio(r["ms_per_token"],
+                                                                      base.get((r["params"]["batch"], r["mode"]))),
+             "agreement_vs_tp1_stock": r["agreement_vs_tp1_stock"]} for r in rows]
+
+
+def print_summary(summary: dict, world: int, file=None) -> None:
+    file = file or sys.stdout
+    print(f"\ntp: layer time TP={world} / TP=1 (slowest rank), all-reduce alone at TP={world}", file=file)
+    print(f"{'case':<44} {'graph':>6} {'eager':>6} {'tp1 us':>8} {'tp' + str(world) + ' us':>8} {'AR us':>7} "
+          f"{'tol':>5}", file=file)
+    fmt = lambda v, s=".2f": "-" if v is None else format(v, s)  # noqa: E731
+    for c in summary["cases"]:
+        label = f"{c['kind']} " + " ".join(f"{k}={v}" for k, v in c["params"].items())
+        print(f"{label:<44} {fmt(c['ratio_graph']):>6} {fmt(c['ratio_eager']):>6} {fmt(c['tp1_graph_us'], '.1f'):>8} "
+              f"{fmt(c[f'tp{world}_graph_us'], '.1f'):>8} {fmt(c['allreduce_graph_us'], '.1f'):>7} "
+              f"{fmt(c.get('worst_over_tolerance')):>5}", file=file)
+    for e in summary["e2e"]:
+        print(f"e2e {e['impl']:<34} tp={e['tp']} b={e['batch']:<3} {e['mode']:<5} {e['ms_per_token']:.3f} ms/token "
+              f"({fmt(e['x_tp1_stock'])} x TP=1 stock, agreement {e['agreement_vs_tp1_stock']})", file=file)
+    for goal in summary["goals"]:
+        state = {True: "ok", False: "FAIL", None: "not measured"}[goal["met"]]
+        measured = f"met in {goal['met_in']}/{goal['of']}" if "met_in" in goal else f"{goal['measured']}"
+        print(f"  [{state}] {goal['goal']}: {measured}", file=file)
+
+
+# ----------------------------------------------------------------------------- entry point
+def machine(device: torch.device, world: int) -> dict:
+    from tilefuse.bench.runner import machine_info
+
+    info = machine_info(device)
+    info["world_size"] = world
+    info["gpus"] = gather_rows({"gpu": info["gpu"]}, world)
+    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+    info["launcher"] = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ else "python"
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def result_path(out_dir: Path, gpu: str, world: int, quick: bool, tag: str | None) -> Path:
+    from tilefuse.bench.runner import _slug
+
+    suffix = ("-quick" if quick else "") + (f"-{_slug(tag)}" if tag else "")
+    return out_dir / f"tp-{_slug(gpu)}x{world}{suffix}.json"
+
+
+def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
+        layers: int | None = None) -> int:
+    """The benchmark on this rank of an initialized group (or alone); rank 0 writes the results."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    plan = GPU_QUICK_PLAN if quick and cuda else GPU_PLAN if cuda else CPU_PLAN
+    if layers:
+        plan = Plan(**{**plan.__dict__, "e2e_layers": layers})
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tag = tag or ("only" if only else None)
+    cases = mlp_cases(plan, dtype, device, not cuda) + mla_cases(plan, dtype, device, not cuda)
+    if only:
+        cases = [c for c in cases if only in json.dumps({"kind": c.kind, **c.params})]
+    run_e2e = not only or only in "e2e"
+    if not cases and not run_e2e:
+        log(f"--only {only!r}: no tp case matches")
+        return 2
+    if world == 1:
+        log("one process: TP=1 only (launch with torchrun --nproc-per-node 2 for TP=2)")
+    head = {"machine": machine(device, world), "timing": {
+        "mode": "gpu" if cuda else "cpu-pipeline-check", "note": __doc__.split("Implementations per case:")[1].split(
+            "End to end")[0].strip(), "warmup": plan.warmup, "reps": plan.reps, "eager_ms": plan.eager_ms}}
+    path = result_path(out_dir, head["machine"]["gpu"], world, quick, tag)
+    rows: list[dict] = []
+
+    def save(summary: dict | None = None) -> None:
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            payload = {**head, "rows": rows, **({"summary": summary} if summary else {"incomplete": True})}
+            path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    timers = {1: TPTimer(device, None, plan)}
+    if world > 1:
+        timers[world] = TPTimer(device, dist.group.WORLD, plan)
+    reference: dict = {}
+    for i, case in enumerate(cases, 1):
+        log(f"[{i}/{len(cases)}] {case.kind} {case.params}")
+        for tp, timer in timers.items():
+            local = run_case(case, tp, None if tp == 1 else dist.group.WORLD, timer, reference)
+            per_rank = [gather_rows(r, world) for r in local]
+            rows.extend(merge(parts) for parts in per_rank)
+        reference.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+        save()
+    _MLA_CACHE.clear()
+    if run_e2e:
+        rows.extend(e2e_rows(plan, device, dtype, world, not cuda))
+        save()
+    summary = summarize(rows, world)
+    save(summary)
+    if rank == 0:
+        print_summary(summary, world)
+        log(f"wrote {path}")
+    return 0
+
+
+def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
+         layers: int | None = None) -> int:
+    """Join the ``torchrun`` group (NCCL on GPUs, gloo on CPUs) when launched by it, then :func:`run`."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    joined = False
+    if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        else:
+            dist.init_process_group("gloo")
+        joined = True
+    try:
+        return run(quick, out_dir, only, tag, layers)
+    finally:
+        if joined:
+            dist.barrier()
+            dist.destroy_process_group()

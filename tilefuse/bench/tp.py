@@ -434,7 +434,7 @@ def run_case(case: Case, tp: int, group, timer: TPTimer, reference: dict) -> lis
         if case.kind == "mla":
             local.attn.plan(lens)
         impls["local"] = lambda: local(*args)
-        reduced = torch.empty_like(out)
+        reduced = torch.zeros_like(out)
         where = placement(group)
         impls["allreduce"] = lambda: dist.all_reduce(reduced, group=where.group)
     for impl, fn in impls.items():
@@ -477,18 +477,23 @@ def e2e_rows(plan: Plan, device, dtype, world: int, cpu: bool) -> list[dict]:
             gen = torch.Generator(device="cpu").manual_seed(7)
             prompt = torch.randint(0, config.vocab_size, (batch, plan.e2e_prompt), generator=gen).to(device)
             for mode in ("graph", "eager") if not cpu else ("eager",):
-                clock = Clock(device, plan.e2e_tokens)
-                decoder = GraphDecoder(model, batch, plan.e2e_prompt + plan.e2e_tokens, capture=mode == "graph")
-                with torch.no_grad():
-                    ids = decoder.decode(prompt, plan.e2e_tokens, clock)
-                steps = clock.intervals_ms()[min(4, plan.e2e_tokens // 4):]
-                local = {"ms_per_token": statistics.median(steps)}
-                per_rank = gather_rows(local, world) if tp > 1 else [local]
                 row = {"family": "tp", "kind": "e2e", "tp": tp, "impl": name, "mode": mode,
                        "params": {"model": "llama3-8b-shapes" if not cpu else "tiny-llama", "layers": plan.e2e_layers,
-                                  "batch": batch},
-                       "ms_per_token": round(max(r["ms_per_token"] for r in per_rank), 4),
-                       "rank_ms_per_token": [round(r["ms_per_token"], 4) for r in per_rank]}
+                                  "batch": batch}}
+                try:   # every rank fails alike (same model, same step), so none is left in a collective
+                    clock = Clock(device, plan.e2e_tokens)
+                    decoder = GraphDecoder(model, batch, plan.e2e_prompt + plan.e2e_tokens, capture=mode == "graph")
+                    with torch.no_grad():
+                        ids = decoder.decode(prompt, plan.e2e_tokens, clock)
+                    steps = clock.intervals_ms()[min(4, plan.e2e_tokens // 4):]
+                except Exception as exc:  # noqa: BLE001 -- recorded; the other routes still run
+                    rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    log(f"e2e {name} tp={tp} batch={batch} {mode}: {rows[-1]['error']}")
+                    continue
+                local = {"ms_per_token": statistics.median(steps)}
+                per_rank = gather_rows(local, world) if tp > 1 else [local]
+                row["ms_per_token"] = round(max(r["ms_per_token"] for r in per_rank), 4)
+                row["rank_ms_per_token"] = [round(r["ms_per_token"], 4) for r in per_rank]
                 base = tokens.setdefault((batch, mode), ids.cpu())
                 row["agreement_vs_tp1_stock"] = round(float((ids.cpu() == base).float().mean()), 4)
                 rows.append(row)
@@ -600,6 +605,7 @@ def summarize(rows: list[dict], world: int) -> dict:
 
 def _e2e_table(rows: list[dict]) -> list[dict]:
     """Each e2e row with its ms/token over TP=1 stock's (same batch and mode)."""
+    rows = [r for r in rows if "ms_per_token" in r]
     base = {(r["params"]["batch"], r["mode"]): r["ms_per_token"] for r in rows if r["impl"] == "stock"}
     return [{"impl": r["impl"], "tp": r["tp"], "batch": r["params"]["batch"], "mode": r["mode"],
              "ms_per_token": r["ms_per_token"], "x_tp1_stock": ratio(r["ms_per_token"],
@@ -634,7 +640,9 @@ def machine(device: torch.device, world: int) -> dict:
     info = machine_info(device)
     info["world_size"] = world
     info["gpus"] = gather_rows({"gpu": info["gpu"]}, world)
-    info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None
+    if device.type == "cuda":
+        version = torch.cuda.nccl.version()
+        info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     info["launcher"] = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ else "python"
     try:
         import transformers
@@ -643,6 +651,32 @@ def machine(device: torch.device, world: int) -> dict:
     except ImportError:
         pass
     return info
+
+
+def ceilings(device: torch.device, world: int) -> dict:
+    """This GPU's copy bandwidth and bf16 GEMM rate (the one-device roofline), and the bus bandwidth
+    of a 256 MiB bf16 all-reduce over the ranks (NCCL's busbw = algbw * 2 (n - 1) / n)."""
+    from tilefuse.bench.harness import measure_ceilings
+
+    if device.type != "cuda":
+        return {}
+    one = measure_ceilings(device, quick=True)
+    out = {"copy_gbps": one.copy_gbps, "gemm_bf16_tflops": one.gemm_bf16_tflops}
+    if world > 1:
+        buf = torch.zeros(128 << 20, dtype=torch.bfloat16, device=device)
+        for _ in range(3):
+            dist.all_reduce(buf)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            dist.all_reduce(buf)
+        end.record()
+        torch.cuda.synchronize()
+        algbw = 10 * buf.numel() * 2 / (start.elapsed_time(end) * 1e-3) / 1e9
+        out["allreduce_busbw_gbps"] = algbw * 2 * (world - 1) / world
+        del buf
+    return out
 
 
 def result_path(out_dir: Path, gpu: str, world: int, quick: bool, tag: str | None) -> Path:
@@ -673,7 +707,7 @@ def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | 
         return 2
     if world == 1:
         log("one process: TP=1 only (launch with torchrun --nproc-per-node 2 for TP=2)")
-    head = {"machine": machine(device, world), "timing": {
+    head = {"machine": machine(device, world), "ceilings": ceilings(device, world), "timing": {
         "mode": "gpu" if cuda else "cpu-pipeline-check", "note": __doc__.split("Implementations per case:")[1].split(
             "End to end")[0].strip(), "warmup": plan.warmup, "reps": plan.reps, "eager_ms": plan.eager_ms}}
     path = result_path(out_dir, head["machine"]["gpu"], world, quick, tag)

@@ -208,3 +208,206 @@ def mla_split_gluon_kernel(
         part_o = (part_idx * rows_total + rows_o)[:, None]
         gl.store(oacc_ptr + part_o * D_NOPE + cols_o, o, mask=ok_o)
         gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Warp-specialized form: a producer warp and two consumer warpgroups that hand P over.
+#
+#   producer (1 warp)     TMA: tile j -> ring slot j % 2, once both consumers released it
+#   softmax WG (4 warps)  S_j = Q K_j^T, online softmax, P_j and its row factors -> SMEM,
+#                         O[:, :256] = O alpha + P_j V_j[:, :256]      (P from registers)
+#   PV WG (4 warps)       O[:, 256:] = O alpha + P_j V_j[:, 256:]      (P from SMEM)
+#
+# The PV warpgroup's product for tile j runs while the softmax warpgroup computes S_{j+1}: the
+# tensor cores see the two warpgroups' WGMMAs interleaved, and each warpgroup holds a 64 x 256
+# accumulator (128 registers per thread) instead of sharing one across eight warps.
+# mbarriers: k_ready[s] (TMA bytes landed), k_empty[s] (both consumers done with slot s: count 2),
+# p_ready / p_empty (the single P buffer), done (final row sums for the PV warpgroup).
+
+
+@gluon.jit
+def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
+                 num_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    for j in range(n_tiles):
+        # slot j % STAGES is free once both consumers released tile j - STAGES (a fresh barrier
+        # passes the parity-1 wait: the first round finds every slot free)
+        mbarrier.wait(k_empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
+        _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, bt_row, tok_begin, j, last_page, num_blocks,
+                    True, BLOCK_N, STAGES)
+
+
+@gluon.jit
+def _ws_store_half(o, rows, cols, req, part_idx, n_part, rows_total, h_q, out_ptr, oacc_ptr,
+                   stride_ob, stride_os, stride_oh):
+    """registers -> HBM: a [64, 256] half of the normalised output, final or partial."""
+    ok = (rows < rows_total)[:, None]
+    if n_part == 1:
+        ptrs = out_ptr + req * stride_ob + (rows // h_q)[:, None] * stride_os + (rows % h_q)[:, None] * stride_oh
+        gl.store(ptrs + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        gl.store(oacc_ptr + (part_idx * rows_total + rows)[:, None] * D_NOPE + cols[None, :], o, mask=ok)
+
+
+@gluon.jit
+def _ws_softmax(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
+                done, tok_begin, n_tiles, length, limit_base, pid_h, h_q, s_q, qk_scale, req, part_idx, n_part,
+                rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb,
+                stride_lh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_nope.dtype
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_NOPE // 2, 16])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
+    limit = limit_base - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
+    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        start = tok_begin + j * BLOCK_N
+        kn = kn_ring.index(stage)
+        kr = kr_ring.index(stage)
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
+            _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
+            _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
+            fence_async_shared()
+            gl.thread_barrier()
+        # ---- S = Q K^T: [64, 576] x [576, BLOCK_N], both operands in SMEM.
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        # ---- online softmax in registers (each row within one warp: shuffles, no SMEM).
+        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, None]).to(dtype)
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+        m_i = m_new
+        # ---- hand P_j and alpha_j to the PV warpgroup (registers -> SMEM), once it took P_{j-1}.
+        mbarrier.wait(p_empty, (j & 1) ^ 1)
+        p_buf.store(p)
+        alpha_buf.store(alpha)
+        fence_async_shared()
+        mbarrier.arrive(p_ready)
+        # ---- O[:, :256] = O alpha + P V[:, :256]: P from registers, V from the ring slot.
+        acc = acc * gl.convert_layout(alpha, ROWS_O)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), kn.slice(0, D_NOPE // 2, dim=1), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(k_empty.index(stage))
+
+    # ---- epilogue: row sums to the PV warpgroup, then this half of the output and the lse.
+    has_keys = l_i != 0                     # NaN counts as keys: a NaN score reaches out and lse
+    l_safe = gl.where(has_keys, l_i, 1.0)
+    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+    l_buf.store(l_safe)
+    mbarrier.arrive(done)
+    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
+    cols = gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
+    _ws_store_half(acc / gl.convert_layout(l_safe, ROWS_O)[:, None], rows_o, cols, req, part_idx, n_part,
+                   rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
+    row_ok = rows_s < rows_total
+    if n_part == 1:
+        lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
+        gl.store(lse_ptr + req * stride_lb + (rows_s % h_q) * stride_lh + rows_s // h_q, lse, mask=row_ok)
+    else:
+        gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
+
+
+@gluon.jit
+def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty, done, n_tiles, pid_h, h_q, req,
+           part_idx, n_part, rows_total, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh,
+           STAGES: gl.constexpr):
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_NOPE // 2, 16])
+    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
+    for j in range(n_tiles):
+        stage = j % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        mbarrier.wait(p_ready, j & 1)
+        # ---- O[:, 256:] = O alpha + P V[:, 256:]: P and alpha from SMEM (the softmax WG's).
+        acc = acc * alpha_buf.load(ROWS_O)[:, None]
+        acc = warpgroup_mma(p_buf, kn_ring.index(stage).slice(D_NOPE // 2, D_NOPE // 2, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(p_empty)
+        mbarrier.arrive(k_empty.index(stage))
+    mbarrier.wait(done, 0)
+    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
+    cols = D_NOPE // 2 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
+    _ws_store_half(acc / l_buf.load(ROWS_O)[:, None], rows_o, cols, req, part_idx, n_part, rows_total, h_q,
+                   out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
+
+
+@gluon.jit
+def mla_split_ws_kernel(
+    q_ptr, kn_desc, kr_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+    batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_btb,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """:func:`mla_split_gluon_kernel`'s work split over a producer warp and two consumer
+    warpgroups (``num_warps = 4``: the softmax warpgroup; the PV warpgroup and the producer are
+    worker partitions). Same arguments, same outputs."""
+    dtype: gl.constexpr = kn_desc.dtype
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+    slot = gl.program_id(0)
+    pid_h = gl.program_id(1)
+    valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
+    if not valid:
+        return
+    # ---- Q: HBM -> registers -> SMEM once (64 rows x 576; rows past s_q * h_q as 0).
+    rows_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
+    q_rows = (q_ptr + req * stride_qb + (rows_l // h_q) * stride_qs + (rows_l % h_q) * stride_qh)[:, None]
+    q_ok = (rows_l < rows_total)[:, None]
+    cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LOAD))[None, :]
+    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LOAD))[None, :]
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], kn_desc.layout,
+                                       gl.load(q_rows + cols_n, mask=q_ok, other=0.0))
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], kr_desc.layout,
+                                       gl.load(q_rows + D_NOPE + cols_r, mask=q_ok, other=0.0))
+    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_NOPE], kn_desc.layout)
+    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
+    p_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], kr_desc.layout)
+    alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())   # p_ready, p_empty, done
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(3):
+        mbarrier.init(sync.index(i), count=1)
+    fence_async_shared()
+
+    bt_row = bt_ptr + req * stride_btb
+    last_page = gl.maximum(tok_end - 1, 0) // PAGE
+    n_tiles = (tok_end - tok_begin + BLOCK_N - 1) // BLOCK_N
+    limit_base = length - 1
+    gl.warp_specialize([
+        (_ws_softmax, (q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0),
+                       sync.index(1), sync.index(2), tok_begin, n_tiles, length, limit_base, pid_h, h_q, s_q,
+                       qk_scale, req, part_idx, n_part, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES)),
+        (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0), sync.index(1), sync.index(2),
+                  n_tiles, pid_h, h_q, req, part_idx, n_part, rows_total, out_ptr, oacc_ptr, stride_ob, stride_os,
+                  stride_oh, STAGES)),
+        (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
+                        num_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [232, 40])

@@ -125,13 +125,13 @@ def test_int8_codes_match_uint8(interpret, m):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 17])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
-    """x: [..., K] with leading dims; 1 token dispatches to the table decode, 2-16 to the MMA decode,
+    """x: [..., K] with leading dims; 1-2 tokens dispatch to the table decode, 3-16 to the MMA decode,
     more to dequant + GEMM."""
     case = make_case(m, 24, 64, torch.float16, interpret, bias=True)
     x3 = case.x.reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 24)
-    assert vq_op.choose_variant(m) == ("decode" if m == 1 else "mma" if m <= 16 else "dequant")
+    assert vq_op.choose_variant(m) == ("decode" if m <= 2 else "mma" if m <= 16 else "dequant")
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
@@ -243,9 +243,9 @@ def test_gpu_mma_fp32_codebooks_and_nan(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 8, 16])
+@pytest.mark.parametrize("m", [3, 8, 16])
 def test_gpu_mma_cuda_graph_replays(m):
-    """The MMA decode's split-K workspace survives graph replay (default dispatch at 2-16 tokens)."""
+    """The MMA decode's split-K workspace survives graph replay (default dispatch at 3-16 tokens)."""
     case = make_case(m, 4096, 4096, torch.bfloat16, "cuda")
     assert vq_op.choose_variant(m) == "mma"
     fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731

@@ -17,7 +17,7 @@ Variants (``tilefuse.force(variant=...)``):
 * ``"prefill"``   -- the same computation in ``tl`` (codebooks read through L1), prefill tiles
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch (``configs.default_variant``): ``decode`` at 1 token, ``mma`` at 2-16 tokens,
+Default dispatch (``configs.default_variant``): ``decode`` at 1-2 tokens, ``mma`` at 3-16 tokens,
 ``dequant`` above (the measured switch points, ``configs.py``). fp16
 and bf16 inputs run the kernels on CUDA; fp32 / fp64 inputs run the reference (dequantize, then a
 cuBLAS GEMM on a GPU) on every device.
@@ -431,7 +431,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     codebooks : [2, 256, 1, 8], any floating dtype (fp32 as :func:`tilefuse.quantize` returns
         them, or fp16/bf16 as AQLM stores them). The resident decode kernel, the dequantize path
         and the reference compute with them at their own precision; the tensor-core table kernels
-        (5-8 tokens, K/8 odd, prefill) round them to x's dtype.
+        (MMA decode, 5-8 tokens forced, K/8 odd, prefill) round them to x's dtype.
     scales : [N, 1, 1, 1] (or [N]) floating point, per output row.
     bias : [N] floating point or None.
     check_contents : read the codes back to check the range of wide codes (a host sync); default
@@ -439,9 +439,10 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
 
     Returns
     -------
-    [..., N] in x's dtype. Accumulation is fp32. 1-4 tokens run the one-launch table-lookup
-    decode kernel; more tokens dequantize the weight into a scratch [N, K] (one kernel) and run
-    cuBLAS (the measured switch point, ``configs.DECODE_SWITCH_TOKENS``). Differentiable in ``x``,
+    [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
+    decode kernel, 3-16 the one-launch MMA decode kernel (weight tiles dequantized in registers);
+    more tokens dequantize the weight into a scratch [N, K] (one kernel) and run cuBLAS (the
+    measured switch points, ``configs.DECODE_SWITCH_TOKENS`` / ``MMA_SWITCH_TOKENS``). Differentiable in ``x``,
     ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:

@@ -42,7 +42,10 @@ CONFIGS = {
 # both regimes except batch 16 at 1K (10 % slower); at 17-63 rows the transposed kernel wins
 # everywhere (the standard one is 10-26 % slower).
 LONG_CONTEXT_PAGES = 256
-WGMMA_FROM_ROWS = 17
+# The Gluon kernel wins at every row count measured on the H200 (bench/results/mla-h200-quick.json:
+# 16 rows 40.9 vs 41.4 us at b16 4K, 327 vs 343 us at 64K; 32 rows 173 vs 313 us; 128 rows
+# 1.3-1.9x the tl kernel), so on Hopper it takes every shape; the tl rule below serves elsewhere.
+WGMMA_FROM_ROWS = 1
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 
 _overrides = dict(_env.settings.configs.get("mla", {}))

@@ -123,7 +123,7 @@ class _Call:
     (with the pointers' alignment)."""
 
     __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta",
-                 "copies")
+                 "copies", "impl", "mma")
 
 
 def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool) -> _Call:
@@ -219,11 +219,18 @@ def launch_mma(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", 
     "gluon", or "tl" (``kernels.vq_mma_kernel``: the fused prefill variant on the GPU). ``override``
     replaces entries of ``configs.mma_config`` (tuning and tests; the split is recomputed)."""
     m, k = x2d.shape
-    n = codes.shape[0]
+    call = _mma_call(m, codes.shape[0], k, x2d.device, bias is not None, impl, x2d.stride(0), out.stride(0),
+                     override)
+    return _launch_mma(call, x2d, codes, codebooks, scales, bias, out)
+
+
+def _mma_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, impl: str, x_stride: int,
+              out_stride: int, override: dict | None = None) -> _Call:
+    """The MMA kernel's launch for M rows of K in (row stride ``x_stride``), M rows of N out."""
     if impl == "auto":
-        impl = "gluon" if x2d.device.type == "cuda" and _mma_decode() is not None else "tl"
-    mode = impl if x2d.device.type == "cuda" else "interpret"
-    cfg = configs.mma_config(m, n, k, mode, num_sms(x2d.device))
+        impl = "gluon" if device.type == "cuda" and _mma_decode() is not None else "tl"
+    mode = impl if device.type == "cuda" else "interpret"
+    cfg = configs.mma_config(m, n, k, mode, num_sms(device))
     if override:
         cfg = {**cfg, **{key: v for key, v in override.items() if v is not None}}
         bg = cfg["block_k"] // 8 if impl == "tl" else 4 * cfg["krep"]
@@ -233,23 +240,42 @@ def launch_mma(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", 
         cfg["groups_per_split"] = -(-steps // split) * bg
         cfg["split_k"], cfg["even"] = -(-groups // cfg["groups_per_split"]), groups % bg == 0
     split = cfg["split_k"] > 1
-    ws, cnt = _split_scratch(x2d.device, cfg["tokens"], n, cfg["row_blocks"]) if split else (out, out)
-    codes16 = codes.view(torch.int16).view(n, k // 8)
-    grid = (cfg["row_blocks"], cfg["split_k"], cfg["token_tiles"])
-    args = (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt,
-            m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], x2d.stride(0), codes16.stride(0), out.stride(0))
-    key = (impl, x2d.device, x2d.dtype, codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
-           m, n, k, x2d.stride(0), out.stride(0), tuple(sorted(cfg.items())),
-           _launch.aligned(x2d, codes16, codebooks, scales, bias, out))
-    meta = dict(BLOCK_N=cfg["block_n"], TOKENS=cfg["tokens"], SPLIT=split, HAS_BIAS=bias is not None,
-                num_warps=cfg["num_warps"])
+    call = _Call()
+    call.m, call.variant, call.resident, call.impl = m, "mma" if impl == "gluon" else "prefill", False, impl
+    call.grid = (cfg["row_blocks"], cfg["split_k"], cfg["token_tiles"])
+    # split-K: zeroed fp32 partial sums [tokens, N] and one arrival counter per row block
+    call.scratch = ((cfg["tokens"] * n, torch.float32), (cfg["row_blocks"], torch.int32)) if split else None
+    call.scalars = (m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], x_stride, k // 8, out_stride)
+    call.meta = dict(BLOCK_N=cfg["block_n"], TOKENS=cfg["tokens"], SPLIT=split, HAS_BIAS=has_bias,
+                     num_warps=cfg["num_warps"])
     if impl == "gluon":
-        _mma_decode()(key, grid, x2d.device.index, *args, **meta, KREP=cfg["krep"], NUM_WARPS=cfg["num_warps"],
-                      EVEN=cfg["even"])
+        call.meta.update(KREP=cfg["krep"], NUM_WARPS=cfg["num_warps"], EVEN=cfg["even"])
     else:
-        _kernel("kernels", "vq_mma_kernel")(key, grid, x2d.device.index, *args, **meta, BLOCK_K=cfg["block_k"],
-                                            num_stages=cfg["num_stages"])
+        call.meta.update(BLOCK_K=cfg["block_k"], num_stages=cfg["num_stages"])
+    return call
+
+
+def _launch_mma(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.Tensor:
+    ws, cnt = _scratch.zeroed(x2d.device, *call.scratch) if call.scratch else (out, out)
+    codes16 = _code_pairs(codes)
+    key = (call, x2d.data_ptr() % 16, codes16.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
+           bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
+    kernel = _mma_decode() if call.impl == "gluon" else _kernel("kernels", "vq_mma_kernel")
+    kernel.launch(key, call.grid, x2d.device.index,
+                  (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
+                  call.scalars, call.meta)
     return out
+
+
+def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K/8, 2] (uint8/int8) as int16 [N, K/8], cached per codes tensor like :func:`_code_words`."""
+    key = ("pairs", codes.data_ptr(), codes.shape, codes.device)
+    pairs = _words_cache.get(key)
+    if pairs is None:
+        if len(_words_cache) >= 1024:
+            _words_cache.clear()
+        pairs = _words_cache[key] = codes.view(torch.int16).view(codes.shape[0], codes.shape[1])
+    return pairs
 
 
 def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 16, block_g: int = 64,
@@ -352,6 +378,9 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     else:
         call = _Call()
         call.m, call.variant, call.resident = m, variant, False
+    # the MMA kernels' launch, planned once (x is made contiguous before it runs)
+    call.mma = (_mma_call(m, n, k, x.device, bias is not None, "auto" if variant == "mma" else "tl", k, n)
+                if variant in ("mma", "prefill") else None)
     call.reference = reference
     call.out_shape = (*x.shape[:-1], n)
     # the kernels read codes, codebooks, scales and bias as dense arrays
@@ -376,8 +405,8 @@ def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
         launch_dequant(x2d, codes, codebooks, scales, bias, out2d)     # scales: N contiguous values
         return out
     scales_1d = scales.view(n)
-    if call.variant in ("mma", "prefill"):
-        launch_mma(x2d, codes, codebooks, scales_1d, bias, out2d, impl="auto" if call.variant == "mma" else "tl")
+    if call.mma is not None:
+        _launch_mma(call.mma, x2d, codes, codebooks, scales_1d, bias, out2d)
     else:
         impl = "auto" if call.variant == "decode" else "tl"
         step = configs.DECODE_MAX_TOKENS

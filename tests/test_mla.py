@@ -105,6 +105,17 @@ def test_mla_regime_dispatch(interpret, monkeypatch, mla_configs):
     _check(out, lse, inp, True)
 
 
+@pytest.mark.parametrize("name,small_rows", [("NVIDIA H200", "wgmma"), ("NVIDIA H100 80GB HBM3", "wgmma"),
+                                             ("NVIDIA H20", "transposed")])
+def test_mla_dispatch_pads_rows_only_where_the_chip_stays_memory_bound(name, small_rows):
+    """Below 64 rows the Gluon kernel pads to 64: on an H20 (37 FLOP/B) that is compute-bound, so
+    the unpadded transposed kernel takes those shapes; from 64 rows the Gluon kernel everywhere."""
+    chip = configs.ridge(name)
+    assert [configs.default_variant(rows, 64, True, chip) for rows in (16, 32)] == [small_rows] * 2
+    assert configs.default_variant(64, 64, True, chip) == configs.default_variant(512, 64, True, chip) == "wgmma"
+    assert configs.default_variant(64, 64, False, chip) == "standard"   # no Gluon: the tl kernels
+
+
 def test_mla_metadata_reused_across_layers(interpret):
     """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
     inp = make_case([300, 5, 0, 170], 2, 16, torch.float16, interpret)

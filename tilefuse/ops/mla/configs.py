@@ -58,14 +58,35 @@ def regime(max_blocks: int) -> str:
     return "long" if max_blocks >= LONG_CONTEXT_PAGES else "short"
 
 
-def default_variant(rows: int, max_blocks: int, wgmma: bool = False) -> str:
+# Padding the query rows to 64 (the WGMMA kernel's head tile) multiplies the work by 64 / rows:
+# 64 rows do 64 x 2 x (576 + 512) FLOP per 1152-byte cached token, 121 FLOP/B. A chip whose
+# ridge point (dense bf16 FLOP/s over HBM bytes/s) is below that turns the padded kernel
+# compute-bound below 64 rows, and the transposed (ETAP) kernel, which pads nothing, wins there:
+# the H20 (148 TFLOP/s, 4.0 TB/s: 37 FLOP/B) by about 3.2x at 16 rows in the bench's roofline
+# model. (TFLOP/s, TB/s) per device-name marker, first match; other Hopper parts count as H100s.
+PADDED_FLOP_PER_BYTE = 64 * 2 * (576 + 512) / (576 * 2)
+CHIP_RATES = (("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("H800", 989.0, 3.35), ("H20", 148.0, 4.0))
+
+
+def ridge(device_name: str) -> float:
+    """Dense bf16 FLOP per HBM byte at which the chip ``device_name`` turns compute-bound."""
+    tflops, tbps = next(((f, b) for marker, f, b in CHIP_RATES if marker in device_name), CHIP_RATES[1][1:])
+    return tflops / tbps
+
+
+def default_variant(rows: int, max_blocks: int, wgmma: bool = False, chip_ridge: float | None = None) -> str:
     """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): ``wgmma`` from
-    WGMMA_FROM_ROWS query rows. Otherwise standard (64-row head tiles) from 64 query rows; below,
-    transposed (ETAP), except at <= 16 rows where SMALL_ROWS_VARIANT picks per regime."""
-    if wgmma and rows >= WGMMA_FROM_ROWS:
+    WGMMA_FROM_ROWS query rows, and below 64 rows only where padding to 64 rows keeps it
+    memory-bound (``chip_ridge`` >= PADDED_FLOP_PER_BYTE). Otherwise the tl kernels: standard (64-row
+    head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16 rows where
+    SMALL_ROWS_VARIANT picks per regime (on a low-ridge chip: transposed)."""
+    low_ridge = chip_ridge is not None and chip_ridge < PADDED_FLOP_PER_BYTE
+    if wgmma and rows >= WGMMA_FROM_ROWS and (rows >= 64 or not low_ridge):
         return "wgmma"
     if rows >= 64:
         return "standard"
+    if low_ridge:
+        return "transposed"
     return SMALL_ROWS_VARIANT[regime(max_blocks)] if rows <= 16 else "transposed"
 
 

@@ -255,7 +255,7 @@ def summarize(rows: list[dict]) -> dict:
     against the faster FlashMLA build's pair where any is measured (``flashmla_builds`` lists each
     build's times and speedups), else ``torch_naive``; host goal; roofline and FlashMLA goals);
     ``goals`` (tallies, best TFLOP/s at 128 heads); ``transposed_vs_standard`` (eager and graph);
-    ``h20_roofline_prediction`` (``[case, standard us, transposed us, gain]``); ``accuracy``
+    ``h20_roofline_prediction`` (``[case, padded us, transposed us, gain, H20 kernel]``); ``accuracy``
     (cos_diff of out and lse against fp64 under 1e-5, FlashMLA's level being ~2e-6).
     """
     rows = upgrade_rows(rows, LEGACY_IMPLS)
@@ -323,7 +323,10 @@ def _orientations(table: dict) -> dict:
 
 def _h20(table: dict) -> list:
     """An H20 (148 TFLOP/s, 4 TB/s) roofline model of both orientations below 64 rows, from the work
-    counts alone: the standard kernel pads the rows to 64."""
+    counts alone: the standard kernels (``wgmma``, ``standard``) pad the rows to 64, the transposed
+    one does not. Rows: ``[case, padded us, transposed us, gain, the kernel dispatched on an H20]``."""
+    from tilefuse.ops.mla import configs
+
     out = []
     for key, impls in table.items():
         row = next(iter(impls.values()))
@@ -333,7 +336,8 @@ def _h20(table: dict) -> list:
         t_mem = row["bytes"] / (H20["tbps"] * 1e12)
         t_std = max(row["flops"] * 64 / rows_q / (H20["tflops"] * 1e12), t_mem)
         t_tr = max(row["flops"] / (H20["tflops"] * 1e12), t_mem)
-        out.append((_label(key), round(1e6 * t_std, 1), round(1e6 * t_tr, 1), round(t_std / t_tr, 2)))
+        chosen = configs.default_variant(rows_q, 1, True, configs.ridge("H20"))
+        out.append((_label(key), round(1e6 * t_std, 1), round(1e6 * t_tr, 1), round(t_std / t_tr, 2), chosen))
     return out
 
 

@@ -270,9 +270,9 @@ def job_shard_model(dtype) -> dict:
 
 @torch.no_grad()
 def job_tp_plan(path: str, dtype) -> dict:
-    """A checkpoint loaded with transformers' tp_plan="auto": stock, tilefuse.hf.patch_swiglu (fails:
-    a DTensor weight reaches the op), parallel.hf.patch_swiglu, and parallel.hf.patch_vq (random
-    codes) on a fresh load; each against the one-device model."""
+    """A checkpoint loaded with transformers' tp_plan="auto": stock, tilefuse.hf.patch_swiglu (leaves
+    a DTensor weight for the op), parallel.hf.patch_swiglu, and parallel.hf.patch_vq (random codes)
+    on a fresh load; each against the one-device model."""
     import transformers
 
     import tilefuse.hf
@@ -288,12 +288,11 @@ def job_tp_plan(path: str, dtype) -> dict:
     model = load()
     out = {"stock": float((model(input_ids=ids).logits - want).abs().max()) / scale,
            "tensor_parallel": tp_hf.is_tensor_parallel(model) and not tp_hf.is_tensor_parallel(full)}
-    try:
-        tilefuse.hf.patch_swiglu(model)
-        model(input_ids=ids)
-        out["one_device_patch"] = "ran"
-    except (RuntimeError, ValueError) as exc:
-        out["one_device_patch"] = f"{type(exc).__name__}: {exc}"
+    # tilefuse.hf.patch_swiglu alone leaves a DTensor weight in the fused MLP. Not run: on CUDA the
+    # kernel would get the DTensor's pointer (an illegal memory access that poisons the process);
+    # on a CPU PyTorch refuses the mix of DTensor and Tensor.
+    tilefuse.hf.patch_swiglu(model)
+    out["one_device_patch"] = type(model.model.layers[0].mlp.gate_up_weight.data).__name__
     model = load()
     out["patched_swiglu"] = tp_hf.patch_swiglu(model)
     assert isinstance(model.model.layers[0].mlp, ParallelSwiGLUMLP)

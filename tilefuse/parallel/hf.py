@@ -5,8 +5,9 @@ Why :mod:`tilefuse.hf`'s patchers do not apply as they are: transformers (5.x) k
 model's weights as DTensors of the *global* shape (``Shard(0)`` for its "colwise" q/k/v/gate/up
 projections, ``Shard(1)`` for "rowwise" o/down) and swaps the local tensors in around each
 Linear's forward. :func:`tilefuse.hf.patch_swiglu` concatenates gate and up into one weight, which
-stays a DTensor; the fused op then meets a DTensor weight and a plain activation (PyTorch refuses
-the mix: "aten.mm.default got mixed torch.Tensor and DTensor"), and tilefuse's custom ops have no
+stays a DTensor; the fused op then meets a DTensor weight and a plain activation (on a CPU PyTorch
+refuses the mix: "aten.mm.default got mixed torch.Tensor and DTensor"; on CUDA the kernel is
+launched with the DTensor's pointer: an illegal memory access), and tilefuse's custom ops have no
 DTensor sharding rule to run on shards. :func:`tilefuse.hf.patch_vq` would quantize the global
 weight into a one-device layer and drop the module's tensor-parallel forward.
 

@@ -36,3 +36,22 @@ def test_check_same_device_contiguous_multiple_choice():
         _checks.check_multiple("x", 12, 8, "H")
     with pytest.raises(ValueError, match=r"layout: expected one of \('a', 'b'\), got 'c'"):
         _checks.check_choice("layout", "c", ("a", "b"))
+
+
+def test_dtensor_shards_are_refused_by_name(tmp_path):
+    """A DTensor's data pointer is its local shard's while its shape is global: launching a kernel on
+    it would read out of bounds, so every op refuses it, naming the argument."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+    import tilefuse
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = DTensor.from_local(torch.randn(256, 64), mesh, [Shard(0)])
+        tilefuse.swiglu(torch.randn(4, 64), weight.to_local())          # the local shard is fine
+        with pytest.raises(ValueError, match="w_gate_up: expected a local tensor, got a DTensor"):
+            tilefuse.swiglu(torch.randn(4, 64), weight)
+    finally:
+        dist.destroy_process_group()

@@ -26,6 +26,9 @@ def check_tensor(name: str, value, *, dtypes: Sequence[torch.dtype] | None = Non
     """``value`` is a tensor with one of ``dtypes`` and the given rank."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if type(value).__name__ == "DTensor":   # its data pointer is the local shard's, its shape the global one
+        raise ValueError(f"{name}: expected a local tensor, got a DTensor of global shape {tuple(value.shape)} "
+                         f"(pass .to_local() shards, or build tensor-parallel modules with tilefuse.parallel)")
     if dtypes is not None and value.dtype not in dtypes:
         raise ValueError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {_fmt_dtypes([value.dtype])}")
     if ndim is not None and value.dim() != ndim:

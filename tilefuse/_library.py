@@ -47,13 +47,14 @@ def use_dispatcher(*tensors: torch.Tensor | None) -> bool:
 
 
 def plan_key(*tensors: torch.Tensor | None):
-    """The layout of the tensor arguments (shape, dtype, device, strides) plus the thread's
+    """The layout of the tensor arguments (class, shape, dtype, device, strides) plus the thread's
     ``force()`` state: what an op's cached call plan depends on. None for non-tensors (the op
-    then validates from scratch and raises)."""
+    then validates from scratch and raises). The class keeps a tensor subclass (a DTensor shard)
+    from reusing a plain tensor's plan without being validated."""
     from tilefuse._backend import forced_state
 
     try:
-        return tuple(None if t is None else (t.shape, t.dtype, t.device, t.stride()) for t in tensors) + forced_state()
+        return tuple(None if t is None else (type(t), t.shape, t.dtype, t.device, t.stride()) for t in tensors) + forced_state()
     except (AttributeError, TypeError):
         return None
 

@@ -61,8 +61,16 @@ class Kernel:
         if entry is None or _hooks_installed():
             self._first_launch(key, grid, device_index, (*tensors, *scalars), meta)
             return
-        launch, head, tail = entry
-        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
+        launch, head, tail, descriptors = entry
+        if descriptors:
+            pointers = []
+            for i, t in enumerate(tensors):
+                if i in descriptors:
+                    pointers += _expanded(t, descriptors[i])
+                else:
+                    pointers.append(t.data_ptr() if isinstance(t, torch.Tensor) else t)
+        else:
+            pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors]
         current = torch.cuda.current_device()
         if device_index is not None and device_index != current:
             with torch.cuda.device(device_index):
@@ -84,24 +92,58 @@ class Kernel:
         missing = [n for n in names if n not in meta]
         if missing:  # pragma: no cover - a launcher bug, caught by the GPU tests
             raise TypeError(f"{self.name}: parameters {missing} must be passed by name")
-        self._compiled[key] = (*_launcher(compiled), tuple(meta[n] for n in names))
+        launch, head, descriptors = _launcher(compiled, args)
+        self._compiled[key] = (launch, head, tuple(meta[n] for n in names), descriptors)
 
     def cache_clear(self) -> None:
         self._compiled.clear()
 
 
-def _launcher(compiled) -> tuple:
-    """(launch function, its arguments between the stream and the kernel's own) of a compiled
-    kernel. Triton 3.6's CUDA launcher object allocates per-launch scratch first when the kernel
-    asks for it; kernels that need none (all of tilefuse's) go to its C entry point directly."""
+def _launcher(compiled, args: tuple) -> tuple:
+    """(launch function, its arguments between the stream and the kernel's own, ``{position:
+    metadata}`` of the TMA descriptor arguments it expects expanded) of a compiled kernel.
+
+    Triton 3.6's CUDA launcher object allocates per-launch scratch first when the kernel asks for
+    it; kernels that need none (all of tilefuse's) go to its C entry point directly. For kernels
+    with TMA descriptor arguments that entry point is a Python wrapper that re-encodes every
+    descriptor (``cuTensorMapEncodeTiled``) and walks every argument at each launch; the C function
+    under it is called instead, with each descriptor's encoding made once (:func:`_expanded`)."""
     run = compiled.run
     hooks = (compiled.packed_metadata, None, None, None)     # launch metadata and hooks: none
     direct = getattr(run, "launch", None)
     if (direct is not None and getattr(run, "global_scratch_size", 1) == 0
             and getattr(run, "profile_scratch_size", 1) == 0
             and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
-        return direct, (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *hooks)
-    return run, (compiled.function, *hooks)
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, *hooks)
+        meta = getattr(compiled.metadata, "tensordesc_meta", None)
+        positions = [i for i, a in enumerate(args) if type(a).__name__ == "TensorDescriptor"]
+        inner = _wrapped_launch(direct) if positions and meta and len(meta) == len(positions) else None
+        if inner is not None:
+            return inner, head, dict(zip(positions, meta))
+        return direct, head, {}
+    return run, (compiled.function, *hooks), {}
+
+
+def _wrapped_launch(wrapper):
+    """The C launch function inside Triton's descriptor-expanding wrapper, or None."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        fn = cell.cell_contents
+        if type(fn).__name__ == "builtin_function_or_method" and getattr(fn, "__name__", "") == "launch":
+            return fn
+    return None
+
+
+def _expanded(descriptor, meta: dict) -> list:
+    """A host TMA descriptor as the C launcher takes it (the encoded ``CUtensorMap``, then the
+    shape and strides), encoded on first use and kept on the descriptor object: the ops cache
+    their descriptors per tensor address, so each is encoded once."""
+    cached = descriptor.__dict__.get("_tilefuse_expanded")
+    if cached is None or cached[0] is not meta:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        cached = (meta, make_tensordesc_arg(descriptor, meta))
+        descriptor.__dict__["_tilefuse_expanded"] = cached
+    return cached[1]
 
 
 _runtime_knobs = None

@@ -43,6 +43,7 @@ def swiglu_fp8_kernel(
     # meta-parameters
     X_GROUPED: tl.constexpr, W_BLOCKED: tl.constexpr, QUANT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROMOTE: tl.constexpr = 1,
 ):
     """One program = one [BLOCK_M, BLOCK_N] output tile (a BLOCK_M x 2 BLOCK_N GEMM tile).
 
@@ -61,6 +62,7 @@ def swiglu_fp8_kernel(
     k_steps = tl.cdiv(K, BLOCK_K)
 
     acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
     # Main loop: HBM -TMA-> SMEM (ring of num_stages) -WGMMA (e4m3 x e4m3 -> fp32)-> registers.
     # TMA zero-fills rows past M and I (each plane of the [2, I, K] view) and the K tail.
     for ks in range(k_steps):
@@ -78,7 +80,16 @@ def swiglu_fp8_kernel(
                 part = part * tl.where(is_gate, ws_gate, ws_up)[None, :]
             acc += part
         else:
-            acc = tl.dot(x, w.T, acc)
+            # Scales constant along K: chain PROMOTE K blocks in the tensor core, then add them to
+            # the fp32 total. Hopper's FP8 WGMMA keeps ~14 bits of its running sum (products are
+            # aligned to the largest and truncated), so a whole K chained there drifts past
+            # cuBLASLt's error; short chains keep the error of one K block.
+            part = tl.dot(x, w.T, part)
+            if ks % PROMOTE == PROMOTE - 1:
+                acc += part
+                part = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+    if not (X_GROUPED or W_BLOCKED):
+        acc += part
 
     # Scales constant along K multiply the finished accumulator: per token (rows) and per weight
     # row (columns: gate rows off_n.., up rows I + off_n..; clamped at I, dropped by the store).

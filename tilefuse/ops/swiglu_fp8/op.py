@@ -84,7 +84,9 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
             raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
                              f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
-        call.config = configs.choose(call.m, call.hidden, call.inter, call.x_grouped or call.w_blocked, call.quant)
+        # every path keeps a second fp32 tile: a K block's product (K-varying scales), or the short
+        # chain of K blocks added to the total every configs.PROMOTE steps
+        call.config = configs.choose(call.m, call.hidden, call.inter, True, call.quant)
     return _plans.remember(key, call)
 
 
@@ -138,13 +140,13 @@ def run_kernel(x2d, xs, w, ws, out, out_scales, cfg: configs.Fp8Config, x_groupe
     tiles = -(-m // cfg.block_m) * -(-inter // cfg.block_n)
     os_ = out_scales if quant else xs
     key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, x_grouped, w_blocked,
-           quant, _launch.aligned(xs, ws, os_))
+           quant, configs.PROMOTE, _launch.aligned(xs, ws, os_))
     _kernel()(key, (tiles,), x2d.device.index,
               x_desc, w_desc, out_desc, xs, ws, os_,
               m, inter, k, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), os_.stride(0),
               X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant,
               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-              num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+              PROMOTE=configs.PROMOTE, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
 
 
 def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):

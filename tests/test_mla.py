@@ -482,15 +482,12 @@ def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warp_specialized", [True, False])
 @pytest.mark.parametrize("block_n,stages", [(64, 2), (32, 4)])
 @pytest.mark.parametrize("h_q,s_q", [(16, 2), (128, 1)])
-def test_mla_gpu_wgmma_forms(monkeypatch, warp_specialized, block_n, stages, h_q, s_q):
-    """Both forms of the Gluon kernel (one 8-warp partition; producer + two warpgroups) at both
-    ring shapes, on mixed lengths with NaN past them."""
+def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q):
+    """The Gluon kernel at both ring shapes, on mixed lengths with NaN past them."""
     configs.launch_config.cache_clear()
-    monkeypatch.setitem(configs.CONFIGS, "wgmma", dict(configs.CONFIGS["wgmma"], BLOCK_N=block_n, STAGES=stages,
-                                                       warp_specialized=warp_specialized))
+    monkeypatch.setitem(configs.CONFIGS, "wgmma", dict(configs.CONFIGS["wgmma"], BLOCK_N=block_n, STAGES=stages))
     inp = make_case([0, 1, 63, 64, 65, 20000, 4097, 333, 70000, 128], s_q, h_q, torch.bfloat16, "cuda")
     try:
         out, lse = _run_gpu(inp, s_q, h_q, True, "wgmma")

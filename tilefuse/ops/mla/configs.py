@@ -9,11 +9,10 @@ Provenance: H200 sweeps of graph-replayed decode steps (the figures and the rule
 * ``"standard"``: >= 64 rows, 64-row head tiles (WGMMA M = 64), [64, 512] fp32 accumulator over
   8 warps; 221 KB SMEM (Q + 2 K stages).
 * ``"wgmma"`` (Gluon, Hopper): the standard orientation with KV tiles of BLOCK_N tokens arriving
-  by TMA into a ring of STAGES shared-memory buffers (``kernels_gluon.py``); 64-row head tiles at
-  any row count; Q + the ring take 216-225 KB of SMEM (BLOCK_N = 64 x 2 stages or 32 x 4), one
-  program per SM; partials merged by the combine kernel. ``warp_specialized``: a producer warp
-  and two 4-warp consumer warpgroups handing P over (``num_warps`` is then 4), else one
-  8-warp partition.
+  by TMA into a ring of STAGES shared-memory buffers filled by a producer warp, and two 4-warp
+  consumer warpgroups (``kernels_gluon.py``; ``num_warps`` = 4, the softmax warpgroup's); 64-row
+  head tiles at any row count; Q + the ring + P take 226-230 KB of SMEM (BLOCK_N = 64 x 2 stages
+  or 32 x 4), one program per SM; partials merged by the combine kernel.
 * ``"standard_small"``: the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
   (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
 
@@ -34,7 +33,7 @@ CONFIGS = {
     "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
-    "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=8, warp_specialized=True, slot_programs=1, fused_combine=False),
+    "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
 }
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA

@@ -1,17 +1,18 @@
-"""Gluon MLA split kernel for Hopper: KV pages through a TMA + mbarrier ring, WGMMA on both operands.
+"""Gluon MLA split kernel for Hopper: KV pages through a TMA + mbarrier ring filled by a producer
+warp, WGMMA on both products, two consumer warpgroups with separate roles.
 
 What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same partials, same combine):
 
 * KV tiles arrive by TMA (the bulk copy engine) into a ring of ``STAGES`` shared-memory buffers,
-  each with its own mbarrier: the copy of the next tiles runs while the tensor cores work on the
-  current one, with no thread spending registers or issue slots on loads (``tl``'s cp.async path
-  waits for every copy at 2 stages, so its loads and MMAs take turns).
-* Q stays in shared memory for the whole split (64 rows x 576, WGMMA's A operand), the scores go
-  straight from the WGMMA accumulator into the online softmax, and P is WGMMA's A operand from
-  registers for the P V product, whose B operand is the same shared-memory tile as K's first 512
-  columns (MLA's V).
-* Two warpgroups (8 warps, ``warps_per_cta = [4, 2]``) each own half of the columns of S and of
-  the [64, 512] fp32 output accumulator (128 registers per thread).
+  each with its own mbarrier: the copy of the next tile runs while the tensor cores work on the
+  current one, with no consumer thread spending registers or issue slots on loads (``tl``'s
+  cp.async path waits for every copy at 2 stages, so its loads and MMAs take turns).
+* Q stays in shared memory for the whole split (64 rows x 576, WGMMA's A operand); the scores go
+  straight from the WGMMA accumulator into the online softmax; MLA's V is the same
+  shared-memory tile as K's first 512 columns.
+* The work is split by role rather than by columns of S: one warpgroup computes S and the
+  softmax, and the two warpgroups share P V by output columns (each a [64, 256] fp32
+  accumulator, 128 registers per thread), so no row max or sum crosses warpgroups.
 
 One program per (slot, 64-row head tile); split requests write partials that
 ``kernels.mla_combine_kernel`` merges in a second launch. Rows past ``s_q * h_q`` are computed as
@@ -19,7 +20,7 @@ zeros and never stored.
 
 Cache slots past a request's length may hold anything (NaN included): a TMA copy moves whole
 tiles, so the rows of the last tile past the length are zeroed in shared memory before the
-tensor cores read it (a masked score alone would still let ``0 * NaN`` into P V).
+tensor cores read them (a masked score alone would still let ``0 * NaN`` into P V).
 """
 
 from triton.experimental import gluon
@@ -88,126 +89,6 @@ def _zero_rows_past(tile, start, length, BLOCK_N: gl.constexpr, WIDTH: gl.conste
         part = tile.slice(c, COLS, dim=1)
         v = part.load(LAYOUT)
         part.store(gl.where(keep, v, gl.zeros_like(v)))
-
-
-@gluon.jit
-def mla_split_gluon_kernel(
-    q_ptr, kn_desc, kr_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-    batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
-    stride_qb, stride_qs, stride_qh, stride_btb,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
-):
-    """Attention of 64 query rows of one request over one split of its pages.
-
-    kn_desc / kr_desc: TMA descriptors over the cache as ``[num_blocks * 64, 576]`` rows, blocks
-    ``[BLOCK_N, 512]`` (columns 0..511) and ``[BLOCK_N, 64]`` (columns 512..575).
-    Scores in the log2 domain (``qk_scale = softmax_scale * log2(e)``)."""
-    dtype: gl.constexpr = kn_desc.dtype
-    WN: gl.constexpr = num_warps // 4            # warpgroups, side by side along N
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
-                                                       instr_shape=[16, BLOCK_N // WN, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WN],
-                                                       instr_shape=[16, D_NOPE // WN, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
-    ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])   # 16-byte vectors
-
-    slot = gl.program_id(0)
-    pid_h = gl.program_id(1)
-    valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
-        meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
-    if not valid:
-        return
-    # ---- Q: HBM -> registers -> SMEM once (64 rows x 576; rows past s_q * h_q as 0).
-    rows_l = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    q_rows = (q_ptr + req * stride_qb + (rows_l // h_q) * stride_qs + (rows_l % h_q) * stride_qh)[:, None]
-    q_ok = (rows_l < rows_total)[:, None]
-    cols_n = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, LOAD))[None, :]
-    cols_r = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LOAD))[None, :]
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], kn_desc.layout,
-                                       gl.load(q_rows + cols_n, mask=q_ok, other=0.0))
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], kr_desc.layout,
-                                       gl.load(q_rows + D_NOPE + cols_r, mask=q_ok, other=0.0))
-    # ---- the KV ring: STAGES tiles of [BLOCK_N, 512] + [BLOCK_N, 64], one mbarrier each.
-    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_NOPE], kn_desc.layout)
-    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    fence_async_shared()
-
-    bt_row = bt_ptr + req * stride_btb
-    last_page = gl.maximum(tok_end - 1, 0) // PAGE
-    n_tiles = (tok_end - tok_begin + BLOCK_N - 1) // BLOCK_N
-    for j in gl.static_range(STAGES):     # fill the ring
-        _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, bars, bt_row, tok_begin, j, last_page, num_blocks,
-                    j < n_tiles, BLOCK_N, STAGES)
-
-    # Causal: query token t of s_q sits at position L - s_q + t and sees keys up to there.
-    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
-    limit = length - 1 - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
-    acc = gl.zeros([BLOCK_H, D_NOPE], gl.float32, O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    for j in range(n_tiles):
-        stage = j % STAGES
-        start = tok_begin + j * BLOCK_N
-        kn = kn_ring.index(stage)
-        kr = kr_ring.index(stage)
-        mbarrier.wait(bars.index(stage), (j // STAGES) & 1)
-        if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
-            _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
-            _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
-            fence_async_shared()
-            gl.thread_barrier()
-        # ---- S = Q K^T on the tensor cores, both operands in SMEM: [64, 576] x [576, BLOCK_N].
-        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s,))
-        # ---- online softmax in registers (rows with no key yet keep m = -inf, p = 0).
-        pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        # ---- O = O alpha + P V: P from registers, V = the tile's first 512 columns in SMEM.
-        acc = acc * gl.convert_layout(alpha, ROWS_O)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), P_OPERAND), kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        # both warpgroups are done with this slot: refill it with tile j + STAGES
-        gl.thread_barrier()
-        _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, bars, bt_row, tok_begin, j + STAGES, last_page,
-                    num_blocks, j + STAGES < n_tiles, BLOCK_N, STAGES)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-    # ---- epilogue: registers -> HBM, the final output or this split's partial.
-    has_keys = l_i != 0                     # NaN counts as keys: a NaN score reaches out and lse
-    l_safe = gl.where(has_keys, l_i, 1.0)
-    lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-    o = acc / gl.convert_layout(l_safe, ROWS_O)[:, None]
-    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
-    ok_o = (rows_o < rows_total)[:, None]
-    cols_o = gl.arange(0, D_NOPE, layout=gl.SliceLayout(0, O_LAYOUT))[None, :]
-    row_ok = rows_s < rows_total
-    if n_part == 1:
-        tok_o = (rows_o // h_q)[:, None]
-        head_o = (rows_o % h_q)[:, None]
-        gl.store(out_ptr + req * stride_ob + tok_o * stride_os + head_o * stride_oh + cols_o,
-                 o.to(out_ptr.dtype.element_ty), mask=ok_o)
-        lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
-        gl.store(lse_ptr + req * stride_lb + (rows_s % h_q) * stride_lh + rows_s // h_q, lse, mask=row_ok)
-    else:
-        part_o = (part_idx * rows_total + rows_o)[:, None]
-        gl.store(oacc_ptr + part_o * D_NOPE + cols_o, o, mask=ok_o)
-        gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,9 +239,13 @@ def mla_split_ws_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """:func:`mla_split_gluon_kernel`'s work split over a producer warp and two consumer
-    warpgroups (``num_warps = 4``: the softmax warpgroup; the PV warpgroup and the producer are
-    worker partitions). Same arguments, same outputs."""
+    """Attention of 64 query rows of one request over one split of its pages, on a producer warp
+    and two consumer warpgroups (``num_warps = 4``: the softmax warpgroup; the PV warpgroup and
+    the producer are worker partitions).
+
+    kn_desc / kr_desc: TMA descriptors over the cache as ``[num_blocks * 64, 576]`` rows, blocks
+    ``[BLOCK_N, 512]`` (columns 0..511) and ``[BLOCK_N, 64]`` (columns 512..575). Scores in the
+    log2 domain (``qk_scale = softmax_scale * log2(e)``)."""
     dtype: gl.constexpr = kn_desc.dtype
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])

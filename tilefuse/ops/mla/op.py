@@ -95,15 +95,14 @@ def _kernels():
     from tilefuse.ops.mla import kernels
 
     try:
-        from tilefuse.ops.mla import kernels_gluon
-        wgmma = _launch.Kernel(kernels_gluon.mla_split_gluon_kernel)
-        wgmma_ws = _launch.Kernel(kernels_gluon.mla_split_ws_kernel)
+        from tilefuse.ops.mla.kernels_gluon import mla_split_ws_kernel
+        wgmma = _launch.Kernel(mla_split_ws_kernel)
     except ImportError:        # a Triton without Gluon's Hopper module: the tl kernels serve
-        wgmma = wgmma_ws = None
+        wgmma = None
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
-                wgmma=wgmma, wgmma_ws=wgmma_ws,
+                wgmma=wgmma,
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -218,8 +217,7 @@ class _Call:
     key (with the pointers' alignment)."""
 
     __slots__ = ("reference", "scale", "causal", "variant", "grid", "out_shape", "lse_shape", "partials",
-                 "counters", "scalars", "meta", "combine_grid", "combine_scalars", "combine_meta", "fallback",
-                 "kernel")
+                 "counters", "scalars", "meta", "combine_grid", "combine_scalars", "combine_meta", "fallback")
 
 
 def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, variant: str | None = None) -> _Call:
@@ -242,11 +240,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.counters = (batch * 8, torch.int32) if fused else None
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
-    call.kernel = call.variant
     if call.variant == "wgmma":
-        cfg = dict(cfg)
-        if cfg.pop("warp_specialized"):
-            call.kernel, cfg["num_warps"] = "wgmma_ws", 4
         call.grid = (num_slots, -(-rows // 64), 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
@@ -278,7 +272,7 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
     else:
         (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
         tensors = (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
-    _kernels()[call.kernel].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
+    _kernels()[call.variant].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
     if call.combine_grid is not None:
         _kernels()["combine"].launch(key, call.combine_grid, q.device.index, (num_splits, o_acc, lse_acc, out, lse),
                                      call.combine_scalars, call.combine_meta)

@@ -243,24 +243,6 @@ def test_gpu_mma_fp32_codebooks_and_nan(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [3, 8, 16])
-def test_gpu_mma_cuda_graph_replays(m):
-    """The MMA decode's split-K workspace survives graph replay (default dispatch at 3-16 tokens)."""
-    case = make_case(m, 4096, 4096, torch.bfloat16, "cuda")
-    assert vq_op.choose_variant(m) == "mma"
-    fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, case, "mma")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 4])
@@ -297,12 +279,16 @@ def test_gpu_decode_tl(dtype, m):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replays():
-    """The split-K workspace protocol survives graph replay (no zeroing launch inside); a stale
-    workspace would add the previous call's sums. fp32 atomics land in any order, so replays may
-    differ from each other in the last bits, never by a whole call."""
-    case = make_case(1, 4096, 4096, torch.float16, "cuda")
-    assert vq_op.configs.resident_config(1, 4096, 4096, 132)["k_slices"] > 1
+@pytest.mark.parametrize("m,dtype,variant", [(1, torch.float16, "decode"), (3, torch.bfloat16, "mma"),
+                                             (8, torch.bfloat16, "mma"), (16, torch.bfloat16, "mma")])
+def test_gpu_cuda_graph_replays(m, dtype, variant):
+    """The split-K workspace protocol of the default decode kernels survives graph replay (no
+    zeroing launch inside); a stale workspace would add the previous call's sums. fp32 atomics
+    land in any order, so replays may differ from each other in the last bits, never by a call."""
+    case = make_case(m, 4096, 4096, dtype, "cuda")
+    assert vq_op.choose_variant(m) == variant
+    if variant == "decode":
+        assert vq_op.configs.resident_config(1, 4096, 4096, 132)["k_slices"] > 1
     fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731
     fn()
     graph = torch.cuda.CUDAGraph()
@@ -312,7 +298,7 @@ def test_gpu_cuda_graph_replays():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        _check(out, case, "decode")
+        _check(out, case, variant)
 
 
 def test_gluon_kernels_resolve_once():

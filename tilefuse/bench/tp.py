@@ -443,14 +443,16 @@ def run_case(case: Case, tp: int, group, timer: TPTimer, reference: dict) -> lis
         rows.append({"family": "tp", "kind": case.kind, "tp": tp, "impl": impl, "params": dict(case.params),
                      **times, **(extra if impl == "layer" else {})})
     if case.kind == "mla":
-        rows[0]["kernel"] = layer.attn.kernel(1, args[2].shape[1]) if tp > 1 else _kernel(layer.attn, args[2])
+        c_q = args[0]       # the kernel follows the queries' device and dtype (c_q's)
+        rows[0]["kernel"] = (layer.attn.kernel(1, args[2].shape[1], c_q.device, c_q.dtype) if tp > 1
+                             else _kernel(layer.attn, args[2], c_q))
     return rows
 
 
-def _kernel(attn, block_table) -> str:
+def _kernel(attn, block_table, q) -> str:
     from tilefuse.ops.mla.op import choose_variant
 
-    return choose_variant(attn.num_heads, block_table.shape[1])
+    return choose_variant(attn.num_heads, block_table.shape[1], q)
 
 
 def case_key(case: Case) -> tuple:

@@ -6,9 +6,11 @@ replicates the latent cache and splits the heads: rank r runs attention for head
 collective is needed inside attention; the model's output projection (row-parallel over the
 heads' values) carries the layer's one all-reduce.
 
-The kernel is chosen by the rows each rank sees, ``s_q * h`` (:func:`tilefuse.ops.mla.op.choose_variant`):
-DeepSeek-V3's 128 heads run the standard kernel with 64-row head tiles at 1 and 2 ranks, while
-8 ranks (16 heads each) or 32 heads over 2 ranks run the <= 16-row path.
+The kernel is chosen by the rows each rank sees, ``s_q * h``, and the chip
+(:func:`tilefuse.ops.mla.op.choose_variant`): on an H100/H200 the Gluon kernel takes every row
+count; elsewhere (and on an H20 below 64 rows) DeepSeek-V3's 128 heads run the standard kernel
+with 64-row head tiles at 1 and 2 ranks, while 8 ranks (16 heads each) or 32 heads over 2 ranks
+run the unpadded <= 16-row paths.
 """
 
 from __future__ import annotations
@@ -66,11 +68,14 @@ class ParallelMLADecodeAttention(nn.Module):
         self.local.plan(cache_seqlens, s_q)
         return self
 
-    def kernel(self, s_q: int = 1, max_blocks: int = 1) -> str:
-        """The kernel variant this rank's calls run (``"standard"`` or ``"transposed"``)."""
+    def kernel(self, s_q: int = 1, max_blocks: int = 1, device: torch.device | str | None = None,
+               dtype: torch.dtype = torch.bfloat16) -> str:
+        """The kernel variant this rank's calls run on ``device`` with a ``dtype`` q (``"wgmma"``,
+        ``"standard"`` or ``"transposed"``; without a device, the rule of the ``tl`` kernels)."""
         from tilefuse.ops.mla.op import choose_variant
 
-        return choose_variant(s_q * self.local.num_heads, max_blocks)
+        q = None if device is None else torch.empty(0, dtype=dtype, device=device)
+        return choose_variant(s_q * self.local.num_heads, max_blocks, q)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                 cache_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,7 +41,7 @@ class Kernel:
     def __init__(self, fn):
         self.fn = fn
         self.name = getattr(fn, "__name__", None) or getattr(fn, "_fn_name", repr(fn))
-        self._compiled: dict = {}      # plan key -> (launch function, leading args, trailing args)
+        self._compiled: dict = {}      # plan key -> (launch function, leading args, trailing args, descriptors)
 
     def __call__(self, key, grid, device_index: int | None, *args, **meta):
         """Convenience form: all run-time arguments positional, tensors first."""

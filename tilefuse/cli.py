@@ -30,13 +30,13 @@ def info() -> int:
         print("gpu      none: ops run their PyTorch reference (TRITON_INTERPRET=1 with "
               "TILEFUSE_BACKEND=triton interprets the kernels on the CPU)")
     print("kernels:")
-    for family in ("swiglu", "mla", "vq"):
+    for family in ("swiglu", "swiglu_fp8", "mla", "vq"):
         try:
             status = importlib.import_module(f"tilefuse.ops.{family}.op").kernel_status(dev)
         except (ImportError, AttributeError) as exc:
             status = {"*": f"not implemented ({exc.__class__.__name__})"}
         for variant, state in status.items():
-            print(f"  {family:<7} {variant:<14} {state}")
+            print(f"  {family:<10} {variant:<14} {state}")
     return 0
 
 

@@ -22,6 +22,18 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
 
 @functools.cache
+def kernel_status(device: torch.device) -> dict[str, str]:
+    """Whether the FP8 kernel runs on ``device`` ("ok" or why not)."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        why = "ok" if major >= 9 else f"needs sm_90+ (TMA, FP8 tensor cores): refused on sm_{major}{minor}"
+    elif interpreting():
+        why = "ok (Triton interpreter)"
+    else:
+        why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernel)"
+    return {"fp8": why}
+
+
 def _kernel():
     from tilefuse.ops.swiglu_fp8 import kernels
 

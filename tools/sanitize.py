@@ -8,10 +8,13 @@ are unspecified; the point is that no access leaves its tensor.
     compute-sanitizer --tool memcheck  --error-exitcode 1 python3 tools/sanitize.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --one
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --one --gluon
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 tools/sanitize.py --one --only "mla h16 wgmma"
 
 Set ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that reads past a tensor land outside any allocation
 (with the caching allocator they may land in a neighbouring block and go unseen). ``--one``:
-one case per kernel (racecheck is slow); ``--gluon`` limits it to the Gluon kernels.
+one case per kernel (racecheck is slow); ``--gluon`` limits it to the VQ Gluon kernels; ``--only
+PREFIX`` to the cases whose name starts with PREFIX (a family, or e.g. ``"mla h16 wgmma"``). Run
+it with the repository on ``PYTHONPATH`` (or tilefuse installed).
 """
 
 from __future__ import annotations

@@ -157,11 +157,16 @@ def test_default_paths_never_sync_with_the_host():
     inp = mla_cases.make_case([3000, 70], 1, 16, DT, "cuda")
     inp128 = mla_cases.make_case([3000, 70], 1, 128, DT, "cuda")
     attn = MLADecodeAttention(16)
+    fp8 = [swiglu_cases.make_fp8_case(m, 896, 4864, "cuda", x_scaling=xs, w_scaling=ws)
+           for m, xs, ws in ((1, "group", "block"), (256, "token", "channel"))]
 
     def step():
         tilefuse.swiglu(x1, w)
         tilefuse.swiglu(x4k, w)
         mlp(x1)
+        for f in fp8:
+            tilefuse.swiglu_fp8(*f.args())
+            tilefuse.swiglu_fp8(*f.args(), out_dtype=torch.float8_e4m3fn)
         for m in (1, 4, 16):
             tilefuse.vq_matmul(c.x[:m], c.codes, c.codebooks, c.scales, c.bias)
             layer(c.x[:m])

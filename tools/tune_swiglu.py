@@ -170,7 +170,7 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
                 x, xs, w, ws = case.args()
                 out = torch.empty((m, i), dtype=torch.float8_e4m3fn if quant else torch.bfloat16, device="cuda")
                 oscale = torch.empty((m, i // 128), dtype=torch.float32, device="cuda")
-                current = configs.heuristic(m, h, i, True, quant)
+                current = configs.heuristic(m, h, i, quant)
                 for c in [current] + [c for c in fp8_candidates(quant) if c != current]:
                     try:
                         us = timer.graph_us(lambda c=c: run_kernel(x, _as_2d(xs, m), w, ws, out, oscale, c, True, True,
@@ -183,12 +183,12 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
                     print(f"fp8 quant={quant} {model:>6} M={m:<5} {us:9.1f} us  {c}", flush=True)
                 del case, x, xs, w, ws, out
                 torch.cuda.empty_cache()
-            current = configs.heuristic(m, *shapes[FP8_SHAPES[0]], True, quant)
+            current = configs.heuristic(m, *shapes[FP8_SHAPES[0]], quant)
             best = min(totals, key=totals.get)
             if totals[best] > KEEP_MARGIN * totals.get(current, float("inf")):
                 best = current
             print(f"fp8 quant={quant} M={m}: pick {best}", flush=True)
-            picks.append({"k_scaled": True, "quant": quant, "M": m, "config": dataclasses.asdict(best)})
+            picks.append({"quant": quant, "M": m, "config": dataclasses.asdict(best)})
     return results, picks
 
 

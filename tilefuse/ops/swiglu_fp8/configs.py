@@ -33,19 +33,19 @@ class Fp8Config:
     num_warps: int = 8
 
 
-# Measured picks by (k_scaled, quant_out) and M bucket (the TUNED_M entry at or above M), for all
-# shapes: the "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"k_scaled", "quant", "M",
-# "config"}], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import.
+# Measured picks by quant_out and M bucket (the TUNED_M entry at or above M), for all shapes: the
+# "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"quant", "M", "config"}], written by
+# ``tools/tune_swiglu.py --mode fp8``) is merged in at import.
 # Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-11-30 (bench/results/swiglu-fp8-sweep-h200.json),
 # total graph time over Llama-3-8B and Qwen2.5-72B; block scales (the only kind swept).
 F = Fp8Config
-TUNED: dict[tuple[bool, bool], dict[int, Fp8Config]] = {
-    (True, False): {  # bf16 output
+TUNED: dict[bool, dict[int, Fp8Config]] = {
+    False: {  # bf16 output
         128: F(64, 64, 128, 8, 4, 4),       # 51.7 / 179.4 us vs 56.2 / 191.6 (heuristic 128 x 64, 64 x 128)
         1024: F(64, 64, 128, 8, 4, 4),      # 294.1 / 1190.8 vs 312.4 / 1234.5
         4096: F(128, 64, 128, 8, 3, 8),     # 1245.9 / 4911.3 vs 1371.4 / 5004.9 (64 x 64: 1156.0 / 5169.6)
     },
-    (True, True): {   # e4m3 output
+    True: {   # e4m3 output
         128: F(64, 128, 128, 4, 4, 8),      # 60.6 / 195.6 vs 74.8 / 195.7
     },
 }
@@ -53,39 +53,37 @@ TUNED: dict[tuple[bool, bool], dict[int, Fp8Config]] = {
 
 def apply_overrides(entries: list[dict]) -> None:
     for entry in entries:
-        TUNED.setdefault((bool(entry["k_scaled"]), bool(entry["quant"])), {})[entry["M"]] = Fp8Config(**entry["config"])
+        TUNED.setdefault(bool(entry["quant"]), {})[entry["M"]] = Fp8Config(**entry["config"])
     choose.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
-def choose(m: int, k: int, i: int, k_scaled: bool, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
-    """The config for ``x [m, k] x w [2i, k]``. ``k_scaled``: some scale varies along K (block or
-    group scaling: BLOCK_K = 128, the scale block); ``quant_out``: e4m3 output with 1 x 128 group
-    scales (BLOCK_N = 128)."""
+def choose(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
+    """The config for ``x [m, k] x w [2i, k]``; ``quant_out``: e4m3 output with 1 x 128 group scales
+    (BLOCK_N = 128). Every scale layout runs the same tiles (two fp32 tiles, BLOCK_K = 128: the
+    scale block and the promotion step)."""
     bucket = next((t for t in TUNED_M if m <= t), TUNED_M[-1])
-    tuned = TUNED.get((k_scaled, quant_out), {}).get(bucket)
+    tuned = TUNED.get(quant_out, {}).get(bucket)
     if tuned is not None:
         return tuned
-    return heuristic(m, k, i, k_scaled, quant_out, num_sms)
+    return heuristic(m, k, i, quant_out, num_sms)
 
 
-def heuristic(m: int, k: int, i: int, k_scaled: bool, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
+def heuristic(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
     """Tiles from the register budget and the tile count (the module docstring)."""
     if quant_out:
         block_n = 128
-    elif k_scaled:
+    else:
         # 64 output columns (a 128-wide GEMM tile) unless 128 fill the SMs for at least two waves
         block_n = 128 if -(-m // 64) * -(-i // 128) >= 2 * num_sms else 64
-    else:
-        block_n = 128
-    if k_scaled and block_n == 128:
+    if block_n == 128:
         block_m = 64            # 64 x 256 GEMM tile: two fp32 tiles of 64 registers per thread
     else:
         block_m = 64 if m <= 64 else 128
     # Stages: 4 while the ring (x box + the gate|up box, e4m3) stays within ~160 KB of SMEM.
     stage_bytes = block_m * 128 + 2 * block_n * 128
     num_stages = max(2, min(4, (160 * 1024) // stage_bytes))
-    return Fp8Config(block_m, block_n, 128 if k_scaled or k % 128 == 0 else 64, num_stages=num_stages)
+    return Fp8Config(block_m, block_n, 128, num_stages=num_stages)
 
 
 apply_overrides(_env.settings.configs.get("swiglu_fp8", []))

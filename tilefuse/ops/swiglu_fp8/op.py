@@ -96,9 +96,7 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
             raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
                              f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
-        # every path keeps a second fp32 tile: a K block's product (K-varying scales), or the short
-        # chain of K blocks added to the total every configs.PROMOTE steps
-        call.config = configs.choose(call.m, call.hidden, call.inter, True, call.quant)
+        call.config = configs.choose(call.m, call.hidden, call.inter, call.quant)
     return _plans.remember(key, call)
 
 

@@ -46,9 +46,7 @@ def patch_swiglu(model: nn.Module, layout: str = "merged", *, fp8: bool = False)
     cls_name = SWIGLU_MLP_CLASSES[model_type]
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ == cls_name]
     for name, mod in targets:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, FusedSwiGLUMLP.from_mlp(mod, layout=layout, fp8=fp8))
+        model.set_submodule(name, FusedSwiGLUMLP.from_mlp(mod, layout=layout, fp8=fp8))
     return len(targets)
 
 
@@ -110,8 +108,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
 
             quantize_opts.setdefault("progress", False)
             layer = VQLinear.from_linear(linear, grams.pop(name, None), seed=seed, **quantize_opts)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        model.set_submodule(name, layer)
         if progress:
             print(f"patch_vq [{i}/{len(layers)}] {name} {linear.out_features}x{linear.in_features} "
                   f"({time.perf_counter() - start:.2f} s)", file=sys.stderr, flush=True)

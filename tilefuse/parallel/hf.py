@@ -96,8 +96,7 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
         gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         local = local_swiglu(_local(gate.weight), _local(up.weight), _local(gate.bias), _local(up.bias),
                              _local(down.weight), _local(down.bias) if where.rank == 0 else None, mlp.act_fn, layout)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, ParallelSwiGLUMLP(local, where))
+        model.set_submodule(name, ParallelSwiGLUMLP(local, where))
     return len(targets)
 
 
@@ -138,8 +137,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, 
             layer = ColumnParallel(rows_of(layer, where), where)
         elif style == "row":
             layer = RowParallel(columns_of(layer, where), where)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+        model.set_submodule(name, layer)
         if progress:
             print(f"patch_vq [{i + 1}/{len(layers)}] {name} {style or 'replicated'} {tuple(weight.shape)} "
                   f"({time.perf_counter() - start:.2f} s)", file=sys.stderr, flush=True)

@@ -212,7 +212,7 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
     for name, module in list(model.named_modules()):
         if any(name.startswith(prefix + ".") for prefix in done):
             continue
-        parent_name, _, attr = name.rpartition(".")
+        attr = name.rpartition(".")[2]
         if isinstance(module, FusedSwiGLUMLP) or (type(module).__name__ == mlp_class
                                                   and isinstance(getattr(module, "gate_proj", None), nn.Linear)):
             new = ParallelSwiGLUMLP(swiglu_of(module, where), where)
@@ -222,6 +222,6 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
             new = RowParallel(columns_of(module, where), where)
         else:
             continue
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+        model.set_submodule(name, new)
         done.append(name)
     return len(done)

@@ -67,12 +67,10 @@ def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
     GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs."""
+    fits = q is not None and _wgmma_fits(q)
     chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
-    variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, q is not None and _wgmma_fits(q),
-                                                               chip)
-    if variant == "wgmma" and not (q is not None and _wgmma_fits(q)):
-        return "standard"
-    return variant
+    variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, chip)
+    return "standard" if variant == "wgmma" and not fits else variant
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

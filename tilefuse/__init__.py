@@ -11,7 +11,7 @@ Public ops (PyTorch custom ops under ``torch.ops.tilefuse``):
 Each family is imported on first use, so ``import tilefuse`` stays cheap and side-effect free.
 """
 
-import importlib
+from tilefuse._lazy import lazy_attribute
 
 from tilefuse._backend import force  # noqa: F401
 
@@ -35,7 +35,4 @@ __all__ = ["force", *_PUBLIC]
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'tilefuse' has no attribute {name!r}")
-    module = importlib.import_module(_PUBLIC[name])
-    return module if module.__name__ == f"tilefuse.{name}" else getattr(module, name)
+    return lazy_attribute(__name__, _PUBLIC, name)

@@ -1,6 +1,6 @@
 """nn modules built on the ops; each family's module is imported on first use."""
 
-import importlib
+from tilefuse._lazy import lazy_attribute
 
 _PUBLIC = {
     "FusedSwiGLUMLP": "tilefuse.nn.swiglu",
@@ -12,6 +12,4 @@ __all__ = list(_PUBLIC)
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'tilefuse.nn' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
+    return lazy_attribute(__name__, _PUBLIC, name)

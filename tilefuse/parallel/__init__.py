@@ -16,7 +16,7 @@ its layout needs (:mod:`tilefuse.parallel.layers`).
   :func:`tilefuse.parallel.group.split` and names the argument.
 """
 
-import importlib
+from tilefuse._lazy import lazy_attribute
 
 _PUBLIC = {
     "shard": "tilefuse.parallel.sharding",
@@ -34,7 +34,4 @@ __all__ = list(_PUBLIC)
 
 
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'tilefuse.parallel' has no attribute {name!r}")
-    module = importlib.import_module(_PUBLIC[name])
-    return module if module.__name__ == f"tilefuse.parallel.{name}" else getattr(module, name)
+    return lazy_attribute(__name__, _PUBLIC, name)

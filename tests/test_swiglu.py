@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse.ops.swiglu import configs
+from tilefuse.ops.swiglu import configs, op
 from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel, unpack_gate_up
 from tilefuse.testing import assert_close, frac_beyond_ulp, poisoned
 from tilefuse.testing.swiglu import SHAPES as MODEL_SHAPES
@@ -65,6 +65,19 @@ def test_large_m_kernel(interpret, shape, dtype, cfg):
     _check(out, x, w, bias, dtype)
 
 
+def test_pingpong_pin_runs_large_m_off_hopper(interpret):
+    """Where the Gluon kernel cannot run (the interpreter here), a "pingpong" pin runs the large-M
+    kernel, through run_kernel and through the public op, packed layout included."""
+    m, h, i = 37, 136, 128
+    x, w, bias = make_case(m, h, i, torch.float16, interpret, bias=True)
+    assert not op.pingpong_usable(x.device)
+    out = poisoned((m, i), torch.float16, interpret)
+    run_kernel(x, w, bias, "merged", "pingpong", configs.PingPongConfig(64, 32, 32, 2, 2), out=out)
+    _check(out, x, w, bias, torch.float16)
+    with tilefuse.force(variant="pingpong"):
+        _check(tilefuse.swiglu(x, pack_gate_up(w[:i], w[i:]), bias, layout="packed"), x, w, bias, torch.float16)
+
+
 SK_CFGS = [configs.LargeMConfig(32, 32, 32, 2, 2, 4, False, stream_k=1),
            configs.LargeMConfig(16, 16, 16, 4, 2, 4, False, stream_k=2)]
 
@@ -98,12 +111,15 @@ def test_config_overrides(tmp_path, monkeypatch):
 
     monkeypatch.setattr(configs, "TUNED", {k: dict(v) for k, v in configs.TUNED.items()})
     cfg = configs.LargeMConfig(128, 64, 64, 8, 4, 4, False, stream_k=2)
+    pingpong = configs.PingPongConfig(64, 128, 64, 4, 3)
     (tmp_path / "w.json").write_text(json.dumps(
-        {"swiglu": [{"H": 896, "I": 4864, "M": 128, "variant": "large_m", "config": dict(cfg.__dict__)}]}))
+        {"swiglu": [{"H": 896, "I": 4864, "M": 128, "variant": "large_m", "config": dict(cfg.__dict__)},
+                    {"H": 896, "I": 4864, "M": 4096, "variant": "pingpong", "config": dict(pingpong.__dict__)}]}))
     monkeypatch.setenv("TILEFUSE_CONFIGS", str(tmp_path / "w.json"))
     try:
         configs.apply_overrides(_env.reload().configs["swiglu"])
         assert configs.choose(100, 896, 4864) == ("large_m", cfg)
+        assert configs.choose(3000, 896, 4864) == ("pingpong", pingpong)
     finally:
         monkeypatch.delenv("TILEFUSE_CONFIGS")
         _env.reload()
@@ -190,6 +206,7 @@ def test_config_choice_is_cached_and_covers_m():
         assert configs.choose(m, 896, 4864) == (variant, cfg)
     assert configs.choose(1, 896, 4864, variant="large_m")[0] == "large_m"
     assert configs.choose(9000, 896, 4864, variant="small_m")[0] == "small_m"
+    assert configs.choose(4096, 896, 4864, variant="pingpong") == ("pingpong", configs.PingPongConfig())
 
 
 @pytest.mark.parametrize("call,match", [
@@ -318,7 +335,8 @@ GPU_CASES = ([(mdl, torch.bfloat16) for mdl in MODELS_BF16] + [(mdl, torch.float
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["small_m", "large_m", None], ids=["small_m", "large_m", "dispatch"])
+@pytest.mark.parametrize("variant", ["small_m", "large_m", "pingpong", None],
+                         ids=["small_m", "large_m", "pingpong", "dispatch"])
 @pytest.mark.parametrize("m", [1, 128, 4096])
 @pytest.mark.parametrize("model,dtype", GPU_CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in GPU_CASES])
 def test_bench_shapes(model, dtype, m, variant):
@@ -330,7 +348,7 @@ def test_bench_shapes(model, dtype, m, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["small_m", "large_m"])
+@pytest.mark.parametrize("variant", ["small_m", "large_m", "pingpong"])
 @pytest.mark.parametrize("m", [1, 37, 300, 2051])
 def test_packed_and_bias_odd_m(variant, m):
     h, i = MODEL_SHAPES["1.5B"]
@@ -396,7 +414,7 @@ def test_unaligned_and_strided_inputs():
     flat = torch.randn(130 * h + 4, device="cuda").to(torch.bfloat16)
     unaligned = flat[4:].view(130, h)  # base 8 bytes off a 16-byte boundary: not TMA-able
     assert unaligned.data_ptr() % 16 == 8
-    for variant in ("small_m", "large_m"):
+    for variant in ("small_m", "large_m", "pingpong"):
         with tilefuse.force(variant=variant):
             _check_gpu(tilefuse.swiglu(strided, w), strided, w, None)
             _check_gpu(tilefuse.swiglu(unaligned, w), unaligned, w, None)

@@ -48,6 +48,9 @@ def swiglu_cases_to_run(one: bool):
     yield "swiglu large_m", lambda: run_kernel(xl, wl, bl, variant="large_m")
     yield "swiglu large_m stream-K", lambda: run_kernel(
         xl, wl, bl, config=swiglu_configs.LargeMConfig(64, 64, 64, 2, 2, 4, False, stream_k=1), num_sms=5)
+    if DEV == "cuda":   # the Gluon kernel (elsewhere the pin runs the large-M kernel again)
+        xp, wp, bp = swiglu_cases.make_case(5000, 264, 200, DT, DEV, bias=True)   # 160 tiles: both consumers
+        yield "swiglu pingpong", lambda: run_kernel(xp, wp, bp, variant="pingpong")
 
 
 def vq_cases_to_run(one: bool, gluon: bool):

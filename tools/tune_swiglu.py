@@ -14,7 +14,9 @@ unless another is at least 2 % faster. Modes (which shapes, which candidates):
   (M >= 128) tile configs;
 * ``tail``: the shapes whose last wave of tiles is partial, with stream-K tails and a few tile sizes;
 * ``tiles``: data-parallel tile shapes whose tile count fills the waves better (small models at
-  M = 128 / 1024, stream-K variants at 7B).
+  M = 128 / 1024, stream-K variants at 7B);
+* ``pingpong``: the Gluon ping-pong kernel's tiles and stages against the current pick, every
+  Qwen2.5 shape at M = 128 .. 16384.
 
 Every time goes to ``OUT_DIR/swiglu-<mode>-sweep.json``; the changed picks are merged into the
 ``"swiglu"`` section of the configs file (``[{"H", "I", "M", "variant", "config"}]``), and the
@@ -36,8 +38,12 @@ KEEP_MARGIN = 0.98   # a candidate replaces the current config only if it takes 
 def candidates(mode: str, model: str, m: int, inter: int) -> list:
     """The configs ``mode`` tries at (model, M), besides the current one."""
     from tilefuse.ops.swiglu.configs import LargeMConfig as L
+    from tilefuse.ops.swiglu.configs import PingPongConfig as P
     from tilefuse.ops.swiglu.configs import SmallMConfig as S
 
+    if mode == "pingpong":
+        return [P(128, 64, 64, 8, 4), P(128, 64, 64, 8, 3), P(128, 64, 64, 4, 4), P(128, 64, 128, 8, 2),
+                P(64, 128, 64, 8, 4), P(64, 128, 64, 8, 3), P(64, 64, 64, 8, 6)]
     if mode == "full":
         out = []
         if m <= 16:
@@ -82,6 +88,8 @@ def shapes(mode: str) -> list[tuple[str, int]]:
 
     if mode == "full":
         return [(model, m) for model in SHAPES for m in BENCH_M]
+    if mode == "pingpong":
+        return [(model, m) for model in SHAPES for m in BENCH_M if m >= 128]
     if mode == "tail":
         return ([(model, 128) for model in SHAPES]
                 + [(model, 1024) for model in ("0.5B", "1.5B", "3B", "14B", "32B")] + [("0.5B", 4096)]
@@ -120,7 +128,7 @@ def sweep(mode: str) -> tuple[list[dict], list[dict], dict]:
         best, us = min(timed, key=lambda t: t[1])
         if us > KEEP_MARGIN * timed[0][1]:
             best, us = timed[0]
-        variant = "small_m" if isinstance(best, configs.SmallMConfig) else "large_m"
+        variant = configs.variant_of(best)
         print(f"{model:>5} M={m:<6} cublas {floor:9.1f} us  current {timed[0][1]:9.1f} ({timed[0][1] / floor:.3f})  "
               f"best {us:9.1f} ({us / floor:.3f})  {best}", flush=True)
         results.append({"model": model, "H": h, "I": i, "M": m, "cublas_graph_us": floor,
@@ -198,7 +206,8 @@ def print_table(table: dict) -> None:
     for (h, i), per_m in table.items():
         print(f"    ({h}, {i}): {{")
         for m, cfg in sorted(per_m.items()):
-            print(f"        {m}: {repr(cfg).replace('SmallMConfig', 'S').replace('LargeMConfig', 'L')},")
+            short = repr(cfg).replace("SmallMConfig", "S").replace("LargeMConfig", "L").replace("PingPongConfig", "P")
+            print(f"        {m}: {short},")
         print("    },")
     print("}")
 
@@ -230,7 +239,8 @@ def promote_check() -> None:
 
 
 def main() -> None:
-    mode = dict(choices=["full", "tail", "tiles", "promote", "fp8"], default="full", help="which sweep (see above)")
+    mode = dict(choices=["full", "tail", "tiles", "pingpong", "promote", "fp8"], default="full",
+                help="which sweep (see above)")
     args = parse_args(__doc__, workers=False, **{"--mode": mode})
     if args.mode == "promote":
         promote_check()

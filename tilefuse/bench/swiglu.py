@@ -3,7 +3,8 @@
 Implementations per case (Qwen2.5 shape x M, bf16):
 
 * ``tilefuse`` (dispatch, merged layout), ``tilefuse:packed`` (dispatch, packed layout),
-  ``tilefuse:small_m`` / ``tilefuse:large_m`` (each schedule forced, merged layout) where they apply;
+  ``tilefuse:small_m`` / ``tilefuse:large_m`` / ``tilefuse:pingpong`` (each kernel forced, merged
+  layout) where they apply (the Gluon ping-pong kernel at M >= 128 on sm_90);
 * ``torch_unfused`` = ``silu(F.linear(x, Wg)) * F.linear(x, Wu)``;
 * ``torch_merged`` = one GEMM on ``[2I, H]`` then ``silu(y[:, :I]) * y[:, I:]``;
 * ``torch_compile`` = ``torch.compile(dynamic=True)`` of the unfused code, compiled once for all
@@ -57,7 +58,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
           compile_baseline=True) -> Case:
     import tilefuse
     from tilefuse.ops.swiglu import configs
-    from tilefuse.ops.swiglu.op import pack_gate_up, run_kernel
+    from tilefuse.ops.swiglu.op import pack_gate_up, pingpong_usable, run_kernel
 
     state: dict = {}  # the case's inputs, handed from setup() to extras() and dropped there
 
@@ -81,6 +82,8 @@ def _case(model: str, hidden: int, inter: int, m: int, device, dtype=torch.bfloa
                 impls["tilefuse:small_m"] = forced("small_m")
             if m >= 128:
                 impls["tilefuse:large_m"] = forced("large_m")
+                if pingpong_usable(x.device):
+                    impls["tilefuse:pingpong"] = forced("pingpong")
             if m in (128, 4096):
                 # The large-M kernel with per-K-step promotion (accuracy vs speed). NB: in the
                 # committed 2026-11-29 run the compiler had folded the promotion away, so those
@@ -169,7 +172,9 @@ def summarize(rows: list[dict]) -> dict:
 
     Keys: ``timing``; ``cases`` (one :func:`~tilefuse.bench.harness.compare` entry per shape:
     tilefuse against ``cublas_gemm``); ``goals`` (graph geomean and max time over cuBLAS, the
-    host-path goal's tally); ``vs_torch_unfused``, ``vs_torch_compile``, ``packed_over_merged``
+    host-path goal's tally); ``forced_kernels_graph_time_over_cublas_gemm_m>=128`` (the large-M
+    and the ping-pong kernel each forced, graph time over cuBLAS's, per shape: what the table
+    could choose); ``vs_torch_unfused``, ``vs_torch_compile``, ``packed_over_merged``
     (eager and graph each); ``accuracy_frac_beyond_1ulp``.
     """
     by_case = group_rows(upgrade_rows(rows), ("model", "M", "dtype"))
@@ -198,6 +203,14 @@ def summarize(rows: list[dict]) -> dict:
             if row.get("frac_beyond_1ulp") is not None and name in ("tilefuse", "torch_unfused"):
                 (acc_fused if name == "tilefuse" else acc_unfused).append(row["frac_beyond_1ulp"])
 
+    forced = {}
+    for name in ("tilefuse:large_m", "tilefuse:pingpong"):
+        per_case = {f"{model} M={m}": impls[name]["graph_us"] / impls["cublas_gemm"]["graph_us"]
+                    for (model, m, _), impls in by_case.items()
+                    if _t(impls, name, "graph_us") and _t(impls, "cublas_gemm", "graph_us")}
+        if per_case:
+            forced[name] = {"geomean": geomean(per_case.values()), "max": max(per_case.values()),
+                            "per_shape": {k: round(v, 3) for k, v in per_case.items()}}
     qwen = [e for e in cases if e["params"]["model"] not in LLAMA3_SHAPES]
     time_ratios = [1 / e["graph_speedup"] for e in qwen if e["graph_speedup"]]
     eager_ratios = [1 / e["eager_speedup"] for e in qwen if e["eager_speedup"]]
@@ -215,6 +228,7 @@ def summarize(rows: list[dict]) -> dict:
         ],
         "geomean_time_over_cublas_gemm": {"eager": geomean(eager_ratios), "graph": geomean(time_ratios),
                                           "shapes": {"eager": len(eager_ratios), "graph": len(time_ratios)}},
+        "forced_kernels_graph_time_over_cublas_gemm_m>=128": forced,
         "held_out_llama3_graph_time_over_cublas_gemm": {"per_shape": held_out,
                                                          "geomean": geomean(held_out.values())},
         "vs_torch_unfused_small_models_m<=1024": {mode: _vs_unfused(v) for mode, v in vs_unfused.items()},

@@ -48,6 +48,23 @@ class LargeMConfig:
     promote: bool = False  # per-K-step fp32 adds (accuracy): measured 1.4-2.1x slower here (docs/swiglu.md)
 
 
+@dataclass(frozen=True)
+class PingPongConfig:
+    """Tiles of the Gluon ping-pong kernel (``kernels_gluon.py``). Each consumer warpgroup holds
+    two ``[block_m, block_n]`` fp32 accumulators, so ``block_m * block_n <= 8192`` (128 registers
+    per thread; 128 x 128 spills); ``stages`` ring slots of ``(block_m + 2 block_n) x block_k``."""
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    stages: int = 4
+
+    def __post_init__(self):
+        if self.block_m not in (64, 128) or self.block_m * self.block_n > 8192 or self.block_n % 16:
+            raise ValueError(f"PingPongConfig: block_m must be 64 or 128 and block_m * block_n <= 8192 (a multiple "
+                             f"of 16 wide), got {self.block_m} x {self.block_n}")
+
+
 def stream_k_split(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int) -> tuple[int, int]:
     """(sk_tiles, sk_iters) of the large-M kernel: how many of the last tiles go to stream-K and
     how many K steps each program takes of them; (0, 0) when stream-K is off or the tiles fill
@@ -71,7 +88,10 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
     return tiles * k_steps / (per_sm * num_sms)
 
 
-S, L = SmallMConfig, LargeMConfig
+S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
+
+# The ping-pong kernel has no entries yet: it runs when forced (``tilefuse.force(variant=
+# "pingpong")``) or through an override, until the benchmark has measured it against the others.
 
 # Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout,
 # 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
@@ -145,12 +165,20 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
 }
 
 
+CONFIG_CLASSES = {"small_m": SmallMConfig, "large_m": LargeMConfig, "pingpong": PingPongConfig}
+
+
+def variant_of(config) -> str:
+    """The kernel a config belongs to."""
+    return next(name for name, cls in CONFIG_CLASSES.items() if isinstance(config, cls))
+
+
 def apply_overrides(entries: list[dict]) -> None:
     """Merge a sweep's winners into ``TUNED`` (the ``"swiglu"`` section of ``TILEFUSE_CONFIGS``):
     ``[{"H", "I", "M", "variant", "config": {field: value}}]``, so a benchmark in the same run
     measures them before they are copied into the table by hand."""
     for entry in entries:
-        cls = SmallMConfig if entry["variant"] == "small_m" else LargeMConfig
+        cls = CONFIG_CLASSES[entry["variant"]]
         TUNED.setdefault((entry["H"], entry["I"]), {})[entry["M"]] = cls(**entry["config"])
     _choose_bucketed.cache_clear()
 
@@ -187,7 +215,7 @@ def heuristic(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200):
 def _choose_bucketed(bucket: int, m_small: int, h: int, i: int, num_sms: int):
     entry = TUNED.get((h, i), {}).get(bucket)
     if entry is not None:
-        return ("small_m" if isinstance(entry, SmallMConfig) else "large_m"), entry
+        return variant_of(entry), entry
     return heuristic(m_small, h, i, num_sms)
 
 
@@ -203,6 +231,8 @@ def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NU
         return chosen, config
     if variant == "small_m":
         return variant, _small_m_heuristic(min(m, SMALL_M_MAX), h, i, num_sms)
+    if variant == "pingpong":
+        return variant, PingPongConfig()
     return variant, LargeMConfig()
 
 

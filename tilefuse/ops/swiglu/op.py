@@ -1,10 +1,12 @@
 """``tilefuse.swiglu`` and ``tilefuse.pack_gate_up``: validation, launch plans, dispatch, custom op.
 
-Kernels live in ``kernels.py`` (Triton), the configuration table in ``configs.py``, the spec in
-``reference.py``. Dispatch: ``configs.choose(M, H, I)`` picks the small-M (split-K, pointer) or the
-large-M (persistent, TMA) kernel and its tiles; ``tilefuse.force(variant=...)`` pins ``"small_m"``
-or ``"large_m"``. fp16/bf16 run the kernels on CUDA; fp32/fp64 run the reference (cuBLAS GEMMs on
-a GPU) on every device.
+Kernels live in ``kernels.py`` (Triton) and ``kernels_gluon.py`` (Gluon, Hopper), the
+configuration table in ``configs.py``, the spec in ``reference.py``. Dispatch:
+``configs.choose(M, H, I)`` picks the small-M (split-K, pointer), the large-M (persistent, TMA) or
+the ping-pong (Gluon, warp-specialized) kernel and its tiles; ``tilefuse.force(variant=...)`` pins
+``"small_m"``, ``"large_m"`` or ``"pingpong"``. The ping-pong kernel needs an sm_90 GPU: elsewhere
+(the interpreter, other GPUs, TMA-unaligned tensors) its calls run the large-M kernel. fp16/bf16
+run the kernels on CUDA; fp32/fp64 run the reference (cuBLAS GEMMs on a GPU) on every device.
 
 Cost of an eager call: argument checks run once per argument layout (shapes, dtypes, strides,
 devices), the (variant, config, grid) plan once per problem size, and the launch goes straight to
@@ -14,6 +16,7 @@ the compiled kernel (``tilefuse._launch``). Split-K and stream-K tickets come fr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -76,6 +79,23 @@ def _kernels():
     return _launch.Kernel(kernels.swiglu_small_m_kernel), _launch.Kernel(kernels.swiglu_large_m_kernel)
 
 
+@functools.cache
+def _pingpong_kernel():
+    """The Gluon kernel's launcher, or None where Triton has no Gluon Hopper module."""
+    try:
+        from tilefuse.ops.swiglu.kernels_gluon import swiglu_pingpong_kernel
+    except ImportError:
+        return None
+    return _launch.Kernel(swiglu_pingpong_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def pingpong_usable(device: torch.device) -> bool:
+    """The ping-pong kernel runs on ``device``: an sm_90 GPU (WGMMA) and Gluon's Hopper module."""
+    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
+            and _pingpong_kernel() is not None)
+
+
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
@@ -123,6 +143,37 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     return out
 
 
+def launch_pingpong(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool,
+                    cfg: configs.PingPongConfig) -> torch.Tensor:
+    """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I]; bf16 or fp16, all three
+    16-byte aligned with 16-byte row strides (TMA). One persistent program per SM (fewer when the
+    tiles are fewer)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m, h = x.shape
+    inter = w.shape[0] // 2
+    if packed and cfg.block_n % PACK:
+        raise ValueError(f"config: packed layout needs block_n a multiple of {PACK}, got {cfg.block_n}")
+    element = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    chunk = PACK if packed else cfg.block_n
+
+    def desc(t, rows, cols, stride, block):
+        return TensorDescriptor(t, [rows, cols], [stride, 1], block, gl.NVMMASharedLayout.get_default_for(block, element))
+
+    x_desc = desc(x, m, h, x.stride(0), [cfg.block_m, cfg.block_k])
+    w_desc = desc(w, 2 * inter, h, w.stride(0), [chunk, cfg.block_k])
+    out_desc = desc(out, m, inter, out.stride(0), [cfg.block_m, cfg.block_n])
+    tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)
+    grid = (min(device_num_sms(x.device), tiles), 1, 1)
+    key = (x.device, x.dtype, m, inter, h, bias is not None, packed, cfg, grid, _launch.aligned(bias))
+    _pingpong_kernel().launch(
+        key, grid, x.device.index, (x_desc, w_desc, out_desc, bias if bias is not None else w), (m, inter, h),
+        dict(HAS_BIAS=bias is not None, PACKED=packed, CHUNK=chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, NUM_SMS=grid[0], num_warps=4))
+    return out
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -139,7 +190,8 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
                num_sms: int | None = None) -> torch.Tensor:
     """Run the Triton kernels on a 2-D problem (tests, tuning): ``x2d [M, H] -> out [M, I]``.
 
-    ``variant``/``config`` pin the kernel and its tiles (``None``: the op's own choice); ``out``
+    ``variant``/``config`` pin the kernel and its tiles (``None``: the op's own choice; a
+    ``"pingpong"`` pin runs the large-M kernel where the Gluon kernel cannot run); ``out``
     (``[M, I]``, unit last stride) receives the result when given; ``num_sms`` overrides the
     large-M kernel's grid size (tests).
     """
@@ -152,15 +204,19 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
     if config is None:
         variant, config = plan(m, h, inter, x2d.device, variant)
     elif variant is None:
-        variant = "small_m" if isinstance(config, configs.SmallMConfig) else "large_m"
+        variant = configs.variant_of(config)
     packed = layout == "packed"
-    if variant == "large_m":
-        if packed and config.block_n % PACK:
-            config = configs.LargeMConfig(**{**config.__dict__, "block_n": 128})
+    if variant == "pingpong" and not pingpong_usable(x2d.device):
+        variant, config = "large_m", configs.choose(m, h, inter, "large_m")[1]
+    if variant in ("large_m", "pingpong"):
+        if packed and config.block_n % PACK:   # whole packed blocks per tile
+            config = dataclasses.replace(config, block_n=128 if variant == "large_m" else PACK)
         if not _tma_ok(x2d, w, out):
             x2d = x2d.contiguous() if x2d.data_ptr() % 16 == 0 else x2d.clone()
             if not _tma_ok(x2d, w, out):  # an unaligned `out`: compute aside, then copy
                 return out.copy_(run_kernel(x2d, w, bias, layout, variant, config, num_sms=num_sms))
+        if variant == "pingpong":
+            return launch_pingpong(x2d, w, bias, out, packed, config)
         return launch_large_m(x2d, w, bias, out, packed, config, num_sms)
     call = _small_m_call(m, h, inter, x2d.stride(0), out.stride(0), w.stride(0), config, bias is not None, packed)
     return _launch_small_m(call, x2d, w, bias, out)
@@ -177,9 +233,13 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         large = "ok" if major >= 9 else f"needs sm_90+ (TMA), this GPU is sm_{major}{minor}"
-        return {"small_m": "ok", "large_m": large}
+        pingpong = ("ok" if pingpong_usable(device) else
+                    "needs Gluon's Hopper module (triton.experimental.gluon)" if major == 9 else
+                    f"needs sm_90 (WGMMA), this GPU is sm_{major}{minor}: runs the large-M kernel")
+        return {"small_m": "ok", "large_m": large, "pingpong": pingpong}
     if interpreting():
-        return {"small_m": "ok (interpreter)", "large_m": "ok (interpreter, no warp specialization)"}
+        return {"small_m": "ok (interpreter)", "large_m": "ok (interpreter, no warp specialization)",
+                "pingpong": "GPU only: runs the large-M kernel in the interpreter"}
     return {v: "no CUDA GPU: reference path (TRITON_INTERPRET=1 interprets the kernels)" for v in VARIANTS}
 
 

@@ -28,7 +28,7 @@ codebook reads per 8 weights, whatever the tokens (the table kernels' lookups gr
 
 The PTX addresses Triton's ``global_smem`` symbol: the codebook copies are the kernel's only
 explicit shared allocation and Triton's allocator puts them at offset 0 (checked in the LLVM IR
-with tools/gluon_compile.py; the GPU tests would see another placement as wrong results).
+with tilefuse.testing.gluon; the GPU tests would see another placement as wrong results).
 ``kernels.vq_mma_kernel`` is the same schedule in ``tl`` (codebooks read through L1), the one the
 CPU tests run.
 """

@@ -28,7 +28,7 @@ Why inline PTX: Gluon 3.6 has no indexed shared-memory load; ``gl.gather`` copie
 source to shared memory on every call, which made the table traffic 3x the lookup traffic. The
 PTX addresses ``global_smem`` (Triton's dynamic shared memory symbol) directly; the table is the
 kernel's largest allocation and Triton's allocator places it at offset 0 (checked in the LLVM IR
-with tools/gluon_compile.py; the GPU tests would see any other placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
+with tilefuse.testing.gluon; the GPU tests would see any other placement as wrong results). ``table._keep_alive()`` after the loop keeps the allocator from
 reusing the table's bytes while the (to it invisible) PTX lookups still read them.
 
 Column order for (group g = 2w + j of the slice, token m): ``rho = j * 32 + w * M_PAD + m``. The

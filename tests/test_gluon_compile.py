@@ -1,0 +1,89 @@
+"""The Gluon (Hopper) kernels compile for sm_90a on the CPU with the arguments the ops launch them
+with: no register spills, shared memory within the H200's 227 KB per block, and the warp
+specialization and asynchronous WGMMA they are written for present in the PTX.
+
+The GPU tests check their results; these catch a kernel that stops compiling, or starts spilling
+or outgrows shared memory after a change, on a machine without a GPU. Each compiles in a child
+process without the interpreter (``compile_gluon_isolated``).
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+
+from tilefuse.ops.mla import configs as mla_configs  # noqa: E402
+from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V  # noqa: E402
+from tilefuse.ops.swiglu import configs as swiglu_configs  # noqa: E402
+from tilefuse.testing.gluon import compile_gluon_isolated, tensordesc  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+CONSTEXPR = "constexpr"
+
+
+def _check(result, max_registers=255):
+    assert result.spilled == 0, result.ptxas
+    assert result.shared <= SMEM_LIMIT, result.shared
+    assert 0 < result.registers <= max_registers, result.ptxas
+    assert "setmaxnreg" in result.ptx          # warp specialization: per-partition register budgets
+    assert "wgmma.mma_async" in result.ptx and "wgmma.wait_group.sync.aligned" in result.ptx
+
+
+def _swiglu_pingpong(cfg, packed, dtype, bias):
+    chunk = swiglu_configs.PACK if packed else cfg.block_n
+    signature = {"x_desc": tensordesc(dtype, [cfg.block_m, cfg.block_k]),
+                 "w_desc": tensordesc(dtype, [chunk, cfg.block_k]),
+                 "out_desc": tensordesc(dtype, [cfg.block_m, cfg.block_n]),
+                 "bias_ptr": "*bf16" if dtype == torch.bfloat16 else "*fp16", "M": "i32", "I": "i32", "H": "i32"}
+    constexprs = dict(HAS_BIAS=bias, PACKED=packed, CHUNK=chunk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, STAGES=cfg.stages, NUM_SMS=132, num_warps=4)
+    signature.update({name: CONSTEXPR for name in constexprs})
+    return compile_gluon_isolated("tilefuse.ops.swiglu.kernels_gluon:swiglu_pingpong_kernel", signature, constexprs,
+                                  num_warps=4, aligned=["bias_ptr", "I", "H"])
+
+
+@pytest.mark.parametrize("packed,dtype,bias,cfg", [
+    (False, torch.bfloat16, True, swiglu_configs.PingPongConfig()),
+    (True, torch.float16, False, swiglu_configs.PingPongConfig()),
+    (False, torch.bfloat16, False, swiglu_configs.PingPongConfig(64, 128, 64, 8, 4)),
+], ids=["merged-bf16-bias", "packed-fp16", "64x128"])
+def test_swiglu_pingpong_compiles(packed, dtype, bias, cfg):
+    result = _swiglu_pingpong(cfg, packed, dtype, bias)
+    _check(result)
+    # two consumer warpgroups, each issuing the gate and the up WGMMA of a K step
+    assert result.ptx.count("wgmma.commit_group") >= 4
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in result.ptx     # TMA store of the output
+
+
+def test_swiglu_pingpong_oversized_tile_spills():
+    """The check above can fail: 128 x 128 output tiles (two 128 x 128 fp32 accumulators per
+    warpgroup, 256 registers per thread) spill, which is why ``PingPongConfig`` refuses them."""
+    big = object.__new__(swiglu_configs.PingPongConfig)
+    for name, value in dict(block_m=128, block_n=128, block_k=64, group_m=8, stages=3).items():
+        object.__setattr__(big, name, value)
+    assert _swiglu_pingpong(big, False, torch.bfloat16, False).spilled > 0
+    with pytest.raises(ValueError, match="block_m \\* block_n"):
+        swiglu_configs.PingPongConfig(128, 128)
+
+
+def test_mla_split_ws_compiles():
+    cfg, _, _, _ = mla_configs.launch_config("wgmma", 128, 256)
+    block_n, stages = cfg["BLOCK_N"], cfg["STAGES"]
+    dtype = torch.bfloat16
+    pointers = ["q_ptr", None, None, "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
+                "oacc_ptr", "lseacc_ptr"]
+    types = ["*bf16", tensordesc(dtype, [block_n, HEAD_DIM_V]), tensordesc(dtype, [block_n, HEAD_DIM - HEAD_DIM_V]),
+             "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
+    names = ["q_ptr", "kn_desc", "kr_desc"] + pointers[3:]
+    signature = dict(zip(names, types))
+    for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks", "max_tokens"):
+        signature[name] = "i32"
+    signature["qk_scale"] = "fp32"
+    for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
+                 "stride_lb", "stride_lh"):
+        signature[name] = "i32"
+    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, num_warps=cfg["num_warps"])
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs, num_warps=cfg["num_warps"],
+                           aligned=[n for n in names if n.endswith("_ptr")])
+    _check(result)

@@ -1,0 +1,107 @@
+"""Compile a Gluon kernel for sm_90a on a machine without a GPU: compile errors, shared memory,
+registers and spills, and the PTX (Triton's wheel ships ptxas). The CPU tests use it to check the
+Hopper kernels' resources; by hand it shows what a change does before any device time is spent::
+
+    from tilefuse.testing.gluon import compile_gluon, tensordesc
+    from tilefuse.ops.vq.kernels_resident import vq_decode_resident_kernel
+    result = compile_gluon(kernel, {"x_ptr": "*bf16", "N": "i32", "BLOCK": "constexpr"},
+                           {"BLOCK": 128}, num_warps=8, aligned=["x_ptr", "N"])
+    result.shared, result.registers, result.spilled, result.ptx
+
+``aligned`` names the arguments to specialize as divisible by 16 (pointers: 16-byte aligned), as the
+JIT does at launch when the values are, so that the vectorization matches the real launch.
+:func:`tensordesc` gives the signature type of a host TMA descriptor argument. The cubin can be
+kept (``cubin=path``) and disassembled with ``nvdisasm`` to count instructions per loop.
+
+A process that imported Triton with ``TRITON_INTERPRET=1`` (the CPU tests) cannot compile Gluon
+kernels that reduce (``gl.max``, ``gl.sum``: their combine functions were made interpreter-only at
+import); :func:`compile_gluon_isolated` compiles in a fresh interpreter-free process instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+
+@dataclasses.dataclass
+class Compiled:
+    ptx: str
+    shared: int             # bytes of shared memory per program
+    registers: int          # per thread, from ptxas
+    spilled: int            # spill store + spill load bytes, from ptxas
+    ptxas: list[str]        # ptxas's resource lines
+    kernel: object = None   # triton's CompiledKernel (``.asm``, ``.metadata``); None when isolated
+
+
+def tensordesc(dtype, block: list[int]) -> str:
+    """Signature type of a host ``TensorDescriptor`` argument over ``dtype`` (torch) elements in
+    ``block`` boxes, with the default NVMMA shared layout (what the ops build)."""
+    import torch
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    probe = torch.empty(1, dtype=dtype)
+    shape = [16 * b for b in block]
+    strides = [1] * len(block)
+    for d in range(len(block) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    return mangle_type(TensorDescriptor(probe, shape, strides, list(block),
+                                        gl.NVMMASharedLayout.get_default_for(list(block), element)))
+
+
+def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(), cubin: str | None = None
+                  ) -> Compiled:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin or os.path.join(tmp, "kernel.cubin")],
+                                capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"ptxas failed: {result.stderr}")
+    lines = [line.strip() for line in result.stderr.splitlines() if "Used" in line or "spill" in line]
+    registers = sum(int(n) for n in re.findall(r"Used (\d+) registers", " ".join(lines)))
+    spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill", " ".join(lines)))
+    return Compiled(compiled.asm["ptx"], compiled.metadata.shared, registers, spilled, lines, compiled)
+
+
+def compile_gluon_isolated(kernel: str, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> Compiled:
+    """:func:`compile_gluon` of ``kernel`` (``"package.module:function"``) in a child process
+    with ``TRITON_INTERPRET=0``; arguments JSON-serializable."""
+    spec = dict(kernel=kernel, signature=signature, constexprs=constexprs, num_warps=num_warps, aligned=list(aligned))
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-m", "tilefuse.testing.gluon"], input=json.dumps(spec), env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"compiling {kernel} failed:\n{done.stderr[-4000:]}")
+    return Compiled(**json.loads(done.stdout))
+
+
+def _main() -> None:
+    spec = json.load(sys.stdin)
+    module, name = spec["kernel"].split(":")
+    result = compile_gluon(getattr(importlib.import_module(module), name), spec["signature"], spec["constexprs"],
+                           spec["num_warps"], spec["aligned"])
+    json.dump({f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "kernel"}, sys.stdout)
+
+
+if __name__ == "__main__":
+    _main()

@@ -21,8 +21,8 @@ SMEM_LIMIT = 227 * 1024
 CONSTEXPR = "constexpr"
 
 
-def _check(result, max_registers=255):
-    assert result.spilled == 0, result.ptxas
+def _check(result, max_registers=255, max_spilled=0):
+    assert result.spilled <= max_spilled, result.ptxas
     assert result.shared <= SMEM_LIMIT, result.shared
     assert 0 < result.registers <= max_registers, result.ptxas
     assert "setmaxnreg" in result.ptx          # warp specialization: per-partition register budgets
@@ -66,9 +66,12 @@ def test_swiglu_pingpong_oversized_tile_spills():
         swiglu_configs.PingPongConfig(128, 128)
 
 
-def test_mla_split_ws_compiles():
-    cfg, _, _, _ = mla_configs.launch_config("wgmma", 128, 256)
-    block_n, stages = cfg["BLOCK_N"], cfg["STAGES"]
+@pytest.mark.parametrize("seesaw,ring", [(False, None), (True, None), (True, (32, 4))],
+                         ids=["role-split", "seesaw", "seesaw-32x4"])
+def test_mla_split_ws_compiles(seesaw, ring):
+    cfg, _, _, _ = mla_configs.launch_config("seesaw" if seesaw else "wgmma", 128, 256)
+    block_n, stages = ring or (cfg["BLOCK_N"], cfg["STAGES"])
+    assert cfg["SEESAW"] == seesaw
     dtype = torch.bfloat16
     pointers = ["q_ptr", None, None, "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
                 "oacc_ptr", "lseacc_ptr"]
@@ -82,8 +85,10 @@ def test_mla_split_ws_compiles():
     for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
                  "stride_lb", "stride_lh"):
         signature[name] = "i32"
-    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, num_warps=cfg["num_warps"])
+    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, SEESAW=seesaw, num_warps=cfg["num_warps"])
     signature.update({name: CONSTEXPR for name in constexprs})
-    result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs, num_warps=cfg["num_warps"],
-                           aligned=[n for n in names if n.endswith("_ptr")])
-    _check(result)
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
+                                    num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
+    # the seesaw consumers spill ~300 bytes (WGMMA descriptors of Q, reloaded around the S issue):
+    # bounded here so that growth shows; the role-split form must not spill at all
+    _check(result, max_spilled=768 if seesaw else 0)

@@ -56,6 +56,7 @@ CASES = [
     ([100, 190], 2, 128, False, None, 6),
     ([150, 40], 2, 32, True, "transposed", 8),      # 64 rows forced transposed
     ([99], 4, 1, True, None, 8),                    # s_q = 4 (speculative decoding), 1 head
+    ([150, 3, 0], 1, 128, True, "seesaw", 10),      # a Gluon schedule pinned: the tl kernel runs here
 ]
 
 
@@ -385,7 +386,7 @@ def _check_gpu(out, lse, inp, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (16, 3), (16, 4), (32, 1), (64, 1), (128, 2), (1, 4)])
-@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])   # the default is one of them
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma", "seesaw"])   # the default is one of them
 def test_mla_gpu_equal(dtype, h_q, s_q, variant):
     if variant == "transposed" and h_q * s_q >= 64:
         pytest.skip("transposed applies below 64 query rows")
@@ -397,7 +398,7 @@ def test_mla_gpu_equal(dtype, h_q, s_q, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (16, 2, True), (128, 1, True), (128, 2, False)])
-@pytest.mark.parametrize("variant", [None, "wgmma"])
+@pytest.mark.parametrize("variant", [None, "wgmma", "seesaw"])
 def test_mla_gpu_mixed(dtype, h_q, s_q, causal, variant):
     lens = [0, 1, 63, 64, 65, 1000, 20000, 4097, 0, 333, 70000, 128]
     inp = make_case(lens, s_q, h_q, dtype, "cuda")
@@ -429,7 +430,7 @@ def test_mla_gpu_graph_replay(h_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma", "seesaw"])
 def test_mla_gpu_nan_tail_does_not_leak(variant):
     """Every slot past the lengths is NaN (make_case poisons them): outputs must stay finite."""
     inp = make_case([65, 130, 1, 32, 96], 1, 16, torch.bfloat16, "cuda")
@@ -439,7 +440,8 @@ def test_mla_gpu_nan_tail_does_not_leak(variant):
 
 
 @pytest.mark.gpu
-def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
+@pytest.mark.parametrize("variant", ["wgmma", "seesaw"])
+def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel(variant):
     """A cache view whose base is not 16-byte aligned (TMA cannot address it) still gives the
     right answer (the call falls back to the tl kernel of the same orientation)."""
     inp = make_case([300, 70], 1, 64, torch.bfloat16, "cuda")
@@ -448,7 +450,7 @@ def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
     shifted.copy_(inp.k_cache)
     inp.k_cache = shifted
     assert shifted.data_ptr() % 16
-    out, lse = _run_gpu(inp, 1, 64, True, "wgmma")
+    out, lse = _run_gpu(inp, 1, 64, True, variant)
     _check_gpu(out, lse, inp, True)
 
 
@@ -460,6 +462,10 @@ def test_mla_gpu_default_is_wgmma_on_hopper():
     q = torch.empty(1, 1, 128, 576, dtype=torch.bfloat16, device="cuda")
     assert op.choose_variant(128, 64, q) == "wgmma"
     assert op.choose_variant(128, 64, q.float()) == "standard"      # fp32: the tl kernel
+    assert op.kernel_status(torch.device("cuda"))["seesaw"] == "ok"
+    with tilefuse.force(variant="seesaw"):
+        assert op.choose_variant(128, 64, q) == "seesaw"
+        assert op.choose_variant(128, 64, q.float()) == "standard"
 
 
 @pytest.mark.parametrize("key,variant", [("transposed", "transposed"), ("standard_small", "standard"),
@@ -482,15 +488,17 @@ def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["wgmma", "seesaw"])
 @pytest.mark.parametrize("block_n,stages", [(64, 2), (32, 4)])
 @pytest.mark.parametrize("h_q,s_q", [(16, 2), (128, 1)])
-def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q):
-    """The Gluon kernel at both ring shapes, on mixed lengths with NaN past them."""
+def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q, variant):
+    """The Gluon kernel's two schedules at both ring shapes, on mixed lengths (0 to 70000: splits
+    of 0, 1, 2 and many tiles, odd and even counts) with NaN past them."""
     configs.launch_config.cache_clear()
-    monkeypatch.setitem(configs.CONFIGS, "wgmma", dict(configs.CONFIGS["wgmma"], BLOCK_N=block_n, STAGES=stages))
+    monkeypatch.setitem(configs.CONFIGS, variant, dict(configs.CONFIGS[variant], BLOCK_N=block_n, STAGES=stages))
     inp = make_case([0, 1, 63, 64, 65, 20000, 4097, 333, 70000, 128], s_q, h_q, torch.bfloat16, "cuda")
     try:
-        out, lse = _run_gpu(inp, s_q, h_q, True, "wgmma")
+        out, lse = _run_gpu(inp, s_q, h_q, True, variant)
     finally:
         monkeypatch.undo()
         configs.launch_config.cache_clear()

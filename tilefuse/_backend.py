@@ -28,7 +28,7 @@ BACKENDS = _env.BACKENDS
 VARIANTS = {
     "swiglu": ("small_m", "large_m", "pingpong"),
     "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
-    "mla": ("transposed", "standard", "wgmma"),
+    "mla": ("transposed", "standard", "wgmma", "seesaw"),
 }
 _ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
 

@@ -8,9 +8,10 @@ heads with uneven lengths, batch 128 at 1K, and 32/64 heads at 16K. Implementati
   outside the timed call, as engines compute it once per batch;
 * ``tilefuse+metadata``: metadata + attention, one decode step as an engine captures it in a CUDA
   graph;
-* ``tilefuse:transposed`` / ``tilefuse:standard`` / ``tilefuse:wgmma``: ``tilefuse`` with one
-  kernel forced (below 64 query rows, where all apply; ``wgmma`` is the standard orientation's
-  Gluon kernel, ``standard`` its ``tl`` one);
+* ``tilefuse:transposed`` / ``tilefuse:standard``: ``tilefuse`` with one ``tl`` kernel forced
+  (below 64 query rows, where both apply);
+* ``tilefuse:wgmma`` / ``tilefuse:seesaw``: the standard orientation's Gluon kernel forced, with
+  its role-split schedule (the default on Hopper) and its seesaw schedule, at every case;
 * ``torch_naive``: gather the pages, bmm, softmax, bmm (equal lengths, where it fits in memory);
 * ``flashmla`` / ``flashmla+metadata``: the same two for FlashMLA, where ``flash_mla`` is importable;
   with ``TILEFUSE_FLASHMLA=b31bfe7=DIR,main=DIR`` each named build instead, as ``flashmla@b31bfe7``,
@@ -153,7 +154,9 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
         if device.type == "cuda" and rows < 64:   # every kernel applies: time each
             impls["tilefuse:transposed"] = forced("transposed")
             impls["tilefuse:standard"] = forced("standard")
+        if device.type == "cuda":   # the Gluon kernel's two schedules, at every case
             impls["tilefuse:wgmma"] = forced("wgmma")
+            impls["tilefuse:seesaw"] = forced("seesaw")
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
         if device.type == "cuda":   # peer builds, only where present (never built by tilefuse)
@@ -310,10 +313,11 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def _orientations(table: dict) -> dict:
-    """Geomean time ratios of the kernels forced side by side below 64 rows, eager and graph:
-    ``"a/b"`` = a's time over b's (below 1: a faster), and in how many cases b is faster."""
+    """Geomean time ratios of the kernels forced side by side, eager and graph: ``"a/b"`` = a's
+    time over b's (below 1: a faster), and in how many cases b is faster. The tl kernels are
+    forced below 64 rows, the Gluon kernel's two schedules (``wgmma``, ``seesaw``) everywhere."""
     out = {}
-    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed")):
+    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed"), ("seesaw", "wgmma")):
         for mode, key in (("eager", "eager_us"), ("graph", "graph_us")):
             pairs = [((impls.get(f"tilefuse:{a}") or {}).get(key), (impls.get(f"tilefuse:{b}") or {}).get(key))
                      for impls in table.values()]

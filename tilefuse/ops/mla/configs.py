@@ -13,6 +13,9 @@ Provenance: H200 sweeps of graph-replayed decode steps (the figures and the rule
   consumer warpgroups (``kernels_gluon.py``; ``num_warps`` = 4, the softmax warpgroup's); 64-row
   head tiles at any row count; Q + the ring + P take 226-230 KB of SMEM (BLOCK_N = 64 x 2 stages
   or 32 x 4), one program per SM; partials merged by the combine kernel.
+* ``"seesaw"``: the same kernel with the seesaw schedule (the two consumer warpgroups take the
+  tiles in turn, so one's softmax runs under the other's WGMMAs); same settings. Runs when pinned
+  (``tilefuse.force(variant="seesaw")``) until the benchmark has measured it.
 * ``"standard_small"``: the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
   (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
 
@@ -34,7 +37,9 @@ CONFIGS = {
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
     "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
+    "seesaw": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
 }
+GLUON_VARIANTS = ("wgmma", "seesaw")     # the Gluon kernel's two schedules (Hopper, 16-bit q)
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
 # graph. Measured (bench/results/mla-h200.json): the unpadded standard kernel is up to 15 % faster in
@@ -98,7 +103,8 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))
     fused = cfg.pop("fused_combine", True)
     per_slot = cfg.pop("slot_programs", 1)
-    if variant == "wgmma":        # 64-row head tiles whatever the row count; one program per slot
+    if variant in GLUON_VARIANTS:    # 64-row head tiles whatever the row count; one program per slot
+        cfg["SEESAW"] = variant == "seesaw"
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     block_h = max(16, _next_pow2(min(rows, 64)))
     if variant != "transposed":

@@ -10,9 +10,12 @@ What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same part
 * Q stays in shared memory for the whole split (64 rows x 576, WGMMA's A operand); the scores go
   straight from the WGMMA accumulator into the online softmax; MLA's V is the same
   shared-memory tile as K's first 512 columns.
-* The work is split by role rather than by columns of S: one warpgroup computes S and the
-  softmax, and the two warpgroups share P V by output columns (each a [64, 256] fp32
-  accumulator, 128 registers per thread), so no row max or sum crosses warpgroups.
+* The two warpgroups share P V by output columns (each a [64, 256] fp32 accumulator, 128
+  registers per thread). Two schedules of S and the softmax (``SEESAW``):
+  - role split (the default): one warpgroup computes every S and softmax, so no row max or sum
+    crosses warpgroups; its softmax leaves the tensor cores to the other warpgroup's half of P V;
+  - seesaw: the warpgroups take the tiles in turn (S, softmax, P handoff), passing the running
+    row max from one to the other, so one warpgroup's softmax runs under the other's WGMMAs.
 
 One program per (slot, 64-row head tile); split requests write partials that
 ``kernels.mla_combine_kernel`` merges in a second launch. Rows past ``s_q * h_q`` are computed as
@@ -35,6 +38,8 @@ D_NOPE = gl.constexpr(HEAD_DIM_V)              # K's latent part and all of V
 D_ROPE = gl.constexpr(HEAD_DIM - HEAD_DIM_V)   # K's RoPE part
 BLOCK_H = gl.constexpr(64)                     # query rows per program: WGMMA's M
 LN2 = gl.constexpr(0.6931471805599453)
+FIRST = gl.constexpr(0)                        # the seesaw consumers' indices (constexpr arguments)
+SECOND = gl.constexpr(1)
 
 
 @gluon.jit
@@ -230,6 +235,155 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
                    out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
 
 
+# ---------------------------------------------------------------------------------------------
+# Seesaw form: the two consumer warpgroups take the tiles in turn.
+#
+#   warpgroup w (w = 0, 1) owns tiles j = w, w + 2, ... and holds O[:, 256 w : 256 w + 256].
+#   For its tile j it issues S_j = Q K_j^T, then applies the other warpgroup's tile j - 1 to its
+#   half of O (P_{j-1} and alpha_{j-1} loaded from SMEM) while S_j runs; takes the running row
+#   max m_{j-1} the other published, computes the softmax of tile j and publishes m_j, then P_j
+#   and alpha_j; then applies tile j to its half (P from registers).
+#
+# While one warpgroup runs exp2 and row sums, the tensor cores hold the other's S and P V. The
+# single P buffer is written by the warpgroups in turn, each after it has loaded the previous P
+# (the other's) into registers, so no "P empty" barrier is needed; m_buf likewise. Row sums are
+# kept per warpgroup (each rescaled by every tile's alpha, in tile order) and added at the end.
+# Registers: 240 per consumer thread; ptxas still spills ~300 bytes (WGMMA descriptors of Q,
+# reloaded from L1 around the S issue).
+# mbarriers: k_ready[s], k_empty[s] (count 2: both warpgroups read every tile's V), m_ready
+# (m_j published), p_ready (P_j, alpha_j published), done (count 2: both row-sum parts written).
+
+
+@gluon.jit
+def _seesaw_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages,
+                   BLOCK_N: gl.constexpr):
+    """SMEM -> tensor cores: S_j = Q K_j^T issued asynchronously, once tile j has landed (its
+    rows past the request's end zeroed first). Returned through a wait that lets both WGMMAs
+    run on (the caller's branches then agree on its type); read it only after a real wait."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    stage = j % stages
+    start = tok_begin + j * BLOCK_N
+    kn = kn_ring.index(stage)
+    kr = kr_ring.index(stage)
+    mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
+    if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
+        _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
+        _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
+        fence_async_shared()
+        gl.thread_barrier()
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(2, deps=(s,))
+
+
+@gluon.jit
+def _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, j, stages, W: gl.constexpr):
+    """SMEM -> registers -> tensor cores: the other warpgroup's tile j on this half of O, issued
+    asynchronously (O alpha_j + P_j V_j[:, half], P_j loaded into registers); the row sum
+    rescaled by alpha_j."""
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D_NOPE // 2, 16])
+    stage = j % stages
+    mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
+    mbarrier.wait(p_ready, j & 1)
+    alpha = alpha_buf.load(gl.SliceLayout(1, O_LAYOUT))
+    acc = acc * alpha[:, None]
+    l_i = l_i * gl.convert_layout(alpha, l_i.type.layout)
+    p = p_buf.load(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    acc = warpgroup_mma(p, kn_ring.index(stage).slice(W * (D_NOPE // 2), D_NOPE // 2, dim=1), acc, is_async=True)
+    return acc, l_i
+
+
+@gluon.jit
+def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, l_buf, k_ready, k_empty, m_ready,
+                     p_ready, done, tok_begin, n_tiles, length, limit_base, pid_h, h_q, s_q, qk_scale, req, part_idx,
+                     n_part, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh,
+                     stride_lb, stride_lh, W: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+                     STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_nope.dtype
+    HALF: gl.constexpr = D_NOPE // 2
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
+    ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
+
+    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
+    limit = limit_base - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
+    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    # The ring depth as a run-time value (h_q >= 1): with STAGES = 2 a warpgroup's tiles all sit in
+    # one slot, and a constant slot lets the compiler hoist that slot's 36 WGMMA descriptors of K
+    # out of the loop next to Q's 36, which spills; a run-time slot keeps them computed per tile.
+    stages = STAGES + (h_q < 1).to(gl.int32)
+    for j in range(W, n_tiles, 2):
+        stage = j % stages
+        # ---- S_j issued; the other warpgroup's tile j - 1 on this half issued behind it.
+        s = _seesaw_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages, BLOCK_N)
+        if j > 0:
+            acc, l_i = _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, j - 1, stages, W)
+            acc, s = warpgroup_mma_wait(0, deps=(acc, s))
+            mbarrier.arrive(k_empty.index((j - 1) % stages))
+        else:
+            s = warpgroup_mma_wait(0, deps=(s,))
+        # ---- softmax of tile j from the running max of tile j - 1 (the other warpgroup's).
+        m_prev = m_i
+        if j > 0:
+            mbarrier.wait(m_ready, (j - 1) & 1)
+            m_prev = m_buf.load(ROWS_S)
+        pos = tok_begin + j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+        m_buf.store(m_new)                    # published first: the other warpgroup's next softmax
+        mbarrier.arrive(m_ready)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_prev - m_safe)
+        p = gl.exp2(s - m_safe[:, None]).to(dtype)
+        l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+        m_i = m_new
+        # ---- P_j and alpha_j to the other warpgroup (registers -> SMEM; P_{j-1} was loaded above).
+        p_buf.store(p)
+        alpha_buf.store(alpha)
+        mbarrier.arrive(p_ready)
+        # ---- this warpgroup's half of tile j: O alpha_j + P_j V_j[:, half] (P from registers).
+        acc = acc * gl.convert_layout(alpha, ROWS_O)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), kn_ring.index(stage).slice(W * HALF, HALF, dim=1), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(k_empty.index(stage))
+    if n_tiles > 0 and (n_tiles + 1) % 2 != W:    # the last tile is the other warpgroup's
+        acc, l_i = _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, n_tiles - 1, stages, W)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(k_empty.index((n_tiles - 1) % stages))
+
+    # ---- epilogue: the row sums add up across warpgroups; each stores its half of O; the owner
+    # of the last tile (whose m_i is the final row max) stores the lse.
+    l_buf.slice(W * BLOCK_H, BLOCK_H).store(l_i)
+    mbarrier.arrive(done)
+    mbarrier.wait(done, 0)
+    l_tot = l_buf.slice(0, BLOCK_H).load(ROWS_S) + l_buf.slice(BLOCK_H, BLOCK_H).load(ROWS_S)
+    has_keys = l_tot != 0                   # NaN counts as keys: a NaN score reaches out and lse
+    l_safe = gl.where(has_keys, l_tot, 1.0)
+    rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
+    cols = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, O_LAYOUT))
+    _ws_store_half(acc / gl.convert_layout(l_safe, ROWS_O)[:, None], rows_o, cols, req, part_idx, n_part,
+                   rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
+    if (n_tiles + 1) % 2 == W:
+        lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
+        row_ok = rows_s < rows_total
+        if n_part == 1:
+            lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
+            gl.store(lse_ptr + req * stride_lb + (rows_s % h_q) * stride_lh + rows_s // h_q, lse, mask=row_ok)
+        else:
+            gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
+
+
 @gluon.jit
 def mla_split_ws_kernel(
     q_ptr, kn_desc, kr_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
@@ -237,11 +391,13 @@ def mla_split_ws_kernel(
     batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """Attention of 64 query rows of one request over one split of its pages, on a producer warp
-    and two consumer warpgroups (``num_warps = 4``: the softmax warpgroup; the PV warpgroup and
-    the producer are worker partitions).
+    and two consumer warpgroups (``num_warps = 4``: the default partition is the softmax
+    warpgroup, or with ``SEESAW`` consumer 0; the other consumer and the producer are worker
+    partitions).
 
     kn_desc / kr_desc: TMA descriptors over the cache as ``[num_blocks * 64, 576]`` rows, blocks
     ``[BLOCK_N, 512]`` (columns 0..511) and ``[BLOCK_N, 64]`` (columns 512..575). Scores in the
@@ -271,29 +427,49 @@ def mla_split_ws_kernel(
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N * 2), element_bitwidth=16, rank=2)
     p_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
     alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
-    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    m_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    l_buf = gl.allocate_shared_memory(gl.float32, [2 * BLOCK_H], VEC)    # one row-sum part per consumer
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())   # p_ready, p_empty, done
+    # role split: p_ready, p_empty, done; seesaw: m_ready, p_ready, done (both consumers arrive)
+    sync = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
     for i in gl.static_range(3):
-        mbarrier.init(sync.index(i), count=1)
+        mbarrier.init(sync.index(i), count=2 if SEESAW and i == 2 else 1)
     fence_async_shared()
 
     bt_row = bt_ptr + req * stride_btb
     last_page = gl.maximum(tok_end - 1, 0) // PAGE
     n_tiles = (tok_end - tok_begin + BLOCK_N - 1) // BLOCK_N
     limit_base = length - 1
-    gl.warp_specialize([
-        (_ws_softmax, (q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0),
-                       sync.index(1), sync.index(2), tok_begin, n_tiles, length, limit_base, pid_h, h_q, s_q,
-                       qk_scale, req, part_idx, n_part, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
-                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES)),
-        (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0), sync.index(1), sync.index(2),
-                  n_tiles, pid_h, h_q, req, part_idx, n_part, rows_total, out_ptr, oacc_ptr, stride_ob, stride_os,
-                  stride_oh, STAGES)),
-        (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
-                        num_blocks, BLOCK_N, STAGES)),
-    ], [4, 1], [232, 40])
+    # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
+    if SEESAW:
+        gl.warp_specialize([
+            (_seesaw_consumer, (q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, l_buf, k_ready, k_empty,
+                                sync.index(0), sync.index(1), sync.index(2), tok_begin, n_tiles, length, limit_base,
+                                pid_h, h_q, s_q, qk_scale, req, part_idx, n_part, rows_total, out_ptr, lse_ptr,
+                                oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, FIRST,
+                                CAUSAL, BLOCK_N, STAGES)),
+            (_seesaw_consumer, (q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, l_buf, k_ready, k_empty,
+                                sync.index(0), sync.index(1), sync.index(2), tok_begin, n_tiles, length, limit_base,
+                                pid_h, h_q, s_q, qk_scale, req, part_idx, n_part, rows_total, out_ptr, lse_ptr,
+                                oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, SECOND,
+                                CAUSAL, BLOCK_N, STAGES)),
+            (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
+                            num_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_softmax, (q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf.slice(0, BLOCK_H), k_ready,
+                           k_empty, sync.index(0), sync.index(1), sync.index(2), tok_begin, n_tiles, length,
+                           limit_base, pid_h, h_q, s_q, qk_scale, req, part_idx, n_part, rows_total, out_ptr, lse_ptr,
+                           oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL,
+                           BLOCK_N, STAGES)),
+            (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf.slice(0, BLOCK_H), k_ready, k_empty, sync.index(0),
+                      sync.index(1), sync.index(2), n_tiles, pid_h, h_q, req, part_idx, n_part, rows_total, out_ptr,
+                      oacc_ptr, stride_ob, stride_os, stride_oh, STAGES)),
+            (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
+                            num_blocks, BLOCK_N, STAGES)),
+        ], [4, 1], [232, 40])

@@ -52,8 +52,9 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     else:
         why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernels)"
     status = {v: why for v in VARIANTS}
-    status["wgmma"] = ("ok" if wgmma_usable(device) else
-                       "needs a Hopper GPU (sm_90: TMA, WGMMA) and Gluon; the tl kernels run instead")
+    for variant in configs.GLUON_VARIANTS:
+        status[variant] = ("ok" if wgmma_usable(device) else
+                           "needs a Hopper GPU (sm_90: TMA, WGMMA) and Gluon; the tl kernels run instead")
     return status
 
 
@@ -66,11 +67,12 @@ def wgmma_usable(device: torch.device) -> bool:
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs."""
+    GPU, as does ``seesaw`` (pinned only); elsewhere the ``tl`` kernel of the same orientation
+    (``standard``) runs."""
     fits = q is not None and _wgmma_fits(q)
     chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, chip)
-    return "standard" if variant == "wgmma" and not fits else variant
+    return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +102,7 @@ def _kernels():
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
-                wgmma=wgmma,
+                wgmma=wgmma, seesaw=wgmma,     # one Gluon kernel, the schedule a constexpr
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -226,7 +228,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.variant = variant or choose_variant(rows, max_blocks, q)
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
-                     if call.variant == "wgmma" else None)
+                     if call.variant in configs.GLUON_VARIANTS else None)
     cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
     num_slots = meta.shape[0]
     call.out_shape, call.lse_shape = (batch, s_q, h_q, HEAD_DIM_V), (batch, h_q, s_q)
@@ -238,7 +240,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.counters = (batch * 8, torch.int32) if fused else None
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
-    if call.variant == "wgmma":
+    if call.variant in configs.GLUON_VARIANTS:
         call.grid = (num_slots, -(-rows // 64), 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
@@ -264,7 +266,7 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
     o_acc, lse_acc = _scratch.workspace(q.device, *call.partials)
     key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
-    if call.variant == "wgmma":
+    if call.variant in configs.GLUON_VARIANTS:
         kv_nope, kv_rope = _kv_descriptors(k_cache, call.meta["BLOCK_N"])
         tensors = (q, kv_nope, kv_rope, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
     else:

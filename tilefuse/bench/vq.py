@@ -5,7 +5,10 @@ Codes, codebooks and scales are random (timing does not depend on their values).
 ``tilefuse:mma`` (the MMA decode, 2-64 tokens), ``tilefuse:dequant`` (dequantize + cuBLAS, 16
 tokens and up, to locate the switch point), ``tilefuse:prefill`` (the fused ``tl`` kernel, 64
 tokens and up), ``fp16_cublas`` (``F.linear`` on
-the dequantized weight in the case's dtype: the dense layer the 2-bit one replaces). ``bytes``
+the dequantized weight in the case's dtype: the dense layer the 2-bit one replaces), and where the
+``aqlm`` package imports and its CUDA extension builds (nvcc, on first use), AQLM's own kernels
+on the same codes: ``aqlm_cuda`` (its 2x8 GEMV, one launch per token; AQLM runs it up to 6
+tokens) and ``aqlm_cuda_dequant`` (its dequantize + cuBLAS, above). ``bytes``
 counts codes + x + out + scales (+ codebooks), so the roofline is the memory floor of the codes.
 
 Goals (:func:`summarize`), in graph mode (kernel time, CUDA-graph replay): speedup over
@@ -16,6 +19,9 @@ tilefuse's time <= 1.15x cuBLAS's. In eager mode at 1-16 tokens
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,8 @@ LARGEST = ("28672x8192", "8192x28672")
 
 
 def vq_case(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) -> Case:
+    dense: dict = {}   # the dense layer's output, handed from setup() to extras()
+
     def setup():
         import tilefuse
         from tilefuse.ops.vq.reference import dequantize
@@ -56,12 +64,42 @@ def vq_case(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device) ->
             if m >= 64:
                 impls["tilefuse:prefill"] = forced("prefill")
         impls["fp16_cublas"] = lambda: F.linear(c.x, w)
+        dense["fp16_cublas"] = impls["fp16_cublas"]
+        aqlm = aqlm_cuda() if device.type == "cuda" and dtype != torch.float32 else None
+        if aqlm is not None:
+            codes = c.codes.view(torch.int8)       # AQLM stores codes as int8 (same bits)
+            if m <= 16:
+                impls["aqlm_cuda"] = lambda: aqlm.code2x8_matmat(c.x, codes, c.codebooks, c.scales, None)
+            if m >= 8:
+                impls["aqlm_cuda_dequant"] = lambda: aqlm.code2x8_matmat_dequant(c.x, codes, c.codebooks, c.scales,
+                                                                                  None)
         return impls
+
+    def extras(impls):
+        """AQLM's outputs against the dense layer's (relative error): a layout mismatch shows here."""
+        from tilefuse.testing.compare import rel_err
+
+        ref = dense.pop("fp16_cublas")().float()
+        return {name: {"rel_err_vs_dense": rel_err(fn().float(), ref)} for name, fn in impls.items()
+                if name.startswith("aqlm")}
 
     size = 2 if dtype != torch.float32 else 4
     nbytes = n * k / 4 + (m * k + m * n) * size + n * size + 2 * 256 * 8 * size
     params = {"N": n, "K": k, "tokens": m, "dtype": str(dtype).replace("torch.", "")}
-    return Case(params=params, flops=2.0 * m * n * k, bytes=nbytes, setup=setup)
+    return Case(params=params, flops=2.0 * m * n * k, bytes=nbytes, setup=setup, extras=extras)
+
+
+@functools.lru_cache(maxsize=None)
+def aqlm_cuda():
+    """AQLM's CUDA extension (its ``code2x8_matmat`` / ``code2x8_matmat_dequant`` take tilefuse's
+    layout as is: codes ``[N, K/8, 2]`` int8, codebooks ``[2, 256, 1, 8]``, scales
+    ``[N, 1, 1, 1]``), or None where ``aqlm`` is not installed or its build fails (said once)."""
+    try:
+        from aqlm.inference_kernels.cuda_kernel import CUDA_KERNEL
+    except Exception as exc:  # not installed, or nvcc / ninja missing
+        print(f"bench vq: AQLM's kernels not timed ({type(exc).__name__}: {str(exc)[:200]})", file=sys.stderr)
+        return None
+    return CUDA_KERNEL
 
 
 def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
@@ -100,13 +138,15 @@ def summarize(rows: list[dict]) -> dict:
     tokens x dtype: tilefuse against ``fp16_cublas``, with its host goal at <= 16 tokens and its
     speedup goal where it has one); ``goals`` (tallies of both); ``batch1_speedup_geomean``;
     ``switch_time_ratios`` (the switch points: the MMA decode's time over the table decode's and over
-the dequant path's; > 1 means the other is faster) and
-    ``fused_prefill_over_cublas_time``, each ``{"eager": {...}, "graph": {...}}``.
+    the dequant path's; > 1 means the other is faster), ``fused_prefill_over_cublas_time`` and,
+    where AQLM was timed, ``speedup_over_faster_aqlm_kernel`` (the faster of AQLM's two kernels'
+    time over tilefuse's), each ``{"eager": {...}, "graph": {...}}``.
     """
     table = group_rows(upgrade_rows(rows), ("N", "K", "tokens", "dtype"))
     cases = []
     switch: dict = {"eager": {}, "graph": {}}
     fused: dict = {"eager": {}, "graph": {}}
+    vs_aqlm: dict = {"eager": {}, "graph": {}}
     for (n, k, tokens, dtype), impls in table.items():
         shape = f"{n}x{k}"
         entry = compare(f"{shape} {tokens} tok {dtype}", next(iter(impls.values()))["params"], impls,
@@ -125,6 +165,9 @@ the dequant path's; > 1 means the other is faster) and
                         round(t[fast] / t[slow], 3)
             if ratio(t.get("tilefuse:prefill"), t.get("fp16_cublas")):
                 fused[mode][f"{shape} {tokens} {dtype}"] = round(t["tilefuse:prefill"] / t["fp16_cublas"], 2)
+            aqlm = min((t[name] for name in ("aqlm_cuda", "aqlm_cuda_dequant") if t.get(name)), default=None)
+            if ratio(aqlm, t.get("tilefuse")):
+                vs_aqlm[mode][f"{shape} {tokens} {dtype}"] = round(aqlm / t["tilefuse"], 2)
 
     batch1 = [e for e in cases if e["params"]["tokens"] == 1]
     return {
@@ -141,4 +184,6 @@ the dequant path's; > 1 means the other is faster) and
                                    for mode in ("eager", "graph")},
         "switch_time_ratios": switch,
         "fused_prefill_over_cublas_time": fused,
+        "speedup_over_faster_aqlm_kernel": {mode: {"per_case": v, "geomean": geomean(v.values())}
+                                            for mode, v in vs_aqlm.items() if v},
     }

@@ -15,6 +15,7 @@ pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 from tilefuse.ops.mla import configs as mla_configs  # noqa: E402
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V  # noqa: E402
 from tilefuse.ops.swiglu import configs as swiglu_configs  # noqa: E402
+from tilefuse.ops.swiglu_fp8 import configs as fp8_configs  # noqa: E402
 from tilefuse.testing.gluon import compile_gluon_isolated, tensordesc  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
@@ -92,3 +93,22 @@ def test_mla_split_ws_compiles(seesaw, ring):
     # the seesaw consumers spill ~300 bytes (WGMMA descriptors of Q, reloaded around the S issue):
     # bounded here so that growth shows; the role-split form must not spill at all
     _check(result, max_spilled=768 if seesaw else 0)
+
+
+@pytest.mark.parametrize("block_n,quant,scaled_k", [(128, True, True), (128, False, False), (64, False, True)],
+                         ids=["128-e4m3-block", "128-bf16-rowwise", "64-bf16-block"])
+def test_swiglu_fp8_ws_compiles(block_n, quant, scaled_k):
+    cfg = fp8_configs.WsConfig(block_n)
+    fp8 = torch.float8_e4m3fn
+    out = fp8 if quant else torch.bfloat16
+    signature = {"x_desc": tensordesc(fp8, [128, 128]), "w_desc": tensordesc(fp8, [64, 128]),
+                 "out_desc": tensordesc(out, [64, block_n]), "xs_ptr": "*fp32", "ws_ptr": "*fp32", "os_ptr": "*fp32",
+                 "M": "i32", "I": "i32", "K": "i32", "stride_xs_m": "i32", "stride_xs_k": "i32",
+                 "stride_ws_n": "i32", "stride_ws_k": "i32", "stride_os_m": "i32"}
+    constexprs = dict(X_GROUPED=scaled_k, W_BLOCKED=scaled_k, QUANT_OUT=quant, BLOCK_N=block_n,
+                      GROUP_M=cfg.group_m, STAGES=cfg.stages, NUM_SMS=132, num_warps=4)
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.swiglu_fp8.kernels_gluon:swiglu_fp8_ws_kernel", signature,
+                                    constexprs, num_warps=4, aligned=["xs_ptr", "ws_ptr", "os_ptr", "I", "K"])
+    _check(result)
+    assert "e4m3" in result.ptx          # FP8 WGMMA (e4m3 x e4m3)

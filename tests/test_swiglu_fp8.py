@@ -83,8 +83,13 @@ def accumulation_bound(case, rows, ulps=2 ** -10):
     return ulps * (1.1 * u.abs() * mag[:, :inter] + (torch.nn.functional.silu(g)).abs() * mag[:, inter:])
 
 
-def run(case, out_dtype):
-    with tilefuse.force(backend="triton"):
+def run(case, out_dtype, variant=None):
+    with tilefuse.force(backend="triton", variant=variant):
+        return tilefuse.swiglu_fp8(*case.args(), out_dtype=out_dtype)
+
+
+def run_gpu(case, out_dtype=torch.bfloat16, variant=None):
+    with tilefuse.force(variant=variant):
         return tilefuse.swiglu_fp8(*case.args(), out_dtype=out_dtype)
 
 
@@ -106,11 +111,13 @@ def test_kernel_scalings(interpret, shape, x_scaling, w_scaling):
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
-@pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel")])
-def test_kernel_quantized_output(interpret, shape, x_scaling, w_scaling):
+@pytest.mark.parametrize("x_scaling,w_scaling,variant", [("group", "block", None), ("token", "channel", None),
+                                                         ("group", "block", "ws")])
+def test_kernel_quantized_output(interpret, shape, x_scaling, w_scaling, variant):
+    """(variant "ws", the Gluon kernel, is GPU-only: pinned here it runs the tl kernel)"""
     m, k, i = shape
     case = make_fp8_case(m, k, i, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
-    q, scales = run(case, FP8)
+    q, scales = run(case, FP8, variant)
     assert q.shape == (m, i) and scales.shape == (m, i // 128)
     check_quantized(q, scales, reference_fp8_fp64(case))
 
@@ -232,10 +239,11 @@ GPU_SHAPES = {**{k: SHAPES[k] for k in ("0.5B", "7B", "72B")}, **LLAMA3_SHAPES}
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
 @pytest.mark.parametrize("m", [1, 37, 128, 1000, 4096])
 @pytest.mark.parametrize("model", list(GPU_SHAPES))
 @pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel")])
-def test_gpu_bench_shapes(model, m, x_scaling, w_scaling):
+def test_gpu_bench_shapes(model, m, x_scaling, w_scaling, variant):
     h, i = GPU_SHAPES[model]
     if w_scaling == "block" and i % 128:
         pytest.skip("block scaling needs I a multiple of 128")
@@ -243,7 +251,7 @@ def test_gpu_bench_shapes(model, m, x_scaling, w_scaling):
     rows = _rows(m).cuda()
     ref = reference_fp8_fp64(case, rows)
     slack = accumulation_bound(case, rows)
-    out = tilefuse.swiglu_fp8(*case.args())
+    out = run_gpu(case, variant=variant)
     assert torch.isfinite(out).all()
     _check_bf16(out[rows], ref, slack)
     if x_scaling == "token":
@@ -251,7 +259,7 @@ def test_gpu_bench_shapes(model, m, x_scaling, w_scaling):
         err = ((out[rows].double() - ref).norm() / ref.norm()).item()
         assert err <= 1.5 * _scaled_mm_error(case, rows, ref), err
     if i % 128 == 0:
-        q, scales = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+        q, scales = run_gpu(case, FP8, variant)
         check_quantized(q[rows], scales[rows], ref, frac=0.05, slack=slack)
 
 
@@ -267,25 +275,47 @@ def _check_bf16(out, ref, slack):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
 @pytest.mark.parametrize("x_scaling,w_scaling", [(x, w) for x in X_SCALINGS for w in W_SCALINGS])
-def test_gpu_all_scalings_odd_m(x_scaling, w_scaling):
-    case = make_fp8_case(333, 1024, 768, "cuda", x_scaling=x_scaling, w_scaling=w_scaling)
+def test_gpu_all_scalings_odd_m(x_scaling, w_scaling, variant):
+    """M = 333 (a partial row tile), K = 1040 where no scale varies along K (a K tail of 16), fp16 and fp32
+    outputs beside bf16 and e4m3."""
+    k = 1024 if "group" in x_scaling or w_scaling == "block" else 1040
+    case = make_fp8_case(333, k, 768, "cuda", x_scaling=x_scaling, w_scaling=w_scaling)
     ref = reference_fp8_fp64(case)
     slack = accumulation_bound(case, torch.arange(333, device="cuda"))
-    _check_bf16(tilefuse.swiglu_fp8(*case.args()), ref, slack)
-    q, scales = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    _check_bf16(run_gpu(case, variant=variant), ref, slack)
+    for dtype in (torch.float16, torch.float32):
+        out = run_gpu(case, dtype, variant)
+        assert out.dtype == dtype and rel_err(out, ref) < 1e-2
+    q, scales = run_gpu(case, FP8, variant)
     check_quantized(q, scales, ref, frac=0.05, slack=slack)
 
 
 @pytest.mark.gpu
-def test_gpu_graph_capture_and_saturation():
+def test_gpu_ws_runs_on_hopper():
+    """On an sm_90 GPU a "ws" pin runs the Gluon kernel (so the tests that pin it test it)."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is sm_90 only")
+    assert op.ws_usable(torch.device("cuda", torch.cuda.current_device()))
+    case = make_fp8_case(300, 512, 256, "cuda")
+    with tilefuse.force(variant="ws"):
+        call = op._plan_call(*case.args(), torch.bfloat16)
+    assert call.ws_config == configs.ws_config(300, 256, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
+def test_gpu_graph_capture_and_saturation(variant):
     case = make_fp8_case(64, 512, 256, "cuda")
     case.x_scales[3] = 2.0 ** 40          # huge products: fp32 holds them, the output re-quantizes
     ref = reference_fp8_fp64(case)
-    q, s = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+    q, s = run_gpu(case, FP8, variant)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        q2, s2 = tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+        q2, s2 = run_gpu(case, FP8, variant)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# First GPU run of the Gluon kernels that are pinned only (SwiGLU "pingpong", MLA "seesaw"), in one
-# device call: their GPU tests, compute-sanitizer (memcheck, racecheck) on them, then the benches
-# that time them beside the defaults. Logs and JSON go to OUT (default: $OUT, else ./gluon-check).
+# First GPU run of the Gluon kernels that are pinned only (SwiGLU "pingpong", FP8 SwiGLU "ws", MLA
+# "seesaw"), in one device call: their GPU tests, compute-sanitizer (memcheck, racecheck) on them,
+# then the benches that time them beside the defaults. Logs and JSON go to OUT (default: $OUT, else ./gluon-check).
 #
 #   bash tools/gluon_gpu_check.sh [tests|sanitize|bench|all] ...   # default: all, in that order
 #
@@ -28,16 +28,21 @@ step() {   # step NAME COMMAND...: run, log to OUT/NAME.log, keep the first fail
 for what in "${@:-all}"; do
     if [ "$what" = tests ] || [ "$what" = all ]; then
         step tests-swiglu python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_swiglu.py -k pingpong
+        step tests-fp8 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_swiglu_fp8.py -k ws
         step tests-mla python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_mla.py -k "seesaw or wgmma"
     fi
     if [ "$what" = sanitize ] || [ "$what" = all ]; then
         export PYTORCH_NO_CUDA_MEMORY_CACHING=1
         step memcheck-swiglu compute-sanitizer --tool memcheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "swiglu pingpong"
+        step memcheck-fp8 compute-sanitizer --tool memcheck --error-exitcode 1 \
+            python3 tools/sanitize.py --only "swiglu_fp8 ws"
         step memcheck-mla compute-sanitizer --tool memcheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "mla h128 seesaw" --one
         step racecheck-swiglu compute-sanitizer --tool racecheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "swiglu pingpong"
+        step racecheck-fp8 compute-sanitizer --tool racecheck --error-exitcode 1 \
+            python3 tools/sanitize.py --only "swiglu_fp8 ws" --one
         step racecheck-mla compute-sanitizer --tool racecheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "mla h16 seesaw" --one
         unset PYTORCH_NO_CUDA_MEMORY_CACHING
@@ -45,6 +50,7 @@ for what in "${@:-all}"; do
     if [ "$what" = bench ] || [ "$what" = all ]; then
         step bench-mla python3 -m tilefuse bench mla --quick --out "$out"
         step bench-swiglu python3 -m tilefuse bench swiglu --quick --out "$out"
+        step bench-fp8 python3 -m tilefuse bench swiglu_fp8 --quick --out "$out"
         step tune-pingpong python3 tools/tune_swiglu.py "$out" --mode pingpong
     fi
 done

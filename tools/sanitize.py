@@ -53,6 +53,21 @@ def swiglu_cases_to_run(one: bool):
         yield "swiglu pingpong", lambda: run_kernel(xp, wp, bp, variant="pingpong")
 
 
+def swiglu_fp8_cases_to_run(one: bool):
+    if DEV != "cuda":          # FP8 tensor cores: the kernels run on an sm_90 GPU only
+        return
+    from tilefuse.ops.swiglu_fp8.reference import FP8
+
+    block = swiglu_cases.make_fp8_case(300, 384, 256, DEV)          # 3 row tiles, 2 (1) column tiles
+    row = swiglu_cases.make_fp8_case(300, 400, 192, DEV, x_scaling="token", w_scaling="channel")
+    for variant in ("tl", "ws"):
+        yield f"swiglu_fp8 {variant} e4m3", lambda variant=variant: _forced(
+            variant, tilefuse.swiglu_fp8, *block.args(), out_dtype=FP8)
+        if not one:
+            yield f"swiglu_fp8 {variant} rowwise bf16", lambda variant=variant: _forced(
+                variant, tilefuse.swiglu_fp8, *row.args())
+
+
 def vq_cases_to_run(one: bool, gluon: bool):
     for m, impl in ((1, "resident"), (3, "gather"), (2, "tl"), (16, "prefill"), (16, "dequant")):
         if (gluon and impl not in ("resident", "gather")) or (DEV != "cuda" and impl in ("resident", "gather")):
@@ -113,7 +128,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     families = {"vq": lambda: vq_cases_to_run(args.one, args.gluon)}
     if not args.gluon:
-        families = {"swiglu": lambda: swiglu_cases_to_run(args.one), **families,
+        families = {"swiglu": lambda: swiglu_cases_to_run(args.one),
+                    "swiglu_fp8": lambda: swiglu_fp8_cases_to_run(args.one), **families,
                     "mla": lambda: mla_cases_to_run(args.one)}
     runs = [(name, fn) for family, cases in families.items()
             if args.only is None or family.startswith(args.only) or args.only.startswith(family)

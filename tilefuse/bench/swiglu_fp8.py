@@ -6,6 +6,8 @@ Per case (model shape x M; e4m3 inputs from :func:`tilefuse.testing.swiglu.make_
   output re-quantized to e4m3 with 1 x 128 group scales (DeepSeek-V3's recipe end to end);
 * ``tilefuse:bf16_out``: the same with a bf16 output;
 * ``tilefuse:rowwise``: per-token x / per-channel w scales, e4m3 output;
+* ``tilefuse:ws`` / ``tilefuse:ws_rowwise``: the first and the third with the Gluon
+  warp-specialized kernel pinned (variant ``ws``; sm_90 only);
 * ``scaled_mm``: the bare merged GEMM ``torch._scaled_mm(x, W^T)`` with row-wise scales, bf16
   out (cuBLASLt's FP8 GEMM): the floor a fused kernel is judged against;
 * ``scaled_mm_block``: the same GEMM with 1 x 128 / 128 x 128 block scales, where this torch and
@@ -33,6 +35,7 @@ ACC_ROWS = 256
 
 def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
     import tilefuse
+    from tilefuse.ops.swiglu_fp8.op import ws_usable
     from tilefuse.ops.swiglu_fp8.reference import FP8, quantize_fp8
     from tilefuse.testing.swiglu import make_fp8_case, reference_fp8_fp64
 
@@ -54,10 +57,17 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
 
         bx, bxs, bw, bws = block.args()
         bxs_t = bxs.t().contiguous().t()          # cuBLASLt's block scales: M-major activations scales
+        def pinned(case):
+            def run():
+                with tilefuse.force(variant="ws"):
+                    return tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
+            return run
+
         impls = {
             "tilefuse": lambda: tilefuse.swiglu_fp8(*block.args(), out_dtype=FP8),
             "tilefuse:bf16_out": lambda: tilefuse.swiglu_fp8(*block.args()),
             "tilefuse:rowwise": lambda: tilefuse.swiglu_fp8(*row.args(), out_dtype=FP8),
+            **({"tilefuse:ws": pinned(block), "tilefuse:ws_rowwise": pinned(row)} if ws_usable(device) else {}),
             "scaled_mm": gemm,
             "scaled_mm_block": lambda: torch._scaled_mm(bx, bw.T, scale_a=bxs_t, scale_b=bws.T,
                                                         out_dtype=torch.bfloat16),
@@ -117,7 +127,8 @@ def summarize(rows: list[dict]) -> dict:
     for (model, m, _), impls in by_case.items():
         entry = compare(f"{model} M={m}", next(iter(impls.values()))["params"], impls, ("tilefuse", "tilefuse"),
                         ("scaled_mm", "scaled_mm"))
-        for name in ("scaled_mm_block", "unfused", "tilefuse:rowwise", "tilefuse:bf16_out"):
+        for name in ("scaled_mm_block", "unfused", "tilefuse:rowwise", "tilefuse:bf16_out", "tilefuse:ws",
+                     "tilefuse:ws_rowwise"):
             entry[f"{name}_graph_us"] = (impls.get(name) or {}).get("graph_us")
         unf = entry["unfused_graph_us"] and entry["graph_us"] and entry["unfused_graph_us"] / entry["graph_us"]
         if m <= 1024 and unf:
@@ -141,4 +152,10 @@ def summarize(rows: list[dict]) -> dict:
             tally("accuracy: rel_err within 1.5x of _scaled_mm's", acc),
         ],
         "max_time_over_scaled_mm": max(ratios, default=None),
+        "ws_kernel_time_over_scaled_mm": {
+            kind: {"geomean": geomean(r), "max": max(r, default=None)}
+            for kind, r in (("block", [e["tilefuse:ws_graph_us"] / e["baseline_graph_us"] for e in cases
+                                       if e["tilefuse:ws_graph_us"] and e["baseline_graph_us"]]),
+                            ("rowwise", [e["tilefuse:ws_rowwise_graph_us"] / e["baseline_graph_us"] for e in cases
+                                         if e["tilefuse:ws_rowwise_graph_us"] and e["baseline_graph_us"]])) if r},
     }

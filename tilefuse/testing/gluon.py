@@ -48,7 +48,8 @@ def tensordesc(dtype, block: list[int]) -> str:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
     probe = torch.empty(1, dtype=dtype)
     shape = [16 * b for b in block]
     strides = [1] * len(block)

@@ -38,6 +38,12 @@ D_NOPE = gl.constexpr(HEAD_DIM_V)              # K's latent part and all of V
 D_ROPE = gl.constexpr(HEAD_DIM - HEAD_DIM_V)   # K's RoPE part
 BLOCK_H = gl.constexpr(64)                     # query rows per program: WGMMA's M
 LN2 = gl.constexpr(0.6931471805599453)
+# A consumer warpgroup's half of O: [64, 256] fp32 as WGMMA accumulates it (128 registers per
+# thread), its rows, and P as WGMMA's register A operand against it.
+O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, HEAD_DIM_V // 2, 16]))
+ROWS_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
+P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
 FIRST = gl.constexpr(0)                        # the seesaw consumers' indices (constexpr arguments)
 SECOND = gl.constexpr(1)
 
@@ -96,6 +102,32 @@ def _zero_rows_past(tile, start, length, BLOCK_N: gl.constexpr, WIDTH: gl.conste
         part.store(gl.where(keep, v, gl.zeros_like(v)))
 
 
+@gluon.jit
+def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages,
+                   BLOCK_N: gl.constexpr):
+    """SMEM -> tensor cores: S_j = Q K_j^T ([64, 576] x [576, BLOCK_N], both operands in SMEM)
+    issued asynchronously, once tile j has landed in slot ``j % stages`` (its rows past the
+    request's end zeroed first). Returned through a wait that lets both WGMMAs run on (callers'
+    branches then agree on its type); read it only after a real wait."""
+    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    stage = j % stages
+    start = tok_begin + j * BLOCK_N
+    kn = kn_ring.index(stage)
+    kr = kr_ring.index(stage)
+    mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
+    if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
+        _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
+        _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
+        fence_async_shared()
+        gl.thread_barrier()
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma_wait(2, deps=(s,))
+
+
 # ---------------------------------------------------------------------------------------------
 # Warp-specialized form: a producer warp and two consumer warpgroups that hand P over.
 #
@@ -135,6 +167,30 @@ def _ws_store_half(o, rows, cols, req, part_idx, n_part, rows_total, h_q, out_pt
 
 
 @gluon.jit
+def _softmax_start(pid_h, h_q, s_q, limit_base, CAUSAL: gl.constexpr, ROWS_S: gl.constexpr):
+    """A softmax warpgroup's starting state: its 64 query rows, the last key position each may
+    see (causal: query token t of s_q sees keys up to L - s_q + t), the running max and sum, and
+    a zero [64, 256] half of O."""
+    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
+    limit = limit_base - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
+    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
+    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
+    return rows_s, limit, m_i, l_i, gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
+
+
+@gluon.jit
+def _ws_store_lse(lse2, rows, req, part_idx, n_part, rows_total, h_q, lse_ptr, lseacc_ptr, stride_lb, stride_lh):
+    """registers -> HBM: the rows' log-sum-exp (log2 domain in, natural log out; -inf: no key
+    seen, stored as +inf), final or partial."""
+    row_ok = rows < rows_total
+    if n_part == 1:
+        lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
+        gl.store(lse_ptr + req * stride_lb + (rows % h_q) * stride_lh + rows // h_q, lse, mask=row_ok)
+    else:
+        gl.store(lseacc_ptr + part_idx * rows_total + rows, lse2, mask=row_ok)
+
+
+@gluon.jit
 def _ws_softmax(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
                 done, tok_begin, n_tiles, length, limit_base, pid_h, h_q, s_q, qk_scale, req, part_idx, n_part,
                 rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb,
@@ -142,33 +198,15 @@ def _ws_softmax(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_rea
     dtype: gl.constexpr = q_nope.dtype
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_NOPE // 2, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
-    limit = limit_base - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
-    acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
-    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
+    rows_s, limit, m_i, l_i, acc = _softmax_start(pid_h, h_q, s_q, limit_base, CAUSAL, ROWS_S)
     for j in range(n_tiles):
         stage = j % STAGES
         start = tok_begin + j * BLOCK_N
         kn = kn_ring.index(stage)
-        kr = kr_ring.index(stage)
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-        if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
-            _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
-            _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
-            fence_async_shared()
-            gl.thread_barrier()
         # ---- S = Q K^T: [64, 576] x [576, BLOCK_N], both operands in SMEM.
-        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+        s = _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, STAGES, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s,))
         # ---- online softmax in registers (each row within one warp: shuffles, no SMEM).
         pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
@@ -201,21 +239,13 @@ def _ws_softmax(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_rea
     cols = gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
     _ws_store_half(acc / gl.convert_layout(l_safe, ROWS_O)[:, None], rows_o, cols, req, part_idx, n_part,
                    rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
-    row_ok = rows_s < rows_total
-    if n_part == 1:
-        lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
-        gl.store(lse_ptr + req * stride_lb + (rows_s % h_q) * stride_lh + rows_s // h_q, lse, mask=row_ok)
-    else:
-        gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
+    _ws_store_lse(lse2, rows_s, req, part_idx, n_part, rows_total, h_q, lse_ptr, lseacc_ptr, stride_lb, stride_lh)
 
 
 @gluon.jit
 def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty, done, n_tiles, pid_h, h_q, req,
            part_idx, n_part, rows_total, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh,
            STAGES: gl.constexpr):
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_NOPE // 2, 16])
-    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
     acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
     for j in range(n_tiles):
         stage = j % STAGES
@@ -255,44 +285,17 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
 
 
 @gluon.jit
-def _seesaw_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages,
-                   BLOCK_N: gl.constexpr):
-    """SMEM -> tensor cores: S_j = Q K_j^T issued asynchronously, once tile j has landed (its
-    rows past the request's end zeroed first). Returned through a wait that lets both WGMMAs
-    run on (the caller's branches then agree on its type); read it only after a real wait."""
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    stage = j % stages
-    start = tok_begin + j * BLOCK_N
-    kn = kn_ring.index(stage)
-    kr = kr_ring.index(stage)
-    mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
-    if start + BLOCK_N > length:      # the request's last tile: clear the rows past its end
-        _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
-        _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
-        fence_async_shared()
-        gl.thread_barrier()
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(2, deps=(s,))
-
-
-@gluon.jit
 def _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, j, stages, W: gl.constexpr):
     """SMEM -> registers -> tensor cores: the other warpgroup's tile j on this half of O, issued
     asynchronously (O alpha_j + P_j V_j[:, half], P_j loaded into registers); the row sum
     rescaled by alpha_j."""
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D_NOPE // 2, 16])
     stage = j % stages
     mbarrier.wait(k_ready.index(stage), (j // stages) & 1)
     mbarrier.wait(p_ready, j & 1)
-    alpha = alpha_buf.load(gl.SliceLayout(1, O_LAYOUT))
+    alpha = alpha_buf.load(ROWS_O)
     acc = acc * alpha[:, None]
     l_i = l_i * gl.convert_layout(alpha, l_i.type.layout)
-    p = p_buf.load(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+    p = p_buf.load(P_OPERAND)
     acc = warpgroup_mma(p, kn_ring.index(stage).slice(W * (D_NOPE // 2), D_NOPE // 2, dim=1), acc, is_async=True)
     return acc, l_i
 
@@ -307,17 +310,9 @@ def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, 
     HALF: gl.constexpr = D_NOPE // 2
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
-    O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
-    P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2)
     ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-    ROWS_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
-    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
-    limit = limit_base - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
-    m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
-    l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
-    acc = gl.zeros([BLOCK_H, HALF], gl.float32, O_LAYOUT)
+    rows_s, limit, m_i, l_i, acc = _softmax_start(pid_h, h_q, s_q, limit_base, CAUSAL, ROWS_S)
     # The ring depth as a run-time value (h_q >= 1): with STAGES = 2 a warpgroup's tiles all sit in
     # one slot, and a constant slot lets the compiler hoist that slot's 36 WGMMA descriptors of K
     # out of the loop next to Q's 36, which spills; a run-time slot keeps them computed per tile.
@@ -325,7 +320,7 @@ def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, 
     for j in range(W, n_tiles, 2):
         stage = j % stages
         # ---- S_j issued; the other warpgroup's tile j - 1 on this half issued behind it.
-        s = _seesaw_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages, BLOCK_N)
+        s = _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages, BLOCK_N)
         if j > 0:
             acc, l_i = _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, j - 1, stages, W)
             acc, s = warpgroup_mma_wait(0, deps=(acc, s))
@@ -376,12 +371,8 @@ def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, 
                    rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
     if (n_tiles + 1) % 2 == W:
         lse2 = gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf"))
-        row_ok = rows_s < rows_total
-        if n_part == 1:
-            lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
-            gl.store(lse_ptr + req * stride_lb + (rows_s % h_q) * stride_lh + rows_s // h_q, lse, mask=row_ok)
-        else:
-            gl.store(lseacc_ptr + part_idx * rows_total + rows_s, lse2, mask=row_ok)
+        _ws_store_lse(lse2, rows_s, req, part_idx, n_part, rows_total, h_q, lse_ptr, lseacc_ptr, stride_lb,
+                      stride_lh)
 
 
 @gluon.jit

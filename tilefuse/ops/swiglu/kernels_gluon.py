@@ -33,19 +33,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tilefuse.ops.gluon_common import grouped_tile
+
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-@gluon.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """(pid_m, pid_n) of linear tile ``tile_id`` in the grouped order of ``tl_common.grouped_tile``
-    (GROUP_M row tiles sweep the N tiles together, so a weight tile is reused from L2)."""
-    group_size = GROUP_M * num_pid_n
-    first_m = (tile_id // group_size) * GROUP_M
-    rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile_id % group_size) % rows
-    pid_n = (tile_id % group_size) // rows
-    return pid_m, pid_n
+FIRST = gl.constexpr(0)            # the consumers' indices (constexpr arguments)
+SECOND = gl.constexpr(1)
 
 
 @gluon.jit
@@ -59,7 +51,7 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED: gl.
     nbytes: gl.constexpr = x_desc.block_type.nbytes + 2 * (BLOCK_N // CHUNK) * w_desc.block_type.nbytes
     it = 0
     for tile_id in range(start, num_pid_m * num_pid_n, NUM_SMS):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         for ks in range(k_steps):
@@ -123,7 +115,7 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, 
 
         # Epilogue (registers -> SMEM -> HBM), overlapped with the other warpgroup's mainloop:
         # bias (merged order: gate bias at n, up bias at I + n), SiLU * mul in fp32, one rounding.
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile_id, num_pid_m, num_pid_n, GROUP_M)
         if HAS_BIAS:
             cols = gl.minimum(pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, ACC)), I - 1)
             acc_g = acc_g + gl.load(bias_ptr + cols).to(gl.float32)[None, :]
@@ -135,14 +127,6 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, 
         tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
         t += 2
     tma.store_wait(0)
-
-
-@gluon.jit
-def _consumer_odd(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, H, HAS_BIAS: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_SMS: gl.constexpr):
-    _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, H, 1, HAS_BIAS, BLOCK_M, BLOCK_N,
-              BLOCK_K, GROUP_M, STAGES, NUM_SMS)
 
 
 @gluon.jit
@@ -177,10 +161,10 @@ def swiglu_pingpong_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(0), out_desc, bias_ptr, M, I, H, 0, HAS_BIAS,
+        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST, HAS_BIAS,
                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
-        (_consumer_odd, (x_ring, w_ring, ready, empty, out_smem.index(1), out_desc, bias_ptr, M, I, H, HAS_BIAS,
-                         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
+        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(1), out_desc, bias_ptr, M, I, H, SECOND, HAS_BIAS,
+                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
         (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED, BLOCK_M, BLOCK_N, BLOCK_K,
                      CHUNK, GROUP_M, STAGES, NUM_SMS)),
     ], [4, 1], [232, 40])

@@ -33,6 +33,28 @@ class Fp8Config:
     num_warps: int = 8
 
 
+@dataclass(frozen=True)
+class WsConfig:
+    """Tiles of the Gluon warp-specialized kernel (``kernels_gluon.py``): [128, block_n] output
+    tiles (block_n 64 or 128, 128 for an e4m3 output), ``stages`` ring slots of 32 KB. It runs
+    when pinned (``tilefuse.force(variant="ws")``) until the benchmark has measured it."""
+    block_n: int = 128
+    stages: int = 4
+    group_m: int = 8
+
+    def __post_init__(self):
+        if self.block_n not in (64, 128) or not 2 <= self.stages <= 5:
+            raise ValueError(f"WsConfig: block_n must be 64 or 128 and stages 2-5, got {self.block_n}, {self.stages}")
+
+
+def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> WsConfig:
+    """The Gluon kernel's tiles: 128 output columns (one e4m3 scale group, fewer x reloads) unless
+    64 make at least one more wave of tiles for a bf16 output."""
+    if quant_out or -(-m // 128) * -(-i // 128) >= num_sms:
+        return WsConfig(128)
+    return WsConfig(64)
+
+
 # Measured picks by quant_out and M bucket (the TUNED_M entry at or above M), for all shapes: the
 # "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"quant", "M", "config"}], written by
 # ``tools/tune_swiglu.py --mode fp8``) is merged in at import.

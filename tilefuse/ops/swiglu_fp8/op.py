@@ -1,9 +1,10 @@
 """``tilefuse.swiglu_fp8``: validation, launch plan, custom op.
 
-The kernel lives in ``kernels.py``, the tile choice in ``configs.py``, the spec and the e4m3
-quantizers in ``reference.py``. e4m3 inputs on CUDA (sm_90+: TMA, FP8 WGMMA) run the kernel; on
-other devices the reference computes in fp32 (``TRITON_INTERPRET=1`` interprets the kernel on CPU
-tensors, as for the other families).
+The kernels live in ``kernels.py`` (``tl``) and ``kernels_gluon.py`` (Gluon, warp-specialized,
+sm_90; ``tilefuse.force(variant="ws")`` pins it, elsewhere the pin runs the ``tl`` kernel), the
+tile choice in ``configs.py``, the spec and the e4m3 quantizers in ``reference.py``. e4m3 inputs
+on CUDA (sm_90+: TMA, FP8 WGMMA) run a kernel; on other devices the reference computes in fp32
+(``TRITON_INTERPRET=1`` interprets the ``tl`` kernel on CPU tensors, as for the other families).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import functools
 import torch
 
 from tilefuse import _checks, _launch
-from tilefuse._backend import choose_backend, interpreting
+from tilefuse._backend import choose_backend, forced_variant, interpreting
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
 from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, swiglu_fp8_reference
@@ -23,7 +24,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
 @functools.cache
 def kernel_status(device: torch.device) -> dict[str, str]:
-    """Whether the FP8 kernel runs on ``device`` ("ok" or why not)."""
+    """Which FP8 kernels run on ``device`` ("ok" or why not): ``tl`` and the Gluon ``ws``."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         why = "ok" if major >= 9 else f"needs sm_90+ (TMA, FP8 tensor cores): refused on sm_{major}{minor}"
@@ -31,13 +32,32 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         why = "ok (Triton interpreter)"
     else:
         why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernel)"
-    return {"fp8": why}
+    return {"tl": why, "ws": "ok" if ws_usable(device) else
+            "needs an sm_90 GPU (FP8 WGMMA) and Gluon; a pin runs the tl kernel instead"}
 
 
+@functools.cache
 def _kernel():
     from tilefuse.ops.swiglu_fp8 import kernels
 
     return _launch.Kernel(kernels.swiglu_fp8_kernel)
+
+
+@functools.cache
+def _ws_kernel():
+    """The Gluon kernel's launcher, or None where Triton has no Gluon Hopper module."""
+    try:
+        from tilefuse.ops.swiglu_fp8.kernels_gluon import swiglu_fp8_ws_kernel
+    except ImportError:
+        return None
+    return _launch.Kernel(swiglu_fp8_ws_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def ws_usable(device: torch.device) -> bool:
+    """The Gluon kernel runs on ``device``: an sm_90 GPU and Gluon's Hopper module."""
+    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
+            and _ws_kernel() is not None)
 
 
 # ----------------------------------------------------------------------------- scales
@@ -71,7 +91,7 @@ class _Call:
     """What a call with one argument layout runs (validation included), worked out once."""
 
     __slots__ = ("reference", "m", "inter", "hidden", "out_shape", "scale_shape", "config", "x_grouped",
-                 "w_blocked", "quant")
+                 "w_blocked", "quant", "ws_config")
 
 
 _plans = PlanCache()
@@ -97,6 +117,8 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
             raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
                              f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
         call.config = configs.choose(call.m, call.hidden, call.inter, call.quant)
+        call.ws_config = (configs.ws_config(call.m, call.inter, call.quant)
+                          if forced_variant("swiglu_fp8") == "ws" and ws_usable(x.device) else None)
     return _plans.remember(key, call)
 
 
@@ -159,6 +181,39 @@ def run_kernel(x2d, xs, w, ws, out, out_scales, cfg: configs.Fp8Config, x_groupe
               PROMOTE=configs.PROMOTE, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
 
 
+def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped: bool, w_blocked: bool,
+              quant: bool) -> None:
+    """The Gluon kernel on a 2-D problem, arguments as :func:`run_kernel` (an e4m3 ``out`` when
+    ``quant``); a persistent grid of one program per SM (fewer when the tiles are fewer)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tilefuse._backend import num_sms
+
+    m, k = x2d.shape
+    inter = w.shape[0] // 2
+    element = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+               torch.float32: gl.float32}
+
+    def desc(t, rows, cols, stride, block):
+        return TensorDescriptor(t, [rows, cols], [stride, 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, element[t.dtype]))
+
+    x_desc = desc(x2d, m, k, x2d.stride(0), [128, 128])
+    w_desc = desc(w, 2 * inter, k, k, [64, 128])
+    out_desc = desc(out, m, inter, out.stride(0), [64, cfg.block_n])
+    tiles = -(-m // 128) * -(-inter // cfg.block_n)
+    grid = (min(num_sms(x2d.device), tiles), 1, 1)
+    os_ = out_scales if quant else xs
+    key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, grid, x_grouped,
+           w_blocked, quant, _launch.aligned(xs, ws, os_))
+    _ws_kernel().launch(
+        key, grid, x2d.device.index, (x_desc, w_desc, out_desc, xs, ws, os_),
+        (m, inter, k, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), os_.stride(0)),
+        dict(X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+             STAGES=cfg.stages, NUM_SMS=grid[0], num_warps=4))
+
+
 def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
     if call.reference:
         out = swiglu_fp8_reference(x, x_scales, w_gate_up, w_scales, out_dtype=out_dtype,
@@ -169,9 +224,14 @@ def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
     scales = torch.empty(call.scale_shape, dtype=torch.float32, device=x.device)
     if call.m:
         m, hidden, inter = call.m, call.hidden, call.inter
-        run_kernel(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter),
-                   out.view(m, inter), scales.view(m, -1) if call.quant else scales, call.config,
-                   call.x_grouped, call.w_blocked, call.quant)
+        if x.data_ptr() % 16:             # TMA needs 16-byte aligned bases (rows already are: K % 16 == 0)
+            x = x.clone()
+        if w_gate_up.data_ptr() % 16:
+            w_gate_up = w_gate_up.clone()
+        launch = run_kernel if call.ws_config is None else launch_ws
+        launch(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter), out.view(m, inter),
+               scales.view(m, -1) if call.quant else scales, call.ws_config or call.config, call.x_grouped,
+               call.w_blocked, call.quant)
     return (out.to(FP8) if carrier else out), scales
 
 

@@ -140,3 +140,39 @@ def test_launcher_requires_named_constexprs():
     names = swiglu_small_m_kernel.arg_names
     assert names[:6] == ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "lock_ptr"]
     assert names[-1] == "PROMOTE" and kernel.name == "swiglu_small_m_kernel"
+
+
+class _FakeCudaTensor:
+    """What ``_launch.descriptor`` reads of a GPU tensor (this machine may have none)."""
+
+    is_cuda = True
+
+    def __init__(self, address, dtype=torch.bfloat16):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self):
+        return self.address
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def test_tma_descriptors_are_cached_by_address_and_geometry(monkeypatch):
+    """A GPU buffer's descriptor is built once per (address, dtype, geometry, layout), holds no
+    reference to the tensor, starts at ``offset`` elements in; a CPU tensor's (interpreter) holds
+    the tensor itself."""
+    from tilefuse import _launch
+
+    monkeypatch.setattr(_launch, "_descriptors", {})
+    a = _FakeCudaTensor(1 << 20)
+    first = _launch.descriptor(a, [128, 64], [64, 1], [64, 64])
+    assert _launch.descriptor(_FakeCudaTensor(1 << 20), (128, 64), (64, 1), (64, 64)) is first   # same bytes
+    assert first.base.data_ptr() == 1 << 20 and not isinstance(first.base, _FakeCudaTensor)
+    assert _launch.descriptor(a, [128, 64], [64, 1], [32, 64]) is not first                      # other box
+    assert _launch.descriptor(a, [256, 64], [64, 1], [64, 64]) is not first                      # other shape
+    assert _launch.descriptor(_FakeCudaTensor(1 << 20, torch.float16), [128, 64], [64, 1], [64, 64]) is not first
+    shifted = _launch.descriptor(a, [128, 64], [64, 1], [64, 64], offset=512)
+    assert shifted is not first and shifted.base.data_ptr() == (1 << 20) + 512 * 2
+    assert len(_launch._descriptors) == 5
+    cpu = torch.zeros(128, 64, dtype=torch.bfloat16)
+    assert _launch.descriptor(cpu, [128, 64], [64, 1], [64, 64]).base is cpu and len(_launch._descriptors) == 5

@@ -15,6 +15,10 @@ pointers' alignment (:func:`aligned`, or ``data_ptr() % 16``).
 
 Under ``TRITON_INTERPRET=1`` (CPU tests), or while a Triton launch hook is installed (profilers),
 every call takes the normal path.
+
+:func:`descriptor` makes the host TMA descriptors the TMA kernels take, cached by address and
+geometry, so that the encoding the launcher needs (``cuTensorMapEncodeTiled``) is done once per
+buffer rather than once per call.
 """
 
 from __future__ import annotations
@@ -144,6 +148,53 @@ def _expanded(descriptor, meta: dict) -> list:
         cached = (meta, make_tensordesc_arg(descriptor, meta))
         descriptor.__dict__["_tilefuse_expanded"] = cached
     return cached[1]
+
+
+class Address:
+    """A TMA descriptor's base: the address and dtype the launcher reads, without a reference
+    that would keep a freed tensor alive in :func:`descriptor`'s table."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype):
+        self.address, self.dtype = address, dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+_descriptors: dict = {}
+
+
+def descriptor(t: torch.Tensor, shape, strides, block, layout=None, offset: int = 0):
+    """A host TMA descriptor over ``t``'s memory from element ``offset``: ``shape`` / ``strides``
+    (elements, last stride 1), ``block`` the box; ``layout`` (a Gluon ``NVMMASharedLayout``) makes
+    a Gluon descriptor, None a ``tl`` one. On a GPU the descriptor is cached by address, dtype and
+    geometry (a buffer freed and another allocated at the same address with the same geometry
+    maps to the same bytes, so a hit is always right) and its launcher encoding is made on first
+    use (:func:`_expanded`); a caching allocator hands the same addresses back call after call,
+    so activations hit too. In the interpreter the descriptor holds the tensor itself."""
+    shape, strides, block = tuple(shape), tuple(strides), tuple(block)
+    if not t.is_cuda:
+        return _new_descriptor(t.reshape(-1)[offset:] if offset else t, shape, strides, block, layout)
+    address = t.data_ptr() + offset * t.element_size()
+    key = (address, t.dtype, shape, strides, block, layout)
+    found = _descriptors.get(key)
+    if found is None:
+        if len(_descriptors) >= 4096:      # bounded for long-running servers
+            _descriptors.clear()
+        found = _descriptors[key] = _new_descriptor(Address(address, t.dtype), shape, strides, block, layout)
+    return found
+
+
+def _new_descriptor(base, shape, strides, block, layout):
+    if layout is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        return TensorDescriptor(base, list(shape), list(strides), list(block))
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(base, list(shape), list(strides), list(block), layout)
 
 
 _runtime_knobs = None

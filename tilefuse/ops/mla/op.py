@@ -282,43 +282,17 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
 
 
-class _Address:
-    """A TMA descriptor's base: the address and dtype the launcher reads, without a reference
-    that would keep a freed cache alive in :func:`_kv_descriptors`' table."""
-
-    __slots__ = ("address", "dtype")
-
-    def __init__(self, address: int, dtype: torch.dtype):
-        self.address, self.dtype = address, dtype
-
-    def data_ptr(self) -> int:
-        return self.address
-
-
-_descriptors: dict = {}
-
-
 def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
     """TMA descriptors of the cache as ``[num_blocks * 64, 576]`` rows: columns 0..511 in
-    ``[block_n, 512]`` boxes, columns 512..575 in ``[block_n, 64]`` boxes; one pair per cache
-    address and shape (the launcher encodes them at each launch)."""
-    key = (k_cache.data_ptr(), k_cache.shape[0], k_cache.dtype, block_n)
-    pair = _descriptors.get(key)
-    if pair is None:
-        from triton.experimental.gluon import language as gl
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    ``[block_n, 512]`` boxes, columns 512..575 in ``[block_n, 64]`` boxes (cached per cache
+    address and shape by ``_launch.descriptor``)."""
+    from triton.experimental.gluon import language as gl
 
-        element = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
-        rows, width = k_cache.shape[0] * PAGE_SIZE, HEAD_DIM
-        pair = tuple(
-            TensorDescriptor(_Address(k_cache.data_ptr() + offset * k_cache.element_size(), k_cache.dtype),
-                             [rows, cols], [width, 1], [block_n, cols],
-                             gl.NVMMASharedLayout.get_default_for([block_n, cols], element))
-            for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
-        if len(_descriptors) >= 256:
-            _descriptors.clear()
-        _descriptors[key] = pair
-    return pair
+    element = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
+    rows = k_cache.shape[0] * PAGE_SIZE
+    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [block_n, cols],
+                                    gl.NVMMASharedLayout.get_default_for([block_n, cols], element), offset=offset)
+                 for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
 
 
 def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal):

@@ -106,19 +106,17 @@ def launch_large_m(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pa
     16-byte aligned (TMA).
     ``num_sms`` (default: the device's) sizes the persistent grid; tests shrink it to mix the
     data-parallel and the stream-K parts on small shapes."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     m, h = x.shape
     inter = w.shape[0] // 2
     if packed and cfg.block_n % PACK:
         raise ValueError(f"config: packed layout needs block_n a multiple of {PACK}, got {cfg.block_n}")
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [cfg.block_m, cfg.block_k])
+    x_desc = _launch.descriptor(x, x.shape, x.stride(), [cfg.block_m, cfg.block_k])
     if packed:
-        w_desc = TensorDescriptor(w, [2 * inter, h], [w.stride(0), 1], [2 * cfg.block_n, cfg.block_k])
+        w_desc = _launch.descriptor(w, [2 * inter, h], [w.stride(0), 1], [2 * cfg.block_n, cfg.block_k])
     else:  # [2, I, H] view: one box holds the gate and the up rows of a tile
-        w_desc = TensorDescriptor(w, [2, inter, h], [inter * w.stride(0), w.stride(0), 1],
-                                  [2, cfg.block_n, cfg.block_k])
-    out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), [cfg.block_m, cfg.block_n])
+        w_desc = _launch.descriptor(w, [2, inter, h], [inter * w.stride(0), w.stride(0), 1],
+                                    [2, cfg.block_n, cfg.block_k])
+    out_desc = _launch.descriptor(out, out.shape, out.stride(), [cfg.block_m, cfg.block_n])
     num_sms = num_sms or device_num_sms(x.device)
     tiles = triton_cdiv(m, cfg.block_m) * triton_cdiv(inter, cfg.block_n)
     sk_tiles, sk_iters = configs.stream_k_split(m, h, inter, cfg, num_sms)
@@ -149,7 +147,6 @@ def launch_pingpong(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, p
     16-byte aligned with 16-byte row strides (TMA). One persistent program per SM (fewer when the
     tiles are fewer)."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, h = x.shape
     inter = w.shape[0] // 2
@@ -159,7 +156,8 @@ def launch_pingpong(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, p
     chunk = PACK if packed else cfg.block_n
 
     def desc(t, rows, cols, stride, block):
-        return TensorDescriptor(t, [rows, cols], [stride, 1], block, gl.NVMMASharedLayout.get_default_for(block, element))
+        return _launch.descriptor(t, [rows, cols], [stride, 1], block,
+                                  gl.NVMMASharedLayout.get_default_for(block, element))
 
     x_desc = desc(x, m, h, x.stride(0), [cfg.block_m, cfg.block_k])
     w_desc = desc(w, 2 * inter, h, w.stride(0), [chunk, cfg.block_k])

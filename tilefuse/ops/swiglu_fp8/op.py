@@ -162,13 +162,11 @@ def run_kernel(x2d, xs, w, ws, out, out_scales, cfg: configs.Fp8Config, x_groupe
     ``ws`` [2I/128, K/128] or [2I, 1]; ``out [M, I]`` (e4m3 when ``quant``, or an fp32 buffer that
     receives the unrounded quotients: the interpreter's e4m3 conversion is wrong), ``out_scales
     [M, I/128]`` fp32 when ``quant``. All 16-byte aligned, unit last stride."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     m, k = x2d.shape
     inter = w.shape[0] // 2
-    x_desc = TensorDescriptor(x2d, [m, k], [x2d.stride(0), 1], [cfg.block_m, cfg.block_k])
-    w_desc = TensorDescriptor(w, [2, inter, k], [inter * k, k, 1], [2, cfg.block_n, cfg.block_k])
-    out_desc = TensorDescriptor(out, [m, inter], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+    x_desc = _launch.descriptor(x2d, [m, k], [x2d.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = _launch.descriptor(w, [2, inter, k], [inter * k, k, 1], [2, cfg.block_n, cfg.block_k])
+    out_desc = _launch.descriptor(out, [m, inter], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
     tiles = -(-m // cfg.block_m) * -(-inter // cfg.block_n)
     os_ = out_scales if quant else xs
     key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, x_grouped, w_blocked,
@@ -186,7 +184,6 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
     """The Gluon kernel on a 2-D problem, arguments as :func:`run_kernel` (an e4m3 ``out`` when
     ``quant``); a persistent grid of one program per SM (fewer when the tiles are fewer)."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from tilefuse._backend import num_sms
 
@@ -196,8 +193,8 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
                torch.float32: gl.float32}
 
     def desc(t, rows, cols, stride, block):
-        return TensorDescriptor(t, [rows, cols], [stride, 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, element[t.dtype]))
+        return _launch.descriptor(t, [rows, cols], [stride, 1], block,
+                                  gl.NVMMASharedLayout.get_default_for(block, element[t.dtype]))
 
     x_desc = desc(x2d, m, k, x2d.stride(0), [128, 128])
     w_desc = desc(w, 2 * inter, k, k, [64, 128])

@@ -432,3 +432,22 @@ def test_promoted_accumulation_meets_accuracy_target(model):
     x, w, _ = make_case(16, h, i, torch.bfloat16, "cuda")
     out = run_kernel(x, w, None, config=configs.SmallMConfig(16, 64, 256, 1, 3, promote=True))
     _check_gpu(out, x, w, None, frac_bound=1e-4)
+
+
+def test_gluon_and_tl_tile_orders_agree():
+    """The Gluon kernels' grouped tile order (``gluon_common``) is ``tl_common``'s, and each is a
+    permutation of the tiles (checked by running both functions' Python bodies on integers)."""
+    import types
+
+    pytest.importorskip("triton.experimental.gluon")
+    from tilefuse.ops import gluon_common, tl_common
+
+    def plain(jitted, module_name):
+        fn = jitted.fn
+        return types.FunctionType(fn.__code__, {**fn.__globals__, module_name: types.SimpleNamespace(minimum=min)})
+
+    tl_order, gluon_order = plain(tl_common.grouped_tile, "tl"), plain(gluon_common.grouped_tile, "gl")
+    for num_m, num_n, group in [(1, 7, 8), (5, 3, 2), (9, 4, 8), (17, 11, 4)]:
+        tiles = [tl_order(t, num_m, num_n, group) for t in range(num_m * num_n)]
+        assert tiles == [gluon_order(t, num_m, num_n, group) for t in range(num_m * num_n)]
+        assert sorted(tiles) == [(m, n) for m in range(num_m) for n in range(num_n)]

@@ -90,9 +90,9 @@ def test_mla_split_ws_compiles(seesaw, ring):
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
-    # the seesaw consumers spill ~300 bytes (WGMMA descriptors of Q, reloaded around the S issue):
+    # the seesaw consumers spill ~150 bytes (WGMMA descriptors, reloaded around the S issue):
     # bounded here so that growth shows; the role-split form must not spill at all
-    _check(result, max_spilled=768 if seesaw else 0)
+    _check(result, max_spilled=512 if seesaw else 0)
 
 
 @pytest.mark.parametrize("block_n,quant,scaled_k", [(128, True, True), (128, False, False), (64, False, True)],

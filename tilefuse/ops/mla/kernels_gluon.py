@@ -44,6 +44,10 @@ O_LAYOUT = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=
                                                   instr_shape=[16, HEAD_DIM_V // 2, 16]))
 ROWS_O = gl.constexpr(gl.SliceLayout(1, O_LAYOUT))
 P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k_width=2))
+# The seesaw issues Q_nope K_nope^T as 8 WGMMAs of K = 64: the compiler then materializes their
+# SMEM descriptors at the issue instead of holding all 32 of one K = 512 WGMMA in registers across
+# the loop (spills measured at sm_90a: 280 -> 152 bytes per thread).
+S_CHUNKS = gl.constexpr(8)
 FIRST = gl.constexpr(0)                        # the seesaw consumers' indices (constexpr arguments)
 SECOND = gl.constexpr(1)
 
@@ -104,11 +108,12 @@ def _zero_rows_past(tile, start, length, BLOCK_N: gl.constexpr, WIDTH: gl.conste
 
 @gluon.jit
 def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages,
-                   BLOCK_N: gl.constexpr):
+                   BLOCK_N: gl.constexpr, CHUNKS: gl.constexpr = 1):
     """SMEM -> tensor cores: S_j = Q K_j^T ([64, 576] x [576, BLOCK_N], both operands in SMEM)
     issued asynchronously, once tile j has landed in slot ``j % stages`` (its rows past the
-    request's end zeroed first). Returned through a wait that lets both WGMMAs run on (callers'
-    branches then agree on its type); read it only after a real wait."""
+    request's end zeroed first); Q_nope K_nope^T as CHUNKS WGMMAs over slices of K. Returned
+    through a wait that lets them all run on (callers' branches then agree on its type); read it
+    only after a real wait."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     stage = j % stages
     start = tok_begin + j * BLOCK_N
@@ -123,9 +128,17 @@ def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, lengt
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
-    s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+    if CHUNKS == 1:
+        s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
+    else:
+        s = warpgroup_mma(q_nope.slice(0, D_NOPE // CHUNKS, dim=1),
+                          kn.slice(0, D_NOPE // CHUNKS, dim=1).permute((1, 0)), s, use_acc=False, is_async=True)
+        for c in gl.static_range(1, CHUNKS):
+            s = warpgroup_mma(q_nope.slice(c * (D_NOPE // CHUNKS), D_NOPE // CHUNKS, dim=1),
+                              kn.slice(c * (D_NOPE // CHUNKS), D_NOPE // CHUNKS, dim=1).permute((1, 0)), s,
+                              is_async=True)
     s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
-    return warpgroup_mma_wait(2, deps=(s,))
+    return warpgroup_mma_wait(CHUNKS + 1, deps=(s,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,8 +291,8 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
 # single P buffer is written by the warpgroups in turn, each after it has loaded the previous P
 # (the other's) into registers, so no "P empty" barrier is needed; m_buf likewise. Row sums are
 # kept per warpgroup (each rescaled by every tile's alpha, in tile order) and added at the end.
-# Registers: 240 per consumer thread; ptxas still spills ~300 bytes (WGMMA descriptors of Q,
-# reloaded from L1 around the S issue).
+# Registers: 240 per consumer thread; ptxas still spills ~150 bytes (WGMMA descriptors, reloaded
+# from L1 around the S issue).
 # mbarriers: k_ready[s], k_empty[s] (count 2: both warpgroups read every tile's V), m_ready
 # (m_j published), p_ready (P_j, alpha_j published), done (count 2: both row-sum parts written).
 
@@ -320,7 +333,7 @@ def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, 
     for j in range(W, n_tiles, 2):
         stage = j % stages
         # ---- S_j issued; the other warpgroup's tile j - 1 on this half issued behind it.
-        s = _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages, BLOCK_N)
+        s = _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, length, stages, BLOCK_N, S_CHUNKS)
         if j > 0:
             acc, l_i = _seesaw_other_tile(acc, l_i, kn_ring, p_buf, alpha_buf, k_ready, p_ready, j - 1, stages, W)
             acc, s = warpgroup_mma_wait(0, deps=(acc, s))

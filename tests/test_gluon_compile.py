@@ -102,7 +102,7 @@ def test_swiglu_fp8_ws_compiles(block_n, quant, scaled_k):
     fp8 = torch.float8_e4m3fn
     out = fp8 if quant else torch.bfloat16
     signature = {"x_desc": tensordesc(fp8, [128, 128]), "w_desc": tensordesc(fp8, [64, 128]),
-                 "out_desc": tensordesc(out, [64, block_n]), "xs_ptr": "*fp32", "ws_ptr": "*fp32", "os_ptr": "*fp32",
+                 "out_desc": tensordesc(out, [64, 64]), "xs_ptr": "*fp32", "ws_ptr": "*fp32", "os_ptr": "*fp32",
                  "M": "i32", "I": "i32", "K": "i32", "stride_xs_m": "i32", "stride_xs_k": "i32",
                  "stride_ws_n": "i32", "stride_ws_k": "i32", "stride_os_m": "i32"}
     constexprs = dict(X_GROUPED=scaled_k, W_BLOCKED=scaled_k, QUANT_OUT=quant, BLOCK_N=block_n,

@@ -20,8 +20,9 @@ and up sums of 64 columns (2 x 64 x 64 fp32 / 128 threads = 64) and one product 
 
 A tile is [128, BLOCK_N] outputs (BLOCK_N = 64 or 128, one or two passes; e4m3 output needs 128,
 one scale group: the first pass's SiLU * up result waits in SMEM, fp32, for the group's amax).
-The output leaves registers through SMEM and a TMA store of each consumer's [64, BLOCK_N] rows
-(clipped at M and I); e4m3 output also writes each row's group scale.
+The output leaves registers through SMEM, one [64, 64] TMA store per consumer and pass (clipped
+at M and I; a bf16 pass's store runs under the next pass's mainloop); e4m3 output also writes
+each row's group scale.
 """
 
 from triton.experimental import gluon
@@ -142,12 +143,12 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, h_smem, out_desc, xs_ptr, 
                 mbarrier.arrive(empty.index(s))
                 it += 1
 
-            # Epilogue of the pass (registers -> SMEM): this consumer's 64 rows x 64 columns.
+            # Epilogue of the pass: registers -> SMEM -> HBM, this consumer's 64 rows x 64 columns
+            # (one [64, 64] buffer and TMA store per pass, clipped at M and I).
             cols = pid_n * BLOCK_N + p * SUB_N + gl.arange(0, SUB_N, layout=COLS)
             h = _finish_half(acc_g, acc_u, rows, cols, M, I, xs_ptr, ws_ptr, stride_xs_m, stride_ws_n, X_GROUPED,
                              W_BLOCKED)
-            if p == 0:
-                tma.store_wait(0)           # the previous tile's store has left out_smem
+            row0 = pid_m * BLOCK_M + W * HALF_M
             if QUANT_OUT:
                 # One e4m3 scale per row and 128-column group: amax / 448 (1 for an all-zero
                 # group); values clamped to +-448 (no NaN from a rounding overshoot).
@@ -156,16 +157,23 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, h_smem, out_desc, xs_ptr, 
                     h_smem.store(h)         # waits, fp32, for the second pass's amax
                 else:
                     scale = gl.where(amax > 0, amax / FP8_MAX, 1.0)
+                    tma.store_wait(0)       # the previous tile's stores have left the buffers
                     for q in gl.static_range(2):
                         hq = h_smem.load(ACC) if q == 0 else h
                         hq = gl.minimum(gl.maximum(hq / scale[:, None], -FP8_MAX), FP8_MAX)
-                        out_smem.slice(q * SUB_N, SUB_N, dim=1).store(hq.to(out_desc.dtype))
+                        out_smem.index(W * 2 + q).store(hq.to(out_desc.dtype))
+                    fence_async_shared()
+                    for q in gl.static_range(2):
+                        tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N + q * SUB_N],
+                                                        out_smem.index(W * 2 + q))
                     gl.store(os_ptr + rows * stride_os_m + pid_n, scale, mask=rows < M)
             else:
-                out_smem.slice(p * SUB_N, SUB_N, dim=1).store(h.to(out_desc.dtype))
-        # SMEM -> HBM: one TMA store of the consumer's [64, BLOCK_N] rows (clipped at M and I).
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M + W * HALF_M, pid_n * BLOCK_N], out_smem)
+                # this pass's buffer is free once at most the other passes' stores are pending
+                tma.store_wait(BLOCK_N // SUB_N - 1)
+                buf = out_smem.index(W * (BLOCK_N // SUB_N) + p)
+                buf.store(h.to(out_desc.dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N + p * SUB_N], buf)
     tma.store_wait(0)
 
 
@@ -182,15 +190,16 @@ def swiglu_fp8_ws_kernel(
 
     x_desc: x ``[M, K]`` e4m3 in ``[128, 128]`` boxes; w_desc: the merged weight ``[2I, K]`` e4m3 in
     ``[64, 128]`` boxes (gate rows at ``n``, up rows at ``I + n``); out_desc: out ``[M, I]`` in
-    ``[64, BLOCK_N]`` boxes (bf16 / fp16 / fp32, or e4m3 with QUANT_OUT, BLOCK_N = 128). Scales
+    ``[64, 64]`` boxes (bf16 / fp16 / fp32, or e4m3 with QUANT_OUT, BLOCK_N = 128). Scales
     as ``kernels.swiglu_fp8_kernel`` takes them. ``num_warps = 4``: the default partition is
     consumer 0. Grid: ``(min(NUM_SMS, tiles),)``.
-    Shared memory: STAGES x 32 KB of ring, two [64, BLOCK_N] output buffers and (QUANT_OUT) two
-    [64, 64] fp32 buffers for the first pass's result.
+    Shared memory: STAGES x 32 KB of ring, [64, 64] output buffers (one per consumer and pass)
+    and (QUANT_OUT) two [64, 64] fp32 buffers for the first pass's result.
     """
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 2 * SUB_N, BLOCK_K], w_desc.layout)
-    out_smem = gl.allocate_shared_memory(out_desc.dtype, [2, HALF_M, BLOCK_N], out_desc.layout)
+    # [64, 64] output buffers: consumer W's for pass p at index W * passes + p
+    out_smem = gl.allocate_shared_memory(out_desc.dtype, [2 * (BLOCK_N // SUB_N), HALF_M, SUB_N], out_desc.layout)
     H_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     h_smem = gl.allocate_shared_memory(gl.float32, [2, HALF_M, SUB_N] if QUANT_OUT else [2, 1, 1], H_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,10 +211,10 @@ def swiglu_fp8_ws_kernel(
 
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(0), h_smem.index(0), out_desc, xs_ptr, ws_ptr,
+        (_consumer, (x_ring, w_ring, ready, empty, out_smem, h_smem.index(0), out_desc, xs_ptr, ws_ptr,
                      os_ptr, M, I, K, stride_xs_m, stride_xs_k, stride_ws_n, stride_ws_k, stride_os_m, FIRST,
                      X_GROUPED, W_BLOCKED, QUANT_OUT, BLOCK_N, GROUP_M, STAGES, NUM_SMS)),
-        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(1), h_smem.index(1), out_desc, xs_ptr, ws_ptr,
+        (_consumer, (x_ring, w_ring, ready, empty, out_smem, h_smem.index(1), out_desc, xs_ptr, ws_ptr,
                      os_ptr, M, I, K, stride_xs_m, stride_xs_k, stride_ws_n, stride_ws_k, stride_os_m, SECOND,
                      X_GROUPED, W_BLOCKED, QUANT_OUT, BLOCK_N, GROUP_M, STAGES, NUM_SMS)),
         (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, K, BLOCK_N, GROUP_M, STAGES, NUM_SMS)),

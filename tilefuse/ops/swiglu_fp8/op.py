@@ -198,7 +198,7 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
 
     x_desc = desc(x2d, m, k, x2d.stride(0), [128, 128])
     w_desc = desc(w, 2 * inter, k, k, [64, 128])
-    out_desc = desc(out, m, inter, out.stride(0), [64, cfg.block_n])
+    out_desc = desc(out, m, inter, out.stride(0), [64, 64])
     tiles = -(-m // 128) * -(-inter // cfg.block_n)
     grid = (min(num_sms(x2d.device), tiles), 1, 1)
     os_ = out_scales if quant else xs

@@ -4,7 +4,8 @@ specialization and asynchronous WGMMA they are written for present in the PTX.
 
 The GPU tests check their results; these catch a kernel that stops compiling, or starts spilling
 or outgrows shared memory after a change, on a machine without a GPU. Each compiles in a child
-process without the interpreter (``compile_gluon_isolated``).
+process without the interpreter (``compile_gluon_isolated``), with the arguments specialized as
+the launch specializes them (pointers and 16-divisible integers aligned).
 """
 
 import pytest
@@ -112,3 +113,79 @@ def test_swiglu_fp8_ws_compiles(block_n, quant, scaled_k):
                                     constexprs, num_warps=4, aligned=["xs_ptr", "ws_ptr", "os_ptr", "I", "K"])
     _check(result)
     assert "e4m3" in result.ptx          # FP8 WGMMA (e4m3 x e4m3)
+
+
+VQ_POINTERS = ("x_ptr", "codes_ptr", "cb_ptr", "scales_ptr", "bias_ptr", "out_ptr", "ws_ptr", "cnt_ptr")
+
+
+def _vq_signature(dtype, code_type, ints: dict):
+    """The signature and the arguments the JIT marks 16-divisible (the pointers, and the integers
+    whose launch values are), as a launch with ``ints``' values specializes them."""
+    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    types = (element, code_type, element, element, element, element, "*fp32", "*i32")
+    aligned = list(VQ_POINTERS) + [name for name, value in ints.items() if value % 16 == 0]
+    return {**dict(zip(VQ_POINTERS, types)), **{name: "i32" for name in ints}}, aligned
+
+
+def _check_plain(result, max_spilled=0):
+    """A kernel without warp specialization: no spills (or at most ``max_spilled`` bytes), shared
+    memory within the block limit."""
+    assert result.spilled <= max_spilled, result.ptxas
+    assert result.shared <= SMEM_LIMIT, result.shared
+    assert 0 < result.registers <= 255, result.ptxas
+
+
+@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (2, torch.bfloat16)], ids=["1tok-fp16", "2tok-bf16"])
+def test_vq_resident_decode_compiles(m, dtype):
+    """The table decode at the 28672 x 8192 layer, its inline-PTX lookups included (they address
+    Triton's ``global_smem`` symbol, which must be in the PTX)."""
+    from tilefuse.ops.vq import configs as vq_configs
+
+    n, k = 28672, 8192
+    cfg = vq_configs.resident_config(m, n, k, 132)
+    signature, aligned = _vq_signature(dtype, "*i32", dict(   # the values op._resident_call passes
+        M=m, N=n, NUM_GROUPS=k // 8, ROWS_PER_PROG=cfg["rows_per_prog"], SPLIT_K=cfg["k_slices"], stride_xm=k,
+        stride_cw=k // 16, stride_om=n))
+    constexprs = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=cfg["k_slices"] > 1, HAS_BIAS=True,
+                      NUM_WARPS=cfg["num_warps"])
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_resident:vq_decode_resident_kernel", signature,
+                                    constexprs, num_warps=cfg["num_warps"], aligned=aligned)
+    _check_plain(result)
+    assert "global_smem" in result.ptx
+
+
+@pytest.mark.parametrize("m", [3, 16])
+def test_vq_mma_decode_compiles(m):
+    from tilefuse.ops.vq import configs as vq_configs
+
+    n, k = 4096, 4096
+    cfg = vq_configs.mma_config(m, n, k, "gluon", 132)
+    signature, aligned = _vq_signature(torch.float16, "*i16", dict(   # the values op._mma_call passes
+        M=m, N=n, NUM_GROUPS=k // 8, GROUPS_PER_SPLIT=cfg["groups_per_split"], SPLIT_K=cfg["split_k"], stride_xm=k,
+        stride_cn=k // 8, stride_om=n))
+    constexprs = dict(BLOCK_N=cfg["block_n"], TOKENS=cfg["tokens"], KREP=cfg["krep"], NUM_WARPS=cfg["num_warps"],
+                      SPLIT=cfg["split_k"] > 1, HAS_BIAS=True, EVEN=cfg["even"])
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_mma:vq_decode_mma_kernel", signature, constexprs,
+                                    num_warps=cfg["num_warps"], aligned=aligned)
+    _check_plain(result)
+    assert "mma.sync" in result.ptx
+
+
+def test_vq_gather_decode_compiles():
+    """The gather decode (5-8 tokens when ``decode`` is forced, or K / 8 odd) at 11008 x 4096."""
+    from tilefuse.ops.vq import configs as vq_configs
+
+    m, n, k = 8, 11008, 4096
+    cfg = vq_configs.gather_config(m, n, k, True, 132)
+    signature, aligned = _vq_signature(torch.float16, "*i16", dict(   # the values op.launch_decode passes
+        M=m, N=n, NUM_GROUPS=k // 8, GROUPS_PER_SPLIT=cfg["groups_per_split"],
+        SPLIT_K=-(-(k // 8) // cfg["groups_per_split"]), stride_xm=k, stride_cn=k // 8, stride_om=n))
+    constexprs = dict(BLOCK_N=cfg["block_n"], COLS=cfg["cols"], M_PAD=cfg["m_pad"],
+                      SPLIT=k // 8 > cfg["groups_per_split"], HAS_BIAS=False, NUM_WARPS=cfg["num_warps"],
+                      CONVERT_TABLE=cfg["convert_table"])
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_gluon:vq_decode_gluon_kernel", signature, constexprs,
+                                    num_warps=cfg["num_warps"], aligned=aligned)
+    _check_plain(result, max_spilled=128)   # 8 tokens: 255 registers and 80 bytes of spill traffic, as it stands

@@ -135,6 +135,37 @@ def test_kernel_leading_dims_and_zero_groups(interpret):
     check_quantized(q, scales, reference_fp8_fp64(case))
 
 
+def test_ws_dispatch_from_the_table(monkeypatch):
+    """A WsConfig in the table makes the Gluon kernel the default where it can run (plan only: the
+    stand-in says it can); a "tl" pin, or a device where it cannot run, takes the heuristic's tl
+    tiles; an e4m3 output always gets 128-column tiles."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    monkeypatch.setattr(configs, "TUNED", {False: {1024: configs.WsConfig(64, 3)}, True: {1024: configs.WsConfig(64)}})
+    configs.choose.cache_clear()
+    case = make_fp8_case(300, 256, 256, "cpu")
+    try:
+        with tilefuse.force(backend="reference"):
+            assert op._plan_call(*case.args(), torch.bfloat16).reference
+        monkeypatch.setattr(op, "ws_usable", lambda device: True)
+        monkeypatch.setattr(op, "choose_backend", lambda device: "triton")
+        plans = {}
+        for variant in (None, "tl", "ws"):
+            op._plans.clear()
+            with tilefuse.force(variant=variant):
+                plans[variant] = (op._plan_call(*case.args(), torch.bfloat16), op._plan_call(*case.args(), FP8))
+        assert plans[None][0].ws_config == configs.WsConfig(64, 3) == plans["ws"][0].ws_config
+        assert plans[None][1].ws_config == configs.WsConfig(128) and plans["tl"][0].ws_config is None
+        assert isinstance(plans["tl"][0].config, configs.Fp8Config)
+        monkeypatch.setattr(op, "ws_usable", lambda device: False)
+        op._plans.clear()
+        assert op._plan_call(*case.args(), torch.bfloat16).ws_config is None
+    finally:
+        op._plans.clear()
+        monkeypatch.undo()
+        configs.choose.cache_clear()
+
+
 def test_config_register_budget():
     """Block-scaled tiles keep two fp32 tiles of <= 64 registers per thread (8 warps); quantized
     outputs have one group per tile row."""

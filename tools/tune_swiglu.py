@@ -2,7 +2,7 @@
 
     python3 tools/tune_swiglu.py OUT_DIR [--mode full|tail|tiles] [--configs FILE]
     python3 tools/tune_swiglu.py OUT_DIR --mode promote       # time and accuracy of per-K-step promotion
-    python3 tools/tune_swiglu.py OUT_DIR --mode fp8           # swiglu_fp8 tiles per (scaling, output, M)
+    python3 tools/tune_swiglu.py OUT_DIR --mode fp8           # swiglu_fp8 tiles (tl and Gluon) per (output, M)
     TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench swiglu  # then measure the picks
 
 Every candidate is timed as CUDA-graph replays (cold L2, median) of ``run_kernel`` with that
@@ -146,13 +146,16 @@ FP8_SHAPES = ("L3-8B", "72B")
 
 
 def fp8_candidates(quant: bool) -> list:
-    """swiglu_fp8 tiles (block scales) that fit the register budget (ptxas, sm_90a: no spills)."""
+    """swiglu_fp8 tiles (block scales) that fit the register budget (ptxas, sm_90a: no spills): the
+    tl kernel's (Fp8Config) and the Gluon kernel's (WsConfig)."""
     from tilefuse.ops.swiglu_fp8.configs import Fp8Config as F
+    from tilefuse.ops.swiglu_fp8.configs import WsConfig as W
 
     if quant:   # BLOCK_N = 128: one output group per tile row
-        return [F(64, 128, 128, 8, 4, 8), F(64, 128, 128, 8, 3, 8), F(64, 128, 128, 4, 4, 8)]
+        return [F(64, 128, 128, 8, 4, 8), F(64, 128, 128, 8, 3, 8), F(64, 128, 128, 4, 4, 8),
+                W(128, 4), W(128, 3), W(128, 5), W(128, 4, 4)]
     return [F(64, 128, 128, 8, 4, 8), F(128, 64, 128, 8, 4, 8), F(128, 64, 128, 8, 3, 8), F(64, 64, 128, 8, 4, 4),
-            F(64, 64, 128, 8, 3, 4), F(64, 64, 128, 8, 2, 4)]
+            F(64, 64, 128, 8, 3, 4), F(64, 64, 128, 8, 2, 4), W(128, 4), W(64, 4), W(64, 5), W(128, 3)]
 
 
 def fp8_sweep() -> tuple[list[dict], list[dict]]:
@@ -163,7 +166,7 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
 
     from tilefuse.bench.harness import Timer
     from tilefuse.ops.swiglu_fp8 import configs
-    from tilefuse.ops.swiglu_fp8.op import _as_2d, run_kernel
+    from tilefuse.ops.swiglu_fp8.op import _as_2d, launch_ws, run_kernel, ws_usable
     from tilefuse.testing.swiglu import LLAMA3_SHAPES, SHAPES, make_fp8_case
 
     timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
@@ -180,9 +183,13 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
                 oscale = torch.empty((m, i // 128), dtype=torch.float32, device="cuda")
                 current = configs.heuristic(m, h, i, quant)
                 for c in [current] + [c for c in fp8_candidates(quant) if c != current]:
+                    ws_kernel = isinstance(c, configs.WsConfig)
+                    if ws_kernel and not ws_usable(x.device):
+                        continue
+                    launch = launch_ws if ws_kernel else run_kernel
                     try:
-                        us = timer.graph_us(lambda c=c: run_kernel(x, _as_2d(xs, m), w, ws, out, oscale, c, True, True,
-                                                                   quant))
+                        us = timer.graph_us(lambda c=c, launch=launch: launch(x, _as_2d(xs, m), w, ws, out, oscale, c,
+                                                                              True, True, quant))
                     except Exception as exc:
                         print(f"    ! {c}: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr, flush=True)
                         us = float("inf")
@@ -196,7 +203,8 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
             if totals[best] > KEEP_MARGIN * totals.get(current, float("inf")):
                 best = current
             print(f"fp8 quant={quant} M={m}: pick {best}", flush=True)
-            picks.append({"quant": quant, "M": m, "config": dataclasses.asdict(best)})
+            picks.append({"quant": quant, "M": m, "config": dataclasses.asdict(best),
+                          **({"variant": "ws"} if isinstance(best, configs.WsConfig) else {})})
     return results, picks
 
 

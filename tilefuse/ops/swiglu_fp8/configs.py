@@ -56,12 +56,14 @@ def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> W
 
 
 # Measured picks by quant_out and M bucket (the TUNED_M entry at or above M), for all shapes: the
-# "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"quant", "M", "config"}], written by
-# ``tools/tune_swiglu.py --mode fp8``) is merged in at import.
+# "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"quant", "M", "config"}, with "variant": "ws"
+# for a WsConfig], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import. A
+# WsConfig entry makes the Gluon kernel the default there (where it can run; else the heuristic's
+# tl tiles).
 # Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-11-30 (bench/results/swiglu-fp8-sweep-h200.json),
 # total graph time over Llama-3-8B and Qwen2.5-72B; block scales (the only kind swept).
 F = Fp8Config
-TUNED: dict[bool, dict[int, Fp8Config]] = {
+TUNED: dict[bool, dict[int, Fp8Config | WsConfig]] = {
     False: {  # bf16 output
         128: F(64, 64, 128, 8, 4, 4),       # 51.7 / 179.4 us vs 56.2 / 191.6 (heuristic 128 x 64, 64 x 128)
         1024: F(64, 64, 128, 8, 4, 4),      # 294.1 / 1190.8 vs 312.4 / 1234.5
@@ -75,15 +77,16 @@ TUNED: dict[bool, dict[int, Fp8Config]] = {
 
 def apply_overrides(entries: list[dict]) -> None:
     for entry in entries:
-        TUNED.setdefault(bool(entry["quant"]), {})[entry["M"]] = Fp8Config(**entry["config"])
+        cls = WsConfig if entry.get("variant") == "ws" else Fp8Config
+        TUNED.setdefault(bool(entry["quant"]), {})[entry["M"]] = cls(**entry["config"])
     choose.cache_clear()
 
 
 @functools.lru_cache(maxsize=4096)
-def choose(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config:
+def choose(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> Fp8Config | WsConfig:
     """The config for ``x [m, k] x w [2i, k]``; ``quant_out``: e4m3 output with 1 x 128 group scales
     (BLOCK_N = 128). Every scale layout runs the same tiles (two fp32 tiles, BLOCK_K = 128: the
-    scale block and the promotion step)."""
+    scale block and the promotion step). A :class:`WsConfig` means the Gluon kernel."""
     bucket = next((t for t in TUNED_M if m <= t), TUNED_M[-1])
     tuned = TUNED.get(quant_out, {}).get(bucket)
     if tuned is not None:

@@ -9,6 +9,7 @@ on CUDA (sm_90+: TMA, FP8 WGMMA) run a kernel; on other devices the reference co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -116,9 +117,18 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
         if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9:
             raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
                              f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
-        call.config = configs.choose(call.m, call.hidden, call.inter, call.quant)
-        call.ws_config = (configs.ws_config(call.m, call.inter, call.quant)
-                          if forced_variant("swiglu_fp8") == "ws" and ws_usable(x.device) else None)
+        chosen = configs.choose(call.m, call.hidden, call.inter, call.quant)
+        forced, usable = forced_variant("swiglu_fp8"), ws_usable(x.device)
+        call.ws_config = None
+        if usable and forced == "ws":
+            call.ws_config = chosen if isinstance(chosen, configs.WsConfig) else configs.ws_config(
+                call.m, call.inter, call.quant)
+        elif usable and forced is None and isinstance(chosen, configs.WsConfig):
+            call.ws_config = chosen
+        call.config = (chosen if isinstance(chosen, configs.Fp8Config) else
+                       configs.heuristic(call.m, call.hidden, call.inter, call.quant))
+        if call.ws_config is not None and call.quant and call.ws_config.block_n != 128:
+            call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
     return _plans.remember(key, call)
 
 

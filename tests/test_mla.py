@@ -117,6 +117,26 @@ def test_mla_dispatch_pads_rows_only_where_the_chip_stays_memory_bound(name, sma
     assert configs.default_variant(64, 64, False, chip) == "standard"   # no Gluon: the tl kernels
 
 
+def test_mla_gluon_schedule_switch(monkeypatch, tmp_path):
+    """``gluon_schedule`` in a configs file makes the seesaw the Gluon default; a bad value is
+    refused at import, naming the setting."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(configs, "GLUON_SCHEDULE", "seesaw")
+    assert configs.default_variant(128, 64, True) == "seesaw"
+    assert configs.default_variant(128, 64, False) == "standard"
+    path = tmp_path / "configs.json"
+    code = "import tilefuse.ops.mla.configs as c; print(c.GLUON_SCHEDULE)"
+    env = {**os.environ, "TILEFUSE_CONFIGS": str(path)}
+    for value, expect in (("seesaw", "seesaw"), ("bogus", "mla.gluon_schedule must be one of")):
+        path.write_text(json.dumps({"mla": {"gluon_schedule": value}}))
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert expect in done.stdout + done.stderr
+
+
 def test_mla_metadata_reused_across_layers(interpret):
     """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
     inp = make_case([300, 5, 0, 170], 2, 16, torch.float16, interpret)

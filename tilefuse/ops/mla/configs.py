@@ -51,9 +51,16 @@ LONG_CONTEXT_PAGES = 256
 # 1.3-1.9x the tl kernel), so on Hopper it takes every shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
+# The Gluon kernel's schedule where it is the default: the role split ("wgmma", measured) or the
+# seesaw ("seesaw", not yet measured); a configs file's "gluon_schedule" switches it, so that a
+# bench run can time the seesaw as the default.
+GLUON_SCHEDULE = "wgmma"
 
 _overrides = dict(_env.settings.configs.get("mla", {}))
 SMALL_ROWS_VARIANT.update(_overrides.pop("small_rows_variant", {}))
+GLUON_SCHEDULE = _overrides.pop("gluon_schedule", GLUON_SCHEDULE)
+if GLUON_SCHEDULE not in GLUON_VARIANTS:
+    raise ValueError(f"TILEFUSE_CONFIGS: mla.gluon_schedule must be one of {GLUON_VARIANTS}, got {GLUON_SCHEDULE!r}")
 CONFIGS.update(_overrides)
 
 
@@ -79,14 +86,14 @@ def ridge(device_name: str) -> float:
 
 
 def default_variant(rows: int, max_blocks: int, wgmma: bool = False, chip_ridge: float | None = None) -> str:
-    """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): ``wgmma`` from
-    WGMMA_FROM_ROWS query rows, and below 64 rows only where padding to 64 rows keeps it
+    """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): the Gluon kernel
+    (``GLUON_SCHEDULE``) from WGMMA_FROM_ROWS query rows, and below 64 rows only where padding to 64 rows keeps it
     memory-bound (``chip_ridge`` >= PADDED_FLOP_PER_BYTE). Otherwise the tl kernels: standard (64-row
     head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16 rows where
     SMALL_ROWS_VARIANT picks per regime (on a low-ridge chip: transposed)."""
     low_ridge = chip_ridge is not None and chip_ridge < PADDED_FLOP_PER_BYTE
     if wgmma and rows >= WGMMA_FROM_ROWS and (rows >= 64 or not low_ridge):
-        return "wgmma"
+        return GLUON_SCHEDULE
     if rows >= 64:
         return "standard"
     if low_ridge:

@@ -174,5 +174,10 @@ def test_tma_descriptors_are_cached_by_address_and_geometry(monkeypatch):
     shifted = _launch.descriptor(a, [128, 64], [64, 1], [64, 64], offset=512)
     assert shifted is not first and shifted.base.data_ptr() == (1 << 20) + 512 * 2
     assert len(_launch._descriptors) == 5
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gluon = _launch.descriptor(a, [128, 64], [64, 1], [64, 64], gluon=True)      # its own entry, NVMMA layout
+    assert gluon is not first and _launch.descriptor(a, [128, 64], [64, 1], [64, 64], gluon=True) is gluon
+    assert gluon.layout.swizzle_byte_width == 128 and gluon.layout.element_bitwidth == 16
+    assert len(_launch._descriptors) == 6
     cpu = torch.zeros(128, 64, dtype=torch.bfloat16)
-    assert _launch.descriptor(cpu, [128, 64], [64, 1], [64, 64]).base is cpu and len(_launch._descriptors) == 5
+    assert _launch.descriptor(cpu, [128, 64], [64, 1], [64, 64]).base is cpu and len(_launch._descriptors) == 6

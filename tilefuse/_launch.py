@@ -166,35 +166,41 @@ class Address:
 _descriptors: dict = {}
 
 
-def descriptor(t: torch.Tensor, shape, strides, block, layout=None, offset: int = 0):
+def descriptor(t: torch.Tensor, shape, strides, block, gluon: bool = False, offset: int = 0):
     """A host TMA descriptor over ``t``'s memory from element ``offset``: ``shape`` / ``strides``
-    (elements, last stride 1), ``block`` the box; ``layout`` (a Gluon ``NVMMASharedLayout``) makes
-    a Gluon descriptor, None a ``tl`` one. On a GPU the descriptor is cached by address, dtype and
-    geometry (a buffer freed and another allocated at the same address with the same geometry
-    maps to the same bytes, so a hit is always right) and its launcher encoding is made on first
-    use (:func:`_expanded`); a caching allocator hands the same addresses back call after call,
-    so activations hit too. In the interpreter the descriptor holds the tensor itself."""
+    (elements, last stride 1), ``block`` the box; ``gluon``: a Gluon descriptor with the default
+    NVMMA shared layout of ``block`` in ``t``'s dtype, else a ``tl`` one. On a GPU the descriptor
+    is cached by address, dtype and geometry (a buffer freed and another allocated at the same
+    address with the same geometry maps to the same bytes, so a hit is always right) and its
+    launcher encoding is made on first use (:func:`_expanded`); a caching allocator hands the same
+    addresses back call after call, so activations hit too. A hit costs a dict lookup: the layout
+    object (~13 us of Python to build) and the encoding are made on a miss only. In the
+    interpreter the descriptor holds the tensor itself."""
     shape, strides, block = tuple(shape), tuple(strides), tuple(block)
     if not t.is_cuda:
-        return _new_descriptor(t.reshape(-1)[offset:] if offset else t, shape, strides, block, layout)
+        return _new_descriptor(t.reshape(-1)[offset:] if offset else t, shape, strides, block, gluon)
     address = t.data_ptr() + offset * t.element_size()
-    key = (address, t.dtype, shape, strides, block, layout)
+    key = (address, t.dtype, shape, strides, block, gluon)
     found = _descriptors.get(key)
     if found is None:
         if len(_descriptors) >= 4096:      # bounded for long-running servers
             _descriptors.clear()
-        found = _descriptors[key] = _new_descriptor(Address(address, t.dtype), shape, strides, block, layout)
+        found = _descriptors[key] = _new_descriptor(Address(address, t.dtype), shape, strides, block, gluon)
     return found
 
 
-def _new_descriptor(base, shape, strides, block, layout):
-    if layout is None:
+def _new_descriptor(base, shape, strides, block, gluon: bool):
+    if not gluon:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(base, list(shape), list(strides), list(block))
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return TensorDescriptor(base, list(shape), list(strides), list(block), layout)
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+               torch.float8_e4m3fn: gl.float8e4nv}[base.dtype]
+    return TensorDescriptor(base, list(shape), list(strides), list(block),
+                            gl.NVMMASharedLayout.get_default_for(list(block), element))
 
 
 _runtime_knobs = None

@@ -286,12 +286,9 @@ def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
     """TMA descriptors of the cache as ``[num_blocks * 64, 576]`` rows: columns 0..511 in
     ``[block_n, 512]`` boxes, columns 512..575 in ``[block_n, 64]`` boxes (cached per cache
     address and shape by ``_launch.descriptor``)."""
-    from triton.experimental.gluon import language as gl
-
-    element = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
     rows = k_cache.shape[0] * PAGE_SIZE
-    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [block_n, cols],
-                                    gl.NVMMASharedLayout.get_default_for([block_n, cols], element), offset=offset)
+    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [block_n, cols], gluon=True,
+                                    offset=offset)
                  for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
 
 

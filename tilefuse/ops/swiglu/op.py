@@ -146,18 +146,14 @@ def launch_pingpong(x: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, p
     """x: [M, H] (unit last stride), w: [2I, H] contiguous, out: [M, I]; bf16 or fp16, all three
     16-byte aligned with 16-byte row strides (TMA). One persistent program per SM (fewer when the
     tiles are fewer)."""
-    from triton.experimental.gluon import language as gl
-
     m, h = x.shape
     inter = w.shape[0] // 2
     if packed and cfg.block_n % PACK:
         raise ValueError(f"config: packed layout needs block_n a multiple of {PACK}, got {cfg.block_n}")
-    element = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     chunk = PACK if packed else cfg.block_n
 
     def desc(t, rows, cols, stride, block):
-        return _launch.descriptor(t, [rows, cols], [stride, 1], block,
-                                  gl.NVMMASharedLayout.get_default_for(block, element))
+        return _launch.descriptor(t, [rows, cols], [stride, 1], block, gluon=True)
 
     x_desc = desc(x, m, h, x.stride(0), [cfg.block_m, cfg.block_k])
     w_desc = desc(w, 2 * inter, h, w.stride(0), [chunk, cfg.block_k])

@@ -193,18 +193,13 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
               quant: bool) -> None:
     """The Gluon kernel on a 2-D problem, arguments as :func:`run_kernel` (an e4m3 ``out`` when
     ``quant``); a persistent grid of one program per SM (fewer when the tiles are fewer)."""
-    from triton.experimental.gluon import language as gl
-
     from tilefuse._backend import num_sms
 
     m, k = x2d.shape
     inter = w.shape[0] // 2
-    element = {FP8: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-               torch.float32: gl.float32}
 
     def desc(t, rows, cols, stride, block):
-        return _launch.descriptor(t, [rows, cols], [stride, 1], block,
-                                  gl.NVMMASharedLayout.get_default_for(block, element[t.dtype]))
+        return _launch.descriptor(t, [rows, cols], [stride, 1], block, gluon=True)
 
     x_desc = desc(x2d, m, k, x2d.stride(0), [128, 128])
     w_desc = desc(w, 2 * inter, k, k, [64, 128])

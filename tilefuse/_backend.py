@@ -69,6 +69,13 @@ def num_sms(device: torch.device, cpu_default: int = 4) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.lru_cache(maxsize=None)
+def gluon_hopper(device: torch.device) -> bool:
+    """The Gluon Hopper kernels can run on ``device``: an sm_90 GPU (TMA, WGMMA), kernels compiled
+    rather than interpreted. (Each op also needs its Gluon kernel importable: ``_launch.optional_kernel``.)"""
+    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     return _env.settings.interpret

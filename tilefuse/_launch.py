@@ -23,6 +23,9 @@ buffer rather than once per call.
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
 from tilefuse import _env
@@ -148,6 +151,16 @@ def _expanded(descriptor, meta: dict) -> list:
         cached = (meta, make_tensordesc_arg(descriptor, meta))
         descriptor.__dict__["_tilefuse_expanded"] = cached
     return cached[1]
+
+
+@functools.cache
+def optional_kernel(module: str, name: str) -> Kernel | None:
+    """:class:`Kernel` of ``module.name``, or None where the module cannot be imported (a Gluon
+    kernel under a Triton without Gluon's Hopper module: the op then runs its ``tl`` kernel)."""
+    try:
+        return Kernel(getattr(importlib.import_module(module), name))
+    except ImportError:
+        return None
 
 
 class Address:

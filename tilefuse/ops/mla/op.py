@@ -33,7 +33,7 @@ import torch
 
 from tilefuse import _checks, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
-from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting, num_sms
+from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, interpreting, num_sms
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table, mla_decode_reference
@@ -60,8 +60,7 @@ def kernel_status(device: torch.device) -> dict[str, str]:
 
 def wgmma_usable(device: torch.device) -> bool:
     """The Gluon kernel runs here: a Hopper GPU (TMA, WGMMA) and an importable Gluon."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
-            and _kernels().get("wgmma") is not None)
+    return gluon_hopper(device) and _kernels().get("wgmma") is not None
 
 
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
@@ -94,11 +93,8 @@ def default_num_sm_parts(device: torch.device, num_q_tokens_per_head_k: int) -> 
 def _kernels():
     from tilefuse.ops.mla import kernels
 
-    try:
-        from tilefuse.ops.mla.kernels_gluon import mla_split_ws_kernel
-        wgmma = _launch.Kernel(mla_split_ws_kernel)
-    except ImportError:        # a Triton without Gluon's Hopper module: the tl kernels serve
-        wgmma = None
+    # None under a Triton without Gluon's Hopper module: the tl kernels serve
+    wgmma = _launch.optional_kernel("tilefuse.ops.mla.kernels_gluon", "mla_split_ws_kernel")
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),

@@ -23,7 +23,7 @@ import torch
 
 from tilefuse import _checks, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
-from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting
+from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, interpreting
 from tilefuse._backend import num_sms as device_num_sms
 from tilefuse._library import PlanCache, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu import configs
@@ -79,21 +79,14 @@ def _kernels():
     return _launch.Kernel(kernels.swiglu_small_m_kernel), _launch.Kernel(kernels.swiglu_large_m_kernel)
 
 
-@functools.cache
 def _pingpong_kernel():
     """The Gluon kernel's launcher, or None where Triton has no Gluon Hopper module."""
-    try:
-        from tilefuse.ops.swiglu.kernels_gluon import swiglu_pingpong_kernel
-    except ImportError:
-        return None
-    return _launch.Kernel(swiglu_pingpong_kernel)
+    return _launch.optional_kernel("tilefuse.ops.swiglu.kernels_gluon", "swiglu_pingpong_kernel")
 
 
-@functools.lru_cache(maxsize=None)
 def pingpong_usable(device: torch.device) -> bool:
     """The ping-pong kernel runs on ``device``: an sm_90 GPU (WGMMA) and Gluon's Hopper module."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
-            and _pingpong_kernel() is not None)
+    return gluon_hopper(device) and _pingpong_kernel() is not None
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:

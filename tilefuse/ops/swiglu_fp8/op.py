@@ -15,7 +15,7 @@ import functools
 import torch
 
 from tilefuse import _checks, _launch
-from tilefuse._backend import choose_backend, forced_variant, interpreting
+from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
 from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, swiglu_fp8_reference
@@ -44,21 +44,14 @@ def _kernel():
     return _launch.Kernel(kernels.swiglu_fp8_kernel)
 
 
-@functools.cache
 def _ws_kernel():
     """The Gluon kernel's launcher, or None where Triton has no Gluon Hopper module."""
-    try:
-        from tilefuse.ops.swiglu_fp8.kernels_gluon import swiglu_fp8_ws_kernel
-    except ImportError:
-        return None
-    return _launch.Kernel(swiglu_fp8_ws_kernel)
+    return _launch.optional_kernel("tilefuse.ops.swiglu_fp8.kernels_gluon", "swiglu_fp8_ws_kernel")
 
 
-@functools.lru_cache(maxsize=None)
 def ws_usable(device: torch.device) -> bool:
     """The Gluon kernel runs on ``device``: an sm_90 GPU and Gluon's Hopper module."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
-            and _ws_kernel() is not None)
+    return gluon_hopper(device) and _ws_kernel() is not None
 
 
 # ----------------------------------------------------------------------------- scales

@@ -3,10 +3,26 @@
 
 * :func:`grouped_tile` -- the grouped (L2-friendly) order of output tiles, the same order as
   ``tl_common.grouped_tile``, for the persistent SwiGLU kernels.
+* :func:`slot_barriers` -- the ready / empty mbarrier pairs of a TMA ring of slots.
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+
+
+@gluon.jit
+def slot_barriers(STAGES: gl.constexpr, READERS: gl.constexpr):
+    """(ready, empty): one mbarrier each per ring slot, initialized and fenced. ``ready[s]`` flips
+    when the producer's TMA bytes for slot s have landed (one arrival: the producer's expect);
+    ``empty[s]`` when its ``READERS`` consumer partitions have released it."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=READERS)
+    fence_async_shared()
+    return ready, empty
 
 
 @gluon.jit

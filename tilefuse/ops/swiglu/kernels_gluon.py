@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tilefuse.ops.gluon_common import grouped_tile
+from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
 LOG2E = gl.constexpr(1.4426950408889634)
 FIRST = gl.constexpr(0)            # the consumers' indices (constexpr arguments)
@@ -153,12 +153,7 @@ def swiglu_pingpong_kernel(
     x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_ring = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
     out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    fence_async_shared()
+    ready, empty = slot_barriers(STAGES, 1)      # each slot has one reader: the consumer of its tile
 
     gl.warp_specialize([
         (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST, HAS_BIAS,

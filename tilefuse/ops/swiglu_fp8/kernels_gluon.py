@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tilefuse.ops.gluon_common import grouped_tile
+from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
 BLOCK_M = gl.constexpr(128)        # rows per tile: 64 per consumer warpgroup (WGMMA's M)
 HALF_M = gl.constexpr(64)
@@ -202,12 +202,7 @@ def swiglu_fp8_ws_kernel(
     out_smem = gl.allocate_shared_memory(out_desc.dtype, [2 * (BLOCK_N // SUB_N), HALF_M, SUB_N], out_desc.layout)
     H_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     h_smem = gl.allocate_shared_memory(gl.float32, [2, HALF_M, SUB_N] if QUANT_OUT else [2, 1, 1], H_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    fence_async_shared()
+    ready, empty = slot_barriers(STAGES, 2)      # both consumers read every slot
 
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([

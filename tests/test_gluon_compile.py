@@ -68,9 +68,11 @@ def test_swiglu_pingpong_oversized_tile_spills():
         swiglu_configs.PingPongConfig(128, 128)
 
 
-@pytest.mark.parametrize("seesaw,ring", [(False, None), (True, None), (True, (32, 4))],
-                         ids=["role-split", "seesaw", "seesaw-32x4"])
-def test_mla_split_ws_compiles(seesaw, ring):
+@pytest.mark.parametrize("seesaw,ring,one_head", [(False, None, False), (True, None, False), (True, (32, 4), False),
+                                                  (True, None, True)],
+                         ids=["role-split", "seesaw", "seesaw-32x4", "seesaw-h1"])
+def test_mla_split_ws_compiles(seesaw, ring, one_head):
+    """``one_head``: h_q = 1, which the launch specializes into a constant."""
     cfg, _, _, _ = mla_configs.launch_config("seesaw" if seesaw else "wgmma", 128, 256)
     block_n, stages = ring or (cfg["BLOCK_N"], cfg["STAGES"])
     assert cfg["SEESAW"] == seesaw
@@ -88,6 +90,8 @@ def test_mla_split_ws_compiles(seesaw, ring):
                  "stride_lb", "stride_lh"):
         signature[name] = "i32"
     constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, SEESAW=seesaw, num_warps=cfg["num_warps"])
+    if one_head:
+        constexprs["h_q"] = 1
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])

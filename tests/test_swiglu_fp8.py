@@ -138,12 +138,17 @@ def test_kernel_leading_dims_and_zero_groups(interpret):
 def test_ws_dispatch_from_the_table(monkeypatch):
     """A WsConfig in the table makes the Gluon kernel the default where it can run (plan only: the
     stand-in says it can); a "tl" pin, or a device where it cannot run, takes the heuristic's tl
-    tiles; an e4m3 output always gets 128-column tiles."""
+    tiles; an e4m3 output always gets 128-column tiles; too few tiles for half the SMs keep the tl
+    kernel."""
     from tilefuse.ops.swiglu_fp8 import op
 
     monkeypatch.setattr(configs, "TUNED", {False: {1024: configs.WsConfig(64, 3)}, True: {1024: configs.WsConfig(64)}})
     configs.choose.cache_clear()
-    case = make_fp8_case(300, 256, 256, "cpu")
+    case = make_fp8_case(300, 256, 256, "cpu")        # 3 x 4 tiles of [128, 64]
+    assert isinstance(configs.choose(300, 256, 256, False), configs.Fp8Config)     # 12 tiles < 66
+    assert configs.choose(300, 256, 256, False, num_sms=24) == configs.WsConfig(64, 3)
+    monkeypatch.setattr(configs, "WS_MIN_SM_FRACTION", 0.0)
+    configs.choose.cache_clear()
     try:
         with tilefuse.force(backend="reference"):
             assert op._plan_call(*case.args(), torch.bfloat16).reference
@@ -167,15 +172,16 @@ def test_ws_dispatch_from_the_table(monkeypatch):
 
 
 def test_config_register_budget():
-    """Block-scaled tiles keep two fp32 tiles of <= 64 registers per thread (8 warps); quantized
-    outputs have one group per tile row."""
+    """The tl kernel's tiles keep two fp32 tiles of <= 64 registers per thread (8 warps); quantized
+    outputs have one group per tile row, in the tl kernel's tiles and in the Gluon kernel's."""
     for m in (1, 128, 4096):
         for quant in (False, True):
-            cfg = configs.choose(m, 4096, 14336, True, quant)
-            assert cfg.block_m * 2 * cfg.block_n // (32 * cfg.num_warps) <= 64 and cfg.block_k == 128
+            tl = configs.heuristic(m, 4096, 14336, quant)
+            assert tl.block_m * 2 * tl.block_n // (32 * tl.num_warps) <= 64 and tl.block_k == 128
+            assert not quant or tl.block_n == 128
+            cfg = configs.choose(m, 4096, 14336, quant)
+            assert isinstance(cfg, configs.WsConfig if m >= 128 else configs.Fp8Config)
             assert not quant or cfg.block_n == 128
-    cfg = configs.choose(4096, 4096, 14336, False, False)
-    assert cfg.block_m * 2 * cfg.block_n // 256 <= 128
 
 
 # ---------------------------------------------------------------- spec, quantizers

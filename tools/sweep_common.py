@@ -99,6 +99,12 @@ def parse_args(doc: str, argv: list[str] | None = None, workers: bool = True, **
 
 
 def write_json(path: Path, data) -> None:
+    """``data`` under "results", beside "machine" (GPU, versions, date) when a GPU is present."""
+    import torch
+
+    from tilefuse.bench.runner import machine_info
+
+    head = {"machine": machine_info(torch.device("cuda"))} if torch.cuda.is_available() else {}
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    path.write_text(json.dumps({**head, "results": data}, indent=1, default=str) + "\n")
     print(f"wrote {path}", file=sys.stderr)

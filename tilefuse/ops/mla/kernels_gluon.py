@@ -326,10 +326,11 @@ def _seesaw_consumer(q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, m_buf, 
     ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
 
     rows_s, limit, m_i, l_i, acc = _softmax_start(pid_h, h_q, s_q, limit_base, CAUSAL, ROWS_S)
-    # The ring depth as a run-time value (h_q >= 1): with STAGES = 2 a warpgroup's tiles all sit in
-    # one slot, and a constant slot lets the compiler hoist that slot's 36 WGMMA descriptors of K
-    # out of the loop next to Q's 36, which spills; a run-time slot keeps them computed per tile.
-    stages = STAGES + (h_q < 1).to(gl.int32)
+    # The ring depth as a run-time value (req >= 0, read from the schedule): with STAGES = 2 a
+    # warpgroup's tiles all sit in one slot, and a constant slot lets the compiler hoist that
+    # slot's 36 WGMMA descriptors of K out of the loop next to Q's 36, which spills; a run-time
+    # slot keeps them computed per tile.
+    stages = STAGES + (req < 0).to(gl.int32)
     for j in range(W, n_tiles, 2):
         stage = j % stages
         # ---- S_j issued; the other warpgroup's tile j - 1 on this half issued behind it.

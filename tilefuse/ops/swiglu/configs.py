@@ -90,8 +90,10 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 
 S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 
-# The ping-pong kernel has no entries yet: it runs when forced (``tilefuse.force(variant=
-# "pingpong")``) or through an override, until the benchmark has measured it against the others.
+# The ping-pong kernel (P entries) was swept against every pick below at M = 128 .. 16384
+# (tools/tune_swiglu.py --mode pingpong, the H200, 2026-12-01, bench/results/swiglu-pingpong-sweep-h200.json):
+# 1.04-1.33x cuBLAS's time where the current picks take 0.92-1.30x; it wins one entry, 32B at
+# M = 1024 (856 us against 890). Elsewhere it runs when forced (``tilefuse.force(variant="pingpong")``).
 
 # Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout,
 # 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
@@ -102,7 +104,7 @@ S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 # timed at those M). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
-TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
+TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongConfig]] = {
     (896, 4864): {
         1: S(16, 64, 128, 1, 4, 4),
         16: S(16, 64, 128, 1, 4, 4),
@@ -150,7 +152,7 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig]] = {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 64, 128, 1, 4, 4),
         128: L(128, 128, 64, 8, 4, 8, True),
-        1024: L(128, 64, 64, 8, 4, 4, False),
+        1024: P(64, 128, 64, 8, 4),             # ping-pong sweep: 856.2 us vs 889.7
         4096: L(128, 128, 64, 8, 3, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, True),
     },

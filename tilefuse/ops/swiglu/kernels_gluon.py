@@ -13,8 +13,11 @@ A persistent program per SM runs three partitions over its output tiles (tile ``
 The two consumer warpgroups take turns: while one runs its epilogue (bias, SiLU * mul in fp32,
 one rounding, registers -> SMEM -> TMA store), the other's WGMMAs keep the tensor cores busy on
 the next tile, so the epilogue leaves the critical path (the ``tl`` kernel of ``kernels.py``
-runs it between tiles). The ring is shared and filled in tile order, so a consumer's next tile
-starts streaming as soon as the other's last K steps release their slots.
+runs it between tiles). The ring is shared and filled in tile order; the mainloops run in tile
+order too: a pair of ``turn`` mbarriers passes the ring from one consumer to the other when a
+mainloop ends. That order is what keeps the ring's parity waits exact: a consumer never waits
+for a slot more than one fill ahead of the barrier's phase (running the two mainloops
+independently, the second consumer's first wait would match an earlier fill of the same parity).
 
 Weight rows of an output tile ``[off_n, off_n + BLOCK_N)``: the gate rows then the up rows, each
 copied by TMA into its half of the slot's ``[2 BLOCK_N, BLOCK_K]`` buffer in ``CHUNK``-row pieces:
@@ -77,7 +80,7 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED: gl.
 
 
 @gluon.jit
-def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, H, ROLE: gl.constexpr,
+def _consumer(x_ring, w_ring, ready, empty, turn, out_smem, out_desc, bias_ptr, M, I, H, ROLE: gl.constexpr,
               HAS_BIAS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
               GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_SMS: gl.constexpr):
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -89,11 +92,15 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, 
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, ACC)
     # This warpgroup's tiles: the program's local tiles ROLE, ROLE + 2, ...; local tile t's K steps
     # are ring positions t * k_steps .. t * k_steps + k_steps - 1.
+    # Its j-th mainloop waits for the other's (consumer 0: a fresh barrier passes the parity-1
+    # wait, so its first tile goes at once).
     t = ROLE
+    j = 0
     for tile_id in range(start + ROLE * NUM_SMS, num_pid_m * num_pid_n, 2 * NUM_SMS):
         it0 = t * k_steps
         acc_g = zero
         acc_u = zero
+        mbarrier.wait(turn.index(ROLE), (j & 1) ^ (1 - ROLE))
         for ks in range(k_steps):
             it = it0 + ks
             s = it % STAGES
@@ -112,6 +119,7 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, 
                 mbarrier.arrive(empty.index((it - 1) % STAGES))
         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
         mbarrier.arrive(empty.index((it0 + k_steps - 1) % STAGES))
+        mbarrier.arrive(turn.index(1 - ROLE))          # the ring passes to the other consumer
 
         # Epilogue (registers -> SMEM -> HBM), overlapped with the other warpgroup's mainloop:
         # bias (merged order: gate bias at n, up bias at I + n), SiLU * mul in fp32, one rounding.
@@ -126,6 +134,7 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, out_desc, bias_ptr, M, I, 
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
         t += 2
+        j += 1
     tma.store_wait(0)
 
 
@@ -154,11 +163,15 @@ def swiglu_pingpong_kernel(
     w_ring = gl.allocate_shared_memory(dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], w_desc.layout)
     out_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], out_desc.layout)
     ready, empty = slot_barriers(STAGES, 1)      # each slot has one reader: the consumer of its tile
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):                 # turn[c]: consumer c's mainloop may start
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST, HAS_BIAS,
+        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST, HAS_BIAS,
                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
-        (_consumer, (x_ring, w_ring, ready, empty, out_smem.index(1), out_desc, bias_ptr, M, I, H, SECOND, HAS_BIAS,
+        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(1), out_desc, bias_ptr, M, I, H, SECOND, HAS_BIAS,
                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
         (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED, BLOCK_M, BLOCK_N, BLOCK_K,
                      CHUNK, GROUP_M, STAGES, NUM_SMS)),

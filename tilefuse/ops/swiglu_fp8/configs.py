@@ -36,8 +36,9 @@ class Fp8Config:
 @dataclass(frozen=True)
 class WsConfig:
     """Tiles of the Gluon warp-specialized kernel (``kernels_gluon.py``): [128, block_n] output
-    tiles (block_n 64 or 128, 128 for an e4m3 output), ``stages`` ring slots of 32 KB. It runs
-    when pinned (``tilefuse.force(variant="ws")``) until the benchmark has measured it."""
+    tiles (block_n 64 or 128, 128 for an e4m3 output), ``stages`` ring slots of 32 KB. The default
+    where ``TUNED`` holds one (M > 16 on Hopper, see :func:`choose`), or pinned with
+    ``tilefuse.force(variant="ws")``."""
     block_n: int = 128
     stages: int = 4
     group_m: int = 8
@@ -60,19 +61,30 @@ def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> W
 # for a WsConfig], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import. A
 # WsConfig entry makes the Gluon kernel the default there (where it can run; else the heuristic's
 # tl tiles).
-# Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-11-30 (bench/results/swiglu-fp8-sweep-h200.json),
-# total graph time over Llama-3-8B and Qwen2.5-72B; block scales (the only kind swept).
+# Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-12-01 (bench/results/swiglu-fp8-sweep-h200.json):
+# graph time summed over Llama-3-8B and Qwen2.5-72B, block scales; the Gluon kernel's best against
+# the tl kernel's best. M <= 16 keeps the heuristic's tl tiles (a 128-row tile is mostly padding).
 F = Fp8Config
+W = WsConfig
 TUNED: dict[bool, dict[int, Fp8Config | WsConfig]] = {
     False: {  # bf16 output
-        128: F(64, 64, 128, 8, 4, 4),       # 51.7 / 179.4 us vs 56.2 / 191.6 (heuristic 128 x 64, 64 x 128)
-        1024: F(64, 64, 128, 8, 4, 4),      # 294.1 / 1190.8 vs 312.4 / 1234.5
-        4096: F(128, 64, 128, 8, 3, 8),     # 1245.9 / 4911.3 vs 1371.4 / 5004.9 (64 x 64: 1156.0 / 5169.6)
+        128: W(128, 4),        # 215.2 us vs the tl kernel's best 233.9
+        1024: W(128, 3),       # 1403.0 vs 1512.1
+        4096: W(128, 3),       # 5671.1 vs 6201.0
+        16384: W(128, 3),      # 24217.1 vs 25123.1
     },
-    True: {   # e4m3 output
-        128: F(64, 128, 128, 4, 4, 8),      # 60.6 / 195.6 vs 74.8 / 195.7
+    True: {   # e4m3 output (1 x 128 group scales)
+        128: W(128, 5),        # 216.5 vs 259.0
+        1024: W(128, 4),       # 1352.7 vs 1562.6
+        4096: W(128, 3),       # 5711.4 vs 6736.8
+        16384: W(128, 5),      # 25135.2 vs 28425.7
     },
 }
+# A WsConfig pick stands only where its [128, 128] tiles cover at least this fraction of the SMs:
+# below it the tl kernel's 64-row tiles run twice the programs (Qwen2.5-0.5B at M = 128: 38 Gluon
+# tiles, 17.2 us against the tl kernel's 14.8 in bench/results/swiglu_fp8-h200-quick.json, where
+# Llama-3-8B's 112 tiles ran 49.3 against 62.6).
+WS_MIN_SM_FRACTION = 0.5
 
 
 def apply_overrides(entries: list[dict]) -> None:
@@ -89,6 +101,8 @@ def choose(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200)
     scale block and the promotion step). A :class:`WsConfig` means the Gluon kernel."""
     bucket = next((t for t in TUNED_M if m <= t), TUNED_M[-1])
     tuned = TUNED.get(quant_out, {}).get(bucket)
+    if isinstance(tuned, WsConfig) and -(-m // 128) * -(-i // tuned.block_n) < WS_MIN_SM_FRACTION * num_sms:
+        tuned = None
     if tuned is not None:
         return tuned
     return heuristic(m, k, i, quant_out, num_sms)

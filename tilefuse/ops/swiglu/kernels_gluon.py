@@ -14,10 +14,11 @@ The two consumer warpgroups take turns: while one runs its epilogue (bias, SiLU 
 one rounding, registers -> SMEM -> TMA store), the other's WGMMAs keep the tensor cores busy on
 the next tile, so the epilogue leaves the critical path (the ``tl`` kernel of ``kernels.py``
 runs it between tiles). The ring is shared and filled in tile order; the mainloops run in tile
-order too: a pair of ``turn`` mbarriers passes the ring from one consumer to the other when a
-mainloop ends. That order is what keeps the ring's parity waits exact: a consumer never waits
-for a slot more than one fill ahead of the barrier's phase (running the two mainloops
-independently, the second consumer's first wait would match an earlier fill of the same parity).
+order too: a pair of ``turn`` mbarriers passes the ring from one consumer to the other once a
+mainloop has issued its last WGMMAs. That order keeps the ring's parity waits exact: a consumer
+never waits for a slot more than one fill ahead of the barrier's phase (running the two
+mainloops independently, the second consumer's first wait would match an earlier fill of the
+same parity).
 
 Weight rows of an output tile ``[off_n, off_n + BLOCK_N)``: the gate rows then the up rows, each
 copied by TMA into its half of the slot's ``[2 BLOCK_N, BLOCK_K]`` buffer in ``CHUNK``-row pieces:
@@ -117,9 +118,11 @@ def _consumer(x_ring, w_ring, ready, empty, turn, out_smem, out_desc, bias_ptr, 
             acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
             if ks > 0:
                 mbarrier.arrive(empty.index((it - 1) % STAGES))
+        # The ring passes to the other consumer once this tile's last WGMMAs are issued: its first
+        # ones queue behind them on the tensor cores (its slots were filled after these).
+        mbarrier.arrive(turn.index(1 - ROLE))
         acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
         mbarrier.arrive(empty.index((it0 + k_steps - 1) % STAGES))
-        mbarrier.arrive(turn.index(1 - ROLE))          # the ring passes to the other consumer
 
         # Epilogue (registers -> SMEM -> HBM), overlapped with the other warpgroup's mainloop:
         # bias (merged order: gate bias at n, up bias at I + n), SiLU * mul in fp32, one rounding.

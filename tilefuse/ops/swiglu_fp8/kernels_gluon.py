@@ -81,12 +81,13 @@ def _scaled_block(acc_g, acc_u, x, w, row_scale, ws_g, ws_u, X_GROUPED: gl.const
     part_u = warpgroup_mma(x, w.slice(SUB_N, SUB_N, dim=0).permute((1, 0)),
                            gl.zeros([HALF_M, SUB_N], gl.float32, ACC), use_acc=False, is_async=True)
     part_g, part_u = warpgroup_mma_wait(0, deps=(part_g, part_u))
+    if X_GROUPED and W_BLOCKED:
+        # one scale per row for the gate and one for the up part: a single FMA per value
+        return acc_g + part_g * (row_scale * ws_g)[:, None], acc_u + part_u * (row_scale * ws_u)[:, None]
     if X_GROUPED:
-        part_g = part_g * row_scale[:, None]
-        part_u = part_u * row_scale[:, None]
+        return acc_g + part_g * row_scale[:, None], acc_u + part_u * row_scale[:, None]
     if W_BLOCKED:
-        part_g = part_g * ws_g
-        part_u = part_u * ws_u
+        return acc_g + part_g * ws_g, acc_u + part_u * ws_u
     return acc_g + part_g, acc_u + part_u
 
 
@@ -130,11 +131,21 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, h_smem, out_desc, xs_ptr, 
         for p in gl.static_range(BLOCK_N // SUB_N):
             acc_g = zero
             acc_u = zero
+            # HBM -> registers: the scales of K block 0; in the loop, those of the next block are
+            # loaded a block ahead, so their latency hides under a whole block's WGMMAs.
+            row_scale_next = gl.load(xs_rows) if X_GROUPED else None
+            ws_g_next = gl.load(ws_g_row) if W_BLOCKED else None
+            ws_u_next = gl.load(ws_u_row) if W_BLOCKED else None
             for ks in range(k_steps):
-                # Scales of this K block (loaded before the wait: their latency hides under it).
-                row_scale = gl.load(xs_rows + ks * stride_xs_k) if X_GROUPED else None
-                ws_g = gl.load(ws_g_row + ks * stride_ws_k) if W_BLOCKED else None
-                ws_u = gl.load(ws_u_row + ks * stride_ws_k) if W_BLOCKED else None
+                row_scale = row_scale_next
+                ws_g = ws_g_next
+                ws_u = ws_u_next
+                nxt = gl.minimum(ks + 1, k_steps - 1)        # the last block reloads its own
+                if X_GROUPED:
+                    row_scale_next = gl.load(xs_rows + nxt * stride_xs_k)
+                if W_BLOCKED:
+                    ws_g_next = gl.load(ws_g_row + nxt * stride_ws_k)
+                    ws_u_next = gl.load(ws_u_row + nxt * stride_ws_k)
                 s = it % STAGES
                 mbarrier.wait(ready.index(s), (it // STAGES) & 1)
                 x = x_ring.index(s).slice(W * HALF_M, HALF_M, dim=0)       # this consumer's 64 rows

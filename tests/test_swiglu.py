@@ -202,11 +202,12 @@ def test_empty_batch(interpret):
 def test_config_choice_is_cached_and_covers_m():
     for m in (1, 16, 100, 256, 257, 5000):
         variant, cfg = configs.choose(m, 896, 4864)
-        assert variant in ("small_m", "large_m")
+        assert variant == configs.variant_of(cfg) in ("small_m", "large_m", "pingpong")
         assert configs.choose(m, 896, 4864) == (variant, cfg)
     assert configs.choose(1, 896, 4864, variant="large_m")[0] == "large_m"
     assert configs.choose(9000, 896, 4864, variant="small_m")[0] == "small_m"
-    assert configs.choose(4096, 896, 4864, variant="pingpong") == ("pingpong", configs.PingPongConfig())
+    assert configs.choose(4096, 896, 4864, variant="pingpong") == configs.choose(4096, 896, 4864)  # the table's
+    assert configs.choose(9000, 896, 4864, variant="pingpong") == ("pingpong", configs.PingPongConfig())
 
 
 @pytest.mark.parametrize("call,match", [

@@ -90,10 +90,12 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 
 S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 
-# The ping-pong kernel (P entries) was swept against every pick below at M = 128 .. 16384
-# (tools/tune_swiglu.py --mode pingpong, the H200, 2026-12-01, bench/results/swiglu-pingpong-sweep-h200.json):
-# 1.04-1.33x cuBLAS's time where the current picks take 0.92-1.30x; it wins one entry, 32B at
-# M = 1024 (856 us against 890). Elsewhere it runs when forced (``tilefuse.force(variant="pingpong")``).
+# The ping-pong kernel (P entries): swept against the picks below at M = 128 .. 16384 with
+# tools/tune_swiglu.py --mode pingpong on the H200, 2026-12-01 ("sweep 1"; "sweep 2" after the ring
+# hand-off moved ahead of the last WGMMA wait, bench/results/swiglu-pingpong-sweep-h200.json). In
+# sweep 2 its best tiles take 0.99-1.32x cuBLAS's time where the picks take 0.91-1.30x; it wins the
+# four entries marked below by 4-7 %. Elsewhere it runs when forced (``tilefuse.force(variant=
+# "pingpong")``).
 
 # Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout,
 # 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
@@ -110,8 +112,8 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongCon
         16: S(16, 64, 128, 1, 4, 4),
         64: S(64, 64, 64, 1, 4, 4),  # M = 17..64 keep the pre-2026-11-29-tail entry (see _M64_NOTE)
         128: L(128, 64, 64, 8, 4, 4, False),  # tiles sweep: 14.8 vs 15.6 us (S(64, 64, 64))
-        1024: L(128, 64, 64, 8, 4, 8, False),  # tiles sweep: 37.5 vs 39.7 us (128 x 128, 2.3 waves)
-        4096: L(128, 128, 64, 8, 4, 8, True),
+        1024: P(64, 128, 64, 8, 4),            # ping-pong sweep 2: 36.1 vs 37.5 us
+        4096: P(64, 128, 64, 8, 4),            # ping-pong sweep 2: 110.1 vs 114.9 us
         16384: L(128, 128, 64, 8, 3, 8, True),
     },
     (1536, 8960): {
@@ -146,13 +148,13 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongCon
         128: L(128, 128, 64, 8, 4, 8, True),
         1024: L(128, 128, 64, 8, 3, 8, False),
         4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: L(128, 128, 64, 8, 4, 8, True),
+        16384: P(64, 128, 64, 8, 4),           # ping-pong sweep 2: 6405.9 vs 6856.0 us
     },
     (5120, 27648): {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 64, 128, 1, 4, 4),
         128: L(128, 128, 64, 8, 4, 8, True),
-        1024: P(64, 128, 64, 8, 4),             # ping-pong sweep: 856.2 us vs 889.7
+        1024: P(64, 128, 64, 8, 4),            # ping-pong sweep 1: 856.2 vs 889.7 us
         4096: L(128, 128, 64, 8, 3, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, True),
     },

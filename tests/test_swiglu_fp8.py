@@ -99,20 +99,37 @@ def run_gpu(case, out_dtype=torch.bfloat16, variant=None):
 KERNEL_SHAPES = [(1, 256, 128), (37, 384, 256), (130, 128, 128)]
 
 
+@pytest.mark.parametrize("variant", ["tl", "decode"])
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel"), ("group", "channel"),
                                                  ("tensor", "block"), ("token", "tensor")])
-def test_kernel_scalings(interpret, shape, x_scaling, w_scaling):
+def test_kernel_scalings(interpret, shape, x_scaling, w_scaling, variant):
+    """Both tl kernels pinned at every shape (the decode kernel splits K in 2-3 here)."""
     m, k, i = shape
     case = make_fp8_case(m, k, i, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
     ref = reference_fp8_fp64(case)
-    out = run(case, torch.float32 if m != 37 else torch.float16)
+    out = run(case, torch.float32 if m != 37 else torch.float16, variant)
     assert_close(out, ref, **TOL[out.dtype])
+
+
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_decode_kernel_k_tail_and_dispatch(interpret, m):
+    """The decode kernel is the default up to 16 rows: per-token / per-channel scales with a K tail
+    (K = 208: one whole block and a masked one), split over both; M = 17 goes to the tiled kernel."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    case = make_fp8_case(m, 208, 192, interpret, x_scaling="token", w_scaling="channel")
+    with tilefuse.force(backend="triton"):
+        call = op._plan_call(*case.args(), torch.float32)
+    assert (call.decode_config is not None) == (m <= configs.DECODE_MAX_M)
+    assert call.decode_config is None or call.decode_config.split_k == 2
+    assert_close(run(case, torch.float32), reference_fp8_fp64(case), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES)
 @pytest.mark.parametrize("x_scaling,w_scaling,variant", [("group", "block", None), ("token", "channel", None),
-                                                         ("group", "block", "ws")])
+                                                         ("group", "block", "ws"), ("group", "block", "decode"),
+                                                         ("token", "channel", "decode")])
 def test_kernel_quantized_output(interpret, shape, x_scaling, w_scaling, variant):
     """(variant "ws", the Gluon kernel, is GPU-only: pinned here it runs the tl kernel)"""
     m, k, i = shape
@@ -276,11 +293,15 @@ GPU_SHAPES = {**{k: SHAPES[k] for k in ("0.5B", "7B", "72B")}, **LLAMA3_SHAPES}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
-@pytest.mark.parametrize("m", [1, 37, 128, 1000, 4096])
+@pytest.mark.parametrize("variant", [None, "tl", "ws", "decode"])
+@pytest.mark.parametrize("m", [1, 16, 37, 128, 1000, 4096])
 @pytest.mark.parametrize("model", list(GPU_SHAPES))
 @pytest.mark.parametrize("x_scaling,w_scaling", [("group", "block"), ("token", "channel")])
 def test_gpu_bench_shapes(model, m, x_scaling, w_scaling, variant):
+    if variant == "decode" and m > 128:
+        pytest.skip("the decode kernel pinned above 128 rows: covered at 37 and 128")
+    if variant is None and m > 16:
+        pytest.skip("the default above 16 rows is one of the pinned kernels")
     h, i = GPU_SHAPES[model]
     if w_scaling == "block" and i % 128:
         pytest.skip("block scaling needs I a multiple of 128")
@@ -312,7 +333,7 @@ def _check_bf16(out, ref, slack):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
+@pytest.mark.parametrize("variant", ["tl", "ws", "decode"])
 @pytest.mark.parametrize("x_scaling,w_scaling", [(x, w) for x in X_SCALINGS for w in W_SCALINGS])
 def test_gpu_all_scalings_odd_m(x_scaling, w_scaling, variant):
     """M = 333 (a partial row tile), K = 1040 where no scale varies along K (a K tail of 16), fp16 and fp32
@@ -344,7 +365,7 @@ def test_gpu_ws_runs_on_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [None, "ws"], ids=["tl", "ws"])
+@pytest.mark.parametrize("variant", ["tl", "ws", "decode"])
 def test_gpu_graph_capture_and_saturation(variant):
     case = make_fp8_case(64, 512, 256, "cuda")
     case.x_scales[3] = 2.0 ** 40          # huge products: fp32 holds them, the output re-quantizes

@@ -29,7 +29,7 @@ VARIANTS = {
     "swiglu": ("small_m", "large_m", "pingpong"),
     "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
     "mla": ("transposed", "standard", "wgmma", "seesaw"),
-    "swiglu_fp8": ("tl", "ws"),
+    "swiglu_fp8": ("tl", "ws", "decode"),
 }
 _ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
 

@@ -8,6 +8,8 @@ Per case (model shape x M; e4m3 inputs from :func:`tilefuse.testing.swiglu.make_
 * ``tilefuse:rowwise``: per-token x / per-channel w scales, e4m3 output;
 * ``tilefuse:ws`` / ``tilefuse:ws_rowwise``: the first and the third with the Gluon
   warp-specialized kernel pinned (variant ``ws``; sm_90 only);
+* ``tilefuse:tl`` / ``tilefuse:decode`` (M <= 16): the first with the tiled ``tl`` kernel, or the
+  split-K decode kernel, pinned (the default at these M is the decode kernel);
 * ``scaled_mm``: the bare merged GEMM ``torch._scaled_mm(x, W^T)`` with row-wise scales, bf16
   out (cuBLASLt's FP8 GEMM): the floor a fused kernel is judged against;
 * ``scaled_mm_block``: the same GEMM with 1 x 128 / 128 x 128 block scales, where this torch and
@@ -35,6 +37,7 @@ ACC_ROWS = 256
 
 def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
     import tilefuse
+    from tilefuse.ops.swiglu_fp8 import configs
     from tilefuse.ops.swiglu_fp8.op import ws_usable
     from tilefuse.ops.swiglu_fp8.reference import FP8, quantize_fp8
     from tilefuse.testing.swiglu import make_fp8_case, reference_fp8_fp64
@@ -57,9 +60,9 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
 
         bx, bxs, bw, bws = block.args()
         bxs_t = bxs.t().contiguous().t()          # cuBLASLt's block scales: M-major activations scales
-        def pinned(case):
+        def pinned(case, variant="ws"):
             def run():
-                with tilefuse.force(variant="ws"):
+                with tilefuse.force(variant=variant):
                     return tilefuse.swiglu_fp8(*case.args(), out_dtype=FP8)
             return run
 
@@ -68,6 +71,8 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
             "tilefuse:bf16_out": lambda: tilefuse.swiglu_fp8(*block.args()),
             "tilefuse:rowwise": lambda: tilefuse.swiglu_fp8(*row.args(), out_dtype=FP8),
             **({"tilefuse:ws": pinned(block), "tilefuse:ws_rowwise": pinned(row)} if ws_usable(device) else {}),
+            **({"tilefuse:tl": pinned(block, "tl"), "tilefuse:decode": pinned(block, "decode")}
+               if m <= configs.DECODE_MAX_M else {}),
             "scaled_mm": gemm,
             "scaled_mm_block": lambda: torch._scaled_mm(bx, bw.T, scale_a=bxs_t, scale_b=bws.T,
                                                         out_dtype=torch.bfloat16),
@@ -128,7 +133,7 @@ def summarize(rows: list[dict]) -> dict:
         entry = compare(f"{model} M={m}", next(iter(impls.values()))["params"], impls, ("tilefuse", "tilefuse"),
                         ("scaled_mm", "scaled_mm"))
         for name in ("scaled_mm_block", "unfused", "tilefuse:rowwise", "tilefuse:bf16_out", "tilefuse:ws",
-                     "tilefuse:ws_rowwise"):
+                     "tilefuse:ws_rowwise", "tilefuse:tl", "tilefuse:decode"):
             entry[f"{name}_graph_us"] = (impls.get(name) or {}).get("graph_us")
         unf = entry["unfused_graph_us"] and entry["graph_us"] and entry["unfused_graph_us"] / entry["graph_us"]
         if m <= 1024 and unf:

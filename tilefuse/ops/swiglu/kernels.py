@@ -28,7 +28,7 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import arrive, grouped_tile
+from tilefuse.ops.tl_common import arrive, grouped_tile, split_k_gate_up
 
 
 @triton.jit
@@ -124,25 +124,12 @@ def swiglu_small_m_kernel(
 
     out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     if SPLIT_K > 1:
-        # Split-K fix-up: park the fp32 partials in the workspace [SPLIT_K, 2, M, I], take a ticket
-        # for this tile; the last slice to arrive adds the others' partials to its own and runs
-        # the epilogue, then re-arms the ticket (so the counter buffer stays zero between calls
-        # and CUDA-graph replays).
-        plane = M * I
-        ws_offs = offs_m[:, None] * I + offs_n[None, :]
-        tl.store(ws_ptr + (2 * pid_k) * plane + ws_offs, acc_g, mask=out_mask)
-        tl.store(ws_ptr + (2 * pid_k + 1) * plane + ws_offs, acc_u, mask=out_mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        if arrive(lock_ptr + tile, 1, SPLIT_K):
-            for s in range(SPLIT_K):
-                other = out_mask & (s != pid_k)
-                acc_g += tl.load(ws_ptr + (2 * s) * plane + ws_offs, mask=other, other=0.0,
-                                 cache_modifier=".cg")
-                acc_u += tl.load(ws_ptr + (2 * s + 1) * plane + ws_offs, mask=other, other=0.0,
-                                 cache_modifier=".cg")
+        # Split-K fix-up: the last K slice of the tile to arrive sums the partials and finishes it.
+        last, acc_g, acc_u = split_k_gate_up(acc_g, acc_u, ws_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n,
+                                             pid_k, M * I, offs_m[:, None] * I + offs_n[None, :], out_mask, SPLIT_K)
+        if last:
             _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, stride_om,
                               out_mask, HAS_BIAS)
-            tl.atomic_xchg(lock_ptr + tile, 0)
     else:
         _small_m_epilogue(acc_g, acc_u, bias_ptr, out_ptr, offs_m, offs_n, cols, I, stride_om,
                           out_mask, HAS_BIAS)

@@ -48,6 +48,36 @@ class WsConfig:
             raise ValueError(f"WsConfig: block_n must be 64 or 128 and stages 2-5, got {self.block_n}, {self.stages}")
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the decode kernel (``kernels.swiglu_fp8_decode_kernel``): [block_m, block_n] output
+    tiles (block_n 64, or 128 for an e4m3 output), K split over ``split_k`` programs."""
+    block_m: int = 16
+    block_n: int = 64
+    split_k: int = 1
+    num_stages: int = 4
+    num_warps: int = 4
+
+
+# The decode kernel serves M <= DECODE_MAX_M (one 16-row tile) unless another variant is pinned.
+DECODE_MAX_M = 16
+# Programs the decode kernel's split aims for: enough 16-32 KB K blocks in flight per SM to keep
+# HBM busy when the weight stream is the whole cost.
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def decode_config(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> DecodeConfig:
+    """The decode kernel's tiles: 64 output columns (128 for an e4m3 output: one group), 16 rows,
+    and K split until the grid reaches DECODE_PROGRAMS_PER_SM programs per SM (never an empty
+    slice: the split divides the 128-wide K blocks as evenly as whole blocks allow)."""
+    block_n = 128 if quant_out else 64
+    tiles = -(-i // block_n) * -(-m // 16)
+    k_blocks = max(1, -(-k // 128))
+    split = min(k_blocks, max(1, -(-DECODE_PROGRAMS_PER_SM * num_sms // tiles)))
+    per_split = -(-k_blocks // split)
+    return DecodeConfig(16, block_n, -(-k_blocks // per_split))
+
+
 def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> WsConfig:
     """The Gluon kernel's tiles: 128 output columns (one e4m3 scale group, fewer x reloads) unless
     64 make at least one more wave of tiles for a bf16 output."""

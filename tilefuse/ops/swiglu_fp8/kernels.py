@@ -21,15 +21,30 @@ block-scaled GEMM takes: the ``[M, 2I]`` intermediate never reaches HBM, nor a b
 Weight layout: merged ``[2I, K]`` (gate rows, then up rows), viewed as ``[2, I, K]`` so one 3-D TMA
 box ``[2, BLOCK_N, BLOCK_K]`` holds a tile's gate and up rows and one dot of N = 2 BLOCK_N feeds
 the tensor core per K step (as the bf16 large-M kernel does).
+
+Two kernels: ``swiglu_fp8_kernel`` (TMA, 64-128-row tiles, one program per output tile) and, for
+decode (M <= 16), ``swiglu_fp8_decode_kernel``: there the weight stream is the whole cost, and a
+program per output tile leaves too few bytes in flight (a 7B MLP at M = 1 has 296 tiles of 64
+columns), so the decode kernel splits K as well, over 16-row tiles, as the bf16 small-M kernel does.
 """
 
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import grouped_tile
+from tilefuse.ops.tl_common import grouped_tile, split_k_gate_up
 
 FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
 WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
+
+
+@triton.jit
+def _quantize_rows(h):
+    """registers: each row of ``h`` [BM, 128] (one output group) as e4m3 values (still fp32,
+    clamped to +-448 so a rounding overshoot cannot make NaN) and its scale ``amax / 448`` (1 for
+    an all-zero group)."""
+    amax = tl.max(tl.abs(h), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    return tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX), scale
 
 
 @triton.jit
@@ -106,12 +121,114 @@ def swiglu_fp8_kernel(
         # Re-quantize each row's 128 columns (one group) to e4m3: scale = amax / 448 (1 for an
         # all-zero group), values h / scale clamped to +-448 (no NaN from a rounding overshoot);
         # the scales go to out_scales[m, n / 128].
-        amax = tl.max(tl.abs(h), axis=1)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX)
+        q, scale = _quantize_rows(h)
         out_desc.store([off_m, off_n], q.to(out_desc.dtype))
         offs_m = off_m + tl.arange(0, BLOCK_M)
         tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
     else:
         # One rounding to the output dtype; the TMA store clips at M and I.
         out_desc.store([off_m, off_n], h.to(out_desc.dtype))
+
+
+@triton.jit
+def swiglu_fp8_decode_kernel(
+    # pointers: x [M, K] e4m3, w [2I, K] e4m3, scales (fp32), out [M, I], out_scales [M, I/128],
+    # the split-K workspace [SPLIT_K, 2, M, I] fp32 and its tickets [tiles] int32 (zero)
+    x_ptr, w_ptr, xs_ptr, ws_ptr, out_ptr, os_ptr, part_ptr, lock_ptr,
+    # sizes
+    M, I, K,
+    # strides (unit last strides), scale strides as swiglu_fp8_kernel takes them
+    stride_xm, stride_wn, stride_om, stride_xs_m, stride_xs_k, stride_ws_n, stride_ws_k, stride_os_m,
+    # 0.0 at run time: each K block's product starts from a zero the compiler cannot fold away
+    acc_zero,
+    # meta-parameters
+    X_GROUPED: tl.constexpr, W_BLOCKED: tl.constexpr, QUANT_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """One program = one [BLOCK_M, BLOCK_N] output tile over one K slice (of SPLIT_K).
+
+    Grid: (cdiv(I, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K), n fastest. K steps of 128 (one scale
+    block). BLOCK_N divides 128 (a tile's gate rows, and its up rows, lie in one weight block);
+    QUANT_OUT needs BLOCK_N = 128 (one output group per tile row).
+    """
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows / columns are clamped to the last valid one (unmasked loads in the loop);
+    # their results are dropped by the store mask.
+    rows = tl.minimum(offs_m, M - 1)
+    cols = tl.minimum(offs_n, I - 1)
+
+    # This program's K slice, in whole 128-wide blocks.
+    k_steps = tl.cdiv(K, WBLOCK)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_begin = pid_k * per_split
+    k_end = tl.minimum(k_begin + per_split, k_steps)
+    offs_k = k_begin * WBLOCK + tl.arange(0, WBLOCK)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
+    wg_ptrs = w_ptr + cols[:, None] * stride_wn + offs_k[None, :]
+    wu_ptrs = w_ptr + (I + cols)[:, None] * stride_wn + offs_k[None, :]
+    xs_ptrs = xs_ptr + rows * stride_xs_m + k_begin * stride_xs_k
+    wsg_ptr = ws_ptr + (pid_n * BLOCK_N // WBLOCK) * stride_ws_n + k_begin * stride_ws_k
+    wsu_ptr = ws_ptr + ((I + pid_n * BLOCK_N) // WBLOCK) * stride_ws_n + k_begin * stride_ws_k
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Main loop: HBM -> registers (software-pipelined through SMEM by num_stages): x [BM, 128] and
+    # the gate and up weight rows [BN, 128] of a K block, e4m3; each product fresh in the tensor
+    # core (fp32), scaled where the scales vary along K, added to the fp32 sums.
+    for ks in range(k_begin, k_end):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+        else:
+            k_ok = (ks * WBLOCK + tl.arange(0, WBLOCK)) < K
+            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
+        zero = tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32)
+        part_g = tl.dot(x, tl.trans(wg), zero)
+        part_u = tl.dot(x, tl.trans(wu), zero)
+        if X_GROUPED:
+            x_scale = tl.load(xs_ptrs)[:, None]
+            part_g = part_g * x_scale
+            part_u = part_u * x_scale
+            xs_ptrs += stride_xs_k
+        if W_BLOCKED:
+            part_g = part_g * tl.load(wsg_ptr)
+            part_u = part_u * tl.load(wsu_ptr)
+            wsg_ptr += stride_ws_k
+            wsu_ptr += stride_ws_k
+        acc_g += part_g
+        acc_u += part_u
+        x_ptrs += WBLOCK
+        wg_ptrs += WBLOCK
+        wu_ptrs += WBLOCK
+
+    out_mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
+    last = True
+    if SPLIT_K > 1:
+        # Split-K fix-up: the last K slice of the tile to arrive sums the partials and finishes it.
+        last, acc_g, acc_u = split_k_gate_up(acc_g, acc_u, part_ptr, lock_ptr, pid_m * tl.num_programs(0) + pid_n,
+                                             pid_k, M * I, offs_m[:, None] * I + offs_n[None, :], out_mask, SPLIT_K)
+    if last:
+        # Epilogue (registers -> HBM): the scales constant along K, SiLU * mul in fp32, then one
+        # rounding or an e4m3 re-quantization with the row's group scale (as swiglu_fp8_kernel).
+        if not X_GROUPED:
+            x_scale = tl.load(xs_ptr + rows * stride_xs_m)[:, None]
+            acc_g = acc_g * x_scale
+            acc_u = acc_u * x_scale
+        if not W_BLOCKED:
+            acc_g = acc_g * tl.load(ws_ptr + cols * stride_ws_n)[None, :]
+            acc_u = acc_u * tl.load(ws_ptr + (I + cols) * stride_ws_n)[None, :]
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        if QUANT_OUT:
+            q, scale = _quantize_rows(h)
+            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
+        else:
+            tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)

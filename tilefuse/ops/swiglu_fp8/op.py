@@ -1,8 +1,9 @@
 """``tilefuse.swiglu_fp8``: validation, launch plan, custom op.
 
-The kernels live in ``kernels.py`` (``tl``) and ``kernels_gluon.py`` (Gluon, warp-specialized,
-sm_90; ``tilefuse.force(variant="ws")`` pins it, elsewhere the pin runs the ``tl`` kernel), the
-tile choice in ``configs.py``, the spec and the e4m3 quantizers in ``reference.py``. e4m3 inputs
+The kernels live in ``kernels.py`` (``tl``: the tiled kernel, and the split-K ``decode`` kernel
+that serves M <= 16) and ``kernels_gluon.py`` (Gluon, warp-specialized, sm_90, the default from
+M = 17 where the table says so; ``tilefuse.force(variant="ws")`` pins it, elsewhere the pin runs
+the ``tl`` kernel), the tile choice in ``configs.py``, the spec and the e4m3 quantizers in ``reference.py``. e4m3 inputs
 on CUDA (sm_90+: TMA, FP8 WGMMA) run a kernel; on other devices the reference computes in fp32
 (``TRITON_INTERPRET=1`` interprets the ``tl`` kernel on CPU tensors, as for the other families).
 """
@@ -14,7 +15,7 @@ import functools
 
 import torch
 
-from tilefuse import _checks, _launch
+from tilefuse import _checks, _launch, _scratch
 from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
@@ -25,7 +26,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
 @functools.cache
 def kernel_status(device: torch.device) -> dict[str, str]:
-    """Which FP8 kernels run on ``device`` ("ok" or why not): ``tl`` and the Gluon ``ws``."""
+    """Which FP8 kernels run on ``device`` ("ok" or why not): ``tl``, ``decode`` and the Gluon ``ws``."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         why = "ok" if major >= 9 else f"needs sm_90+ (TMA, FP8 tensor cores): refused on sm_{major}{minor}"
@@ -33,7 +34,7 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         why = "ok (Triton interpreter)"
     else:
         why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernel)"
-    return {"tl": why, "ws": "ok" if ws_usable(device) else
+    return {"tl": why, "decode": why, "ws": "ok" if ws_usable(device) else
             "needs an sm_90 GPU (FP8 WGMMA) and Gluon; a pin runs the tl kernel instead"}
 
 
@@ -42,6 +43,13 @@ def _kernel():
     from tilefuse.ops.swiglu_fp8 import kernels
 
     return _launch.Kernel(kernels.swiglu_fp8_kernel)
+
+
+@functools.cache
+def _decode_kernel():
+    from tilefuse.ops.swiglu_fp8 import kernels
+
+    return _launch.Kernel(kernels.swiglu_fp8_decode_kernel)
 
 
 def _ws_kernel():
@@ -85,7 +93,7 @@ class _Call:
     """What a call with one argument layout runs (validation included), worked out once."""
 
     __slots__ = ("reference", "m", "inter", "hidden", "out_shape", "scale_shape", "config", "x_grouped",
-                 "w_blocked", "quant", "ws_config")
+                 "w_blocked", "quant", "ws_config", "decode_config")
 
 
 _plans = PlanCache()
@@ -122,6 +130,10 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
                        configs.heuristic(call.m, call.hidden, call.inter, call.quant))
         if call.ws_config is not None and call.quant and call.ws_config.block_n != 128:
             call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
+        call.decode_config = None
+        if forced == "decode" or (forced is None and call.m <= configs.DECODE_MAX_M):
+            call.ws_config = None
+            call.decode_config = configs.decode_config(call.m, call.hidden, call.inter, call.quant)
     return _plans.remember(key, call)
 
 
@@ -209,6 +221,29 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
              STAGES=cfg.stages, NUM_SMS=grid[0], num_warps=4))
 
 
+def launch_decode(x2d, xs, w, ws, out, out_scales, cfg: configs.DecodeConfig, x_grouped: bool, w_blocked: bool,
+                  quant: bool) -> None:
+    """The split-K decode kernel on a 2-D problem, arguments as :func:`run_kernel` (pointer loads:
+    no alignment needed beyond the unit last strides)."""
+    m, k = x2d.shape
+    inter = w.shape[0] // 2
+    grid = (-(-inter // cfg.block_n), -(-m // cfg.block_m), cfg.split_k)
+    if cfg.split_k > 1:    # fp32 partials [SPLIT_K, 2, M, I] (written before read), one zeroed ticket per tile
+        (part,) = _scratch.workspace(x2d.device, (cfg.split_k * 2 * m * inter, torch.float32))
+        (locks,) = _scratch.zeroed(x2d.device, (grid[0] * grid[1], torch.int32))
+    else:
+        part = locks = out    # unused
+    os_ = out_scales if quant else xs
+    key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, x_grouped, w_blocked,
+           quant)
+    _decode_kernel().launch(
+        key, grid, x2d.device.index, (x2d, w, xs, ws, out, os_, part, locks),
+        (m, inter, k, x2d.stride(0), w.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0),
+         ws.stride(1), os_.stride(0), 0.0),
+        dict(X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             SPLIT_K=cfg.split_k, EVEN_K=k % 128 == 0, num_stages=cfg.num_stages, num_warps=cfg.num_warps))
+
+
 def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
     if call.reference:
         out = swiglu_fp8_reference(x, x_scales, w_gate_up, w_scales, out_dtype=out_dtype,
@@ -223,10 +258,11 @@ def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
             x = x.clone()
         if w_gate_up.data_ptr() % 16:
             w_gate_up = w_gate_up.clone()
-        launch = run_kernel if call.ws_config is None else launch_ws
+        launch = (launch_decode if call.decode_config is not None else
+                  launch_ws if call.ws_config is not None else run_kernel)
         launch(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter), out.view(m, inter),
-               scales.view(m, -1) if call.quant else scales, call.ws_config or call.config, call.x_grouped,
-               call.w_blocked, call.quant)
+               scales.view(m, -1) if call.quant else scales, call.decode_config or call.ws_config or call.config,
+               call.x_grouped, call.w_blocked, call.quant)
     return (out.to(FP8) if carrier else out), scales
 
 

@@ -39,16 +39,19 @@ def arrive(counter_ptr, count, expected):
 def split_k_gate_up(acc_g, acc_u, part_ptr, lock_ptr, tile, pid_k, plane, offs, mask, SPLIT_K: tl.constexpr):
     """Split-K fix-up of a [BLOCK_M, BLOCK_N] gate/up tile pair: park this K slice's fp32 partials
     in the workspace ``part_ptr`` ([SPLIT_K, 2, plane] with ``plane = M * I``, element ``offs``),
-    take a ticket for ``tile``; the last slice to arrive adds the others' partials to its own and
-    re-arms the ticket (the counters stay zero between calls and CUDA-graph replays).
+    take a ticket for ``tile``; the last slice to arrive sums all SPLIT_K partials, its own
+    included, in slice order (so the result does not depend on which slice arrived last: eager
+    calls and graph replays agree bit for bit), and re-arms the ticket (the counters stay zero
+    between calls and CUDA-graph replays).
     Returns (last, gate sums, up sums): only the last slice's sums are whole."""
     tl.store(part_ptr + (2 * pid_k) * plane + offs, acc_g, mask=mask)
     tl.store(part_ptr + (2 * pid_k + 1) * plane + offs, acc_u, mask=mask)
     last = arrive(lock_ptr + tile, 1, SPLIT_K)
     if last:
-        for s in range(SPLIT_K):
-            other = mask & (s != pid_k)
-            acc_g += tl.load(part_ptr + (2 * s) * plane + offs, mask=other, other=0.0, cache_modifier=".cg")
-            acc_u += tl.load(part_ptr + (2 * s + 1) * plane + offs, mask=other, other=0.0, cache_modifier=".cg")
+        acc_g = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        acc_u = tl.load(part_ptr + plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, SPLIT_K):
+            acc_g += tl.load(part_ptr + (2 * s) * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            acc_u += tl.load(part_ptr + (2 * s + 1) * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(lock_ptr + tile, 0)
     return last, acc_g, acc_u

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# First GPU run of the Gluon kernels that are pinned only (SwiGLU "pingpong", FP8 SwiGLU "ws", MLA
-# "seesaw"), in one device call: their GPU tests, compute-sanitizer (memcheck, racecheck) on them,
-# then the benches that time them beside the defaults. Logs and JSON go to OUT (default: $OUT, else ./gluon-check).
+# The Gluon kernels (SwiGLU "pingpong", FP8 SwiGLU "ws", MLA "seesaw" and the role split it is
+# compared with), in one device call: their GPU tests, compute-sanitizer (memcheck, racecheck) on
+# them, then the benches that time them beside the defaults. racecheck reports hazards on the
+# warp-specialized kernels' cross-warpgroup hand-offs (docs/mla.md, "Compute-sanitizer"). Logs and JSON go to OUT (default: $OUT, else ./gluon-check).
 #
 #   bash tools/gluon_gpu_check.sh [tests|sanitize|bench|all] ...   # default: all, in that order
 #

@@ -4,8 +4,8 @@
   SwiGLU kernel and the VQ prefill kernel.
 * :func:`arrive` -- the split-K arrival: a program publishes its partial results, takes a ticket,
   and learns whether it is the last of its tile (the one that finishes it).
-* :func:`split_k_gate_up` -- the whole split-K fix-up of a gate/up tile pair on top of it, for the
-  SwiGLU decode kernels (bf16 and FP8).
+* :func:`load_gate_up_step` and :func:`split_k_gate_up` -- a K step's loads and the split-K
+  fix-up of a gate/up tile pair, for the SwiGLU decode kernels (bf16 and FP8).
 """
 
 import triton
@@ -33,6 +33,22 @@ def arrive(counter_ptr, count, expected):
     the partials and must re-arm the counter to 0."""
     tl.debug_barrier()
     return tl.atomic_add(counter_ptr, count, sem="acq_rel") + count == expected
+
+
+@triton.jit
+def load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """HBM -> registers: K step ``ks`` of x [BM, BLOCK_K] and of the gate and up weight rows
+    [BN, BLOCK_K] (the pointers already at the step), columns past K as zero unless EVEN_K."""
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+        wg = tl.load(wg_ptrs)
+        wu = tl.load(wu_ptrs)
+    else:
+        k_ok = (ks * BLOCK_K + tl.arange(0, BLOCK_K)) < K
+        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
+    return x, wg, wu
 
 
 @triton.jit

@@ -66,7 +66,7 @@ def wgmma_usable(device: torch.device) -> bool:
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU, as does ``seesaw`` (pinned only); elsewhere the ``tl`` kernel of the same orientation
+    GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the same orientation
     (``standard``) runs."""
     fits = q is not None and _wgmma_fits(q)
     chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None

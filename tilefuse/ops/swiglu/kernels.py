@@ -28,7 +28,7 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import arrive, grouped_tile, split_k_gate_up
+from tilefuse.ops.tl_common import arrive, grouped_tile, load_gate_up_step, split_k_gate_up
 
 
 @triton.jit
@@ -98,15 +98,7 @@ def swiglu_small_m_kernel(
     # Main loop: HBM -> registers (software-pipelined through SMEM by num_stages); x [BM, BK] is
     # shared by both dots, the gate and up weight tiles [BN, BK] stream once each.
     for ks in range(k_begin, k_end):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
-        else:
-            k_ok = (ks * BLOCK_K + tl.arange(0, BLOCK_K)) < H
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
+        x, wg, wu = load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, H, BLOCK_K, EVEN_K)
         if PROMOTE:
             # Each K step's product starts from zero in the tensor core and is added to the fp32
             # total by ordinary (round-to-nearest) adds, in case the tensor core's own fp32

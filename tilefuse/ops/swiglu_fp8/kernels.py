@@ -31,7 +31,7 @@ columns), so the decode kernel splits K as well, over 16-row tiles, as the bf16 
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import grouped_tile, split_k_gate_up
+from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, split_k_gate_up
 
 FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
 WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
@@ -180,15 +180,7 @@ def swiglu_fp8_decode_kernel(
     # the gate and up weight rows [BN, 128] of a K block, e4m3; each product fresh in the tensor
     # core (fp32), scaled where the scales vary along K, added to the fp32 sums.
     for ks in range(k_begin, k_end):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            wg = tl.load(wg_ptrs)
-            wu = tl.load(wu_ptrs)
-        else:
-            k_ok = (ks * WBLOCK + tl.arange(0, WBLOCK)) < K
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
+        x, wg, wu = load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, WBLOCK, EVEN_K)
         zero = tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32)
         part_g = tl.dot(x, tl.trans(wg), zero)
         part_u = tl.dot(x, tl.trans(wu), zero)

@@ -93,7 +93,7 @@ class _Call:
     """What a call with one argument layout runs (validation included), worked out once."""
 
     __slots__ = ("reference", "m", "inter", "hidden", "out_shape", "scale_shape", "config", "x_grouped",
-                 "w_blocked", "quant", "ws_config", "decode_config")
+                 "w_blocked", "quant", "ws_config", "decode_config", "decode")
 
 
 _plans = PlanCache()
@@ -130,10 +130,18 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
                        configs.heuristic(call.m, call.hidden, call.inter, call.quant))
         if call.ws_config is not None and call.quant and call.ws_config.block_n != 128:
             call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
-        call.decode_config = None
+        call.decode_config = call.decode = None
         if forced == "decode" or (forced is None and call.m <= configs.DECODE_MAX_M):
             call.ws_config = None
             call.decode_config = configs.decode_config(call.m, call.hidden, call.inter, call.quant)
+            if call.m:
+                # the whole launch but the pointers, worked out once: strides of the scales as the
+                # kernel reads them (their layout is part of the plan key), a fresh contiguous output
+                m = call.m
+                call.decode = _decode_plan(x.device, m, call.inter, call.hidden, _as_2d(x_scales, m),
+                                           _as_2d(w_scales, 2 * call.inter), call.inter,
+                                           call.inter // GROUP if call.quant else None, call.decode_config,
+                                           call.x_grouped, call.w_blocked, call.quant)
     return _plans.remember(key, call)
 
 
@@ -221,27 +229,56 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
              STAGES=cfg.stages, NUM_SMS=grid[0], num_warps=4))
 
 
+@dataclasses.dataclass(frozen=True)
+class _DecodePlan:
+    """A decode-kernel launch without its pointers: grid, compiled-kernel key, run-time scalars,
+    constexprs, and the split-K workspace (fp32 elements) and ticket count (0 without a split)."""
+    grid: tuple
+    key: tuple
+    scalars: tuple
+    meta: dict
+    workspace: int
+    locks: int
+
+
+def _decode_plan(device, m, inter, k, xs, ws, out_stride, os_stride, cfg: configs.DecodeConfig, x_grouped: bool,
+                 w_blocked: bool, quant: bool) -> _DecodePlan:
+    """``xs`` / ``ws``: the scales in their 2-D kernel view (:func:`_as_2d`); ``os_stride``: the
+    row stride of the e4m3 output's scales (None without them: the kernel then reads x's)."""
+    grid = (-(-inter // cfg.block_n), -(-m // cfg.block_m), cfg.split_k)
+    os_stride = xs.stride(0) if os_stride is None else os_stride
+    strides = (k, k, out_stride, xs.stride(0), xs.stride(1), ws.stride(0), ws.stride(1), os_stride)
+    split = cfg.split_k > 1
+    return _DecodePlan(
+        grid, (device, m, inter, k, strides, cfg, x_grouped, w_blocked, quant), (m, inter, k, *strides, 0.0),
+        dict(X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+             SPLIT_K=cfg.split_k, EVEN_K=k % 128 == 0, num_stages=cfg.num_stages, num_warps=cfg.num_warps),
+        cfg.split_k * 2 * m * inter if split else 0, grid[0] * grid[1] if split else 0)
+
+
+def _launch_decode_plan(plan: _DecodePlan, device, x, w, xs, ws, out, os_) -> None:
+    """The hot path: x [M, K] and w [2I, K] contiguous e4m3 (16-byte aligned), the scales as given
+    (any view of the plan's layout), out / os_ fresh. The compiled kernel is specialized on the
+    scales' 16-byte alignment, so it is part of the key."""
+    if plan.locks:    # fp32 partials [SPLIT_K, 2, M, I] (written before read), one zeroed ticket per tile
+        (part,) = _scratch.workspace(device, (plan.workspace, torch.float32))
+        (locks,) = _scratch.zeroed(device, (plan.locks, torch.int32))
+    else:
+        part = locks = out    # unused
+    key = (plan.key, xs.data_ptr() % 16 == 0, ws.data_ptr() % 16 == 0, os_.data_ptr() % 16 == 0)
+    _decode_kernel().launch(key, plan.grid, device.index, (x, w, xs, ws, out, os_, part, locks), plan.scalars,
+                            plan.meta)
+
+
 def launch_decode(x2d, xs, w, ws, out, out_scales, cfg: configs.DecodeConfig, x_grouped: bool, w_blocked: bool,
                   quant: bool) -> None:
     """The split-K decode kernel on a 2-D problem, arguments as :func:`run_kernel` (pointer loads:
-    no alignment needed beyond the unit last strides)."""
+    16-byte aligned x and w rows, unit last strides)."""
     m, k = x2d.shape
     inter = w.shape[0] // 2
-    grid = (-(-inter // cfg.block_n), -(-m // cfg.block_m), cfg.split_k)
-    if cfg.split_k > 1:    # fp32 partials [SPLIT_K, 2, M, I] (written before read), one zeroed ticket per tile
-        (part,) = _scratch.workspace(x2d.device, (cfg.split_k * 2 * m * inter, torch.float32))
-        (locks,) = _scratch.zeroed(x2d.device, (grid[0] * grid[1], torch.int32))
-    else:
-        part = locks = out    # unused
-    os_ = out_scales if quant else xs
-    key = (x2d.device, out.dtype, m, inter, k, xs.stride(), ws.stride(), os_.stride(0), cfg, x_grouped, w_blocked,
-           quant)
-    _decode_kernel().launch(
-        key, grid, x2d.device.index, (x2d, w, xs, ws, out, os_, part, locks),
-        (m, inter, k, x2d.stride(0), w.stride(0), out.stride(0), xs.stride(0), xs.stride(1), ws.stride(0),
-         ws.stride(1), os_.stride(0), 0.0),
-        dict(X_GROUPED=x_grouped, W_BLOCKED=w_blocked, QUANT_OUT=quant, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-             SPLIT_K=cfg.split_k, EVEN_K=k % 128 == 0, num_stages=cfg.num_stages, num_warps=cfg.num_warps))
+    plan = _decode_plan(x2d.device, m, inter, k, xs, ws, out.stride(0), out_scales.stride(0) if quant else None,
+                        cfg, x_grouped, w_blocked, quant)
+    _launch_decode_plan(plan, x2d.device, x2d, w, xs, ws, out, out_scales if quant else xs)
 
 
 def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
@@ -258,11 +295,14 @@ def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
             x = x.clone()
         if w_gate_up.data_ptr() % 16:
             w_gate_up = w_gate_up.clone()
-        launch = (launch_decode if call.decode_config is not None else
-                  launch_ws if call.ws_config is not None else run_kernel)
-        launch(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter), out.view(m, inter),
-               scales.view(m, -1) if call.quant else scales, call.decode_config or call.ws_config or call.config,
-               call.x_grouped, call.w_blocked, call.quant)
+        if call.decode is not None:       # decode sizes: no views, the launch worked out in the plan
+            _launch_decode_plan(call.decode, x.device, x, w_gate_up, x_scales, w_scales, out,
+                                scales if call.quant else x_scales)
+        else:
+            launch = launch_ws if call.ws_config is not None else run_kernel
+            launch(x.view(m, hidden), _as_2d(x_scales, m), w_gate_up, _as_2d(w_scales, 2 * inter),
+                   out.view(m, inter), scales.view(m, -1) if call.quant else scales, call.ws_config or call.config,
+                   call.x_grouped, call.w_blocked, call.quant)
     return (out.to(FP8) if carrier else out), scales
 
 

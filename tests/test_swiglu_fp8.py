@@ -188,6 +188,23 @@ def test_ws_dispatch_from_the_table(monkeypatch):
         configs.choose.cache_clear()
 
 
+def test_decode_config_from_the_table(monkeypatch):
+    """A "decode" entry of the configs file (M = 16 bucket) sets the decode kernel's tiles; the
+    split follows from programs_per_sm and never leaves an empty K slice; the tiled kernel's
+    choice at those M is unaffected."""
+    monkeypatch.setattr(configs, "TUNED", {False: {}, True: {}})
+    configs.apply_overrides([{"quant": False, "M": 16, "variant": "decode",
+                              "config": {"block_n": 32, "num_warps": 8, "programs_per_sm": 1}}])
+    try:
+        cfg = configs.decode_config(1, 4096, 14336, False)
+        assert (cfg.block_n, cfg.num_warps) == (32, 8) and cfg.split_k == 1        # 448 tiles >= 132
+        assert configs.decode_config(1, 4096, 14336, True).block_n == 128         # e4m3: one group
+        assert configs.decode_config(1, 896, 512, False).split_k == 7             # 16 tiles: one block each
+        assert isinstance(configs.choose(1, 4096, 14336, False), configs.Fp8Config)
+    finally:
+        configs.choose.cache_clear()
+
+
 def test_config_register_budget():
     """The tl kernel's tiles keep two fp32 tiles of <= 64 registers per thread (8 warps); quantized
     outputs have one group per tile row, in the tl kernel's tiles and in the Gluon kernel's."""

@@ -3,6 +3,7 @@
     python3 tools/tune_swiglu.py OUT_DIR [--mode full|tail|tiles] [--configs FILE]
     python3 tools/tune_swiglu.py OUT_DIR --mode promote       # time and accuracy of per-K-step promotion
     python3 tools/tune_swiglu.py OUT_DIR --mode fp8           # swiglu_fp8 tiles (tl and Gluon) per (output, M)
+    python3 tools/tune_swiglu.py OUT_DIR --mode fp8decode     # the FP8 decode kernel's tiles (M = 1, 16)
     TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench swiglu  # then measure the picks
 
 Every candidate is timed as CUDA-graph replays (cold L2, median) of ``run_kernel`` with that
@@ -207,6 +208,66 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
     return results, picks
 
 
+def fp8_decode_candidates() -> list:
+    """The FP8 decode kernel's launch configs (``DecodeConfig``: block_n, stages, warps, programs
+    per SM; the split follows from the last); an e4m3 output runs each with 128 columns."""
+    from tilefuse.ops.swiglu_fp8.configs import DecodeConfig as D
+
+    return [D(), D(block_n=32), D(block_n=128), D(num_warps=8), D(block_n=128, num_warps=8), D(num_stages=3),
+            D(num_stages=6), D(programs_per_sm=2), D(programs_per_sm=8), D(block_n=128, num_warps=8, programs_per_sm=8)]
+
+
+def fp8_decode_sweep() -> tuple[list[dict], list[dict]]:
+    """Block-scaled swiglu_fp8 at M = 1 and 16 through the decode kernel, bf16 and e4m3 outputs:
+    every candidate's CUDA-graph time on four shapes (0.5B, 7B, Llama-3-8B, 72B), beside the tiled
+    tl kernel's; per output the candidate with the least total time over shapes and M (the default
+    unless 2 % faster), as a "decode" entry for the M = 16 bucket."""
+    import torch
+
+    from tilefuse.bench.harness import Timer
+    from tilefuse.ops.swiglu_fp8 import configs
+    from tilefuse.ops.swiglu_fp8.op import _as_2d, launch_decode, run_kernel
+    from tilefuse.testing.swiglu import LLAMA3_SHAPES, SHAPES, make_fp8_case
+
+    timer = Timer(torch.device("cuda"), rep_ms=12.0, warmup_ms=3.0)
+    shapes = {**SHAPES, **LLAMA3_SHAPES}
+    results, picks = [], []
+    for quant in (False, True):
+        totals: dict = {}
+        for model in ("0.5B", "7B", "L3-8B", "72B"):
+            h, i = shapes[model]
+            for m in (1, 16):
+                case = make_fp8_case(m, h, i, "cuda")
+                x, xs, w, ws = case.args()
+                out = torch.empty((m, i), dtype=torch.float8_e4m3fn if quant else torch.bfloat16, device="cuda")
+                oscale = torch.empty((m, i // 128), dtype=torch.float32, device="cuda")
+                tl_cfg = configs.heuristic(m, h, i, quant)
+                tl_us = timer.graph_us(lambda: run_kernel(x, _as_2d(xs, m), w, ws, out, oscale, tl_cfg, True, True,
+                                                          quant))
+                for base in fp8_decode_candidates():
+                    c = configs.decode_config(m, h, i, quant, base=base)
+                    try:
+                        us = timer.graph_us(lambda c=c: launch_decode(x, _as_2d(xs, m), w, ws, out, oscale, c, True,
+                                                                      True, quant))
+                    except Exception as exc:
+                        print(f"    ! {c}: {type(exc).__name__}: {str(exc)[:160]}", file=sys.stderr, flush=True)
+                        us = float("inf")
+                    totals[base] = totals.get(base, 0.0) + us
+                    results.append({"model": model, "M": m, "quant": quant, "config": repr(c), "graph_us": us,
+                                    "tl_graph_us": tl_us})
+                    print(f"fp8 decode quant={quant} {model:>6} M={m:<3} {us:8.1f} us (tl {tl_us:8.1f})  {c}",
+                          flush=True)
+                del case, x, xs, w, ws, out
+                torch.cuda.empty_cache()
+        default = configs.DecodeConfig()
+        best = min(totals, key=totals.get)
+        if totals[best] > KEEP_MARGIN * totals[default]:
+            best = default
+        print(f"fp8 decode quant={quant}: pick {best} ({totals[best]:.1f} us vs {totals[default]:.1f})", flush=True)
+        picks.append({"quant": quant, "M": 16, "variant": "decode", "config": dataclasses.asdict(best)})
+    return results, picks
+
+
 def print_table(table: dict) -> None:
     """The picks in the form of ``TUNED`` in ``configs.py``."""
     print("TUNED = {")
@@ -246,16 +307,18 @@ def promote_check() -> None:
 
 
 def main() -> None:
-    mode = dict(choices=["full", "tail", "tiles", "pingpong", "promote", "fp8"], default="full",
+    mode = dict(choices=["full", "tail", "tiles", "pingpong", "promote", "fp8", "fp8decode"], default="full",
                 help="which sweep (see above)")
     args = parse_args(__doc__, workers=False, **{"--mode": mode})
     if args.mode == "promote":
         promote_check()
         return
-    if args.mode == "fp8":
-        results, picks = fp8_sweep()
-        write_json(args.out_dir / "swiglu-fp8-sweep.json", results)
-        configs = {**read_configs(args.configs), "swiglu_fp8": picks}
+    if args.mode in ("fp8", "fp8decode"):
+        results, picks = fp8_sweep() if args.mode == "fp8" else fp8_decode_sweep()
+        write_json(args.out_dir / f"swiglu-{args.mode}-sweep.json", results)
+        kept = [e for e in read_configs(args.configs).get("swiglu_fp8", [])
+                if (e.get("variant") == "decode") != (args.mode == "fp8decode")]
+        configs = {**read_configs(args.configs), "swiglu_fp8": kept + picks}
         args.configs.parent.mkdir(parents=True, exist_ok=True)
         args.configs.write_text(json.dumps(configs, indent=1) + "\n")
         print(f"picks merged into {args.configs}: TILEFUSE_CONFIGS={args.configs} tilefuse bench swiglu_fp8")

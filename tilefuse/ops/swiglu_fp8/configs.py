@@ -10,7 +10,7 @@ needs the 128 output columns of a group in one tile (BLOCK_N = 128).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tilefuse import _env
 
@@ -51,31 +51,38 @@ class WsConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Tiles of the decode kernel (``kernels.swiglu_fp8_decode_kernel``): [block_m, block_n] output
-    tiles (block_n 64, or 128 for an e4m3 output), K split over ``split_k`` programs."""
+    tiles (block_n 32-128; 128 for an e4m3 output), K split over ``split_k`` programs (0: chosen
+    per shape by :func:`decode_config` for ``programs_per_sm`` programs per SM)."""
     block_m: int = 16
     block_n: int = 64
-    split_k: int = 1
+    split_k: int = 0
     num_stages: int = 4
     num_warps: int = 4
+    programs_per_sm: int = 4
 
 
 # The decode kernel serves M <= DECODE_MAX_M (one 16-row tile) unless another variant is pinned.
 DECODE_MAX_M = 16
-# Programs the decode kernel's split aims for: enough 16-32 KB K blocks in flight per SM to keep
-# HBM busy when the weight stream is the whole cost.
-DECODE_PROGRAMS_PER_SM = 4
 
 
-def decode_config(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> DecodeConfig:
-    """The decode kernel's tiles: 64 output columns (128 for an e4m3 output: one group), 16 rows,
-    and K split until the grid reaches DECODE_PROGRAMS_PER_SM programs per SM (never an empty
-    slice: the split divides the 128-wide K blocks as evenly as whole blocks allow)."""
-    block_n = 128 if quant_out else 64
-    tiles = -(-i // block_n) * -(-m // 16)
+def decode_config(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200,
+                  base: DecodeConfig | None = None) -> DecodeConfig:
+    """The decode kernel's launch config from ``base`` (default: the ``TUNED`` entry of M's bucket
+    when it is a DecodeConfig, else ``DecodeConfig()``): an e4m3 output takes 128 columns (one
+    group); a split of 0 becomes the one that reaches ``programs_per_sm`` programs per SM (enough
+    16-32 KB K blocks in flight to keep HBM busy when the weight stream is the whole cost), never
+    an empty slice (the 128-wide K blocks divided as evenly as whole blocks allow)."""
+    if base is None:
+        tuned = TUNED.get(quant_out, {}).get(next((t for t in TUNED_M if m <= t), TUNED_M[-1]))
+        base = tuned if isinstance(tuned, DecodeConfig) else DecodeConfig()
+    block_n = 128 if quant_out else base.block_n
     k_blocks = max(1, -(-k // 128))
-    split = min(k_blocks, max(1, -(-DECODE_PROGRAMS_PER_SM * num_sms // tiles)))
-    per_split = -(-k_blocks // split)
-    return DecodeConfig(16, block_n, -(-k_blocks // per_split))
+    split = base.split_k
+    if not split:
+        tiles = -(-i // block_n) * -(-m // base.block_m)
+        split = max(1, -(-base.programs_per_sm * num_sms // tiles))
+    per_split = -(-k_blocks // min(split, k_blocks))
+    return replace(base, block_n=block_n, split_k=-(-k_blocks // per_split))
 
 
 def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> WsConfig:
@@ -88,9 +95,10 @@ def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> W
 
 # Measured picks by quant_out and M bucket (the TUNED_M entry at or above M), for all shapes: the
 # "swiglu_fp8" section of a TILEFUSE_CONFIGS file ([{"quant", "M", "config"}, with "variant": "ws"
-# for a WsConfig], written by ``tools/tune_swiglu.py --mode fp8``) is merged in at import. A
-# WsConfig entry makes the Gluon kernel the default there (where it can run; else the heuristic's
-# tl tiles).
+# for a WsConfig, "decode" for a DecodeConfig], written by ``tools/tune_swiglu.py --mode fp8`` and
+# ``--mode fp8decode``) is merged in at import. A WsConfig entry makes the Gluon kernel the default
+# there (where it can run; else the heuristic's tl tiles); a DecodeConfig entry (M = 16: the
+# decode kernel's bucket) replaces the decode kernel's default tiles.
 # Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-12-01 (bench/results/swiglu-fp8-sweep-h200.json):
 # graph time summed over Llama-3-8B and Qwen2.5-72B, block scales; the Gluon kernel's best against
 # the tl kernel's best. M <= 16 keeps the heuristic's tl tiles (a 128-row tile is mostly padding).
@@ -119,7 +127,7 @@ WS_MIN_SM_FRACTION = 0.5
 
 def apply_overrides(entries: list[dict]) -> None:
     for entry in entries:
-        cls = WsConfig if entry.get("variant") == "ws" else Fp8Config
+        cls = {"ws": WsConfig, "decode": DecodeConfig}.get(entry.get("variant"), Fp8Config)
         TUNED.setdefault(bool(entry["quant"]), {})[entry["M"]] = cls(**entry["config"])
     choose.cache_clear()
 
@@ -131,6 +139,8 @@ def choose(m: int, k: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200)
     scale block and the promotion step). A :class:`WsConfig` means the Gluon kernel."""
     bucket = next((t for t in TUNED_M if m <= t), TUNED_M[-1])
     tuned = TUNED.get(quant_out, {}).get(bucket)
+    if isinstance(tuned, DecodeConfig):      # the decode kernel's (op.py takes it through decode_config)
+        tuned = None
     if isinstance(tuned, WsConfig) and -(-m // 128) * -(-i // tuned.block_n) < WS_MIN_SM_FRACTION * num_sms:
         tuned = None
     if tuned is not None:

@@ -172,10 +172,10 @@ def swiglu_pingpong_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST, HAS_BIAS,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
-        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(1), out_desc, bias_ptr, M, I, H, SECOND, HAS_BIAS,
-                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
+        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(0), out_desc, bias_ptr, M, I, H, FIRST,
+                     HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
+        (_consumer, (x_ring, w_ring, ready, empty, turn, out_smem.index(1), out_desc, bias_ptr, M, I, H, SECOND,
+                     HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, NUM_SMS)),
         (_producer, (x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED, BLOCK_M, BLOCK_N, BLOCK_K,
                      CHUNK, GROUP_M, STAGES, NUM_SMS)),
     ], [4, 1], [232, 40])

@@ -3,9 +3,10 @@
 The kernels live in ``kernels.py`` (``tl``: the tiled kernel, and the split-K ``decode`` kernel
 that serves M <= 16) and ``kernels_gluon.py`` (Gluon, warp-specialized, sm_90, the default from
 M = 17 where the table says so; ``tilefuse.force(variant="ws")`` pins it, elsewhere the pin runs
-the ``tl`` kernel), the tile choice in ``configs.py``, the spec and the e4m3 quantizers in ``reference.py``. e4m3 inputs
-on CUDA (sm_90+: TMA, FP8 WGMMA) run a kernel; on other devices the reference computes in fp32
-(``TRITON_INTERPRET=1`` interprets the ``tl`` kernel on CPU tensors, as for the other families).
+the ``tl`` kernel), the tile choice in ``configs.py``, the spec and the e4m3 quantizers in
+``reference.py``. e4m3 inputs on CUDA (sm_90+: TMA, FP8 WGMMA) run a kernel; on other devices the
+reference computes in fp32 (``TRITON_INTERPRET=1`` interprets the ``tl`` kernels on CPU tensors, as
+for the other families).
 """
 
 from __future__ import annotations
@@ -272,8 +273,8 @@ def _launch_decode_plan(plan: _DecodePlan, device, x, w, xs, ws, out, os_) -> No
 
 def launch_decode(x2d, xs, w, ws, out, out_scales, cfg: configs.DecodeConfig, x_grouped: bool, w_blocked: bool,
                   quant: bool) -> None:
-    """The split-K decode kernel on a 2-D problem, arguments as :func:`run_kernel` (pointer loads:
-    16-byte aligned x and w rows, unit last strides)."""
+    """The split-K decode kernel on a 2-D problem, arguments as :func:`run_kernel` (pointer loads;
+    x2d and w contiguous and 16-byte aligned)."""
     m, k = x2d.shape
     inter = w.shape[0] // 2
     plan = _decode_plan(x2d.device, m, inter, k, xs, ws, out.stride(0), out_scales.stride(0) if quant else None,

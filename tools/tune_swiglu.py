@@ -209,12 +209,15 @@ def fp8_sweep() -> tuple[list[dict], list[dict]]:
 
 
 def fp8_decode_candidates() -> list:
-    """The FP8 decode kernel's launch configs (``DecodeConfig``: block_n, stages, warps, programs
-    per SM; the split follows from the last); an e4m3 output runs each with 128 columns."""
+    """The FP8 decode kernel's launch configs (``DecodeConfig``: block_m, block_n, stages, warps,
+    programs per SM; the split follows from the last); an e4m3 output runs each with 128 columns.
+    16 rows run ``mma.sync`` on e4m3 converted to fp16; 64 rows run FP8 WGMMA directly (sm_90a,
+    ptxas: 101-206 registers with 8 warps, no spills; 4 warps spill with 128 columns)."""
     from tilefuse.ops.swiglu_fp8.configs import DecodeConfig as D
 
     return [D(), D(block_n=32), D(block_n=128), D(num_warps=8), D(block_n=128, num_warps=8), D(num_stages=3),
-            D(num_stages=6), D(programs_per_sm=2), D(programs_per_sm=8), D(block_n=128, num_warps=8, programs_per_sm=8)]
+            D(num_stages=6), D(programs_per_sm=2), D(programs_per_sm=8), D(block_n=128, num_warps=8, programs_per_sm=8),
+            D(block_m=64, num_warps=8), D(block_m=64, num_warps=8, programs_per_sm=8)]
 
 
 def fp8_decode_sweep() -> tuple[list[dict], list[dict]]:

@@ -188,6 +188,22 @@ def test_ws_dispatch_from_the_table(monkeypatch):
         configs.choose.cache_clear()
 
 
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (64, 64)])
+def test_decode_kernel_tiles(interpret, block_m, block_n):
+    """The decode kernel launched with the sweep's other tiles (tools/tune_swiglu.py --mode
+    fp8decode): 32 columns, 64 rows (FP8 WGMMA on the GPU), a split of 2."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    m, k, i = 5, 256, 128
+    case = make_fp8_case(m, k, i, interpret)
+    x, xs, w, ws = case.args()
+    out = torch.full((m, i), float("nan"))
+    cfg = configs.DecodeConfig(block_m=block_m, block_n=block_n, split_k=2)
+    with tilefuse.force(backend="triton"):
+        op.launch_decode(x, op._as_2d(xs, m), w, ws, out, xs, cfg, True, True, False)
+    assert_close(out, reference_fp8_fp64(case), **TOL[torch.float32])
+
+
 def test_decode_config_from_the_table(monkeypatch):
     """A "decode" entry of the configs file (M = 16 bucket) sets the decode kernel's tiles; the
     split follows from programs_per_sm and never leaves an empty K slice; the tiled kernel's

@@ -4,8 +4,9 @@
   SwiGLU kernel and the VQ prefill kernel.
 * :func:`arrive` -- the split-K arrival: a program publishes its partial results, takes a ticket,
   and learns whether it is the last of its tile (the one that finishes it).
-* :func:`load_gate_up_step` and :func:`split_k_gate_up` -- a K step's loads and the split-K
-  fix-up of a gate/up tile pair, for the SwiGLU decode kernels (bf16 and FP8).
+* :func:`split_k_tile`, :func:`load_gate_up_step` and :func:`split_k_gate_up` -- a program's
+  output tile and K slice, a K step's loads, and the split-K fix-up of a gate/up tile pair, for
+  the SwiGLU decode kernels (bf16 and FP8).
 """
 
 import triton
@@ -33,6 +34,26 @@ def arrive(counter_ptr, count, expected):
     the partials and must re-arm the counter to 0."""
     tl.debug_barrier()
     return tl.atomic_add(counter_ptr, count, sem="acq_rel") + count == expected
+
+
+@triton.jit
+def split_k_tile(M, I, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """This program's work in a (cdiv(I, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K) grid: (pid_m, pid_n,
+    pid_k, offs_m, offs_n, rows, cols, k_begin, k_end). ``rows`` / ``cols`` are ``offs_m`` /
+    ``offs_n`` clamped to the last valid one (loads stay in bounds without masks; the store mask
+    drops those results); K steps ``[k_begin, k_end)`` of BLOCK_K, whole steps per slice."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_begin = pid_k * per_split
+    k_end = tl.minimum(k_begin + per_split, k_steps)
+    return (pid_m, pid_n, pid_k, offs_m, offs_n, tl.minimum(offs_m, M - 1), tl.minimum(offs_n, I - 1), k_begin,
+            k_end)
 
 
 @triton.jit

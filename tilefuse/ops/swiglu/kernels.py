@@ -28,7 +28,7 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import arrive, grouped_tile, load_gate_up_step, split_k_gate_up
+from tilefuse.ops.tl_common import arrive, grouped_tile, load_gate_up_step, split_k_gate_up, split_k_tile
 
 
 @triton.jit
@@ -65,28 +65,16 @@ def swiglu_small_m_kernel(
     bytes, so BLOCK_N is small (16-64) to make enough programs and BLOCK_K large (128-256) so each
     load moves wide 16-byte vectors and several are in flight per SM.
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Out-of-range rows/columns are clamped to the last valid one (loads stay in bounds, no masks
-    # in the inner loop); their results are dropped by the store mask.
-    rows_x = tl.minimum(offs_m, M - 1)
-    cols = tl.minimum(offs_n, I - 1)
+    # This program's tile and K slice, in whole BLOCK_K steps; out-of-range rows/columns clamped to
+    # the last valid one (no masks in the inner loop), their results dropped by the store mask.
+    pid_m, pid_n, pid_k, offs_m, offs_n, rows_x, cols, k_begin, k_end = split_k_tile(
+        M, I, H, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     if PACKED:
         rows_g = _packed_row(cols, PACK)
         rows_u = rows_g + PACK
     else:
         rows_g = cols
         rows_u = cols + I
-
-    # This program's K slice, in whole BLOCK_K steps.
-    k_steps = tl.cdiv(H, BLOCK_K)
-    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
-    k_begin = pid_k * steps_per_split
-    k_end = tl.minimum(k_begin + steps_per_split, k_steps)
 
     offs_k = k_begin * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]

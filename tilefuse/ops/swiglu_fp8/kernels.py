@@ -31,7 +31,7 @@ columns), so the decode kernel splits K as well, over 16-row tiles, as the bf16 
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, split_k_gate_up
+from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, split_k_gate_up, split_k_tile
 
 FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
 WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
@@ -151,21 +151,10 @@ def swiglu_fp8_decode_kernel(
     block). BLOCK_N divides 128 (a tile's gate rows, and its up rows, lie in one weight block);
     QUANT_OUT needs BLOCK_N = 128 (one output group per tile row).
     """
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Out-of-range rows / columns are clamped to the last valid one (unmasked loads in the loop);
-    # their results are dropped by the store mask.
-    rows = tl.minimum(offs_m, M - 1)
-    cols = tl.minimum(offs_n, I - 1)
-
-    # This program's K slice, in whole 128-wide blocks.
-    k_steps = tl.cdiv(K, WBLOCK)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
-    k_begin = pid_k * per_split
-    k_end = tl.minimum(k_begin + per_split, k_steps)
+    # This program's tile and K slice, in whole 128-wide blocks; out-of-range rows / columns
+    # clamped to the last valid one (unmasked loads in the loop), dropped by the store mask.
+    pid_m, pid_n, pid_k, offs_m, offs_n, rows, cols, k_begin, k_end = split_k_tile(
+        M, I, K, BLOCK_M, BLOCK_N, WBLOCK, SPLIT_K)
     offs_k = k_begin * WBLOCK + tl.arange(0, WBLOCK)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
     wg_ptrs = w_ptr + cols[:, None] * stride_wn + offs_k[None, :]

@@ -34,12 +34,10 @@ VARIANTS = {
 _ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
 
 class _Forced(threading.local):
-    """This thread's :func:`force` pins. Class-level defaults: reading an unset attribute of a
-    plain ``threading.local`` through ``getattr(..., default)`` raises and catches an exception,
-    about 1 us on every op call (the plan keys read these)."""
+    """This thread's :func:`force` pins, ``(backend, variant)``. A class-level default: reading an
+    unset attribute of a plain ``threading.local`` through ``getattr(..., default)`` raises and
+    catches an exception, about 1 us on every op call (the plan keys read it)."""
 
-    backend: str | None = None
-    variant: str | None = None
     state: tuple[str | None, str | None] = (None, None)
 
 
@@ -76,6 +74,17 @@ def gluon_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] == 9
 
 
+def tl_status(device: torch.device, min_major: int, need: str) -> str:
+    """"ok" where a family's ``tl`` kernels run on ``device`` (a GPU of compute capability
+    ``min_major`` or above, whose feature ``need`` names; or the interpreter), else why not."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return "ok" if major >= min_major else f"needs sm_{min_major}0+ ({need}), this GPU is sm_{major}{minor}"
+    if interpreting():
+        return "ok (Triton interpreter)"
+    return "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernels)"
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
     return _env.settings.interpret
@@ -93,18 +102,16 @@ def force(backend: str | None = None, variant: str | None = None):
     if variant is not None and variant not in _ALL_VARIANTS:
         raise ValueError(f"variant: expected one of {_ALL_VARIANTS}, got {variant!r}")
     saved = _local.state
-    _local.backend, _local.variant = backend or saved[0], variant or saved[1]
-    _local.state = (_local.backend, _local.variant)
+    _local.state = (backend or saved[0], variant or saved[1])
     try:
         yield
     finally:
-        _local.backend, _local.variant = saved
         _local.state = saved
 
 
 def forced_variant(family: str) -> str | None:
     """The variant of ``family`` pinned by :func:`force`, or None to let the op dispatch by shape."""
-    variant = _local.variant
+    variant = _local.state[1]
     return variant if variant in VARIANTS[family] else None
 
 
@@ -115,7 +122,7 @@ def forced_state() -> tuple[str | None, str | None]:
 
 def choose_backend(device: torch.device) -> str:
     """The backend an op runs for tensors on ``device``."""
-    backend = _local.backend or _env.settings.backend
+    backend = _local.state[0] or _env.settings.backend
     if backend == "reference":
         return "reference"
     if backend == "triton":

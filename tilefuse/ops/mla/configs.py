@@ -51,9 +51,9 @@ LONG_CONTEXT_PAGES = 256
 # 1.3-1.9x the tl kernel), so on Hopper it takes every shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
-# The Gluon kernel's schedule where it is the default: the role split ("wgmma", measured) or the
-# seesaw ("seesaw", not yet measured); a configs file's "gluon_schedule" switches it, so that a
-# bench run can time the seesaw as the default.
+# The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
+# ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs
+# file's "gluon_schedule" switches it, so that a bench run can time the seesaw as the default.
 GLUON_SCHEDULE = "wgmma"
 
 _overrides = dict(_env.settings.configs.get("mla", {}))

@@ -33,7 +33,7 @@ import torch
 
 from tilefuse import _checks, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
-from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, interpreting, num_sms
+from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table, mla_decode_reference
@@ -44,13 +44,7 @@ MAX_BATCH = 8192          # the metadata kernel holds the batch's lengths in one
 
 def kernel_status(device: torch.device) -> dict[str, str]:
     """Which MLA kernel variants run on ``device`` ("ok" or why not)."""
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        why = "ok" if major >= 8 else f"needs sm_80+ (tl.dot on bf16), got sm_{major}x"
-    elif interpreting():
-        why = "ok (Triton interpreter)"
-    else:
-        why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernels)"
+    why = tl_status(device, 8, "tl.dot on bf16")
     status = {v: why for v in VARIANTS}
     for variant in configs.GLUON_VARIANTS:
         status[variant] = ("ok" if wgmma_usable(device) else

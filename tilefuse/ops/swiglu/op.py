@@ -167,9 +167,13 @@ def triton_cdiv(a: int, b: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def plan(m: int, h: int, inter: int, device: torch.device, variant: str | None):
-    """(variant, config) the op runs for an ``[m, h] x [2 inter, h]`` problem (cached per size)."""
+    """(variant, config) the op runs for an ``[m, h] x [2 inter, h]`` problem (cached per size);
+    the ping-pong kernel's choice becomes the large-M kernel's where the Gluon kernel cannot run."""
     num_sms = device_num_sms(device, cpu_default=configs.NUM_SMS_H200)
-    return configs.choose(m, h, inter, variant, num_sms)
+    variant, config = configs.choose(m, h, inter, variant, num_sms)
+    if variant == "pingpong" and not pingpong_usable(device):
+        return "large_m", configs.choose(m, h, inter, "large_m", num_sms)[1]
+    return variant, config
 
 
 def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: str = "merged",

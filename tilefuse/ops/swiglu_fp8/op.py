@@ -17,7 +17,7 @@ import functools
 import torch
 
 from tilefuse import _checks, _launch, _scratch
-from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting
+from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
 from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, swiglu_fp8_reference
@@ -28,13 +28,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 @functools.cache
 def kernel_status(device: torch.device) -> dict[str, str]:
     """Which FP8 kernels run on ``device`` ("ok" or why not): ``tl``, ``decode`` and the Gluon ``ws``."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        why = "ok" if major >= 9 else f"needs sm_90+ (TMA, FP8 tensor cores): refused on sm_{major}{minor}"
-    elif interpreting():
-        why = "ok (Triton interpreter)"
-    else:
-        why = "CPU: reference path (set TRITON_INTERPRET=1 to interpret the kernel)"
+    why = tl_status(device, 9, "TMA, FP8 tensor cores")
     return {"tl": why, "decode": why, "ws": "ok" if ws_usable(device) else
             "needs an sm_90 GPU (FP8 WGMMA) and Gluon; a pin runs the tl kernel instead"}
 
@@ -120,20 +114,11 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
             raise ValueError(f"x: swiglu_fp8 needs an sm_90+ GPU (TMA, FP8 tensor cores), got "
                              f"sm_{''.join(map(str, torch.cuda.get_device_capability(x.device)))}")
         chosen = configs.choose(call.m, call.hidden, call.inter, call.quant)
-        forced, usable = forced_variant("swiglu_fp8"), ws_usable(x.device)
-        call.ws_config = None
-        if usable and forced == "ws":
-            call.ws_config = chosen if isinstance(chosen, configs.WsConfig) else configs.ws_config(
-                call.m, call.inter, call.quant)
-        elif usable and forced is None and isinstance(chosen, configs.WsConfig):
-            call.ws_config = chosen
+        forced = forced_variant("swiglu_fp8")
         call.config = (chosen if isinstance(chosen, configs.Fp8Config) else
                        configs.heuristic(call.m, call.hidden, call.inter, call.quant))
-        if call.ws_config is not None and call.quant and call.ws_config.block_n != 128:
-            call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
-        call.decode_config = call.decode = None
+        call.ws_config = call.decode_config = call.decode = None
         if forced == "decode" or (forced is None and call.m <= configs.DECODE_MAX_M):
-            call.ws_config = None
             call.decode_config = configs.decode_config(call.m, call.hidden, call.inter, call.quant)
             if call.m:
                 # the whole launch but the pointers, worked out once: strides of the scales as the
@@ -143,6 +128,11 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
                                            _as_2d(w_scales, 2 * call.inter), call.inter,
                                            call.inter // GROUP if call.quant else None, call.decode_config,
                                            call.x_grouped, call.w_blocked, call.quant)
+        elif (forced == "ws" or (forced is None and isinstance(chosen, configs.WsConfig))) and ws_usable(x.device):
+            call.ws_config = chosen if isinstance(chosen, configs.WsConfig) else configs.ws_config(
+                call.m, call.inter, call.quant)
+            if call.quant and call.ws_config.block_n != 128:
+                call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
     return _plans.remember(key, call)
 
 
@@ -266,7 +256,7 @@ def _launch_decode_plan(plan: _DecodePlan, device, x, w, xs, ws, out, os_) -> No
         (locks,) = _scratch.zeroed(device, (plan.locks, torch.int32))
     else:
         part = locks = out    # unused
-    key = (plan.key, xs.data_ptr() % 16 == 0, ws.data_ptr() % 16 == 0, os_.data_ptr() % 16 == 0)
+    key = (plan.key, _launch.aligned(xs, ws, os_))
     _decode_kernel().launch(key, plan.grid, device.index, (x, w, xs, ws, out, os_, part, locks), plan.scalars,
                             plan.meta)
 

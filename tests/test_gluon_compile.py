@@ -8,6 +8,7 @@ process without the interpreter (``compile_gluon_isolated``), with the arguments
 the launch specializes them (pointers and 16-divisible integers aligned).
 """
 
+import re
 import pytest
 import torch
 
@@ -193,3 +194,34 @@ def test_vq_gather_decode_compiles():
     result = compile_gluon_isolated("tilefuse.ops.vq.kernels_gluon:vq_decode_gluon_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=aligned)
     _check_plain(result, max_spilled=128)   # 8 tokens: 255 registers and 80 bytes of spill traffic, as it stands
+
+
+@pytest.mark.parametrize("m,n,k,dtype", [(512, 28672, 8192, torch.float16), (512, 4096, 4096, torch.bfloat16),
+                                         (64, 4096, 4096, torch.float16)], ids=["256tok-tile", "128tok-tile", "64tok-tile"])
+def test_vq_wgmma_prefill_compiles(m, n, k, dtype):
+    """The WGMMA prefill kernel with the tiles ``configs.wgmma_prefill_config`` picks: no spills,
+    shared memory within the limit, WGMMA with the weight tile in registers, and the codebook
+    copies stored at the offset its lookups' PTX reads (``_cb_base``: Triton's allocator order)."""
+    from tilefuse.ops.vq import configs as vq_configs
+    from tilefuse.ops.vq.kernels_prefill import _cb_base
+
+    cfg = vq_configs.wgmma_prefill_config(m, n, k, 132)
+    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    signature = {"x_desc": tensordesc(dtype, [cfg["block_m"], 64]), "c_desc": tensordesc(torch.int16, [cfg["block_n"], 8]), "cb_ptr": element,
+                 "scales_ptr": element, "bias_ptr": element, "out_ptr": element, "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
+                 "N": "i32", "NUM_GROUPS": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32", "stride_om": "i32"}
+    constexprs = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
+                      NUM_WARPS=cfg["num_warps"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True)
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_prefill:vq_prefill_kernel", signature, constexprs,
+                                    num_warps=cfg["num_warps"], aligned=["cb_ptr", "scales_ptr", "bias_ptr", "out_ptr",
+                                                                         "N", "NUM_GROUPS", "stride_om"])
+    _check_plain(result)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(f16|bf16)\.(f16|bf16) \{[^}]*\}, \{",
+                     result.ptx), "the A operand must come from registers"
+    # one lookup pair per weight pair: 16 per tile, two tiles in the code (the first step, the loop)
+    assert "shfl" not in result.ptx and result.ptx.count("ld.shared.b32 p, [a+") == 32
+    first_store = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+(?:\+(\d+))?\]", result.ptx)
+    base = _cb_base(cfg["block_m"], cfg["stages"])
+    assert int(first_store.group(1) or 0) == base, (first_store.group(0), base)
+    assert f"[a+{base}]" in result.ptx and f"[b+{base + 32768}]" in result.ptx

@@ -20,7 +20,9 @@ LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="aut
           "decode_tl": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="tl"),
           "mma": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="auto"),
           "mma_gluon": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="gluon"),
-          "prefill": lambda c, out: vq_op.launch_mma(*_args(c), out, impl="tl"),
+          "prefill": lambda c, out: vq_op.launch_prefill(*_args(c), out, impl="auto"),
+          "prefill_tl": lambda c, out: vq_op.launch_prefill(*_args(c), out, impl="tl"),
+          "prefill_wgmma": lambda c, out: vq_op.launch_prefill(*_args(c), out, impl="wgmma"),
           "dequant": lambda c, out: vq_op.launch_dequant(*_args(c), out)}
 
 
@@ -240,6 +242,58 @@ def test_gpu_mma_fp32_codebooks_and_nan(dtype):
     case.codes.clamp_(max=200)
     case.codebooks[:, 250] = float("nan")
     _check(_run_poisoned(case, "mma_gluon"), case, "dequant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n,k", GPU_SHAPES + [(4096, 14336), (14336, 4096)])
+@pytest.mark.parametrize("m", [17, 64, 512])
+def test_gpu_prefill_wgmma_bench_shapes(dtype, n, k, m):
+    """The WGMMA prefill kernel (Hopper; default from 17 tokens), forced, at the bench shapes."""
+    case = make_case(m, n, k, dtype, "cuda", bias=True)
+    _check(_run_poisoned(case, "prefill_wgmma"), case, "prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (33, 37, 1024), (300, 333, 8192), (129, 1000, 4096), (70, 200, 640)])
+@pytest.mark.parametrize("tiles", [dict(block_m=64, num_warps=4), dict(block_m=128, num_warps=8),
+                                   dict(block_m=256, num_warps=8, stages=3)], ids=["64x64", "128x128", "256x128"])
+@pytest.mark.parametrize("codes_dtype", [torch.uint8, torch.int8])
+def test_gpu_prefill_wgmma_edges(m, n, k, tiles, codes_dtype):
+    """Odd N (clamped rows), M not a multiple of the token tile (TMA zero fill), one K step, every
+    tile shape, int8 codes, x at an unaligned offset (copied for TMA), bias and no bias."""
+    for dtype, bias in ((torch.float16, True), (torch.bfloat16, False)):
+        case = make_case(m, n, k, dtype, "cuda", bias=bias, codes_dtype=codes_dtype)
+        out = poisoned((m, n), dtype, "cuda")
+        vq_op.launch_prefill(*_args(case), out, impl="wgmma", **tiles)
+        _check(out, case, "prefill")
+    shifted = torch.empty(m * k + 1, dtype=case.x.dtype, device="cuda")[1:].view(m, k)
+    shifted.copy_(case.x)
+    out = poisoned((m, n), case.x.dtype, "cuda")
+    vq_op.launch_prefill(shifted, *_args(case)[1:], out, impl="wgmma", **tiles)
+    _check(out, case, "prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_prefill_wgmma_fp32_codebooks_nan_and_graph(dtype):
+    """fp32 codebooks (rounded to x's dtype in shared memory); NaN in unused entries stays out; the
+    default dispatch at 64 tokens is this kernel and replays in a CUDA graph."""
+    case = make_case(64, 4096, 4096, dtype, "cuda")
+    case.codebooks = case.codebooks.float()
+    case.codes.clamp_(max=200)
+    case.codebooks[:, 250] = float("nan")
+    _check(_run_poisoned(case, "prefill_wgmma"), case, "dequant")   # two roundings per weight: dequant's bound
+    assert vq_op.choose_variant(64, 4096, case.x.device) == "prefill"
+    fn = lambda: tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)  # noqa: E731
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, case, "dequant")
 
 
 @pytest.mark.gpu

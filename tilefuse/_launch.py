@@ -211,7 +211,7 @@ def _new_descriptor(base, shape, strides, block, gluon: bool):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-               torch.float8_e4m3fn: gl.float8e4nv}[base.dtype]
+               torch.float8_e4m3fn: gl.float8e4nv, torch.int16: gl.int16}[base.dtype]
     return TensorDescriptor(base, list(shape), list(strides), list(block),
                             gl.NVMMASharedLayout.get_default_for(list(block), element))
 

@@ -49,7 +49,7 @@ def tensordesc(dtype, block: list[int]) -> str:
     from triton.runtime.jit import mangle_type
 
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
-               torch.float8_e4m3fn: gl.float8e4nv}[dtype]
+               torch.float8_e4m3fn: gl.float8e4nv, torch.int16: gl.int16}[dtype]
     probe = torch.empty(1, dtype=dtype)
     shape = [16 * b for b in block]
     strides = [1] * len(block)

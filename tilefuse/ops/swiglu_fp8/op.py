@@ -250,13 +250,13 @@ def _decode_plan(device, m, inter, k, xs, ws, out_stride, os_stride, cfg: config
 def _launch_decode_plan(plan: _DecodePlan, device, x, w, xs, ws, out, os_) -> None:
     """The hot path: x [M, K] and w [2I, K] contiguous e4m3 (16-byte aligned), the scales as given
     (any view of the plan's layout), out / os_ fresh. The compiled kernel is specialized on the
-    scales' 16-byte alignment, so it is part of the key."""
+    scales' 16-byte alignment and on the output's dtype, so both are part of the key."""
     if plan.locks:    # fp32 partials [SPLIT_K, 2, M, I] (written before read), one zeroed ticket per tile
         (part,) = _scratch.workspace(device, (plan.workspace, torch.float32))
         (locks,) = _scratch.zeroed(device, (plan.locks, torch.int32))
     else:
         part = locks = out    # unused
-    key = (plan.key, _launch.aligned(xs, ws, os_))
+    key = (plan.key, out.dtype, _launch.aligned(xs, ws, os_))
     _decode_kernel().launch(key, plan.grid, device.index, (x, w, xs, ws, out, os_, part, locks), plan.scalars,
                             plan.meta)
 

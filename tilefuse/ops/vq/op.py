@@ -78,7 +78,8 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         "decode": mma_ok if _gluon_decode() is not None else "Gluon not importable: falls back to decode_tl",
         "decode_tl": "ok (correct but slow on GPU: Triton lowers tl.gather to warp shuffles)",
         "mma": mma_ok if _mma_decode() is not None else "Gluon not importable: falls back to the tl kernel",
-        "prefill": mma_ok + " (fused, tl; see docs/vq.md for where it stands against dequant + cuBLAS)",
+        "prefill": ("ok (WGMMA kernel; K a multiple of 64, else the tl kernel)" if major == 9 and
+                    _wgmma_prefill() is not None else mma_ok + " (the tl kernel: the WGMMA kernel needs sm_90)"),
         "dequant": "ok",
     }
 
@@ -123,7 +124,7 @@ class _Call:
     (with the pointers' alignment)."""
 
     __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta",
-                 "copies", "impl", "mma")
+                 "copies", "impl", "mma", "prefill", "block")
 
 
 def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool) -> _Call:
@@ -267,6 +268,73 @@ def _launch_mma(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.
     return out
 
 
+def _wgmma_prefill():
+    """The Gluon WGMMA prefill kernel (``kernels_prefill.py``), or None."""
+    return _kernel("kernels_prefill", "vq_prefill_kernel")
+
+
+def wgmma_prefill_applies(k: int, device: torch.device) -> bool:
+    """The WGMMA prefill kernel runs on Hopper (sm_90) with K a multiple of its 64-input step."""
+    return (device.type == "cuda" and k % 64 == 0 and torch.cuda.get_device_capability(device)[0] == 9
+            and _wgmma_prefill() is not None)
+
+
+def launch_prefill(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", **override) -> torch.Tensor:
+    """The fused prefill kernel, one launch: ``out = x2d @ W^T (+ bias)``.
+
+    x2d: [M, K]; codes: [N, K/8, 2] uint8/int8 contiguous; scales: [N]; out: [M, N] (any contents).
+    impl: "auto" (the WGMMA kernel where :func:`wgmma_prefill_applies`, else the ``tl`` twin),
+    "wgmma" or "tl". ``override`` (``block_m``, ``stages``, ``num_warps``) replaces entries of
+    ``configs.wgmma_prefill_config`` (tuning and tests)."""
+    m, k = x2d.shape
+    n = codes.shape[0]
+    if impl == "tl" or (impl == "auto" and not wgmma_prefill_applies(k, x2d.device)):
+        return launch_mma(x2d, codes, codebooks, scales, bias, out, impl="tl")
+    if not wgmma_prefill_applies(k, x2d.device):
+        raise ValueError(f"x: the WGMMA prefill kernel needs an sm_90 GPU and K a multiple of 64, got K={k} on "
+                         f"{x2d.device}")
+    call = _prefill_call(m, n, k, x2d.device, bias is not None, out.stride(0), **override)
+    return _launch_prefill(call, x2d, codes, codebooks, scales, bias, out)
+
+
+def _prefill_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, out_stride: int, **override) -> _Call:
+    """The WGMMA prefill kernel's launch for M rows of K in, M rows of N out (row stride ``out_stride``)."""
+    cfg = configs.wgmma_prefill_config(m, n, k, num_sms(device), **{key: v or 0 for key, v in override.items()})
+    call = _Call()
+    call.m, call.variant, call.resident, call.impl = m, "prefill", False, "wgmma"
+    call.grid = cfg["grid"]
+    call.block = ([cfg["block_m"], 64], [cfg["block_n"], 8])
+    split = cfg["split_k"] > 1
+    # split-K: zeroed fp32 partial sums [M, N] and one arrival counter per output tile
+    call.scratch = ((m * n, torch.float32), (call.grid[0] * call.grid[1], torch.int32)) if split else None
+    call.scalars = (m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], out_stride)
+    call.meta = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
+                     NUM_WARPS=cfg["num_warps"], SPLIT=split, HAS_BIAS=has_bias, num_warps=cfg["num_warps"])
+    return call
+
+
+def _launch_prefill(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.Tensor:
+    """x2d: [M, K] with unit column stride (TMA: a 16-byte aligned base and row stride); codes
+    contiguous with a 16-byte aligned base (TMA; K a multiple of 64 makes its rows 16-byte aligned)."""
+    if x2d.data_ptr() % 16 or (x2d.stride(0) * x2d.element_size()) % 16:
+        x2d = x2d.contiguous() if not x2d.is_contiguous() else x2d.clone()
+    codes16 = _code_pairs(codes)
+    if codes16.data_ptr() % 16:     # a view at an odd offset: TMA cannot read it
+        return launch_dequant(x2d, codes, codebooks, scales, bias, out)
+    m, k = x2d.shape
+    n, groups = codes16.shape
+    x_desc = _launch.descriptor(x2d, [m, k], [x2d.stride(0), 1], call.block[0], gluon=True)
+    c_desc = _launch.descriptor(codes16, [n, groups], [groups, 1], call.block[1], gluon=True)
+    key = (call, x2d.dtype, x2d.stride(0), codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
+           out.dtype, codebooks.data_ptr() % 16, scales.data_ptr() % 16, bias is None or bias.data_ptr() % 16,
+           out.data_ptr() % 16)
+    ws, cnt = _scratch.zeroed(x2d.device, *call.scratch) if call.scratch else (out, out)
+    _wgmma_prefill().launch(key, call.grid, x2d.device.index,
+                            (x_desc, c_desc, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
+                            call.scalars, call.meta)
+    return out
+
+
 def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
     """codes [N, K/8, 2] (uint8/int8) as int16 [N, K/8], cached per codes tensor like :func:`_code_words`."""
     key = ("pairs", codes.data_ptr(), codes.shape, codes.device)
@@ -299,10 +367,11 @@ def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 1
     return out
 
 
-def choose_variant(m: int) -> str:
-    """The variant a call on ``m`` tokens runs: the one pinned by ``force()``, else the measured
-    dispatch."""
-    return forced_variant("vq") or configs.default_variant(m)
+def choose_variant(m: int, k: int = 0, device: torch.device | None = None) -> str:
+    """The variant a call on ``m`` tokens of ``k`` inputs on ``device`` runs: the one pinned by
+    ``force()``, else the measured dispatch."""
+    return forced_variant("vq") or configs.default_variant(
+        m, m > configs.MMA_SWITCH_TOKENS and device is not None and wgmma_prefill_applies(k, device))
 
 
 def _reference(x, codes, codebooks, scales, bias):
@@ -372,15 +441,17 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference:
         check_interpretable("x", x.dtype)
-    variant = choose_variant(m) if not reference else None
+    variant = choose_variant(m, k, x.device) if not reference else None
     if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
         call = _resident_call(m, n, k, x.device, bias is not None)
     else:
         call = _Call()
         call.m, call.variant, call.resident = m, variant, False
-    # the MMA kernels' launch, planned once (x is made contiguous before it runs)
+    # the fused kernels' launch, planned once (x is made contiguous before it runs)
+    call.prefill = (_prefill_call(m, n, k, x.device, bias is not None, n)
+                    if variant == "prefill" and wgmma_prefill_applies(k, x.device) else None)
     call.mma = (_mma_call(m, n, k, x.device, bias is not None, "auto" if variant == "mma" else "tl", k, n)
-                if variant in ("mma", "prefill") else None)
+                if variant in ("mma", "prefill") and call.prefill is None else None)
     call.reference = reference
     call.out_shape = (*x.shape[:-1], n)
     # the kernels read codes, codebooks, scales and bias as dense arrays
@@ -405,7 +476,9 @@ def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
         launch_dequant(x2d, codes, codebooks, scales, bias, out2d)     # scales: N contiguous values
         return out
     scales_1d = scales.view(n)
-    if call.mma is not None:
+    if call.prefill is not None:
+        _launch_prefill(call.prefill, x2d, codes, codebooks, scales_1d, bias, out2d)
+    elif call.mma is not None:
         _launch_mma(call.mma, x2d, codes, codebooks, scales_1d, bias, out2d)
     else:
         impl = "auto" if call.variant == "decode" else "tl"

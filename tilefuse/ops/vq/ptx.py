@@ -83,3 +83,18 @@ def dequant_asm(kind: str) -> str:
              "ld.shared.v4.b32 {p0, p1, p2, p3}, [a];", "ld.shared.v4.b32 {q0, q1, q2, q3}, [b+32768];"]
     lines += [add % (i, i, i) for i in range(4)]
     return "{ " + " ".join(lines) + " }"
+
+
+def pair_dequant_asm(kind: str, base: int = 0) -> str:
+    """PTX for one weight pair of the prefill kernel (``kernels_prefill.py``): ``C0[a] + C1[b]`` at
+    two consecutive positions of a group, packed in one 32-bit register.
+
+    Operands (``pack = 2``): output $0, then 2 copies of the byte offset of the pair in C0[a]'s
+    copy for this lane, then 2 of C1[b]'s (only the first of each is read). The codebook copies
+    start ``base`` bytes into ``global_smem``, codebook 1 32 KB after codebook 0 (both offsets fold
+    into the loads). One rounding to ``kind`` as :func:`dequant_asm`."""
+    add = {"f16": ["add.rn.f16x2 $0, p, q;"], "bf16": ["mov.b32 one, 0x3F803F80;", "fma.rn.bf16x2 $0, p, one, q;"]}
+    lines = [".reg .u32 a, b, base;", ".reg .b32 one, p, q;", "mov.u32 base, global_smem;",
+             "add.u32 a, $1, base;", "add.u32 b, $3, base;",
+             f"ld.shared.b32 p, [a+{base}];", f"ld.shared.b32 q, [b+{base + 32768}];", *add[kind]]
+    return "{ " + " ".join(lines) + " }"

@@ -1,0 +1,204 @@
+"""Gluon prefill kernel for Hopper: weight tiles dequantized straight into WGMMA's register operand.
+
+``y[m, n] = scale[n] * sum_k W'[n, k] x[m, k] (+ bias[n])`` with
+``W'[n, 8g:8g+8] = C0[c0(n, g)] + C1[c1(n, g)]`` (sm_90a). Swap-AB like the MMA decode kernel:
+the weight tile ``[BLOCK_N rows, 64]`` is the A operand of ``wgmma`` *from registers*, x^T
+``[64, BLOCK_M tokens]`` the B operand from shared memory, so the dequantized weights never go
+through shared memory (a dequantize-to-SMEM GEMM would write and re-read 16 bytes per 8 weights
+on top of the lookups and bind on shared-memory bandwidth).
+
+* Stage 0 (HBM/L2 -> SMEM, once per program): both codebooks in x's dtype, every entry stored 8
+  times side by side (``[2 x 256 entries, 8 copies, 8]``, 64 KB).
+* Stage 1 (HBM -> SMEM, TMA ring of ``STAGES`` slots, one mbarrier each): per 64-input K step the
+  x box ``[BLOCK_M, 64]`` and the code box ``[BLOCK_N rows, 8 groups]`` (int16 pairs, low byte
+  codebook 0), ``STAGES`` steps ahead; tokens and rows past the ends arrive as zeros.
+* Stage 2 (SMEM -> registers): a thread's code pairs, 8 consecutive groups of each of its rows
+  (one 16-byte shared load per row; the four lanes of a row quad read the same bytes).
+* Stage 3 (SMEM -> registers): the A tile in WGMMA's register layout (``k_width = 2``): a thread
+  holds weight pairs ``(2t, 2t + 1)`` of each group of its rows (t = lane % 4). Each pair is two
+  ``ld.shared.b32`` (the pair of C0's and of C1's entry) and one packed add (one rounding to x's
+  dtype), inline PTX (Gluon has no indexed shared load). Lane ``4r + t`` reads copy ``r`` (its row
+  mod 8), so a warp's 32 lookups fall on 32 distinct banks whatever the codes.
+* Stage 4 (tensor cores): ``wgmma`` m64 x BLOCK_M x k16 per warpgroup (64 rows each), issued
+  asynchronously: the next step's stages 2-3 run on the CUDA cores while it computes. The weight
+  registers must not change until it is done, hence one WGMMA in flight, waited for at the end of
+  each step (a loop-carried register operand of a second one could be moved under it).
+* Stage 5 (registers -> HBM): row scale (it factors out of the sum over k), bias, output. Where
+  the output tiles do not fill the GPU, K is split over the grid's third axis and the partials meet
+  in an fp32 workspace with one arrival counter per tile, as in the MMA decode kernel.
+
+The PTX addresses Triton's ``global_smem`` symbol: the offset of the codebook copies follows
+Triton's allocator (``_cb_base``); ``tests/test_gluon_compile.py`` checks that the compiled
+kernel stores them where the lookups read (the GPU tests would see another placement as wrong
+results). ``kernels.vq_mma_kernel`` computes the same in ``tl`` (the CPU-tested twin).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from tilefuse.ops.vq.kernels_mma import _split_finish
+from tilefuse.ops.vq.ptx import pair_dequant_asm
+
+COPIES = gl.constexpr(8)             # copies of each codebook entry in shared memory
+BLOCK_K = gl.constexpr(64)           # inputs per K step: 8 groups
+GROUPS = gl.constexpr(8)
+CB_ELEMS = gl.constexpr(2 * 256 * 8 * 8)     # the codebook copies, elements of x's dtype (64 KB)
+PAIR_CON = gl.constexpr("=r,r,r,r,r")        # one packed pair out; 2 + 2 byte offsets in
+
+
+@gluon.constexpr_function
+def _log2_range(n):
+    return range(max(int(n), 1).bit_length() - 1)
+
+
+@gluon.constexpr_function
+def _tile_layout(block_n, num_warps):
+    """The A operand (``wgmma`` registers, ``k_width = 2``) as ``[rows, group, j]``: j bit 0, row + 8
+    and the group in registers, j bits 1-2 on lanes 0-1, row % 8 on lanes 2-4, warps over 16-row
+    tiles, further 16 * num_warps-row tiles in registers (``gl.to_linear_layout`` of the operand,
+    with k = 8 * group + j)."""
+    block_n, num_warps = int(block_n), int(num_warps)
+    reg = [[0, 0, 1], [8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]] + \
+        [[16 * num_warps << i, 0, 0] for i in _log2_range(block_n // (16 * num_warps))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0, 2], [0, 0, 4], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+                                      warp_bases=[[16 << i, 0, 0] for i in _log2_range(num_warps)], block_bases=[],
+                                      shape=[block_n, 8, 8])
+
+
+@gluon.constexpr_function
+def _codes_layout(block_n, num_warps):
+    """The same threads' code pairs ``[rows, group]``, groups first in registers (one 16-byte load
+    per row); lanes 0-1 hold copies (the four lanes of a row quad read the same codes)."""
+    block_n, num_warps = int(block_n), int(num_warps)
+    reg = [[0, 1], [0, 2], [0, 4], [8, 0]] + \
+        [[16 * num_warps << i, 0] for i in _log2_range(block_n // (16 * num_warps))]
+    return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+                                      warp_bases=[[16 << i, 0] for i in _log2_range(num_warps)], block_bases=[],
+                                      shape=[block_n, 8])
+
+
+@gluon.constexpr_function
+def _cb_base(block_m, stages):
+    """Byte offset of the codebook copies in ``global_smem``. Triton's allocator places buffers
+    that are live together by decreasing size, the earlier allocation first among equals: the
+    copies (64 KB, allocated first) go to offset 0 unless the x ring is larger, then after it (the
+    code ring is always smaller)."""
+    ring = int(stages) * int(block_m) * 64 * 2
+    return 0 if ring <= 65536 else ring
+
+
+_pair_asm = gluon.constexpr_function(pair_dequant_asm)
+
+
+@gluon.jit
+def _dequant_tile(pairs, copy_off, j_off, A_OP: gl.constexpr, L3: gl.constexpr, BLOCK_N: gl.constexpr,
+                  dtype: gl.constexpr, CB_BASE: gl.constexpr):
+    """Code pairs ``[BLOCK_N, 8]`` (int16, memory order) -> the step's weight tile ``[BLOCK_N, 64]``
+    in x's dtype, in the A operand's register layout (SMEM codebook copies -> registers)."""
+    p = gl.convert_layout(pairs, gl.SliceLayout(2, L3)).to(gl.int32)   # a register permutation only
+    off0 = (p & 0xFF) * (COPIES * 16) + copy_off
+    off1 = ((p >> 8) & 0xFF) * (COPIES * 16) + copy_off
+    off0 = gl.convert_layout(gl.reshape(off0[:, :, None] + j_off, [BLOCK_N, BLOCK_K]), A_OP)
+    off1 = gl.convert_layout(gl.reshape(off1[:, :, None] + j_off, [BLOCK_N, BLOCK_K]), A_OP)
+    if dtype == gl.float16:
+        return gl.inline_asm_elementwise(_pair_asm("f16", CB_BASE), PAIR_CON, [off0, off1], gl.float16, True, 2)
+    else:
+        return gl.inline_asm_elementwise(_pair_asm("bf16", CB_BASE), PAIR_CON, [off0, off1], gl.bfloat16, True, 2)
+
+
+@gluon.jit
+def _load_step(x_desc, c_desc, x_ring, c_ring, ready, slot, step, m0, row0):
+    """HBM -> SMEM (TMA): K step ``step``'s x box and code box into ring slot ``slot``."""
+    bar = ready.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + c_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [m0, step * BLOCK_K], bar, x_ring.index(slot))
+    tma.async_copy_global_to_shared(c_desc, [row0, step * GROUPS], bar, c_ring.index(slot))
+
+
+@gluon.jit
+def vq_prefill_kernel(
+    # x as a TMA descriptor over [M, K] with [BLOCK_M, 64] boxes, the codes over int16 [N, NUM_GROUPS]
+    # (low byte codebook 0) with [BLOCK_N, 8] boxes
+    x_desc, c_desc, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    # sizes (NUM_GROUPS and GROUPS_PER_SPLIT multiples of 8), the output's row stride
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT, SPLIT_K, stride_om,
+    # meta-parameters: BLOCK_N rows (16 per warp: 64 per warpgroup, or a multiple) x BLOCK_M tokens
+    BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+):
+    dtype: gl.constexpr = x_desc.dtype
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                  instr_shape=[16, BLOCK_M, 16])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    L3: gl.constexpr = _tile_layout(BLOCK_N, NUM_WARPS)
+    L_C: gl.constexpr = _codes_layout(BLOCK_N, NUM_WARPS)
+    CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
+    CB_BASE: gl.constexpr = _cb_base(BLOCK_M, STAGES)
+
+    pid_m = gl.program_id(0)          # token tiles vary fastest: they share the row block's codes in L2
+    pid_n = gl.program_id(1)
+    row0 = pid_n * BLOCK_N
+    m0 = pid_m * BLOCK_M
+    first = gl.program_id(2) * (GROUPS_PER_SPLIT // GROUPS)      # this K slice's first step
+    steps = (gl.minimum(GROUPS_PER_SPLIT, NUM_GROUPS - first * GROUPS)) // GROUPS
+
+    # shared memory: the codebook copies, then the rings of x boxes and code boxes (allocated in
+    # this order; see CB_BASE)
+    cb_smem = gl.allocate_shared_memory(dtype, [CB_ELEMS // 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    c_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, GROUPS], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    # ---- stage 1 (prologue): the first STAGES steps' x and code boxes (HBM -> SMEM); rows past N
+    # and tokens past M arrive as zeros (code 0: in bounds, never stored)
+    for i in gl.static_range(STAGES):
+        if i < steps:
+            _load_step(x_desc, c_desc, x_ring, c_ring, ready, i, first + i, m0, row0)
+
+    # ---- stage 0: codebooks (HBM/L2 -> registers -> SMEM), 8 copies of each entry, x's dtype ----
+    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # entry * COPIES + copy
+    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
+    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(dtype))
+    gl.thread_barrier()
+
+    # per-element constants of the A tile: the copy a lane reads (row % 8) and the pair in the entry
+    tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
+    copy_off = (tr % COPIES) * 16
+    tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
+    j_off = (tj // 2) * 4
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
+    mbarrier.wait(ready.index(0), 0)
+    w = _dequant_tile(c_ring.index(0).load(L_C), copy_off, j_off, A_OP, L3, BLOCK_N, dtype, CB_BASE)
+    for i in range(steps):
+        s = i % STAGES
+        # stage 4: this step's WGMMA (asynchronous: it reads w's registers and the x slot)
+        acc = warpgroup_mma(w, x_ring.index(s).permute((1, 0)), acc, is_async=True)
+        # stage 2 + 3 for the next step while it runs: its codes (SMEM -> registers) and weight
+        # tile, into other registers (past the last step: stale codes, in bounds, never multiplied)
+        nxt = i + 1
+        if nxt < steps:
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        w_next = _dequant_tile(c_ring.index(nxt % STAGES).load(L_C), copy_off, j_off, A_OP, L3, BLOCK_N, dtype,
+                               CB_BASE)
+        # w's registers and slot s are free once the WGMMA is done, in both warpgroups
+        acc, w = warpgroup_mma_wait(0, deps=[acc, w])
+        gl.thread_barrier()
+        # stage 1: refill slot s with the step STAGES ahead
+        if i + STAGES < steps:
+            _load_step(x_desc, c_desc, x_ring, c_ring, ready, s, first + i + STAGES, m0, row0)
+        w = w_next
+    cb_smem._keep_alive()   # the PTX lookups are invisible to the allocator: hold the copies to here
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    # ---- stage 5: scale rows; split-K partials meet in the fp32 workspace (one arrival counter per
+    # output tile); bias, output (registers -> HBM) ----
+    rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
+    toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om,
+                  pid_n * gl.num_programs(0) + pid_m, SPLIT_K, SPLIT, HAS_BIAS)

@@ -1,0 +1,109 @@
+"""Sweep the WGMMA prefill kernel's tiles and the VQ prefill switch points on a Hopper GPU.
+
+    python3 tools/vq_prefill_sweep.py OUT_DIR [--quick]
+
+For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096, 28672x8192 and
+4096x14336) at 32, 64, 128 and 512 tokens (fp16), each candidate tile of
+``kernels_prefill.vq_prefill_kernel`` (tokens per tile x warps x ring depth) is timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
+tile ``configs.wgmma_prefill_config`` picks (``auto``), fp16 cuBLAS on the dequantized weight,
+dequantize + cuBLAS and (up to 64 tokens) the MMA decode kernel. An output more than 2e-3
+(relative) away from cuBLAS's gets no time. Every time goes to ``OUT_DIR/vq-prefill-sweep.json``
+with, per case, the fastest tile, the auto pick's loss against it, and the prefill kernel's time
+over cuBLAS's, over dequant + cuBLAS's and over the MMA decode's (the switch points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+CANDIDATES = [dict(block_m=bm, num_warps=nw, stages=st)
+              for bm, nw, st in [(64, 4, 6), (64, 8, 6), (128, 4, 4), (128, 8, 2), (128, 8, 6), (256, 8, 2), (256, 8, 4)]]
+TOKENS = (32, 64, 128, 512)
+MAX_REL_ERR = 2e-3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+
+    import tilefuse
+    from tilefuse.bench.harness import Timer
+    from tilefuse.bench.runner import machine_info
+    from tilefuse.bench.vq import BENCH_SHAPES
+    from tilefuse.ops.vq import configs
+    from tilefuse.ops.vq import op as vq_op
+    from tilefuse.ops.vq.reference import dequantize
+    from tilefuse.testing.vq import make_case
+
+    timer = Timer(torch.device("cuda"), rep_ms=10)
+    shapes = [BENCH_SHAPES[0], BENCH_SHAPES[4], BENCH_SHAPES[6]] if args.quick else BENCH_SHAPES
+    rows = []
+
+    def record(n, k, m, impl, fn, ref, **extra):
+        try:
+            err = float((fn().float() - ref).norm() / ref.norm())
+            us = timer.graph_us(fn) if err < MAX_REL_ERR else None
+        except Exception as exc:  # a config that does not compile or launch gets no time
+            err, us = repr(exc)[:200], None
+        rows.append(dict(N=n, K=k, tokens=m, impl=impl, us=us, rel_err=err, **extra))
+        print(f"{n}x{k} m={m} {impl:12s} {extra.get('config', '')} {us if us is None else round(us, 2)} us",
+              file=sys.stderr, flush=True)
+        return us
+
+    cases = []
+    for (n, k), m in itertools.product(shapes, TOKENS):
+        c = make_case(m, n, k, torch.float16, "cuda")
+        w = dequantize(c.codes, c.codebooks, c.scales, dtype=torch.float16)
+        ref = F.linear(c.x, w).float()
+        t = {"fp16_cublas": record(n, k, m, "fp16_cublas", lambda: F.linear(c.x, w), ref)}
+        for variant in ["dequant"] + (["mma"] if m <= 64 else []):
+            def forced(variant=variant):
+                with tilefuse.force(variant=variant):
+                    return tilefuse.vq_matmul(c.x, c.codes, c.codebooks, c.scales)
+            t[variant] = record(n, k, m, variant, forced, ref)
+        out = torch.empty(m, n, dtype=torch.float16, device="cuda")
+        scales = c.scales.reshape(n)
+        auto = configs.wgmma_prefill_config(m, n, k, vq_op.num_sms(c.x.device))
+        t["auto"] = record(n, k, m, "prefill", lambda: vq_op.launch_prefill(c.x, c.codes, c.codebooks, scales, None,
+                                                                            out, impl="wgmma"), ref, config="auto",
+                           picked={key: auto[key] for key in ("block_m", "num_warps", "stages")})
+        tiles = {}
+        for cfg in CANDIDATES:
+            tiles[json.dumps(cfg)] = record(n, k, m, "prefill", lambda: vq_op.launch_prefill(
+                c.x, c.codes, c.codebooks, scales, None, out, impl="wgmma", **cfg), ref, config=cfg)
+        timed = {key: us for key, us in tiles.items() if us}
+        best = min(timed, key=timed.get) if timed else None
+        entry = dict(N=n, K=k, tokens=m, best=best and json.loads(best), best_us=best and timed[best],
+                     auto_us=t["auto"], auto_over_best=t["auto"] and best and round(t["auto"] / timed[best], 3))
+        for other in ("fp16_cublas", "dequant", "mma"):
+            if t.get(other) and t["auto"]:
+                entry[f"prefill_over_{other}"] = round(t["auto"] / t[other], 3)
+        cases.append(entry)
+        print(json.dumps(entry), file=sys.stderr, flush=True)
+
+    def geo(values):
+        values = [v for v in values if v]
+        return round(math.exp(sum(map(math.log, values)) / len(values)), 3) if values else None
+
+    summary = {f"{key} at {m} tokens": geo(e.get(key) for e in cases if e["tokens"] == m)
+               for key in ("prefill_over_fp16_cublas", "prefill_over_dequant", "prefill_over_mma", "auto_over_best")
+               for m in TOKENS}
+    print(json.dumps(summary, indent=1))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "vq-prefill-sweep.json").write_text(json.dumps(
+        {"machine": machine_info(torch.device("cuda")), "candidates": CANDIDATES, "summary": summary, "cases": cases, "rows": rows},
+        indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@
 Codes, codebooks and scales are random (timing does not depend on their values). Impls:
 ``tilefuse`` (default dispatch), ``tilefuse:decode`` (the table decode, 1-4 tokens),
 ``tilefuse:mma`` (the MMA decode, 2-64 tokens), ``tilefuse:dequant`` (dequantize + cuBLAS, 16
-tokens and up, to locate the switch point), ``tilefuse:prefill`` (the fused ``tl`` kernel, 64
-tokens and up), ``fp16_cublas`` (``F.linear`` on
+tokens and up, to locate the switch point), ``tilefuse:prefill`` (the fused prefill kernel, 64
+tokens and up: the WGMMA kernel on Hopper, its ``tl`` twin elsewhere), ``fp16_cublas`` (``F.linear`` on
 the dequantized weight in the case's dtype: the dense layer the 2-bit one replaces), and where the
 ``aqlm`` package imports and its CUDA extension builds (nvcc, on first use), AQLM's own kernels
 on the same codes: ``aqlm_cuda`` (its 2x8 GEMV, one launch per token; AQLM runs it up to 6

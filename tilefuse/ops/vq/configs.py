@@ -18,7 +18,7 @@ from tilefuse import _env
 DECODE_MAX_TOKENS = 8            # the gather decode kernel packs up to 8 tokens into its table columns
 DECODE_SWITCH_TOKENS = 2         # measured: the resident table decode up to 2 tokens (equal at 4096x4096, 15 % faster at 28672x8192), MMA decode above
 MMA_SWITCH_TOKENS = 16           # the MMA decode up to this many tokens, the prefill kernel (or dequantize + cuBLAS) above
-PREFILL_SWITCH_TOKENS = 17       # the WGMMA prefill kernel from this many tokens (Hopper), dequantize + cuBLAS elsewhere
+PREFILL_MAX_TOKENS = 128         # measured: the WGMMA prefill kernel (Hopper) above MMA_SWITCH_TOKENS up to here, dequantize + cuBLAS above (and off Hopper)
 RESIDENT_MAX_TOKENS = 4          # resident table columns = 64 = groups per slice x tokens
 TABLE_COLS = 32                  # gather kernel: (token, group) columns of the table per K step
 
@@ -52,9 +52,8 @@ MMA = _with_overrides("mma", dict(block_n=256, krep=4, num_warps=4, ctas_per_sm=
 PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, num_warps=8, num_stages=3))
 # H200: the WGMMA prefill kernel (``kernels_prefill``): warps (16 weight rows each), tokens per tile
 # (0: chosen per shape by ``wgmma_prefill_config``), x ring depth (0: as deep as shared memory
-# allows, up to 6) and the dequantization's cost per tile in tokens' worth (the tile choice).
-WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, dequant_tokens=64,
-                                                      fixed_steps=8))
+# allows, up to 6) and a program's fixed cost in K steps' worth (the split-K choice).
+WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8))
 WGMMA_PREFILL_SMEM = 196608      # bytes of shared memory the codebook copies and the x ring may take
 
 
@@ -135,9 +134,9 @@ def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0, stages: int = 0,
                          num_warps: int = 0, split_k: int = 0) -> dict:
-    """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens (64, 128 or 256) per tile
-    minimizing ``waves x (block_m + dequant_tokens)`` (a tile's cost grows with its tokens plus a
-    fixed dequantization share), ``block_n = 16 x num_warps`` weight rows; where the tiles leave SMs
+    """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens per tile (64 up to 64 tokens,
+    128 up to 256, else 256 unless that leaves half the SMs idle: the H200 sweep's picks,
+    ``tools/vq_prefill_sweep.py``), ``block_n = 16 x num_warps`` weight rows; where the tiles leave SMs
     idle (fewer than one per SM), K is split to minimize ``waves x (steps per program + fixed_steps)``. Explicit arguments
     override."""
     num_warps = num_warps or WGMMA_PREFILL["num_warps"]
@@ -145,10 +144,7 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
     row_blocks = _cdiv(n, block_n)
     block_m = block_m or WGMMA_PREFILL["block_m"]
     if not block_m:
-        def cost(bm):
-            return _cdiv(_cdiv(m, bm) * row_blocks, num_sms) * (bm + WGMMA_PREFILL["dequant_tokens"])
-
-        block_m = min((bm for bm in (64, 128, 256) if bm == 64 or bm < 2 * m), key=lambda bm: (cost(bm), -bm))
+        block_m = 64 if m <= 64 else 128 if m <= 256 or _cdiv(m, 256) * row_blocks < num_sms // 2 else 256
     ring_slot = block_m * 64 * 2
     stages = stages or WGMMA_PREFILL["stages"] or min(6, (WGMMA_PREFILL_SMEM - 65536) // ring_slot)
     tiles = _cdiv(m, block_m) * row_blocks
@@ -168,10 +164,10 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
 
 def default_variant(m: int, wgmma_prefill: bool = False) -> str:
     """The measured dispatch: the table decode up to ``DECODE_SWITCH_TOKENS``, the MMA decode up to
-    ``MMA_SWITCH_TOKENS``, above it the WGMMA prefill kernel where it runs (``wgmma_prefill``: a
-    Hopper GPU, K a multiple of 64) from ``PREFILL_SWITCH_TOKENS``, else dequant + cuBLAS."""
+    ``MMA_SWITCH_TOKENS``, then the WGMMA prefill kernel up to ``PREFILL_MAX_TOKENS`` where it runs
+    (``wgmma_prefill``: a Hopper GPU, K a multiple of 64), else dequant + cuBLAS."""
     if m <= DECODE_SWITCH_TOKENS:
         return "decode"
     if m <= MMA_SWITCH_TOKENS:
         return "mma"
-    return "prefill" if wgmma_prefill and m >= PREFILL_SWITCH_TOKENS else "dequant"
+    return "prefill" if wgmma_prefill and m <= PREFILL_MAX_TOKENS else "dequant"

@@ -371,7 +371,8 @@ def choose_variant(m: int, k: int = 0, device: torch.device | None = None) -> st
     """The variant a call on ``m`` tokens of ``k`` inputs on ``device`` runs: the one pinned by
     ``force()``, else the measured dispatch."""
     return forced_variant("vq") or configs.default_variant(
-        m, m > configs.MMA_SWITCH_TOKENS and device is not None and wgmma_prefill_applies(k, device))
+        m, configs.MMA_SWITCH_TOKENS < m <= configs.PREFILL_MAX_TOKENS and device is not None
+        and wgmma_prefill_applies(k, device))
 
 
 def _reference(x, codes, codebooks, scales, bias):

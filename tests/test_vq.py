@@ -137,6 +137,31 @@ def test_public_op_batch_dims_and_dispatch(interpret, m):
     _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
 
 
+def test_default_dispatch_switch_points():
+    """The measured switch points (``configs.default_variant``): the WGMMA prefill kernel where it
+    runs from 17 tokens up to PREFILL_MAX_TOKENS, and beyond on large layers."""
+    dv = vq_op.configs.default_variant
+    assert [dv(m) for m in (1, 2, 3, 16, 17, 512)] == ["decode", "decode", "mma", "mma", "dequant", "dequant"]
+    assert [dv(m, True, 4096, 4096) for m in (16, 17, 128, 129, 512)] == ["mma", "prefill", "prefill", "dequant",
+                                                                          "dequant"]
+    assert [dv(512, True, n, k) for n, k in ((28672, 8192), (8192, 8192), (14336, 4096), (11008, 4096),
+                                             (4096, 14336))] == ["prefill"] * 3 + ["dequant"] * 2
+
+
+@pytest.mark.parametrize("m,n,k", [(17, 4096, 4096), (64, 4096, 14336), (128, 28672, 8192), (512, 4096, 4096),
+                                   (512, 28672, 8192), (1, 1, 64)])
+def test_wgmma_prefill_config(m, n, k):
+    """The prefill grid covers every token, row and K step once; K is split only while the tiles
+    leave SMs idle; the x ring and the codebook copies fit the shared-memory budget."""
+    cfg = vq_op.configs.wgmma_prefill_config(m, n, k, 132)
+    tm, tn, splits = cfg["grid"]
+    assert tm * cfg["block_m"] >= m and tn * cfg["block_n"] >= n and cfg["block_n"] == 16 * cfg["num_warps"]
+    assert splits == cfg["split_k"] and (splits - 1) * cfg["groups_per_split"] < k // 8 <= splits * cfg["groups_per_split"]
+    assert cfg["groups_per_split"] % 8 == 0
+    assert splits == 1 or tm * tn < 132
+    assert 65536 + cfg["stages"] * cfg["block_m"] * 128 <= vq_op.configs.WGMMA_PREFILL_SMEM
+
+
 def test_wide_codes_are_narrowed_and_checked(interpret):
     case = make_case(1, 8, 64, torch.float16, interpret)
     wide = case.codes.to(torch.int32)

@@ -196,31 +196,42 @@ def test_vq_gather_decode_compiles():
     _check_plain(result, max_spilled=128)   # 8 tokens: 255 registers and 80 bytes of spill traffic, as it stands
 
 
-@pytest.mark.parametrize("m,n,k,dtype", [(512, 28672, 8192, torch.float16), (512, 4096, 4096, torch.bfloat16),
-                                         (64, 4096, 4096, torch.float16)], ids=["256tok-tile", "128tok-tile", "64tok-tile"])
-def test_vq_wgmma_prefill_compiles(m, n, k, dtype):
+@pytest.mark.parametrize("m,n,k,dtype,ws", [(512, 28672, 8192, torch.float16, 0), (512, 4096, 4096, torch.bfloat16, 0),
+                                            (64, 4096, 4096, torch.float16, 0), (512, 28672, 8192, torch.bfloat16, 1),
+                                            (64, 4096, 4096, torch.float16, 1)],
+                         ids=["256tok-tile", "128tok-tile", "64tok-tile", "ws-256tok-tile", "ws-64tok-split"])
+def test_vq_wgmma_prefill_compiles(m, n, k, dtype, ws):
     """The WGMMA prefill kernel with the tiles ``configs.wgmma_prefill_config`` picks: no spills,
     shared memory within the limit, WGMMA with the weight tile in registers, and the codebook
     copies stored at the offset its lookups' PTX reads (``_cb_base``: Triton's allocator order)."""
     from tilefuse.ops.vq import configs as vq_configs
     from tilefuse.ops.vq.kernels_prefill import _cb_base
 
-    cfg = vq_configs.wgmma_prefill_config(m, n, k, 132)
+    cfg = vq_configs.wgmma_prefill_config(m, n, k, 132, ws=ws)
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     signature = {"x_desc": tensordesc(dtype, [cfg["block_m"], 64]), "c_desc": tensordesc(torch.int16, [cfg["block_n"], 8]), "cb_ptr": element,
                  "scales_ptr": element, "bias_ptr": element, "out_ptr": element, "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
                  "N": "i32", "NUM_GROUPS": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32", "stride_om": "i32"}
-    constexprs = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
-                      NUM_WARPS=cfg["num_warps"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True)
+    if ws:
+        constexprs = dict(BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True,
+                          CONSUMER_REGS=232 if cfg["block_m"] > 128 else 160)
+    else:
+        constexprs = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
+                          NUM_WARPS=cfg["num_warps"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True)
     signature.update({name: CONSTEXPR for name in constexprs})
-    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_prefill:vq_prefill_kernel", signature, constexprs,
-                                    num_warps=cfg["num_warps"], aligned=["cb_ptr", "scales_ptr", "bias_ptr", "out_ptr",
+    kernel = "vq_prefill_ws_kernel" if ws else "vq_prefill_kernel"
+    result = compile_gluon_isolated(f"tilefuse.ops.vq.kernels_prefill:{kernel}", signature, constexprs,
+                                    num_warps=4 if ws else cfg["num_warps"], aligned=["cb_ptr", "scales_ptr", "bias_ptr", "out_ptr",
                                                                          "N", "NUM_GROUPS", "stride_om"])
-    _check_plain(result)
+    if ws:
+        _check(result)
+    else:
+        _check_plain(result)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(f16|bf16)\.(f16|bf16) \{[^}]*\}, \{",
                      result.ptx), "the A operand must come from registers"
-    # one lookup pair per weight pair: 16 per tile, two tiles in the code (the first step, the loop)
-    assert "shfl" not in result.ptx and result.ptx.count("ld.shared.b32 p, [a+") == 32
+    # one lookup pair per weight pair: 16 per tile, two tiles in the code (the first step, the loop) per
+    # consumer; no shuffles but the warp-specialized dispatch's one broadcast of the warp index
+    assert result.ptx.count("shfl") <= ws and result.ptx.count("ld.shared.b32 p, [a+") == 32 * (1 + ws)
     first_store = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+(?:\+(\d+))?\]", result.ptx)
     base = _cb_base(cfg["block_m"], cfg["stages"])
     assert int(first_store.group(1) or 0) == base, (first_store.group(0), base)

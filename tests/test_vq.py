@@ -274,15 +274,22 @@ def test_gpu_mma_fp32_codebooks_and_nan(dtype):
 @pytest.mark.parametrize("n,k", GPU_SHAPES + [(4096, 14336), (14336, 4096)])
 @pytest.mark.parametrize("m", [17, 64, 512])
 def test_gpu_prefill_wgmma_bench_shapes(dtype, n, k, m):
-    """The WGMMA prefill kernel (Hopper; default from 17 tokens), forced, at the bench shapes."""
+    """The WGMMA prefill kernel (Hopper; default from 17 tokens), forced, at the bench shapes, in
+    both forms (one partition, warp-specialized)."""
     case = make_case(m, n, k, dtype, "cuda", bias=True)
     _check(_run_poisoned(case, "prefill_wgmma"), case, "prefill")
+    for ws in (0, 1):
+        out = poisoned((m, n), dtype, "cuda")
+        vq_op.launch_prefill(*_args(case), out, impl="wgmma", ws=ws)
+        _check(out, case, "prefill")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 1, 64), (33, 37, 1024), (300, 333, 8192), (129, 1000, 4096), (70, 200, 640)])
 @pytest.mark.parametrize("tiles", [dict(block_m=64, num_warps=4), dict(block_m=128, num_warps=8),
-                                   dict(block_m=256, num_warps=8, stages=3)], ids=["64x64", "128x128", "256x128"])
+                                   dict(block_m=256, num_warps=8, stages=3), dict(block_m=64, ws=1),
+                                   dict(block_m=256, ws=1, stages=3)],
+                         ids=["64x64", "128x128", "256x128", "ws-64x128", "ws-256x128"])
 @pytest.mark.parametrize("codes_dtype", [torch.uint8, torch.int8])
 def test_gpu_prefill_wgmma_edges(m, n, k, tiles, codes_dtype):
     """Odd N (clamped rows), M not a multiple of the token tile (TMA zero fill), one K step, every

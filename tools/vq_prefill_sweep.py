@@ -4,7 +4,7 @@
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096, 28672x8192 and
 4096x14336) at 32, 64, 128 and 512 tokens (fp16), each candidate tile of
-``kernels_prefill.vq_prefill_kernel`` (tokens per tile x warps x ring depth) is timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
+``kernels_prefill.vq_prefill_kernel`` (tokens per tile x warps x ring depth, one-partition or warp-specialized) is timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
 tile ``configs.wgmma_prefill_config`` picks (``auto``), fp16 cuBLAS on the dequantized weight,
 dequantize + cuBLAS and (up to 64 tokens) the MMA decode kernel. An output more than 2e-3
 (relative) away from cuBLAS's gets no time. Every time goes to ``OUT_DIR/vq-prefill-sweep.json``
@@ -21,8 +21,9 @@ import math
 import sys
 from pathlib import Path
 
-CANDIDATES = [dict(block_m=bm, num_warps=nw, stages=st)
-              for bm, nw, st in [(64, 4, 6), (64, 8, 6), (128, 4, 4), (128, 8, 2), (128, 8, 6), (256, 8, 2), (256, 8, 4)]]
+CANDIDATES = [dict(block_m=bm, num_warps=nw, stages=st, ws=ws)
+              for bm, nw, st, ws in [(64, 4, 6, 0), (64, 8, 6, 0), (128, 4, 4, 0), (128, 8, 6, 0), (256, 8, 4, 0),
+                                     (64, 8, 6, 1), (128, 8, 6, 1), (256, 8, 4, 1)]]
 TOKENS = (32, 64, 128, 512)
 MAX_REL_ERR = 2e-3
 

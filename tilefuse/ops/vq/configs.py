@@ -54,8 +54,9 @@ MMA = _with_overrides("mma", dict(block_n=256, krep=4, num_warps=4, ctas_per_sm=
 PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, num_warps=8, num_stages=3))
 # H200: the WGMMA prefill kernel (``kernels_prefill``): warps (16 weight rows each), tokens per tile
 # (0: chosen per shape by ``wgmma_prefill_config``), x ring depth (0: as deep as shared memory
-# allows, up to 6) and a program's fixed cost in K steps' worth (the split-K choice).
-WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8))
+# allows, up to 6), a program's fixed cost in K steps' worth (the split-K choice) and ws: 1 for the
+# warp-specialized form (a TMA producer warp, two consumer warpgroups: 128 rows).
+WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8, ws=0))
 WGMMA_PREFILL_SMEM = 196608      # bytes of shared memory the codebook copies and the x ring may take
 
 
@@ -135,13 +136,14 @@ def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
 
 @functools.lru_cache(maxsize=4096)
 def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0, stages: int = 0,
-                         num_warps: int = 0, split_k: int = 0) -> dict:
+                         num_warps: int = 0, split_k: int = 0, ws: int = -1) -> dict:
     """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens per tile (64 up to 64 tokens,
     128 up to 256, else 256 unless that leaves half the SMs idle: the H200 sweep's picks,
     ``tools/vq_prefill_sweep.py``), ``block_n = 16 x num_warps`` weight rows; where the tiles leave SMs
     idle (fewer than one per SM), K is split to minimize ``waves x (steps per program + fixed_steps)``. Explicit arguments
-    override."""
-    num_warps = num_warps or WGMMA_PREFILL["num_warps"]
+    override; ``ws`` (1: the warp-specialized kernel, 128 rows) defaults to the measured setting."""
+    ws = WGMMA_PREFILL["ws"] if ws < 0 else ws
+    num_warps = 8 if ws else num_warps or WGMMA_PREFILL["num_warps"]
     block_n = 16 * num_warps
     row_blocks = _cdiv(n, block_n)
     block_m = block_m or WGMMA_PREFILL["block_m"]
@@ -161,7 +163,7 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
     steps_per_split = _cdiv(steps, split_k)
     split_k = _cdiv(steps, steps_per_split)
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, stages=stages, split_k=split_k,
-                groups_per_split=8 * steps_per_split, grid=(_cdiv(m, block_m), row_blocks, split_k))
+                groups_per_split=8 * steps_per_split, grid=(_cdiv(m, block_m), row_blocks, split_k), ws=ws)
 
 
 def default_variant(m: int, wgmma_prefill: bool = False, n: int = 0, k: int = 0) -> str:

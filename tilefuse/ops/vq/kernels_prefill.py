@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from tilefuse.ops.gluon_common import slot_barriers
 from tilefuse.ops.vq.kernels_mma import _split_finish
 from tilefuse.ops.vq.ptx import pair_dequant_asm
 
@@ -44,6 +45,8 @@ COPIES = gl.constexpr(8)             # copies of each codebook entry in shared m
 BLOCK_K = gl.constexpr(64)           # inputs per K step: 8 groups
 GROUPS = gl.constexpr(8)
 CB_ELEMS = gl.constexpr(2 * 256 * 8 * 8)     # the codebook copies, elements of x's dtype (64 KB)
+FIRST = gl.constexpr(0)
+SECOND = gl.constexpr(1)
 PAIR_CON = gl.constexpr("=r,r,r,r,r")        # one packed pair out; 2 + 2 byte offsets in
 
 
@@ -202,3 +205,95 @@ def vq_prefill_kernel(
     scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
     _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om,
                   pid_n * gl.num_programs(0) + pid_m, SPLIT_K, SPLIT, HAS_BIAS)
+
+
+@gluon.jit
+def _ws_producer(x_desc, c_desc, x_ring, c_ring, ready, empty, m0, row0, first, steps, STAGES: gl.constexpr):
+    """HBM -> SMEM: every step's x and code boxes into the ring, once both consumers released the
+    slot (fresh barriers pass the parity-1 wait: the first round finds every slot free)."""
+    for i in range(steps):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        _load_step(x_desc, c_desc, x_ring, c_ring, ready, s, first + i, m0, row0)
+
+
+@gluon.jit
+def _ws_consumer(x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                 stride_om, m0, row0, steps, tile, W: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                 SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, CB_BASE: gl.constexpr):
+    """Rows ``64 W .. 64 W + 63`` of the tile (one warpgroup): stages 2-5 as in the one-partition
+    kernel, releasing each slot to the producer when its WGMMA is done; the two consumers run
+    apart, so one's dequantization overlaps the other's WGMMA."""
+    dtype: gl.constexpr = x_ring.dtype
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    L3: gl.constexpr = _tile_layout(64, 4)
+    L_C: gl.constexpr = _codes_layout(64, 4)
+    tr = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
+    copy_off = (tr % COPIES) * 16
+    tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
+    j_off = (tj // 2) * 4
+
+    acc = gl.zeros([64, BLOCK_M], gl.float32, ACC)
+    mbarrier.wait(ready.index(0), 0)
+    w = _dequant_tile(c_ring.index(0).slice(W * 64, 64).load(L_C), copy_off, j_off, A_OP, L3, 64, dtype, CB_BASE)
+    for i in range(steps):
+        s = i % STAGES
+        acc = warpgroup_mma(w, x_ring.index(s).permute((1, 0)), acc, is_async=True)
+        nxt = i + 1
+        if nxt < steps:
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        w_next = _dequant_tile(c_ring.index(nxt % STAGES).slice(W * 64, 64).load(L_C), copy_off, j_off, A_OP, L3,
+                               64, dtype, CB_BASE)
+        acc, w = warpgroup_mma_wait(0, deps=[acc, w])
+        mbarrier.arrive(empty.index(s))
+        w = w_next
+
+    rows = row0 + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
+    toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om,
+                  2 * tile + W, SPLIT_K, SPLIT, HAS_BIAS)
+
+
+@gluon.jit
+def vq_prefill_ws_kernel(
+    x_desc, c_desc, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
+    M, N, NUM_GROUPS, GROUPS_PER_SPLIT, SPLIT_K, stride_om,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+):
+    """:func:`vq_prefill_kernel` with its roles split (``gl.warp_specialize``): a TMA producer warp
+    and two consumer warpgroups of 64 rows each (``BLOCK_N = 128``; ``num_warps = 4``: the default
+    partition is consumer 0, which first copies the codebooks). Same arguments, grid and
+    workspace (two arrival counters per output tile, one per consumer)."""
+    dtype: gl.constexpr = x_desc.dtype
+    CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
+    CB_BASE: gl.constexpr = _cb_base(BLOCK_M, STAGES)
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    row0 = pid_n * 128
+    m0 = pid_m * BLOCK_M
+    first = gl.program_id(2) * (GROUPS_PER_SPLIT // GROUPS)
+    steps = (gl.minimum(GROUPS_PER_SPLIT, NUM_GROUPS - first * GROUPS)) // GROUPS
+
+    cb_smem = gl.allocate_shared_memory(dtype, [CB_ELEMS // 8, 8], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    c_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 128, GROUPS], c_desc.layout)
+    ready, empty = slot_barriers(STAGES, 2)      # both consumers read every slot
+
+    # stage 0 (default partition): codebook copies, HBM/L2 -> registers -> SMEM
+    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]
+    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
+    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(dtype))
+    gl.thread_barrier()
+
+    tile = pid_n * gl.num_programs(0) + pid_m
+    gl.warp_specialize([
+        (_ws_consumer, (x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                        stride_om, m0, row0, steps, tile, FIRST, BLOCK_M, STAGES, SPLIT, HAS_BIAS, CB_BASE)),
+        (_ws_consumer, (x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+                        stride_om, m0, row0, steps, tile, SECOND, BLOCK_M, STAGES, SPLIT, HAS_BIAS, CB_BASE)),
+        (_ws_producer, (x_desc, c_desc, x_ring, c_ring, ready, empty, m0, row0, first, steps, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+    cb_smem._keep_alive()   # the PTX lookups are invisible to the allocator: hold the copies to here

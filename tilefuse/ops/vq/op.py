@@ -278,6 +278,11 @@ def _wgmma_prefill():
     return _kernel("kernels_prefill", "vq_prefill_kernel")
 
 
+def _wgmma_prefill_ws():
+    """The warp-specialized form of the WGMMA prefill kernel, or None."""
+    return _kernel("kernels_prefill", "vq_prefill_ws_kernel")
+
+
 def wgmma_prefill_applies(k: int, device: torch.device) -> bool:
     """The WGMMA prefill kernel runs on Hopper (sm_90) with K a multiple of its 64-input step."""
     return (device.type == "cuda" and k % 64 == 0 and torch.cuda.get_device_capability(device)[0] == 9
@@ -289,8 +294,8 @@ def launch_prefill(x2d, codes, codebooks, scales, bias, out, *, impl: str = "aut
 
     x2d: [M, K]; codes: [N, K/8, 2] uint8/int8 contiguous; scales: [N]; out: [M, N] (any contents).
     impl: "auto" (the WGMMA kernel where :func:`wgmma_prefill_applies`, else the ``tl`` twin),
-    "wgmma" or "tl". ``override`` (``block_m``, ``stages``, ``num_warps``) replaces entries of
-    ``configs.wgmma_prefill_config`` (tuning and tests)."""
+    "wgmma" or "tl". ``override`` (``block_m``, ``stages``, ``num_warps``, ``split_k``, ``ws``)
+    replaces entries of ``configs.wgmma_prefill_config`` (tuning and tests)."""
     m, k = x2d.shape
     n = codes.shape[0]
     if impl == "tl" or (impl == "auto" and not wgmma_prefill_applies(k, x2d.device)):
@@ -304,17 +309,24 @@ def launch_prefill(x2d, codes, codebooks, scales, bias, out, *, impl: str = "aut
 
 def _prefill_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, out_stride: int, **override) -> _Call:
     """The WGMMA prefill kernel's launch for M rows of K in, M rows of N out (row stride ``out_stride``)."""
-    cfg = configs.wgmma_prefill_config(m, n, k, num_sms(device), **{key: v or 0 for key, v in override.items()})
+    override = {key: (-1 if key == "ws" else 0) if v is None else v for key, v in override.items()}
+    cfg = configs.wgmma_prefill_config(m, n, k, num_sms(device), **override)
     call = _Call()
-    call.m, call.variant, call.resident, call.impl = m, "prefill", False, "wgmma"
+    call.m, call.variant, call.resident, call.impl = m, "prefill", False, "wgmma_ws" if cfg["ws"] else "wgmma"
     call.grid = cfg["grid"]
     call.block = ([cfg["block_m"], 64], [cfg["block_n"], 8])
     split = cfg["split_k"] > 1
-    # split-K: zeroed fp32 partial sums [M, N] and one arrival counter per output tile
-    call.scratch = ((m * n, torch.float32), (call.grid[0] * call.grid[1], torch.int32)) if split else None
+    # split-K: zeroed fp32 partial sums [M, N] and one arrival counter per output tile (per consumer
+    # warpgroup in the warp-specialized form)
+    counters = call.grid[0] * call.grid[1] * (2 if cfg["ws"] else 1)
+    call.scratch = ((m * n, torch.float32), (counters, torch.int32)) if split else None
     call.scalars = (m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], out_stride)
-    call.meta = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
-                     NUM_WARPS=cfg["num_warps"], SPLIT=split, HAS_BIAS=has_bias, num_warps=cfg["num_warps"])
+    if cfg["ws"]:
+        call.meta = dict(BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], SPLIT=split, HAS_BIAS=has_bias,
+                         CONSUMER_REGS=232 if cfg["block_m"] > 128 else 160, num_warps=4)
+    else:
+        call.meta = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
+                         NUM_WARPS=cfg["num_warps"], SPLIT=split, HAS_BIAS=has_bias, num_warps=cfg["num_warps"])
     return call
 
 
@@ -334,9 +346,10 @@ def _launch_prefill(call: _Call, x2d, codes, codebooks, scales, bias, out) -> to
            out.dtype, codebooks.data_ptr() % 16, scales.data_ptr() % 16, bias is None or bias.data_ptr() % 16,
            out.data_ptr() % 16)
     ws, cnt = _scratch.zeroed(x2d.device, *call.scratch) if call.scratch else (out, out)
-    _wgmma_prefill().launch(key, call.grid, x2d.device.index,
-                            (x_desc, c_desc, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
-                            call.scalars, call.meta)
+    kernel = _wgmma_prefill_ws() if call.impl == "wgmma_ws" else _wgmma_prefill()
+    kernel.launch(key, call.grid, x2d.device.index,
+                  (x_desc, c_desc, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
+                  call.scalars, call.meta)
     return out
 
 

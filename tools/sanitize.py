@@ -80,6 +80,12 @@ def vq_cases_to_run(one: bool, gluon: bool):
             yield f"vq {impl}", lambda launch=launch, args=args: launch(*args)
         else:
             yield f"vq decode {impl}", lambda args=args, impl=impl: vq_op.launch_decode(*args, impl=impl)
+    if DEV == "cuda" and not gluon:   # the WGMMA prefill kernel (Hopper; K a multiple of 64), both forms, split-K
+        c = vq_cases.make_case(70, 200, 1024, DT, DEV, bias=True)
+        out = torch.empty(70, 200, dtype=DT, device=DEV)
+        args = (c.x, c.codes, c.codebooks, c.scales.reshape(200), c.bias, out)
+        for ws in (0, 1):
+            yield f"vq prefill wgmma ws={ws}", lambda args=args, ws=ws: vq_op.launch_prefill(*args, impl="wgmma", ws=ws)
 
 
 def mla_cases_to_run(one: bool):

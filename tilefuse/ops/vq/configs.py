@@ -56,7 +56,7 @@ PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, n
 # (0: chosen per shape by ``wgmma_prefill_config``), x ring depth (0: as deep as shared memory
 # allows, up to 6), a program's fixed cost in K steps' worth (the split-K choice) and ws: 1 for the
 # warp-specialized form (a TMA producer warp, two consumer warpgroups: 128 rows).
-WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8, ws=0))
+WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8, ws=1))
 WGMMA_PREFILL_SMEM = 196608      # bytes of shared memory the codebook copies and the x ring may take
 
 
@@ -137,9 +137,10 @@ def mma_config(m: int, n: int, k: int, impl: str, num_sms: int) -> dict:
 @functools.lru_cache(maxsize=4096)
 def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0, stages: int = 0,
                          num_warps: int = 0, split_k: int = 0, ws: int = -1) -> dict:
-    """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens per tile (64 up to 64 tokens,
-    128 up to 256, else 256 unless that leaves half the SMs idle: the H200 sweep's picks,
-    ``tools/vq_prefill_sweep.py``), ``block_n = 16 x num_warps`` weight rows; where the tiles leave SMs
+    """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens per tile, the largest of 64,
+    128 and 256 (up to the tokens rounded to a power of two) whose tiles still give half of the SMs
+    one each, else 64 (the H200 sweep's picks, ``tools/vq_prefill_sweep.py``); ``block_n = 16 x
+    num_warps`` weight rows; where the tiles leave SMs
     idle (fewer than one per SM), K is split to minimize ``waves x (steps per program + fixed_steps)``. Explicit arguments
     override; ``ws`` (1: the warp-specialized kernel, 128 rows) defaults to the measured setting."""
     ws = WGMMA_PREFILL["ws"] if ws < 0 else ws
@@ -148,7 +149,8 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
     row_blocks = _cdiv(n, block_n)
     block_m = block_m or WGMMA_PREFILL["block_m"]
     if not block_m:
-        block_m = 64 if m <= 64 else 128 if m <= 256 or _cdiv(m, 256) * row_blocks < num_sms // 2 else 256
+        fits = [bm for bm in (128, 256) if bm <= _next_pow2(m) and _cdiv(m, bm) * row_blocks >= num_sms // 2]
+        block_m = max(fits, default=64)
     ring_slot = block_m * 64 * 2
     stages = stages or WGMMA_PREFILL["stages"] or min(6, (WGMMA_PREFILL_SMEM - 65536) // ring_slot)
     tiles = _cdiv(m, block_m) * row_blocks

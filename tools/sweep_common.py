@@ -108,3 +108,31 @@ def write_json(path: Path, data) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**head, "results": data}, indent=1, default=str) + "\n")
     print(f"wrote {path}", file=sys.stderr)
+
+
+class GraphRecorder:
+    """Times one sweep's candidates as CUDA-graph replays (cold L2) and keeps a row per candidate in
+    ``rows``: ``N``, ``K``, ``tokens``, ``impl``, ``us`` and ``rel_err`` against a reference output
+    (plus the caller's fields). An output more than ``max_rel_err`` (relative) away from the
+    reference gets no time, so a wrong config is never picked; one that fails to compile or launch
+    gets none either (its error goes into ``rel_err``)."""
+
+    def __init__(self, max_rel_err: float = 2e-3, rep_ms: int = 10):
+        import torch
+
+        from tilefuse.bench.harness import Timer
+
+        self.timer = Timer(torch.device("cuda"), rep_ms=rep_ms)
+        self.max_rel_err = max_rel_err
+        self.rows: list[dict] = []
+
+    def __call__(self, n: int, k: int, m: int, impl: str, fn, ref, **extra) -> float | None:
+        try:
+            err = float((fn().float() - ref).norm() / ref.norm())
+            us = self.timer.graph_us(fn) if err < self.max_rel_err else None
+        except Exception as exc:  # a config that does not compile or launch gets no time
+            err, us = repr(exc)[:200], None
+        self.rows.append(dict(N=n, K=k, tokens=m, impl=impl, us=us, rel_err=err, **extra))
+        print(f"{n}x{k} m={m} {impl:12s} {extra.get('config', '')} {us if us is None else round(us, 2)} us",
+              file=sys.stderr, flush=True)
+        return us

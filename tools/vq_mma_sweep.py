@@ -20,8 +20,9 @@ import contextlib
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
+
+from sweep_common import GraphRecorder
 
 CANDIDATES = [dict(block_n=bn, krep=kr, num_warps=nw, ctas_per_sm=c, fixed_steps=4)
               for bn, kr, nw, c in [(128, 4, 4, 3), (256, 4, 4, 2), (256, 2, 4, 2), (128, 4, 8, 3), (128, 2, 4, 3)]]
@@ -54,25 +55,14 @@ def main() -> None:
     import torch.nn.functional as F
 
     import tilefuse
-    from tilefuse.bench.harness import Timer
     from tilefuse.bench.vq import BENCH_SHAPES
     from tilefuse.ops.vq import op as vq_op
     from tilefuse.ops.vq.reference import dequantize
     from tilefuse.testing.vq import make_case
 
-    timer = Timer(torch.device("cuda"), rep_ms=10)
     shapes = [BENCH_SHAPES[0], BENCH_SHAPES[4]] if args.quick else BENCH_SHAPES
-    rows = []
-
-    def record(n, k, m, impl, fn, ref, **extra):
-        try:
-            err = float((fn().float() - ref).norm() / ref.norm())
-            us = timer.graph_us(fn) if err < MAX_REL_ERR else None
-        except Exception as exc:  # a config that does not compile or launch gets no time
-            err, us = repr(exc)[:200], None
-        rows.append(dict(N=n, K=k, tokens=m, impl=impl, us=us, rel_err=err, **extra))
-        print(f"{n}x{k} m={m} {impl:10s} {extra.get('config', '')} {us if us is None else round(us, 2)} us",
-              file=sys.stderr, flush=True)
+    record = GraphRecorder(MAX_REL_ERR)
+    rows = record.rows
 
     for (n, k), m in itertools.product(shapes, TOKENS):
         c = make_case(m, n, k, torch.float16, "cuda")

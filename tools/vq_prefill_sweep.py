@@ -21,6 +21,8 @@ import math
 import sys
 from pathlib import Path
 
+from sweep_common import GraphRecorder
+
 CANDIDATES = [dict(block_m=bm, num_warps=nw, stages=st, ws=ws)
               for bm, nw, st, ws in [(64, 4, 6, 0), (64, 8, 6, 0), (128, 4, 4, 0), (128, 8, 6, 0), (256, 8, 4, 0),
                                      (64, 8, 6, 1), (128, 8, 6, 1), (256, 8, 4, 1)]]
@@ -38,7 +40,6 @@ def main() -> None:
     import torch.nn.functional as F
 
     import tilefuse
-    from tilefuse.bench.harness import Timer
     from tilefuse.bench.runner import machine_info
     from tilefuse.bench.vq import BENCH_SHAPES
     from tilefuse.ops.vq import configs
@@ -46,20 +47,9 @@ def main() -> None:
     from tilefuse.ops.vq.reference import dequantize
     from tilefuse.testing.vq import make_case
 
-    timer = Timer(torch.device("cuda"), rep_ms=10)
     shapes = [BENCH_SHAPES[0], BENCH_SHAPES[4], BENCH_SHAPES[6]] if args.quick else BENCH_SHAPES
-    rows = []
-
-    def record(n, k, m, impl, fn, ref, **extra):
-        try:
-            err = float((fn().float() - ref).norm() / ref.norm())
-            us = timer.graph_us(fn) if err < MAX_REL_ERR else None
-        except Exception as exc:  # a config that does not compile or launch gets no time
-            err, us = repr(exc)[:200], None
-        rows.append(dict(N=n, K=k, tokens=m, impl=impl, us=us, rel_err=err, **extra))
-        print(f"{n}x{k} m={m} {impl:12s} {extra.get('config', '')} {us if us is None else round(us, 2)} us",
-              file=sys.stderr, flush=True)
-        return us
+    record = GraphRecorder(MAX_REL_ERR)
+    rows = record.rows
 
     cases = []
     for (n, k), m in itertools.product(shapes, TOKENS):

@@ -120,6 +120,72 @@ def _load_step(x_desc, c_desc, x_ring, c_ring, ready, slot, step, m0, row0):
 
 
 @gluon.jit
+def _copy_codebooks(cb_smem, cb_ptr, NUM_WARPS: gl.constexpr):
+    """Stage 0: both codebooks (HBM/L2 -> registers -> SMEM) in x's dtype, 8 copies of each entry."""
+    CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
+    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # entry * COPIES + copy
+    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
+    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(cb_smem.dtype))
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _finish(acc, row0, m0, counter, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_om,
+            ROWS: gl.constexpr, BLOCK_M: gl.constexpr, ACC: gl.constexpr, SPLIT: gl.constexpr,
+            HAS_BIAS: gl.constexpr):
+    """Stage 5: scale rows ``row0 ..``; split-K partials meet in the fp32 workspace (arrival counter
+    ``counter``); bias, output (registers -> HBM)."""
+    rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
+    toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
+    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om, counter,
+                  SPLIT_K, SPLIT, HAS_BIAS)
+
+
+@gluon.jit
+def _mainloop(acc, x_ring, c_ring, ready, empty, x_desc, c_desc, m0, row0, first, steps, ROW: gl.constexpr,
+              ROWS: gl.constexpr, NUM_WARPS: gl.constexpr, ACC: gl.constexpr, CB_BASE: gl.constexpr,
+              STAGES: gl.constexpr, WS: gl.constexpr):
+    """Stages 2-4 over the program's K steps for code-box rows ``ROW .. ROW + ROWS - 1`` (``ROWS = 16 x
+    NUM_WARPS``): ``acc`` ([ROWS, BLOCK_M] fp32, layout ACC) += weight tiles x x^T. A slot goes back
+    when its WGMMA is done: to the producer partition through ``empty`` (WS), else by a CTA barrier
+    and the refill of the step STAGES ahead from here."""
+    dtype: gl.constexpr = x_ring.dtype
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    L3: gl.constexpr = _tile_layout(ROWS, NUM_WARPS)
+    L_C: gl.constexpr = _codes_layout(ROWS, NUM_WARPS)
+    # per-element constants of the A tile: the copy a lane reads (row % 8) and the pair in the entry
+    tr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
+    copy_off = (tr % COPIES) * 16
+    tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
+    j_off = (tj // 2) * 4
+
+    mbarrier.wait(ready.index(0), 0)
+    w = _dequant_tile(c_ring.index(0).slice(ROW, ROWS).load(L_C), copy_off, j_off, A_OP, L3, ROWS, dtype, CB_BASE)
+    for i in range(steps):
+        s = i % STAGES
+        # stage 4: this step's WGMMA (asynchronous: it reads w's registers and the x slot)
+        acc = warpgroup_mma(w, x_ring.index(s).permute((1, 0)), acc, is_async=True)
+        # stages 2 + 3 for the next step while it runs: its codes (SMEM -> registers) and weight
+        # tile, into other registers (past the last step: stale codes, in bounds, never multiplied)
+        nxt = i + 1
+        if nxt < steps:
+            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
+        w_next = _dequant_tile(c_ring.index(nxt % STAGES).slice(ROW, ROWS).load(L_C), copy_off, j_off, A_OP, L3,
+                               ROWS, dtype, CB_BASE)
+        # w's registers and slot s are free once the WGMMA is done
+        acc, w = warpgroup_mma_wait(0, deps=[acc, w])
+        if WS:
+            mbarrier.arrive(empty.index(s))
+        else:   # in both warpgroups: then stage 1 refills slot s with the step STAGES ahead
+            gl.thread_barrier()
+            if i + STAGES < steps:
+                _load_step(x_desc, c_desc, x_ring, c_ring, ready, s, first + i + STAGES, m0, row0)
+        w = w_next
+    return acc
+
+
+@gluon.jit
 def vq_prefill_kernel(
     # x as a TMA descriptor over [M, K] with [BLOCK_M, 64] boxes, the codes over int16 [N, NUM_GROUPS]
     # (low byte codebook 0) with [BLOCK_N, 8] boxes
@@ -133,10 +199,6 @@ def vq_prefill_kernel(
     dtype: gl.constexpr = x_desc.dtype
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    L3: gl.constexpr = _tile_layout(BLOCK_N, NUM_WARPS)
-    L_C: gl.constexpr = _codes_layout(BLOCK_N, NUM_WARPS)
-    CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
     CB_BASE: gl.constexpr = _cb_base(BLOCK_M, STAGES)
 
     pid_m = gl.program_id(0)          # token tiles vary fastest: they share the row block's codes in L2
@@ -161,50 +223,16 @@ def vq_prefill_kernel(
         if i < steps:
             _load_step(x_desc, c_desc, x_ring, c_ring, ready, i, first + i, m0, row0)
 
-    # ---- stage 0: codebooks (HBM/L2 -> registers -> SMEM), 8 copies of each entry, x's dtype ----
-    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # entry * COPIES + copy
-    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
-    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(dtype))
-    gl.thread_barrier()
+    _copy_codebooks(cb_smem, cb_ptr, NUM_WARPS)     # stage 0
 
-    # per-element constants of the A tile: the copy a lane reads (row % 8) and the pair in the entry
-    tr = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
-    copy_off = (tr % COPIES) * 16
-    tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
-    j_off = (tj // 2) * 4
-
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC)
-    mbarrier.wait(ready.index(0), 0)
-    w = _dequant_tile(c_ring.index(0).load(L_C), copy_off, j_off, A_OP, L3, BLOCK_N, dtype, CB_BASE)
-    for i in range(steps):
-        s = i % STAGES
-        # stage 4: this step's WGMMA (asynchronous: it reads w's registers and the x slot)
-        acc = warpgroup_mma(w, x_ring.index(s).permute((1, 0)), acc, is_async=True)
-        # stage 2 + 3 for the next step while it runs: its codes (SMEM -> registers) and weight
-        # tile, into other registers (past the last step: stale codes, in bounds, never multiplied)
-        nxt = i + 1
-        if nxt < steps:
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        w_next = _dequant_tile(c_ring.index(nxt % STAGES).load(L_C), copy_off, j_off, A_OP, L3, BLOCK_N, dtype,
-                               CB_BASE)
-        # w's registers and slot s are free once the WGMMA is done, in both warpgroups
-        acc, w = warpgroup_mma_wait(0, deps=[acc, w])
-        gl.thread_barrier()
-        # stage 1: refill slot s with the step STAGES ahead
-        if i + STAGES < steps:
-            _load_step(x_desc, c_desc, x_ring, c_ring, ready, s, first + i + STAGES, m0, row0)
-        w = w_next
+    acc = _mainloop(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC), x_ring, c_ring, ready, ready, x_desc, c_desc, m0,
+                    row0, first, steps, 0, BLOCK_N, NUM_WARPS, ACC, CB_BASE, STAGES, False)
     cb_smem._keep_alive()   # the PTX lookups are invisible to the allocator: hold the copies to here
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    # ---- stage 5: scale rows; split-K partials meet in the fp32 workspace (one arrival counter per
-    # output tile); bias, output (registers -> HBM) ----
-    rows = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ACC))
-    toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om,
-                  pid_n * gl.num_programs(0) + pid_m, SPLIT_K, SPLIT, HAS_BIAS)
+    _finish(acc, row0, m0, pid_n * gl.num_programs(0) + pid_m, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+            SPLIT_K, stride_om, BLOCK_N, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile
 
 
 @gluon.jit
@@ -224,36 +252,12 @@ def _ws_consumer(x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws
     """Rows ``64 W .. 64 W + 63`` of the tile (one warpgroup): stages 2-5 as in the one-partition
     kernel, releasing each slot to the producer when its WGMMA is done; the two consumers run
     apart, so one's dequantization overlaps the other's WGMMA."""
-    dtype: gl.constexpr = x_ring.dtype
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    L3: gl.constexpr = _tile_layout(64, 4)
-    L_C: gl.constexpr = _codes_layout(64, 4)
-    tr = gl.arange(0, 64, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
-    copy_off = (tr % COPIES) * 16
-    tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
-    j_off = (tj // 2) * 4
+    acc = _mainloop(gl.zeros([64, BLOCK_M], gl.float32, ACC), x_ring, c_ring, ready, empty, None, None, m0, row0, 0,
+                    steps, W * 64, 64, 4, ACC, CB_BASE, STAGES, True)
 
-    acc = gl.zeros([64, BLOCK_M], gl.float32, ACC)
-    mbarrier.wait(ready.index(0), 0)
-    w = _dequant_tile(c_ring.index(0).slice(W * 64, 64).load(L_C), copy_off, j_off, A_OP, L3, 64, dtype, CB_BASE)
-    for i in range(steps):
-        s = i % STAGES
-        acc = warpgroup_mma(w, x_ring.index(s).permute((1, 0)), acc, is_async=True)
-        nxt = i + 1
-        if nxt < steps:
-            mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        w_next = _dequant_tile(c_ring.index(nxt % STAGES).slice(W * 64, 64).load(L_C), copy_off, j_off, A_OP, L3,
-                               64, dtype, CB_BASE)
-        acc, w = warpgroup_mma_wait(0, deps=[acc, w])
-        mbarrier.arrive(empty.index(s))
-        w = w_next
-
-    rows = row0 + W * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, ACC))
-    toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
-    _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om,
-                  2 * tile + W, SPLIT_K, SPLIT, HAS_BIAS)
+    _finish(acc, row0 + W * 64, m0, 2 * tile + W, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+            stride_om, 64, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile and consumer
 
 
 @gluon.jit
@@ -268,7 +272,6 @@ def vq_prefill_ws_kernel(
     partition is consumer 0, which first copies the codebooks). Same arguments, grid and
     workspace (two arrival counters per output tile, one per consumer)."""
     dtype: gl.constexpr = x_desc.dtype
-    CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
     CB_BASE: gl.constexpr = _cb_base(BLOCK_M, STAGES)
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -282,11 +285,7 @@ def vq_prefill_ws_kernel(
     c_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 128, GROUPS], c_desc.layout)
     ready, empty = slot_barriers(STAGES, 2)      # both consumers read every slot
 
-    # stage 0 (default partition): codebook copies, HBM/L2 -> registers -> SMEM
-    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]
-    cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
-    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(dtype))
-    gl.thread_barrier()
+    _copy_codebooks(cb_smem, cb_ptr, 4)     # stage 0, by the default partition
 
     tile = pid_n * gl.num_programs(0) + pid_m
     gl.warp_specialize([

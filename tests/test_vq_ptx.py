@@ -1,9 +1,11 @@
-"""The inline PTX of the resident VQ decode kernel (``tilefuse.ops.vq.ptx``), checked on the CPU.
+"""The inline PTX of the VQ kernels (``tilefuse.ops.vq.ptx``), checked on the CPU.
 
 A lane-level emulator runs the few PTX instructions the snippets use over the 32 lanes of a warp:
-the lookups must read the table entries the layout says (and hit 32 distinct banks per shared-memory
-wavefront whatever the codes), and the transposed butterfly must emit each valid row's sum exactly
-once. The GPU tests then check the whole kernel against the fp64 reference.
+the resident decode's lookups must read the table entries the layout says (and hit 32 distinct banks
+per shared-memory wavefront whatever the codes), its transposed butterfly must emit each valid row's
+sum exactly once, and the prefill kernel's weight-pair lookups must read the codebook copies its
+lane mapping says, conflict free. The GPU tests then check the whole kernels against the fp64
+reference.
 """
 
 import random
@@ -11,7 +13,7 @@ import re
 
 import pytest
 
-from tilefuse.ops.vq.ptx import lookup_asm, reduce_emit_asm
+from tilefuse.ops.vq.ptx import lookup_asm, pair_dequant_asm, reduce_emit_asm
 
 SMEM_BASE = 0x400  # any 256-aligned shared address of the table
 
@@ -28,7 +30,7 @@ def run_warp(asm, operands, memory=None):
             return lane
         if x == "global_smem":
             return SMEM_BASE
-        return int(x, 0) if re.fullmatch(r"-?(0x[0-9a-f]+|\d+)", x) else regs[lane][x]
+        return int(x, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", x) else regs[lane][x]
 
     for ins in body:
         pred = None
@@ -57,7 +59,12 @@ def run_warp(asm, operands, memory=None):
                 continue
             if op == "red.global.add.f32":
                 reds.append((val(lane, args[0].strip("[]")), val(lane, args[1])))
-            elif op in ("mov.u32", "mov.f32", "mov.b64"):
+            elif op in ("add.rn.f16x2", "fma.rn.bf16x2"):  # packed pairs as tuples; fma's multiplier is 1.0
+                a, b = val(lane, args[1]), val(lane, args[-1])
+                if op.startswith("fma"):
+                    assert val(lane, args[2]) == 0x3F803F80
+                r[args[0]] = (a[0] + b[0], a[1] + b[1])
+            elif op in ("mov.u32", "mov.f32", "mov.b64", "mov.b32"):
                 r[args[0]] = val(lane, args[1])
             elif op in ("add.u32",):
                 r[args[0]] = (val(lane, args[1]) + val(lane, args[2])) & 0xFFFFFFFF
@@ -126,3 +133,28 @@ def test_transposed_butterfly_emits_each_valid_row_once(rpt, seed):
         else:
             assert not got
     assert len(reds) == sum(valid)
+
+
+@pytest.mark.parametrize("kind,base", [("f16", 0), ("bf16", 98304)])
+def test_prefill_pair_lookup_reads_its_copies_without_bank_conflicts(kind, base):
+    """Lane 4r + t of the prefill kernel's A operand holds weight pair t of a group of row r (mod 8)
+    and reads copy r of both entries: C0[a] + C1[b] at positions 2t, 2t + 1, 32 distinct banks."""
+    rnd = random.Random(base)
+    books = [[[rnd.uniform(-1, 1) for _ in range(8)] for _ in range(256)] for _ in range(2)]
+    memory = {SMEM_BASE + base + j * 32768 + e * 128 + c * 16 + t * 4: (books[j][e][2 * t], books[j][e][2 * t + 1])
+              for j in range(2) for e in range(256) for c in range(8) for t in range(4)}
+    codes = [(rnd.randrange(256), rnd.randrange(256)) for _ in range(8)]         # per row r
+    operands = []
+    for lane in range(32):
+        r, t = lane // 4, lane % 4
+        a, b = codes[r]
+        operands.append({"$1": a * 128 + r * 16 + t * 4, "$2": 0, "$3": b * 128 + r * 16 + t * 4, "$4": 0})
+    regs, loads, _ = run_warp(pair_dequant_asm(kind, base), operands, memory)
+    for lane in range(32):
+        r, t = lane // 4, lane % 4
+        a, b = codes[r]
+        want = [books[0][a][2 * t + i] + books[1][b][2 * t + i] for i in range(2)]
+        assert regs[lane]["$0"] == pytest.approx(want, rel=1e-12)
+    assert len(loads) == 2
+    for addrs, nbytes in loads:
+        assert nbytes == 4 and len({(a // 4) % 32 for a in addrs}) == 32

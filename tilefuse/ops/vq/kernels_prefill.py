@@ -27,6 +27,12 @@ on top of the lookups and bind on shared-memory bandwidth).
   the output tiles do not fill the GPU, K is split over the grid's third axis and the partials meet
   in an fp32 workspace with one arrival counter per tile, as in the MMA decode kernel.
 
+Two forms share these stages (``_mainloop``): :func:`vq_prefill_kernel`, one partition of
+``NUM_WARPS`` warps that step together (a CTA barrier per step, then one thread refills the slot),
+and :func:`vq_prefill_ws_kernel` (the default on the H200: measured faster), a TMA producer warp and
+two consumer warpgroups that release slots through mbarriers and so drift apart: one's
+dequantization runs while the other's WGMMA does.
+
 The PTX addresses Triton's ``global_smem`` symbol: the offset of the codebook copies follows
 Triton's allocator (``_cb_base``); ``tests/test_gluon_compile.py`` checks that the compiled
 kernel stores them where the lookups read (the GPU tests would see another placement as wrong

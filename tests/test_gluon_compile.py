@@ -235,4 +235,4 @@ def test_vq_wgmma_prefill_compiles(m, n, k, dtype, ws):
     first_store = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+(?:\+(\d+))?\]", result.ptx)
     base = _cb_base(cfg["block_m"], cfg["stages"])
     assert int(first_store.group(1) or 0) == base, (first_store.group(0), base)
-    assert f"[a+{base}]" in result.ptx and f"[b+{base + 32768}]" in result.ptx
+    assert f"[a+{base}]" in result.ptx and f"[b+{base + 128}]" in result.ptx

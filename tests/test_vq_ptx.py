@@ -138,17 +138,19 @@ def test_transposed_butterfly_emits_each_valid_row_once(rpt, seed):
 @pytest.mark.parametrize("kind,base", [("f16", 0), ("bf16", 98304)])
 def test_prefill_pair_lookup_reads_its_copies_without_bank_conflicts(kind, base):
     """Lane 4r + t of the prefill kernel's A operand holds weight pair t of a group of row r (mod 8)
-    and reads copy r of both entries: C0[a] + C1[b] at positions 2t, 2t + 1, 32 distinct banks."""
+    and reads copy r of both entries (interleaved copies, 256 bytes per code): C0[a] + C1[b] at
+    positions 2t, 2t + 1, on 32 distinct banks."""
     rnd = random.Random(base)
     books = [[[rnd.uniform(-1, 1) for _ in range(8)] for _ in range(256)] for _ in range(2)]
-    memory = {SMEM_BASE + base + j * 32768 + e * 128 + c * 16 + t * 4: (books[j][e][2 * t], books[j][e][2 * t + 1])
+    memory = {SMEM_BASE + base + e * 256 + j * 128 + c * 16 + t * 4: (books[j][e][2 * t], books[j][e][2 * t + 1])
               for j in range(2) for e in range(256) for c in range(8) for t in range(4)}
     codes = [(rnd.randrange(256), rnd.randrange(256)) for _ in range(8)]         # per row r
     operands = []
     for lane in range(32):
         r, t = lane // 4, lane % 4
         a, b = codes[r]
-        operands.append({"$1": a * 128 + r * 16 + t * 4, "$2": 0, "$3": b * 128 + r * 16 + t * 4, "$4": 0})
+        pair = a | b << 8 | (0xFFFF0000 if b >= 128 else 0)   # the int16 pair, sign-extended
+        operands.append({"$1": pair, "$2": 0, "$3": r * 16 + t * 4, "$4": 0})
     regs, loads, _ = run_warp(pair_dequant_asm(kind, base), operands, memory)
     for lane in range(32):
         r, t = lane // 4, lane % 4

@@ -8,7 +8,8 @@ through shared memory (a dequantize-to-SMEM GEMM would write and re-read 16 byte
 on top of the lookups and bind on shared-memory bandwidth).
 
 * Stage 0 (HBM/L2 -> SMEM, once per program): both codebooks in x's dtype, every entry stored 8
-  times side by side (``[2 x 256 entries, 8 copies, 8]``, 64 KB).
+  times side by side, the two codebooks interleaved (``[256 codes, 2 codebooks, 8 copies, 8]``,
+  64 KB: 256 bytes per code).
 * Stage 1 (HBM -> SMEM, TMA ring of ``STAGES`` slots, one mbarrier each): per 64-input K step the
   x box ``[BLOCK_M, 64]`` and the code box ``[BLOCK_N rows, 8 groups]`` (int16 pairs, low byte
   codebook 0), ``STAGES`` steps ahead; tokens and rows past the ends arrive as zeros.
@@ -16,9 +17,10 @@ on top of the lookups and bind on shared-memory bandwidth).
   (one 16-byte shared load per row; the four lanes of a row quad read the same bytes).
 * Stage 3 (SMEM -> registers): the A tile in WGMMA's register layout (``k_width = 2``): a thread
   holds weight pairs ``(2t, 2t + 1)`` of each group of its rows (t = lane % 4). Each pair is two
-  ``ld.shared.b32`` (the pair of C0's and of C1's entry) and one packed add (one rounding to x's
-  dtype), inline PTX (Gluon has no indexed shared load). Lane ``4r + t`` reads copy ``r`` (its row
-  mod 8), so a warp's 32 lookups fall on 32 distinct banks whatever the codes.
+  ``ld.shared.b32`` (the pair of C0's and of C1's entry), each addressed by one ``prmt`` (code byte
+  and lane offset side by side), and one packed add (one rounding to x's dtype), inline PTX
+  (Gluon has no indexed shared load). Lane ``4r + t`` reads copy ``r`` (its row mod 8), so a
+  warp's 32 lookups fall on 32 distinct banks whatever the codes.
 * Stage 4 (tensor cores): ``wgmma`` m64 x BLOCK_M x k16 per warpgroup (64 rows each), issued
   asynchronously: the next step's stages 2-3 run on the CUDA cores while it computes. The weight
   registers must not change until it is done, hence one WGMMA in flight, waited for at the end of
@@ -53,7 +55,7 @@ GROUPS = gl.constexpr(8)
 CB_ELEMS = gl.constexpr(2 * 256 * 8 * 8)     # the codebook copies, elements of x's dtype (64 KB)
 FIRST = gl.constexpr(0)
 SECOND = gl.constexpr(1)
-PAIR_CON = gl.constexpr("=r,r,r,r,r")        # one packed pair out; 2 + 2 byte offsets in
+PAIR_CON = gl.constexpr("=r,r,r,r,r")        # one packed pair out; 2 code pairs + 2 lane offsets in
 
 
 @gluon.constexpr_function
@@ -101,19 +103,18 @@ _pair_asm = gluon.constexpr_function(pair_dequant_asm)
 
 
 @gluon.jit
-def _dequant_tile(pairs, copy_off, j_off, A_OP: gl.constexpr, L3: gl.constexpr, BLOCK_N: gl.constexpr,
+def _dequant_tile(pairs, lane_off, A_OP: gl.constexpr, L3: gl.constexpr, BLOCK_N: gl.constexpr,
                   dtype: gl.constexpr, CB_BASE: gl.constexpr):
     """Code pairs ``[BLOCK_N, 8]`` (int16, memory order) -> the step's weight tile ``[BLOCK_N, 64]``
-    in x's dtype, in the A operand's register layout (SMEM codebook copies -> registers)."""
+    in x's dtype, in the A operand's register layout (SMEM codebook copies -> registers).
+    ``lane_off``: ``[BLOCK_N, 64]`` int32 in that layout, each element's copy and pair offset."""
     p = gl.convert_layout(pairs, gl.SliceLayout(2, L3)).to(gl.int32)   # a register permutation only
-    off0 = (p & 0xFF) * (COPIES * 16) + copy_off
-    off1 = ((p >> 8) & 0xFF) * (COPIES * 16) + copy_off
-    off0 = gl.convert_layout(gl.reshape(off0[:, :, None] + j_off, [BLOCK_N, BLOCK_K]), A_OP)
-    off1 = gl.convert_layout(gl.reshape(off1[:, :, None] + j_off, [BLOCK_N, BLOCK_K]), A_OP)
+    p = gl.convert_layout(gl.reshape(gl.broadcast(p[:, :, None], gl.zeros([BLOCK_N, GROUPS, 8], gl.int32, L3))[0],
+                                     [BLOCK_N, BLOCK_K]), A_OP)      # each pair's codes, no data movement
     if dtype == gl.float16:
-        return gl.inline_asm_elementwise(_pair_asm("f16", CB_BASE), PAIR_CON, [off0, off1], gl.float16, True, 2)
+        return gl.inline_asm_elementwise(_pair_asm("f16", CB_BASE), PAIR_CON, [p, lane_off], gl.float16, True, 2)
     else:
-        return gl.inline_asm_elementwise(_pair_asm("bf16", CB_BASE), PAIR_CON, [off0, off1], gl.bfloat16, True, 2)
+        return gl.inline_asm_elementwise(_pair_asm("bf16", CB_BASE), PAIR_CON, [p, lane_off], gl.bfloat16, True, 2)
 
 
 @gluon.jit
@@ -127,11 +128,13 @@ def _load_step(x_desc, c_desc, x_ring, c_ring, ready, slot, step, m0, row0):
 
 @gluon.jit
 def _copy_codebooks(cb_smem, cb_ptr, NUM_WARPS: gl.constexpr):
-    """Stage 0: both codebooks (HBM/L2 -> registers -> SMEM) in x's dtype, 8 copies of each entry."""
+    """Stage 0: both codebooks (HBM/L2 -> registers -> SMEM) in x's dtype, 8 copies of each entry,
+    interleaved as ``[code, codebook, copy, 8]`` (256 bytes per code: ``pair_dequant_asm``)."""
     CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
-    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # entry * COPIES + copy
+    ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # (code * 2 + book) * 8 + copy
     cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
-    cb_smem.store(gl.load(cb_ptr + (ce // COPIES) * 8 + cj).to(cb_smem.dtype))
+    entry = ((ce // COPIES) % 2) * 256 + ce // (2 * COPIES)                     # book * 256 + code
+    cb_smem.store(gl.load(cb_ptr + entry * 8 + cj).to(cb_smem.dtype))
     gl.thread_barrier()
 
 
@@ -160,14 +163,14 @@ def _mainloop(acc, x_ring, c_ring, ready, empty, x_desc, c_desc, m0, row0, first
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     L3: gl.constexpr = _tile_layout(ROWS, NUM_WARPS)
     L_C: gl.constexpr = _codes_layout(ROWS, NUM_WARPS)
-    # per-element constants of the A tile: the copy a lane reads (row % 8) and the pair in the entry
-    tr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None]
-    copy_off = (tr % COPIES) * 16
+    # per-element constant of the A tile: the copy a lane reads (row % 8) and the pair in the entry
+    tr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
-    j_off = (tj // 2) * 4
+    lane_off = gl.convert_layout(gl.reshape((tr % COPIES) * 16 + (tj // 2) * 4 + gl.zeros([ROWS, GROUPS, 8], gl.int32, L3),
+                                            [ROWS, BLOCK_K]), A_OP)
 
     mbarrier.wait(ready.index(0), 0)
-    w = _dequant_tile(c_ring.index(0).slice(ROW, ROWS).load(L_C), copy_off, j_off, A_OP, L3, ROWS, dtype, CB_BASE)
+    w = _dequant_tile(c_ring.index(0).slice(ROW, ROWS).load(L_C), lane_off, A_OP, L3, ROWS, dtype, CB_BASE)
     for i in range(steps):
         s = i % STAGES
         # stage 4: this step's WGMMA (asynchronous: it reads w's registers and the x slot)
@@ -177,8 +180,8 @@ def _mainloop(acc, x_ring, c_ring, ready, empty, x_desc, c_desc, m0, row0, first
         nxt = i + 1
         if nxt < steps:
             mbarrier.wait(ready.index(nxt % STAGES), (nxt // STAGES) & 1)
-        w_next = _dequant_tile(c_ring.index(nxt % STAGES).slice(ROW, ROWS).load(L_C), copy_off, j_off, A_OP, L3,
-                               ROWS, dtype, CB_BASE)
+        w_next = _dequant_tile(c_ring.index(nxt % STAGES).slice(ROW, ROWS).load(L_C), lane_off, A_OP, L3, ROWS,
+                               dtype, CB_BASE)
         # w's registers and slot s are free once the WGMMA is done
         acc, w = warpgroup_mma_wait(0, deps=[acc, w])
         if WS:

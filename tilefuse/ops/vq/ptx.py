@@ -89,12 +89,16 @@ def pair_dequant_asm(kind: str, base: int = 0) -> str:
     """PTX for one weight pair of the prefill kernel (``kernels_prefill.py``): ``C0[a] + C1[b]`` at
     two consecutive positions of a group, packed in one 32-bit register.
 
-    Operands (``pack = 2``): output $0, then 2 copies of the byte offset of the pair in C0[a]'s
-    copy for this lane, then 2 of C1[b]'s (only the first of each is read). The codebook copies
-    start ``base`` bytes into ``global_smem``, codebook 1 32 KB after codebook 0 (both offsets fold
-    into the loads). One rounding to ``kind`` as :func:`dequant_asm`."""
+    The codebook copies are interleaved, 256 bytes per code: ``[code, codebook, copy, 8 values]``
+    (``base`` bytes into ``global_smem``), so a lookup's byte offset is ``code * 256 + codebook * 128
+    + lane offset`` and one ``prmt`` builds it: the code byte (low byte of the code pair for
+    codebook 0, the next for codebook 1) into byte 1, the lane's offset (``copy * 16 + pair * 4``,
+    < 128) into byte 0, a zero byte of it above; the codebook's 128 and ``base`` fold into the
+    loads. Operands (``pack = 2``): output $0, then 2 copies of the code pair, then 2 of the lane
+    offset (only the first of each is read). One rounding to ``kind`` as :func:`dequant_asm`."""
     add = {"f16": ["add.rn.f16x2 $0, p, q;"], "bf16": ["mov.b32 one, 0x3F803F80;", "fma.rn.bf16x2 $0, p, one, q;"]}
     lines = [".reg .u32 a, b, base;", ".reg .b32 one, p, q;", "mov.u32 base, global_smem;",
-             "add.u32 a, $1, base;", "add.u32 b, $3, base;",
-             f"ld.shared.b32 p, [a+{base}];", f"ld.shared.b32 q, [b+{base + 32768}];", *add[kind]]
+             "prmt.b32 a, $1, $3, 0x5504;", "prmt.b32 b, $1, $3, 0x5514;", "add.u32 a, a, base;",
+             "add.u32 b, b, base;", f"ld.shared.b32 p, [a+{base}];", f"ld.shared.b32 q, [b+{base + 128}];",
+             *add[kind]]
     return "{ " + " ".join(lines) + " }"

@@ -40,7 +40,7 @@ def main() -> None:
                 dense_us = timer.graph_us(lambda: dense(x))
                 vq_us = timer.graph_us(lambda: vq(x))
             rows.append(dict(layer=name, n=n, k=k, batch=batch, dense_us=round(dense_us, 1), vq_us=round(vq_us, 1),
-                             variant=vq_op.choose_variant(batch, k, device, n)))
+                             variant=vq_op.choose_variant(batch, k, device)))
             print(rows[-1], flush=True)
     with open(sys.argv[1], "w") as f:
         json.dump({"machine": machine_info(device), "rows": rows}, f, indent=1)

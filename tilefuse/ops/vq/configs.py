@@ -18,9 +18,7 @@ from tilefuse import _env
 DECODE_MAX_TOKENS = 8            # the gather decode kernel packs up to 8 tokens into its table columns
 DECODE_SWITCH_TOKENS = 2         # measured: the resident table decode up to 2 tokens (equal at 4096x4096, 15 % faster at 28672x8192), MMA decode above
 MMA_SWITCH_TOKENS = 16           # the MMA decode up to this many tokens, the prefill kernel (or dequantize + cuBLAS) above
-PREFILL_MAX_TOKENS = 128         # measured: the WGMMA prefill kernel (Hopper) above MMA_SWITCH_TOKENS up to here on every layer, dequantize + cuBLAS above (and off Hopper) ...
-PREFILL_LARGE_ROWS = 8192        # ... except on layers with at least this many rows and PREFILL_LARGE_WEIGHTS weights,
-PREFILL_LARGE_WEIGHTS = 56 << 20  # where the prefill kernel measured faster at 512 tokens too
+PREFILL_MAX_TOKENS = 512         # the WGMMA prefill kernel (Hopper) above MMA_SWITCH_TOKENS up to here (measured at 32-512), dequantize + cuBLAS above (and off Hopper)
 RESIDENT_MAX_TOKENS = 4          # resident table columns = 64 = groups per slice x tokens
 TABLE_COLS = 32                  # gather kernel: (token, group) columns of the table per K step
 
@@ -168,14 +166,13 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
                 groups_per_split=8 * steps_per_split, grid=(_cdiv(m, block_m), row_blocks, split_k), ws=ws)
 
 
-def default_variant(m: int, wgmma_prefill: bool = False, n: int = 0, k: int = 0) -> str:
+def default_variant(m: int, wgmma_prefill: bool = False) -> str:
     """The measured dispatch: the table decode up to ``DECODE_SWITCH_TOKENS``, the MMA decode up to
     ``MMA_SWITCH_TOKENS``, then where the WGMMA prefill kernel runs (``wgmma_prefill``: a Hopper GPU,
-    K a multiple of 64) that kernel up to ``PREFILL_MAX_TOKENS``, and above on large ``[n, k]``
-    layers; dequant + cuBLAS otherwise."""
+    K a multiple of 64) that kernel up to ``PREFILL_MAX_TOKENS``; dequant + cuBLAS otherwise (above
+    it, the dequantization's fixed cost shrinks against the GEMM's)."""
     if m <= DECODE_SWITCH_TOKENS:
         return "decode"
     if m <= MMA_SWITCH_TOKENS:
         return "mma"
-    large = n >= PREFILL_LARGE_ROWS and n * k >= PREFILL_LARGE_WEIGHTS
-    return "prefill" if wgmma_prefill and (m <= PREFILL_MAX_TOKENS or large) else "dequant"
+    return "prefill" if wgmma_prefill and m <= PREFILL_MAX_TOKENS else "dequant"

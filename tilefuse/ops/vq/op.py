@@ -22,8 +22,8 @@ Variants (``tilefuse.force(variant=...)``):
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
 Default dispatch (``configs.default_variant``): ``decode`` at 1-2 tokens, ``mma`` at 3-16 tokens;
-above, on Hopper, ``prefill`` up to 128 tokens and on large layers beyond, ``dequant`` otherwise
-(the measured switch points, ``configs.py``). fp16
+above, on Hopper, ``prefill`` up to 512 tokens, ``dequant`` otherwise (the measured switch points,
+``configs.py``). fp16
 and bf16 inputs run the kernels on CUDA; fp32 / fp64 inputs run the reference (dequantize, then a
 cuBLAS GEMM on a GPU) on every device.
 
@@ -385,11 +385,12 @@ def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 1
     return out
 
 
-def choose_variant(m: int, k: int = 0, device: torch.device | None = None, n: int = 0) -> str:
-    """The variant a call on ``m`` tokens of ``k`` inputs to ``n`` outputs on ``device`` runs: the
-    one pinned by ``force()``, else the measured dispatch."""
+def choose_variant(m: int, k: int = 0, device: torch.device | None = None) -> str:
+    """The variant a call on ``m`` tokens of ``k`` inputs on ``device`` runs: the one pinned by
+    ``force()``, else the measured dispatch."""
     return forced_variant("vq") or configs.default_variant(
-        m, m > configs.MMA_SWITCH_TOKENS and device is not None and wgmma_prefill_applies(k, device), n, k)
+        m, configs.MMA_SWITCH_TOKENS < m <= configs.PREFILL_MAX_TOKENS and device is not None
+        and wgmma_prefill_applies(k, device))
 
 
 def _reference(x, codes, codebooks, scales, bias):
@@ -459,7 +460,7 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference:
         check_interpretable("x", x.dtype)
-    variant = choose_variant(m, k, x.device, n) if not reference else None
+    variant = choose_variant(m, k, x.device) if not reference else None
     if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
         call = _resident_call(m, n, k, x.device, bias is not None)
     else:
@@ -561,8 +562,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     -------
     [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
     decode kernel, 3-16 the one-launch MMA decode kernel (weight tiles dequantized in registers);
-    on Hopper 17-128 tokens (and more on large layers) the one-launch WGMMA prefill kernel; other
-    calls dequantize the weight into a scratch [N, K] (one kernel) and run cuBLAS (the measured
+    on Hopper 17-512 tokens the one-launch WGMMA prefill kernel; other calls dequantize the weight into a scratch [N, K] (one kernel) and run cuBLAS (the measured
     switch points, ``configs.DECODE_SWITCH_TOKENS`` / ``MMA_SWITCH_TOKENS`` / ``PREFILL_*``). Differentiable in ``x``,
     ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """

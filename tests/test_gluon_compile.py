@@ -209,20 +209,17 @@ def test_vq_wgmma_prefill_compiles(m, n, k, dtype, ws):
 
     cfg = vq_configs.wgmma_prefill_config(m, n, k, 132, ws=ws)
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
-    signature = {"x_desc": tensordesc(dtype, [cfg["block_m"], 64]), "c_desc": tensordesc(torch.int16, [cfg["block_n"], 8]), "cb_ptr": element,
-                 "scales_ptr": element, "bias_ptr": element, "out_ptr": element, "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
-                 "N": "i32", "NUM_GROUPS": "i32", "GROUPS_PER_SPLIT": "i32", "SPLIT_K": "i32", "stride_om": "i32"}
-    if ws:
-        constexprs = dict(BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True,
-                          CONSUMER_REGS=232 if cfg["block_m"] > 128 else 160)
-    else:
-        constexprs = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
-                          NUM_WARPS=cfg["num_warps"], SPLIT=cfg["split_k"] > 1, HAS_BIAS=True)
+    signature = {"x_desc": tensordesc(dtype, [cfg["block_m"], 64]),
+                 "c_desc": tensordesc(torch.int16, [cfg["block_n"], 8]), "cb_ptr": element, "scales_ptr": element, "bias_ptr": element, "out_ptr": element, "ws_ptr": "*fp32",
+                 "cnt_ptr": "*i32", "M": "i32", "N": "i32", "NUM_GROUPS": "i32", "GROUPS_PER_SPLIT": "i32",
+                 "SPLIT_K": "i32", "stride_om": "i32"}
+    constexprs = vq_configs.wgmma_prefill_meta(cfg, has_bias=True)      # what op._prefill_call passes
+    num_warps = constexprs.pop("num_warps")
     signature.update({name: CONSTEXPR for name in constexprs})
     kernel = "vq_prefill_ws_kernel" if ws else "vq_prefill_kernel"
     result = compile_gluon_isolated(f"tilefuse.ops.vq.kernels_prefill:{kernel}", signature, constexprs,
-                                    num_warps=4 if ws else cfg["num_warps"], aligned=["cb_ptr", "scales_ptr", "bias_ptr", "out_ptr",
-                                                                         "N", "NUM_GROUPS", "stride_om"])
+                                    num_warps=num_warps, aligned=["cb_ptr", "scales_ptr", "bias_ptr", "out_ptr", "N",
+                                                                  "NUM_GROUPS", "stride_om"])
     if ws:
         _check(result)
     else:

@@ -4,7 +4,8 @@
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096, 28672x8192 and
 4096x14336) at 32, 64, 128 and 512 tokens (fp16), each candidate tile of
-``kernels_prefill.vq_prefill_kernel`` (tokens per tile x warps x ring depth, one-partition or warp-specialized) is timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
+``kernels_prefill`` (tokens per tile x warps x ring depth, one-partition or warp-specialized) is
+timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
 tile ``configs.wgmma_prefill_config`` picks (``auto``), fp16 cuBLAS on the dequantized weight,
 dequantize + cuBLAS and (up to 64 tokens) the MMA decode kernel. An output more than 2e-3
 (relative) away from cuBLAS's gets no time. Every time goes to ``OUT_DIR/vq-prefill-sweep.json``
@@ -92,8 +93,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "vq-prefill-sweep.json").write_text(json.dumps(
-        {"machine": machine_info(torch.device("cuda")), "candidates": CANDIDATES, "summary": summary, "cases": cases, "rows": rows},
-        indent=1))
+        {"machine": machine_info(torch.device("cuda")), "candidates": CANDIDATES, "summary": summary, "cases": cases,
+         "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ from tilefuse import _env
 
 DECODE_MAX_TOKENS = 8            # the gather decode kernel packs up to 8 tokens into its table columns
 DECODE_SWITCH_TOKENS = 2         # measured: the resident table decode up to 2 tokens (equal at 4096x4096, 15 % faster at 28672x8192), MMA decode above
-MMA_SWITCH_TOKENS = 16           # the MMA decode up to this many tokens, the prefill kernel (or dequantize + cuBLAS) above
-PREFILL_MAX_TOKENS = 512         # the WGMMA prefill kernel (Hopper) above MMA_SWITCH_TOKENS up to here (measured at 32-512), dequantize + cuBLAS above (and off Hopper)
+MMA_SWITCH_TOKENS = 16           # the MMA decode up to this many tokens, the prefill kernel or dequant above
+# the WGMMA prefill kernel (Hopper) above MMA_SWITCH_TOKENS up to here (measured at 32-512 tokens),
+# dequantize + cuBLAS above (and off Hopper)
+PREFILL_MAX_TOKENS = 512
 RESIDENT_MAX_TOKENS = 4          # resident table columns = 64 = groups per slice x tokens
 TABLE_COLS = 32                  # gather kernel: (token, group) columns of the table per K step
 
@@ -138,9 +140,9 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
     """Tiles and K split of the WGMMA prefill kernel: ``block_m`` tokens per tile, the largest of 64,
     128 and 256 (up to the tokens rounded to a power of two) whose tiles still give half of the SMs
     one each, else 64 (the H200 sweep's picks, ``tools/vq_prefill_sweep.py``); ``block_n = 16 x
-    num_warps`` weight rows; where the tiles leave SMs
-    idle (fewer than one per SM), K is split to minimize ``waves x (steps per program + fixed_steps)``. Explicit arguments
-    override; ``ws`` (1: the warp-specialized kernel, 128 rows) defaults to the measured setting."""
+    num_warps`` weight rows; where the tiles leave SMs idle (fewer than one per SM), K is split to
+    minimize ``waves x (steps per program + fixed_steps)``. Explicit arguments override; ``ws`` (1:
+    the warp-specialized kernel, 128 rows) defaults to the measured setting."""
     ws = WGMMA_PREFILL["ws"] if ws < 0 else ws
     num_warps = 8 if ws else num_warps or WGMMA_PREFILL["num_warps"]
     block_n = 16 * num_warps
@@ -164,6 +166,18 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
     split_k = _cdiv(steps, steps_per_split)
     return dict(block_m=block_m, block_n=block_n, num_warps=num_warps, stages=stages, split_k=split_k,
                 groups_per_split=8 * steps_per_split, grid=(_cdiv(m, block_m), row_blocks, split_k), ws=ws)
+
+
+def wgmma_prefill_meta(cfg: dict, has_bias: bool) -> dict:
+    """The WGMMA prefill kernel's constexprs and launch warps (``num_warps``) for ``cfg`` (from
+    :func:`wgmma_prefill_config`). The warp-specialized form's consumers get 232 registers for
+    256-token tiles (128 accumulators per thread), 160 below."""
+    split = cfg["split_k"] > 1
+    if cfg["ws"]:
+        return dict(BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], SPLIT=split, HAS_BIAS=has_bias,
+                    CONSUMER_REGS=232 if cfg["block_m"] > 128 else 160, num_warps=4)
+    return dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], NUM_WARPS=cfg["num_warps"],
+                SPLIT=split, HAS_BIAS=has_bias, num_warps=cfg["num_warps"])
 
 
 def default_variant(m: int, wgmma_prefill: bool = False) -> str:

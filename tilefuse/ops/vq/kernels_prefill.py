@@ -166,8 +166,8 @@ def _mainloop(acc, x_ring, c_ring, ready, empty, x_desc, c_desc, m0, row0, first
     # per-element constant of the A tile: the copy a lane reads (row % 8) and the pair in the entry
     tr = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))[:, None, None]
     tj = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))[None, :], 0)
-    lane_off = gl.convert_layout(gl.reshape((tr % COPIES) * 16 + (tj // 2) * 4 + gl.zeros([ROWS, GROUPS, 8], gl.int32, L3),
-                                            [ROWS, BLOCK_K]), A_OP)
+    offsets = (tr % COPIES) * 16 + (tj // 2) * 4 + gl.zeros([ROWS, GROUPS, 8], gl.int32, L3)
+    lane_off = gl.convert_layout(gl.reshape(offsets, [ROWS, BLOCK_K]), A_OP)
 
     mbarrier.wait(ready.index(0), 0)
     w = _dequant_tile(c_ring.index(0).slice(ROW, ROWS).load(L_C), lane_off, A_OP, L3, ROWS, dtype, CB_BASE)

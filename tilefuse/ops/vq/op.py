@@ -315,18 +315,12 @@ def _prefill_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, 
     call.m, call.variant, call.resident, call.impl = m, "prefill", False, "wgmma_ws" if cfg["ws"] else "wgmma"
     call.grid = cfg["grid"]
     call.block = ([cfg["block_m"], 64], [cfg["block_n"], 8])
-    split = cfg["split_k"] > 1
     # split-K: zeroed fp32 partial sums [M, N] and one arrival counter per output tile (per consumer
     # warpgroup in the warp-specialized form)
     counters = call.grid[0] * call.grid[1] * (2 if cfg["ws"] else 1)
-    call.scratch = ((m * n, torch.float32), (counters, torch.int32)) if split else None
+    call.scratch = ((m * n, torch.float32), (counters, torch.int32)) if cfg["split_k"] > 1 else None
     call.scalars = (m, n, k // 8, cfg["groups_per_split"], cfg["split_k"], out_stride)
-    if cfg["ws"]:
-        call.meta = dict(BLOCK_M=cfg["block_m"], STAGES=cfg["stages"], SPLIT=split, HAS_BIAS=has_bias,
-                         CONSUMER_REGS=232 if cfg["block_m"] > 128 else 160, num_warps=4)
-    else:
-        call.meta = dict(BLOCK_N=cfg["block_n"], BLOCK_M=cfg["block_m"], STAGES=cfg["stages"],
-                         NUM_WARPS=cfg["num_warps"], SPLIT=split, HAS_BIAS=has_bias, num_warps=cfg["num_warps"])
+    call.meta = configs.wgmma_prefill_meta(cfg, has_bias)
     return call
 
 
@@ -342,8 +336,8 @@ def _launch_prefill(call: _Call, x2d, codes, codebooks, scales, bias, out) -> to
     n, groups = codes16.shape
     x_desc = _launch.descriptor(x2d, [m, k], [x2d.stride(0), 1], call.block[0], gluon=True)
     c_desc = _launch.descriptor(codes16, [n, groups], [groups, 1], call.block[1], gluon=True)
-    key = (call, x2d.dtype, x2d.stride(0), codebooks.dtype, scales.dtype, None if bias is None else bias.dtype,
-           out.dtype, codebooks.data_ptr() % 16, scales.data_ptr() % 16, bias is None or bias.data_ptr() % 16,
+    # the call plan pins dtypes and strides (its plan key), so the pointers' alignment completes the key
+    key = (call, codebooks.data_ptr() % 16, scales.data_ptr() % 16, bias is None or bias.data_ptr() % 16,
            out.data_ptr() % 16)
     ws, cnt = _scratch.zeroed(x2d.device, *call.scratch) if call.scratch else (out, out)
     kernel = _wgmma_prefill_ws() if call.impl == "wgmma_ws" else _wgmma_prefill()
@@ -562,9 +556,10 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     -------
     [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
     decode kernel, 3-16 the one-launch MMA decode kernel (weight tiles dequantized in registers);
-    on Hopper 17-512 tokens the one-launch WGMMA prefill kernel; other calls dequantize the weight into a scratch [N, K] (one kernel) and run cuBLAS (the measured
-    switch points, ``configs.DECODE_SWITCH_TOKENS`` / ``MMA_SWITCH_TOKENS`` / ``PREFILL_*``). Differentiable in ``x``,
-    ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
+    on Hopper 17-512 tokens the one-launch WGMMA prefill kernel; other calls dequantize the weight
+    into a scratch [N, K] (one kernel) and run cuBLAS (the measured switch points,
+    ``configs.DECODE_SWITCH_TOKENS`` / ``MMA_SWITCH_TOKENS`` / ``PREFILL_MAX_TOKENS``).
+    Differentiable in ``x``, ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:
         _validate(x, codes, codebooks, scales, bias)

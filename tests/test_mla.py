@@ -17,7 +17,10 @@ from tilefuse.ops.mla.reference import mla_decode_reference
 from tilefuse.testing.compare import assert_close, cos_diff
 from tilefuse.testing.mla import make_case
 
-TOL = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
+# (atol, rtol of out; atol of lse). fp32: a logit's rounding error is about eps32 * scale * sum |q_i k_i|
+# (576 products of unit-variance values: ~8e-6 at scale 0.3), and an output moves by that times |v|
+# (up to ~3), so 4e-5 absolute; the observed worst case is 1.2e-5 (Triton 3.9's interpreter).
+TOL = {torch.float32: (4e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
 
 
 @pytest.fixture
@@ -153,8 +156,9 @@ def test_mla_softmax_scale(interpret):
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=4)
     out, lse = tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, softmax_scale=0.3)
     ro, rl = mla_decode_reference(*inp.args(), 512, 0.3, compute_dtype=torch.float64)
-    assert_close(out, ro, atol=1e-5, rtol=1e-5)
-    assert_close(lse, rl, atol=1e-5, rtol=1e-5, name="lse")
+    atol, rtol, lse_atol = TOL[torch.float32]
+    assert_close(out, ro, atol=atol, rtol=rtol)
+    assert_close(lse, rl, atol=lse_atol, rtol=1e-5, name="lse")
 
 
 @pytest.mark.parametrize("lens,parts", [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3),

@@ -8,7 +8,7 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier
 
 
 @gluon.jit

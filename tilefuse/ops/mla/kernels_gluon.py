@@ -28,8 +28,7 @@ tensor cores read them (a masked score alone would still let ``0 * NaN`` into P 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
@@ -89,8 +88,8 @@ def _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, bars, bt_row, tok_begin, j, 
     s = j % STAGES
     bar = bars.index(s)
     mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(kn_desc, [row, 0], bar, kn_ring.index(s), pred=pred)
-    tma.async_copy_global_to_shared(kr_desc, [row, 0], bar, kr_ring.index(s), pred=pred)
+    tma_load(kn_desc, [row, 0], bar, kn_ring.index(s), pred=pred)
+    tma_load(kr_desc, [row, 0], bar, kr_ring.index(s), pred=pred)
 
 
 @gluon.jit

@@ -34,8 +34,8 @@ Out-of-range rows of x and the K tail are zero-filled by TMA; the TMA store clip
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                                       warpgroup_mma_wait)
 
 from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
@@ -66,7 +66,7 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED: gl.
             bar = ready.index(s)
             mbarrier.expect(bar, nbytes)
             k = ks * BLOCK_K
-            tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, x_ring.index(s))
+            tma_load(x_desc, [off_m, k], bar, x_ring.index(s))
             w = w_ring.index(s)
             for c in gl.static_range(BLOCK_N // CHUNK):
                 if PACKED:
@@ -75,8 +75,8 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, H, PACKED: gl.
                 else:
                     gate_row = off_n
                     up_row = I + off_n
-                tma.async_copy_global_to_shared(w_desc, [gate_row, k], bar, w.slice(c * CHUNK, CHUNK, dim=0))
-                tma.async_copy_global_to_shared(w_desc, [up_row, k], bar, w.slice(BLOCK_N + c * CHUNK, CHUNK, dim=0))
+                tma_load(w_desc, [gate_row, k], bar, w.slice(c * CHUNK, CHUNK, dim=0))
+                tma_load(w_desc, [up_row, k], bar, w.slice(BLOCK_N + c * CHUNK, CHUNK, dim=0))
             it += 1
 
 
@@ -135,7 +135,7 @@ def _consumer(x_ring, w_ring, ready, empty, turn, out_smem, out_desc, bias_ptr, 
         tma.store_wait(0)                 # this warpgroup's previous tile has left out_smem
         out_smem.store(h.to(out_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
+        tma_store(out_desc, [pid_m * BLOCK_M, pid_n * BLOCK_N], out_smem)
         t += 2
         j += 1
     tma.store_wait(0)

@@ -27,8 +27,8 @@ each row's group scale.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
+                                       warpgroup_mma_wait)
 
 from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
@@ -64,9 +64,9 @@ def _producer(x_desc, w_desc, x_ring, w_ring, ready, empty, M, I, K, BLOCK_N: gl
                 bar = ready.index(s)
                 mbarrier.expect(bar, nbytes)
                 w = w_ring.index(s)
-                tma.async_copy_global_to_shared(x_desc, [pid_m * BLOCK_M, ks * BLOCK_K], bar, x_ring.index(s))
-                tma.async_copy_global_to_shared(w_desc, [col, ks * BLOCK_K], bar, w.slice(0, SUB_N, dim=0))
-                tma.async_copy_global_to_shared(w_desc, [I + col, ks * BLOCK_K], bar, w.slice(SUB_N, SUB_N, dim=0))
+                tma_load(x_desc, [pid_m * BLOCK_M, ks * BLOCK_K], bar, x_ring.index(s))
+                tma_load(w_desc, [col, ks * BLOCK_K], bar, w.slice(0, SUB_N, dim=0))
+                tma_load(w_desc, [I + col, ks * BLOCK_K], bar, w.slice(SUB_N, SUB_N, dim=0))
                 it += 1
 
 
@@ -175,8 +175,7 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, h_smem, out_desc, xs_ptr, 
                         out_smem.index(W * 2 + q).store(hq.to(out_desc.dtype))
                     fence_async_shared()
                     for q in gl.static_range(2):
-                        tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N + q * SUB_N],
-                                                        out_smem.index(W * 2 + q))
+                        tma_store(out_desc, [row0, pid_n * BLOCK_N + q * SUB_N], out_smem.index(W * 2 + q))
                     gl.store(os_ptr + rows * stride_os_m + pid_n, scale, mask=rows < M)
             else:
                 # this pass's buffer is free once at most the other passes' stores are pending
@@ -184,7 +183,7 @@ def _consumer(x_ring, w_ring, ready, empty, out_smem, h_smem, out_desc, xs_ptr, 
                 buf = out_smem.index(W * (BLOCK_N // SUB_N) + p)
                 buf.store(h.to(out_desc.dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(out_desc, [row0, pid_n * BLOCK_N + p * SUB_N], buf)
+                tma_store(out_desc, [row0, pid_n * BLOCK_N + p * SUB_N], buf)
     tma.store_wait(0)
 
 

@@ -55,7 +55,7 @@ def _splitk_epilogue(part, rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n
             total = tl.atomic_add(ws_ptrs, tl.zeros_like(part), mask=mask, sem="relaxed")
             tl.store(ws_ptrs, tl.zeros_like(part), mask=mask)
             tl.store(cnt_ptr + pid_n, 0)
-        mask = mask & last
+        mask = tl.where(last, mask, False)  # (not `mask & last`: Triton 3.9's interpreter makes that int32)
     if HAS_BIAS:
         total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=mask)

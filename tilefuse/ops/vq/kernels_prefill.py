@@ -43,7 +43,7 @@ results). ``kernels.vq_mma_kernel`` computes the same in ``tl`` (the CPU-tested 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from tilefuse.ops.gluon_compat import mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
 from tilefuse.ops.gluon_common import slot_barriers
 from tilefuse.ops.vq.kernels_mma import _split_finish
@@ -122,8 +122,8 @@ def _load_step(x_desc, c_desc, x_ring, c_ring, ready, slot, step, m0, row0):
     """HBM -> SMEM (TMA): K step ``step``'s x box and code box into ring slot ``slot``."""
     bar = ready.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + c_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [m0, step * BLOCK_K], bar, x_ring.index(slot))
-    tma.async_copy_global_to_shared(c_desc, [row0, step * GROUPS], bar, c_ring.index(slot))
+    tma_load(x_desc, [m0, step * BLOCK_K], bar, x_ring.index(slot))
+    tma_load(c_desc, [row0, step * GROUPS], bar, c_ring.index(slot))
 
 
 @gluon.jit

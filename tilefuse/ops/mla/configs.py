@@ -42,13 +42,15 @@ CONFIGS = {
 GLUON_VARIANTS = ("wgmma", "seesaw")     # the Gluon kernel's two schedules (Hopper, 16-bit q)
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
-# graph. Measured (bench/results/mla-h200.json): the unpadded standard kernel is up to 15 % faster in
-# both regimes except batch 16 at 1K (10 % slower); at 17-63 rows the transposed kernel wins
-# everywhere (the standard one is 10-26 % slower).
+# graph. Measured (the tl kernels' full grid, folded into bench/results/mla-h200-quick.json as
+# "mla-h200"): the unpadded standard kernel is up to 15 % faster in both regimes except batch 16 at
+# 1K (10 % slower); at 17-63 rows the transposed kernel wins everywhere (the standard one is
+# 10-26 % slower).
 LONG_CONTEXT_PAGES = 256
 # The Gluon kernel wins at every row count measured on the H200 (bench/results/mla-h200-quick.json:
-# 16 rows 40.9 vs 41.4 us at b16 4K, 327 vs 343 us at 64K; 32 rows 173 vs 313 us; 128 rows
-# 1.3-1.9x the tl kernel), so on Hopper it takes every shape; the tl rule below serves elsewhere.
+# 16 rows 40.5 vs 41.3 us at b16 4K, 340 vs 342 us at 64K; 32 rows 174 vs 310 us; at 128 rows the
+# tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
+# shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw

@@ -91,16 +91,17 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 
 # The ping-pong kernel (P entries): swept against the picks below at M = 128 .. 16384 with
-# tools/tune_swiglu.py --mode pingpong on the H200, 2026-12-01 ("sweep 1"; "sweep 2" after the ring
-# hand-off moved ahead of the last WGMMA wait, bench/results/swiglu-pingpong-sweep-h200.json). In
-# sweep 2 its best tiles take 0.99-1.32x cuBLAS's time where the picks take 0.91-1.30x; it wins the
-# four entries marked below by 4-7 %. Elsewhere it runs when forced (``tilefuse.force(variant=
-# "pingpong")``).
+# tools/tune_swiglu.py --mode pingpong on the H200 ("sweep 1", its timings not in the committed
+# results; "sweep 2" after the ring hand-off moved ahead of the last WGMMA wait,
+# bench/results/sweeps/swiglu-pingpong-sweep-h200.json). In sweep 2 its best tiles take 0.99-1.32x
+# cuBLAS's time where the picks take 0.91-1.30x; it wins the three entries marked "sweep 2" below
+# by 4-7 %, the one marked "sweep 1" by 4 % in that sweep. Elsewhere it runs when forced
+# (``tilefuse.force(variant="pingpong")``).
 
-# Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout,
-# 2026-11-29 (every candidate's time: bench/results/swiglu-tune-h200.json in commit 11cdc24;
-# entries marked "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py
-# tail|tiles` runs, bench/results/swiglu-{tail,tiles}-sweep-h200.json in commit 319cdd7).
+# Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout
+# (entries marked "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py
+# tail|tiles` runs; the timings of these sweeps are not in the committed results, and
+# bench/results/swiglu-h200.json has every entry's time in the full bench).
 # _M64_NOTE: where the new M = 128 entry has 128-row tiles, an M = 64 entry keeps the former
 # M = 128 config for M = 17..64 (the 128-row tile would do 2-8x padded MMA work there; neither was
 # timed at those M). Fields in order:

@@ -99,7 +99,7 @@ def ws_config(m: int, i: int, quant_out: bool, num_sms: int = NUM_SMS_H200) -> W
 # ``--mode fp8decode``) is merged in at import. A WsConfig entry makes the Gluon kernel the default
 # there (where it can run; else the heuristic's tl tiles); a DecodeConfig entry (M = 16: the
 # decode kernel's bucket) replaces the decode kernel's default tiles.
-# Measured: tools/tune_swiglu.py --mode fp8 on the H200, 2026-12-01 (bench/results/swiglu-fp8-sweep-h200.json):
+# Measured: tools/tune_swiglu.py --mode fp8 on the H200 (bench/results/sweeps/swiglu-fp8-sweep-h200.json):
 # graph time summed over Llama-3-8B and Qwen2.5-72B, block scales; the Gluon kernel's best against
 # the tl kernel's best. M <= 16 keeps the heuristic's tl tiles (a 128-row tile is mostly padding).
 F = Fp8Config
@@ -120,8 +120,9 @@ TUNED: dict[bool, dict[int, Fp8Config | WsConfig]] = {
 }
 # A WsConfig pick stands only where its [128, 128] tiles cover at least this fraction of the SMs:
 # below it the tl kernel's 64-row tiles run twice the programs (Qwen2.5-0.5B at M = 128: 38 Gluon
-# tiles, 17.2 us against the tl kernel's 14.8 in bench/results/swiglu_fp8-h200-quick.json, where
-# Llama-3-8B's 112 tiles ran 49.3 against 62.6).
+# tiles, 16.5 us against the tl kernel's 14.8 in bench/results/swiglu_fp8-h200-quick.json, where
+# Llama-3-8B's 112 tiles run 48.3; in bench/results/sweeps/swiglu-fp8-sweep-h200.json, 47.5 against the
+# tl kernel's best 61.2 with an e4m3 output).
 WS_MIN_SM_FRACTION = 0.5
 
 

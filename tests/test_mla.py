@@ -382,6 +382,48 @@ def test_mla_compile_fullgraph():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def test_mla_compile_fullgraph_with_content_checks():
+    """``check_contents=True`` (and the metadata's) under ``torch.compile(fullgraph=True)``: the
+    checks read tensors back, which tracing cannot do, so they are skipped there instead of
+    raising a dynamo error on valid input; the eager call still checks."""
+    inp = make_case([70, 5], 1, 16, torch.float32, "cpu")
+
+    def step(q, k_cache, block_table, lens):
+        meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4, check_contents=True)
+        return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
+                                               check_contents=True)
+
+    with tilefuse.force(backend="reference"):
+        eager = step(*inp.args())
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*inp.args())
+        torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+        q, k_cache, block_table, lens = inp.args()
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            step(q, k_cache, block_table, lens - 100)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_mla_meta_and_fake_tensors_get_shapes(check):
+    """Meta tensors (and FakeTensorMode) give the outputs' shapes and dtypes, with or without
+    content checks, instead of "Cannot copy out of meta tensor"."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    inp = make_case([70, 5], 2, 16, torch.float16, "cpu")
+
+    def shapes(q, k_cache, block_table, lens):
+        meta, splits = tilefuse.get_mla_metadata(lens, 32, 1, num_sm_parts=4, check_contents=check)
+        assert meta.shape == (4 + 2, 8) and splits.shape == (3,)
+        out, lse = tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
+                                                   check_contents=check)
+        assert out.shape == (2, 2, 16, 512) and out.dtype == torch.float16
+        assert lse.shape == (2, 16, 2) and lse.dtype == torch.float32
+        return out
+
+    assert shapes(*(t.to("meta") for t in inp.args())).device.type == "meta"
+    with FakeTensorMode() as mode:
+        shapes(*(mode.from_tensor(t) for t in inp.args()))
+
+
 # ---------------------------------------------------------------- GPU (H200)
 # Real shapes, bf16 and fp16, against the fp64 reference.
 #

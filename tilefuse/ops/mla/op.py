@@ -149,6 +149,24 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
 _get_mla_metadata_op = tilefuse_op("get_mla_metadata", fake=_metadata_fake)(_get_mla_metadata)
 
 
+def _without_data(*tensors) -> bool:
+    """Whether the contents of ``tensors`` cannot be read: while ``torch.compile`` traces (a read
+    would be a data-dependent guard), or for meta and fake tensors (shapes only). Content checks
+    are skipped then, and meta / fake inputs get the outputs' shapes from the ops' fake
+    implementations."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or _is_fake(t)) for t in tensors)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - a torch without it
+        return False
+    return is_fake(t)
+
+
 def _check_int(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -169,7 +187,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
     num_sm_parts : chunks to cut the batch's pages into (>= 1); default: the SM count divided by
         the number of 64-row head tiles.
     check_contents : check that the lengths are >= 0 (reads them: a host sync); default
-        ``TILEFUSE_DEBUG``.
+        ``TILEFUSE_DEBUG``. Skipped while ``torch.compile`` traces and for meta / fake tensors.
 
     Returns
     -------
@@ -188,11 +206,12 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
     if num_sm_parts is None:
         num_sm_parts = default_num_sm_parts(cache_seqlens.device, num_q_tokens_per_head_k)
     _check_int("num_sm_parts", num_sm_parts, 1)
-    if _env.settings.debug if check_contents is None else check_contents:
+    no_data = _without_data(cache_seqlens)
+    if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
         _check_lengths(cache_seqlens, None)
     if not cache_seqlens.is_contiguous():
         cache_seqlens = cache_seqlens.contiguous()
-    if torch.compiler.is_compiling():
+    if no_data:
         return _get_mla_metadata_op(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
     return _get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts)
 
@@ -420,6 +439,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         raise ``ValueError`` where they are out of range or disagree (a host sync); default
         ``TILEFUSE_DEBUG``. Without it, out-of-range contents cannot fault (lengths are clamped
         to the block table, pages to the cache, bad slots skipped) but give unspecified outputs.
+        Skipped while ``torch.compile`` traces and for meta / fake tensors (nothing to read:
+        check eagerly); meta / fake inputs return outputs of the right shapes.
 
     Returns
     -------
@@ -432,11 +453,12 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         cache_seqlens = cache_seqlens.contiguous()
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale, causal)
-    if _env.settings.debug if check_contents is None else check_contents:
+    no_data = _without_data(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+    if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
         _check_lengths(cache_seqlens, block_table.shape[1])
         check_block_table(block_table, cache_seqlens, k_cache.shape[0])
         check_schedule(cache_seqlens, tile_scheduler_metadata, num_splits)
-    if use_dispatcher(q, k_cache):
+    if no_data or use_dispatcher(q, k_cache):
         return _flash_mla_op(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata,
                              num_splits, call.scale, call.causal)
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)

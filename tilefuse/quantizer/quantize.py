@@ -93,14 +93,31 @@ def _decode(books, codes):
     return books[0][codes[..., 0]] + books[1][codes[..., 1]]                       # [N, G, 8]
 
 
-def _refit_scales(w, u, blocks, scales):
-    """Per-row least-squares scale ``s = sum_g w^T H u / sum_g u^T H u`` (kept where undefined)."""
+def _row_rms(w):
+    """RMS of each row of ``w: [N, G, d]``, without overflow or underflow: each row is divided by
+    its largest magnitude before squaring (a row of 1e20 squared would overflow fp32 to inf)."""
+    peak = w.abs().amax((1, 2))
+    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return (w / safe[:, None, None]).pow(2).mean((1, 2)).sqrt() * safe
+
+
+def _row_weights(scales):
+    """``scale^2`` per row in float64 (the rows' weights in the codebook refits): a scale of 1e20
+    squares to 1e40, beyond fp32."""
+    return scales.to(torch.float64).pow(2)
+
+
+def _refit_scales(v, u, blocks, scales):
+    """Per-row least-squares scale ``s = sum_g w^T H u / sum_g u^T H u`` (kept where undefined).
+
+    Computed from the targets ``v = w / scales`` as ``scales * sum_g v^T H u / sum_g u^T H u``, so
+    that no product of the weight's own magnitude is formed (no overflow for rows of 1e20)."""
     hu = _core.apply_metric(u, blocks)
-    num = (w * hu).sum((1, 2))
+    num = (v * hu).sum((1, 2))
     den = (u * hu).sum((1, 2))
     ok = den > 1e-30 * den.max().clamp_min(1e-30)
-    new = torch.where(ok, num / den.clamp_min(1e-30), scales)
-    return torch.where(new.abs() > 1e-30, new, scales)
+    new = torch.where(ok, scales * (num / den.clamp_min(1e-30)), scales)
+    return torch.where((new.abs() > 1e-30) & torch.isfinite(new), new, scales)
 
 
 def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
@@ -114,7 +131,7 @@ def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
 
     best = (full(codes, books), codes.clone(), books.clone())
     log("full-H objective before feedback", best[0])
-    row_weight = scales * scales
+    row_weight = _row_weights(scales)
     for r in range(rounds):
         if r:  # refit both codebooks to the corrected weights the last pass coded, under its metrics
             for _ in range(2):
@@ -131,7 +148,7 @@ def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
 
 def _loss(w, u, scales, blocks):
     """Relative weighted error ``sqrt(sum (w - s u)^T H (w - s u) / sum w^T H w)``."""
-    diff = (w - scales[:, None, None] * u).double()
+    diff = w.double() - scales.double()[:, None, None] * u.double()     # float64: rows of 1e20 square to 1e40
     ref = _core.quadratic(w.double(), None if blocks is None else blocks.double()).sum()
     err = _core.quadratic(diff, None if blocks is None else blocks.double()).sum()
     return (err / ref.clamp_min(1e-300)).sqrt().item()
@@ -181,12 +198,12 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
 
     w = weight.detach().to(dev, torch.float32).reshape(num_rows, num_groups, GROUP)
     blocks = _core.group_blocks(calib.to(dev), GROUP) if calib is not None else None
-    scales = w.pow(2).mean((1, 2)).sqrt()
+    scales = _row_rms(w)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     generator = torch.Generator(device=dev).manual_seed(seed)
 
     v = w / scales[:, None, None]
-    row_weight = scales * scales
+    row_weight = _row_weights(scales)
     book0, code0 = _core.kmeans(v, row_weight, blocks, ENTRIES, init_iters, generator)
     book1, code1 = _core.kmeans(v - book0[code0], row_weight, blocks, ENTRIES, init_iters, generator)
     books = torch.stack([book0, book1])
@@ -202,9 +219,9 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
                 books[0] = _core.refit_book(v - books[1][codes[..., 1]], codes[..., 0], row_weight, blocks, books[0])
                 books[1] = _core.refit_book(v - books[0][codes[..., 0]], codes[..., 1], row_weight, blocks, books[1])
         u = _decode(books, codes)
-        scales = _refit_scales(w, u, blocks, scales)
+        scales = _refit_scales(v, u, blocks, scales)
         v = w / scales[:, None, None]
-        row_weight = scales * scales
+        row_weight = _row_weights(scales)
         log(f"pass {it + 1}/{iters}", _loss(w, u, scales, blocks))
 
     if calib is not None and feedback:

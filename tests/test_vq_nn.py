@@ -70,6 +70,17 @@ def test_from_linear_quantizes(interpret):
     assert torch.allclose(y.double(), expect, rtol=2 ** -9, atol=1e-3)
 
 
+def test_from_linear_shows_progress_by_default(capsys):
+    """Quantizing a layer takes minutes at real sizes: the quantizer's line per stage by default,
+    nothing with progress=False."""
+    linear = nn.Linear(64, 32, bias=False)
+    VQLinear.from_linear(linear, iters=1, beam=1, init_iters=2, device="cpu")
+    err = capsys.readouterr().err
+    assert err.count("tilefuse.quantize [32x64]") == 2          # the init and the one pass
+    VQLinear.from_linear(linear, iters=1, beam=1, init_iters=2, device="cpu", progress=False)
+    assert capsys.readouterr().err == ""
+
+
 def test_constructor_errors():
     with pytest.raises(ValueError, match="in_features"):
         VQLinear(60, 8)
@@ -84,6 +95,38 @@ def test_constructor_errors():
         layer.load_quantized(torch.full((8, 8, 2), 300), layer.codebooks, layer.scales)
     with pytest.raises(ValueError, match="codes: expected shape"):
         layer.load_quantized(torch.zeros(8, 4, 2, dtype=torch.uint8), layer.codebooks, layer.scales)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("codes_dtype", [torch.int8, torch.uint8])
+def test_load_state_dict_refuses_codes_it_would_narrow(codes_dtype, strict):
+    """int32 code 300 would become 44 and float code 3.7 would become 3 in the int8/uint8 buffer:
+    load_state_dict refuses them as load_quantized does, naming the key; wide integer codes in
+    range and the other 1-byte dtype load with their code values."""
+    sd = _aqlm_state_dict(8, 64, bias=False)
+    layer = VQLinear(64, 8, bias=False, codes_dtype=codes_dtype)
+    before = layer.codes.clone()
+    wide = sd["codes"].view(torch.uint8).to(torch.int32)
+    for bad, match in ((wide.clone().fill_(300), r"state_dict\['codes'\]: expected values in \[0, 256\)"),
+                       (wide.clone().fill_(-1), r"state_dict\['codes'\]: expected values in \[0, 256\)"),
+                       (wide.float() + 0.7, r"state_dict\['codes'\]: expected integer codes"),
+                       (wide > 3, r"state_dict\['codes'\]: expected integer codes")):
+        with pytest.raises(ValueError, match=match):
+            layer.load_state_dict({**sd, "codes": bad}, strict=strict)
+        assert torch.equal(layer.codes, before)
+    for good in (wide, wide.long(), sd["codes"], sd["codes"].view(torch.uint8)):
+        layer.load_state_dict({**sd, "codes": good}, strict=strict)
+        assert layer.codes.dtype == codes_dtype
+        assert torch.equal(layer.codes.view(torch.uint8), sd["codes"].view(torch.uint8))
+    # nested in a model, the key carries the module's prefix
+    model = nn.Sequential(VQLinear(64, 8, bias=False))
+    with pytest.raises(ValueError, match=r"state_dict\['0.codes'\]"):
+        model.load_state_dict({f"0.{k}": v for k, v in {**sd, "codes": wide.float()}.items()}, strict=strict)
+    # assign=True keeps the module's codes dtype
+    layer.load_state_dict({**sd, "codes": wide}, assign=True)
+    assert layer.codes.dtype == codes_dtype
+    with pytest.raises(ValueError, match="codes: expected integer codes"):
+        layer.load_quantized(wide.float(), sd["codebooks"], sd["scales"])
 
 
 def test_fp32_layer_and_inputs_run_the_reference():

@@ -53,14 +53,19 @@ class VQLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, calib: torch.Tensor | None = None, *,
                     dtype: torch.dtype | None = None, codes_dtype: torch.dtype = torch.int8,
-                    **quantize_opts) -> "VQLinear":
-        """Quantize a dense ``nn.Linear`` with :func:`tilefuse.quantize` (``calib``: ``X^T X``)."""
+                    progress: bool = True, **quantize_opts) -> "VQLinear":
+        """Quantize a dense ``nn.Linear`` with :func:`tilefuse.quantize` (``calib``: ``X^T X``).
+
+        ``progress``: the quantizer's line per stage on stderr (its relative error and the time so
+        far; a large layer takes minutes); ``progress=False`` silences it. ``quantize_opts``: the
+        quantizer's other options (``iters``, ``beam``, ``init_iters``, ``feedback``, ``seed``,
+        ``device``)."""
         from tilefuse.quantizer import quantize
 
         weight = linear.weight.detach()
         dtype = dtype or (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16, torch.float32)
                           else torch.float32)
-        codes, codebooks, scales = quantize(weight, calib, **quantize_opts)
+        codes, codebooks, scales = quantize(weight, calib, progress=progress, **quantize_opts)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype=dtype,
                     codes_dtype=codes_dtype, device=weight.device)
         layer.load_quantized(codes, codebooks, scales, linear.bias)
@@ -70,23 +75,28 @@ class VQLinear(nn.Module):
     def load_quantized(self, codes, codebooks, scales, bias=None) -> "VQLinear":
         """Copy quantized tensors in (uint8 or int8 codes, same bit patterns either way; wider
         integer codes must lie in [0, 256))."""
-        from tilefuse.ops.vq.op import WIDE_CODE_DTYPES, check_code_range
-
         codes = codes.to(self.codes.device)
         if tuple(codes.shape) != tuple(self.codes.shape):
             raise ValueError(f"codes: expected shape {tuple(self.codes.shape)}, got {tuple(codes.shape)}")
-        if codes.dtype in WIDE_CODE_DTYPES:
-            check_code_range(codes)
-        elif codes.dtype not in (torch.int8, torch.uint8):
-            raise ValueError(f"codes: expected an integer dtype, got {codes.dtype}")
-        if codes.dtype != self.codes.dtype:
-            codes = codes.view(self.codes.dtype) if codes.element_size() == 1 else codes.to(torch.uint8).view(self.codes.dtype)
-        self.codes.copy_(codes)
+        self.codes.copy_(_as_code_dtype(codes, self.codes.dtype, "codes"))
         self.codebooks.copy_(codebooks)
         self.scales.copy_(scales.reshape(self.scales.shape))
         if self.bias is not None and bias is not None:
             self.bias.copy_(bias.detach())
         return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """``load_state_dict`` takes the codes as :meth:`load_quantized` does: int8 or uint8 (the same
+        bit patterns either way), or wider integers in [0, 256) (a host sync to check them); other
+        dtypes (floats, bool) and out-of-range values raise ``ValueError`` instead of being narrowed
+        (int32 300 would become 44, float 3.7 would become 3)."""
+        key = prefix + "codes"
+        codes = state_dict.get(key)
+        if isinstance(codes, torch.Tensor) and codes.dtype != self.codes.dtype:
+            state_dict[key] = _as_code_dtype(codes, self.codes.dtype, f"state_dict[{key!r}]")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def dequantize(self) -> torch.Tensor:
         """The dense weight ``[N, K]`` (for checks and baselines)."""
@@ -97,3 +107,22 @@ class VQLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=AQLM 2x8 (2 bits/weight)")
+
+
+def _as_code_dtype(codes: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``codes`` as ``dtype`` (int8 or uint8) with the same code values: 1-byte integers keep their
+    bit patterns (AQLM's int8 -1 is code 255); int16/32/64 must lie in [0, 256) (read back: a host
+    sync; skipped for meta and fake tensors, which hold no values); anything else raises."""
+    from tilefuse.ops.vq.op import WIDE_CODE_DTYPES, _readable, check_code_range
+
+    if codes.dtype in (torch.int8, torch.uint8):
+        return codes.view(dtype)
+    if codes.dtype not in WIDE_CODE_DTYPES:
+        raise ValueError(f"{name}: expected integer codes (int8, uint8, or int16/32/64 in [0, 256)), "
+                         f"got {codes.dtype}")
+    if _readable(codes):
+        try:
+            check_code_range(codes)
+        except ValueError as err:
+            raise ValueError(f"{name}: {str(err).removeprefix('codes: ')}") from None
+    return codes.to(torch.uint8).view(dtype)

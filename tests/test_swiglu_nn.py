@@ -85,11 +85,81 @@ def test_from_mlp_refuses_what_it_cannot_compute():
 def test_layout_is_part_of_the_state_dict():
     packed = FusedSwiGLUMLP(64, 128, layout="packed")
     merged = FusedSwiGLUMLP(64, 128, layout="merged")
-    with pytest.raises(ValueError, match="state_dict: expected gate_up_weight in layout 'merged'"):
-        merged.load_state_dict(packed.state_dict())
+    assert set(packed.state_dict()) == {"gate_up_weight_packed", "down_proj.weight"}
+    assert set(merged.state_dict()) == {"gate_up_weight", "down_proj.weight"}
+    for strict in (True, False):
+        with pytest.raises(ValueError, match="state_dict: expected gate_up_weight in layout 'merged'"):
+            merged.load_state_dict(packed.state_dict(), strict=strict)
+        with pytest.raises(ValueError, match="state_dict: expected gate_up_weight in layout 'packed'"):
+            packed.load_state_dict(merged.state_dict(), strict=strict)
     again = FusedSwiGLUMLP(64, 128, layout="packed")
     again.load_state_dict(packed.state_dict())
     assert torch.equal(again.gate_up_weight, packed.gate_up_weight)
+    again = FusedSwiGLUMLP(64, 128, layout="packed", device="meta")
+    again.load_state_dict(packed.state_dict(), assign=True)
+    assert torch.equal(again.gate_up_weight, packed.gate_up_weight)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("bias", [False, True])
+def test_state_dict_round_trips_through_safetensors(tmp_path, strict, bias):
+    """The state dict holds tensors only (safetensors refused the former ``_extra_state`` dict),
+    and every route refuses the other layout: before, ``strict=False`` loaded packed weights into
+    a merged module without a word (outputs off by up to 1.1)."""
+    st = pytest.importorskip("safetensors.torch")
+    x = torch.randn(3, 64)
+    for layout, other in (("merged", "packed"), ("packed", "merged")):
+        source = FusedSwiGLUMLP.from_mlp(HFStyleMLP(64, 128, bias=bias), layout=layout)
+        path = tmp_path / f"{layout}.safetensors"
+        st.save_file(source.state_dict(), str(path))
+        loaded = st.load_file(str(path))
+        same = FusedSwiGLUMLP(64, 128, bias=bias, layout=layout)
+        result = same.load_state_dict(loaded, strict=strict)
+        assert not result.missing_keys and not result.unexpected_keys
+        torch.testing.assert_close(same(x), source(x), rtol=0, atol=0)
+        wrong = FusedSwiGLUMLP(64, 128, bias=bias, layout=other)
+        before = wrong.gate_up_weight.detach().clone()
+        with pytest.raises(ValueError, match=f"state_dict: expected gate_up_weight in layout '{other}'"):
+            wrong.load_state_dict(loaded, strict=strict)
+        assert torch.equal(wrong.gate_up_weight, before)
+        # nested in a model: the keys carry the prefix
+        model = nn.Sequential(FusedSwiGLUMLP(64, 128, bias=bias, layout=other))
+        with pytest.raises(ValueError, match=f"'0.gate_up_weight"):
+            model.load_state_dict({f"0.{k}": v for k, v in loaded.items()}, strict=strict)
+
+
+def test_state_dicts_with_the_former_extra_state_still_load():
+    """Dicts saved before the layout moved into the key names (``_extra_state`` = {"layout", "fp8"}
+    beside ``gate_up_weight``) load into the matching layout and are refused by the other."""
+    for layout, other in (("merged", "packed"), ("packed", "merged")):
+        source = FusedSwiGLUMLP(64, 128, layout=layout)
+        old = {"gate_up_weight": source.gate_up_weight.detach().clone(),
+               "down_proj.weight": source.down_proj.weight.detach().clone(),
+               "_extra_state": {"layout": layout, "fp8": False}}
+        same = FusedSwiGLUMLP(64, 128, layout=layout)
+        same.load_state_dict(dict(old))
+        assert torch.equal(same.gate_up_weight, source.gate_up_weight)
+        with pytest.raises(ValueError, match=f"expected gate_up_weight in layout '{other}'"):
+            FusedSwiGLUMLP(64, 128, layout=other).load_state_dict(dict(old), strict=False)
+    with pytest.raises(ValueError, match="_extra_state"):
+        FusedSwiGLUMLP(64, 128).load_state_dict({**old, "_extra_state": {"layout": "zigzag"}})
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_fp8_and_plain_state_dicts_do_not_mix(strict):
+    """FP8 weights (e4m3 + gate_up_scales) into a bf16 module, or bf16 weights into an FP8 module:
+    refused, not converted value by value without their scales."""
+    plain = FusedSwiGLUMLP.from_mlp(HFStyleMLP(128, 256, dtype=torch.bfloat16))
+    fp8 = FusedSwiGLUMLP.from_mlp(HFStyleMLP(128, 256, dtype=torch.bfloat16), fp8=True)
+    assert "gate_up_scales" in fp8.state_dict()
+    with pytest.raises(ValueError, match="state_dict: expected bf16/fp16 gate/up weights"):
+        plain.load_state_dict(fp8.state_dict(), strict=strict)
+    with pytest.raises(ValueError, match="state_dict: expected FP8 gate/up weights"):
+        fp8.load_state_dict(plain.state_dict(), strict=strict)
+    again = FusedSwiGLUMLP.from_mlp(HFStyleMLP(128, 256, dtype=torch.bfloat16), fp8=True)
+    again.load_state_dict(fp8.state_dict(), strict=strict)
+    assert torch.equal(again.gate_up_weight.view(torch.uint8), fp8.gate_up_weight.view(torch.uint8))
+    assert torch.equal(again.gate_up_scales, fp8.gate_up_scales)
 
 
 @pytest.mark.parametrize("layout", ["merged", "packed"])

@@ -30,8 +30,13 @@ class FusedSwiGLUMLP(nn.Module):
     bias : whether gate/up carry a bias ([2I], gate biases then up biases).
     down_bias : whether ``down_proj`` carries a bias.
     layout : "merged" (``gate_up_weight`` = gate rows then up rows) or "packed"
-        (:func:`tilefuse.pack_gate_up`). The layout is part of the state dict (``_extra_state``):
-        loading one layout's weights into a module of the other raises.
+        (:func:`tilefuse.pack_gate_up`). The layout is part of the state dict's key names, so a
+        state dict is plain tensors (it passes through safetensors) and no route loads one layout's
+        weights into a module of the other: merged weights are saved as ``gate_up_weight``, packed
+        ones as ``gate_up_weight_packed``, FP8 ones as ``gate_up_weight`` (e4m3) beside
+        ``gate_up_scales``. ``load_state_dict`` (strict or not, ``assign`` or not) raises
+        ``ValueError`` naming ``state_dict`` when the weights it is given are of another layout or
+        kind; dicts saved with the former ``_extra_state`` entry load as before.
 
     Shapes: ``x: [..., H]`` bf16/fp16 (the fused kernel on CUDA) or fp32 (the PyTorch reference)
     -> ``[..., H]``. ``gate_up_weight: [2I, H]``, ``down_proj.weight: [H, I]``. Trainable: the
@@ -161,22 +166,63 @@ class FusedSwiGLUMLP(nn.Module):
             h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
         return self.down_proj(h)
 
-    def get_extra_state(self) -> dict:
-        return {"layout": self.layout, "fp8": self.fp8}
+    # The state dict carries the layout in the weight's key name (plain tensors only: safetensors
+    # takes them); the parameter itself is ``gate_up_weight`` in every layout.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        name = _WEIGHT_KEYS[self.layout]
+        if name != "gate_up_weight" and prefix + "gate_up_weight" in destination:
+            destination[prefix + name] = destination.pop(prefix + "gate_up_weight")
 
-    def set_extra_state(self, state) -> None:
-        layout = state.get("layout") if isinstance(state, dict) else None
-        if layout != self.layout:
-            raise ValueError(f"state_dict: expected gate_up_weight in layout {self.layout!r} (this module's), "
-                             f"got weights saved in layout {layout!r}; build the module with layout={layout!r}")
-        if bool(state.get("fp8", False)) != self.fp8:
-            raise ValueError(f"state_dict: expected {'FP8' if self.fp8 else 'bf16/fp16'} gate/up weights "
-                             f"(this module's), got the other kind")
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        _check_state_layout(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
                 f"layout={self.layout!r}, bias={self.gate_up_bias is not None}"
                 + (f", fp8=True, act_group={self.act_group}" if self.fp8 else ""))
+
+
+# state-dict key of the gate/up weight per layout
+_WEIGHT_KEYS = {"merged": "gate_up_weight", "packed": "gate_up_weight_packed"}
+
+
+def _check_state_layout(module: FusedSwiGLUMLP, state_dict: dict, prefix: str) -> None:
+    """Refuse (``ValueError``) gate/up weights of another layout or kind than ``module``'s, and put
+    the weight under the parameter's name (``gate_up_weight``) for ``nn.Module``'s loading. Edits
+    ``state_dict``: ``load_state_dict`` hands each module its own copy."""
+    key = {layout: prefix + name for layout, name in _WEIGHT_KEYS.items()}
+    legacy = state_dict.pop(prefix + "_extra_state", None)     # {"layout", "fp8"}, as saved before the key names
+    if legacy is not None:
+        layout = legacy.get("layout") if isinstance(legacy, dict) else None
+        if layout not in _WEIGHT_KEYS:
+            raise ValueError(f"state_dict[{prefix + '_extra_state'!r}]: expected {{'layout': 'merged' or 'packed', "
+                             f"'fp8': bool}}, got {legacy!r}")
+        if layout == "packed" and key["merged"] in state_dict and key["packed"] not in state_dict:
+            state_dict[key["packed"]] = state_dict.pop(key["merged"])
+        if bool(legacy.get("fp8", False)) != module.fp8:
+            raise ValueError(f"state_dict: expected {'FP8' if module.fp8 else 'bf16/fp16'} gate/up weights "
+                             f"(this module's), got the other kind")
+    other = "packed" if module.layout == "merged" else "merged"
+    if key[other] in state_dict:
+        raise ValueError(f"state_dict: expected gate_up_weight in layout {module.layout!r} (this module's, key "
+                         f"{key[module.layout]!r}), got weights saved in layout {other!r} ({key[other]!r}); build "
+                         f"the module with layout={other!r}")
+    weight = state_dict.get(key[module.layout])
+    has_scales = prefix + "gate_up_scales" in state_dict
+    if module.fp8 and weight is not None and (not has_scales or weight.dtype != FP8):
+        raise ValueError(f"state_dict: expected FP8 gate/up weights (this module's: e4m3 {key['merged']!r} with "
+                         f"{prefix + 'gate_up_scales'!r}), got {getattr(weight, 'dtype', type(weight).__name__)} "
+                         f"weights{'' if has_scales else ' without scales'}")
+    if not module.fp8 and (has_scales or getattr(weight, "dtype", None) == FP8):
+        raise ValueError(f"state_dict: expected bf16/fp16 gate/up weights (this module's), got FP8 ones "
+                         f"(e4m3 weights with {prefix + 'gate_up_scales'!r}); convert an FP8 MLP with "
+                         f"FusedSwiGLUMLP.from_mlp")
+    if key[module.layout] != key["merged"] and key[module.layout] in state_dict:
+        state_dict[key["merged"]] = state_dict.pop(key[module.layout])
 
 
 def _fp8_scales(linear: nn.Module, name: str) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_calibration_hooks_pass_each_layer_its_inputs_gram(monkeypatch):
                 torch.ones(n, 1, 1, 1, dtype=weight.dtype))
 
     monkeypatch.setattr(tilefuse.quantizer, "quantize", fake_quantize)
-    assert patch_vq(model, ids, iters=2) == 2
+    assert patch_vq(model, ids, iters=2, progress=False) == 2
     torch.testing.assert_close(seen[(128, 64)][0], x_up.T @ x_up, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(seen[(64, 128)][0], x_down.T @ x_down, rtol=1e-4, atol=1e-3)
     assert seen[(128, 64)][1]["iters"] == 2 and seen[(128, 64)][1]["seed"] == 0
@@ -72,10 +72,34 @@ def test_calibrated_easy_weights_keep_the_outputs():
     ids = torch.randint(0, 50, (4, 16))
     with tilefuse.force(backend="reference"):
         before = model(ids).float()
-        assert patch_vq(model, ids, iters=2, init_iters=4) == 2
+        assert patch_vq(model, ids, iters=2, init_iters=4, progress=False) == 2
         after = model(ids).float()
     err = (after - before).norm() / before.norm()
     assert err < 0.03, f"relative output error {err:.4f}"
+
+
+def test_progress_by_default_when_quantizing(capsys):
+    """Quantizing (with or without calibration) takes minutes on a real model: one line for the
+    calibration pass and one per layer on stderr by default; progress=False silences it; random
+    codes (fast) stay quiet unless asked. tilefuse.quantize's per-stage lines stay off."""
+    ids = torch.randint(0, 50, (2, 8))
+    patch_vq(ToyModel(), ids, iters=1, init_iters=2, feedback=0)
+    out = capsys.readouterr()
+    assert out.out == ""
+    lines = out.err.splitlines()
+    assert "calibration" in lines[0] and "2 layers" in lines[0] and "16 tokens" in lines[0]
+    assert [line.split("]")[0] for line in lines if line.startswith("patch_vq [")] == ["patch_vq [1/2", "patch_vq [2/2"]
+    assert "s left" in lines[-1] and "tilefuse.quantize" not in out.err
+    patch_vq(ToyModel(), iters=1, init_iters=2)                         # no calibration: still quantizing
+    assert capsys.readouterr().err.count("patch_vq [") == 2
+    patch_vq(ToyModel(), ids, iters=1, init_iters=2, progress=False)
+    patch_vq(ToyModel(), iters=1, init_iters=2, progress=False)
+    patch_vq(ToyModel(), random_codes=True)
+    assert capsys.readouterr().err == ""
+    patch_vq(ToyModel(), random_codes=True, progress=True)
+    assert capsys.readouterr().err.count("patch_vq [") == 2
+    with pytest.raises(ValueError, match="progress"):
+        patch_vq(ToyModel(), random_codes=True, progress="yes")
 
 
 def test_errors_name_the_argument():
@@ -108,7 +132,7 @@ def test_real_llama_every_projection(calibrated):
     with tilefuse.force(backend="reference"), torch.no_grad():
         before = model(ids).logits.float()
         if calibrated:
-            replaced = patch_vq(model, ids, iters=1, init_iters=2, feedback=0)
+            replaced = patch_vq(model, ids, iters=1, init_iters=2, feedback=0, progress=False)
         else:
             replaced = patch_vq(model, random_codes=True)
         after = model(ids).logits.float()

@@ -56,7 +56,7 @@ VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
-             targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool = False,
+             targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool | None = None,
              **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
@@ -83,7 +83,11 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     random_codes : fill the codes randomly instead of quantizing (no ``calibration`` then).
     targets : attribute names of the Linear modules to replace.
     seed : seeds the random codes, and the quantizer's k-means (``quantize(seed=...)``).
-    progress : one line per replaced layer on stderr.
+    progress : print progress to stderr: the calibration pass, then one line per replaced layer
+        (its time, the time so far and an estimate of the time left). Default: on when quantizing
+        (with or without ``calibration``: minutes on a real model), off for ``random_codes``
+        (fast); ``progress=False`` silences it. :func:`tilefuse.quantize`'s own per-stage lines
+        stay off here (one line per layer is enough for a model).
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -96,8 +100,25 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     """
     windows = _calibration_windows(calibration, random_codes)
     layers = _vq_targets(model, targets)
-    grams = _input_grams(model, layers, windows) if windows else {}
+    if progress is None:
+        progress = not random_codes
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress: expected True, False or None, got {progress!r}")
+    begin = time.perf_counter()
+    if windows:
+        if progress:
+            tokens = sum(ids.numel() for ids in windows)
+            print(f"patch_vq: collecting X^T X of {len(layers)} layers over {len(windows)} calibration "
+                  f"window(s), {tokens} tokens", file=sys.stderr, flush=True)
+        grams = _input_grams(model, layers, windows)
+        if progress:
+            print(f"patch_vq: calibration pass done ({time.perf_counter() - begin:.1f} s)", file=sys.stderr,
+                  flush=True)
+    else:
+        grams = {}
     generator = None
+    weights_done, weights_total = 0, sum(linear.weight.numel() for _, linear in layers)
+    quantizing = time.perf_counter()
     for i, (name, linear) in enumerate(layers, 1):
         start = time.perf_counter()
         if random_codes:
@@ -106,12 +127,15 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         else:
             from tilefuse.nn.vq import VQLinear
 
-            quantize_opts.setdefault("progress", False)
-            layer = VQLinear.from_linear(linear, grams.pop(name, None), seed=seed, **quantize_opts)
+            layer = VQLinear.from_linear(linear, grams.pop(name, None), seed=seed, progress=False, **quantize_opts)
         model.set_submodule(name, layer)
+        weights_done += linear.weight.numel()
         if progress:
+            now = time.perf_counter()
+            left = (now - quantizing) * (weights_total - weights_done) / weights_done
             print(f"patch_vq [{i}/{len(layers)}] {name} {linear.out_features}x{linear.in_features} "
-                  f"({time.perf_counter() - start:.2f} s)", file=sys.stderr, flush=True)
+                  f"({now - start:.2f} s; {now - begin:.1f} s so far, about {left:.0f} s left)",
+                  file=sys.stderr, flush=True)
     return len(layers)
 
 

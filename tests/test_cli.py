@@ -1,13 +1,25 @@
-"""The ``tilefuse`` command works on any machine (on a CPU it benchmarks the reference path)."""
+"""The ``tilefuse`` command works on any machine (on a CPU it runs the reference path as a pipeline
+check, and says nothing it did not measure)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from tilefuse.bench.harness import Case, Ceilings, Timer, run_case
-from tilefuse.bench.runner import header, write_results
+from tilefuse.bench.runner import FAMILIES, header, resummarize, write_results
+
+RATIO = re.compile(r"\d+(\.\d+)?x\b|\bx\d+\.\d")    # "1.23x", "x1.23": a ratio as tables print them
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This process sees no CUDA GPU, whatever the machine has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def test_info_runs(capsys):
@@ -20,7 +32,70 @@ def test_info_runs(capsys):
 
 def test_module_entry_point_help():
     done = subprocess.run([sys.executable, "-m", "tilefuse", "--help"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and "bench" in done.stdout
+    assert done.returncode == 0 and "tilefuse info" in done.stdout and "tilefuse bench" in done.stdout
+    assert "``" not in done.stdout
+
+
+def test_bench_help_names_every_family_and_the_defaults(capsys):
+    from tilefuse.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in (*FAMILIES, "model", "all", "tp"):
+        assert re.search(rf"^  {name} +\S", out, re.M), name            # a line of its own under "benchmarks:"
+    words = " ".join(out.split())
+    assert "``" not in out and "default: bench/results in the current folder" in words
+    assert 'every "x" column is a speedup, baseline time / tilefuse time' in words
+
+
+@pytest.mark.parametrize("option, value", [("--rep-ms", "-5"), ("--rep-ms", "0"), ("--rep-ms", "nan"),
+                                           ("--rep-ms", "inf"), ("--layers", "0"), ("--layers", "-2"),
+                                           ("--layers", "1.5"), ("--tag", "@@")])
+def test_numeric_options_are_validated(option, value, capsys):
+    from tilefuse.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "vq", "--quick", f"{option}={value}"])
+    assert exit_.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_bench_functions_refuse_bad_numbers(tmp_path):
+    from tilefuse.bench import runner, tp
+    from tilefuse.bench import model as bench_model
+
+    with pytest.raises(ValueError, match="rep_ms"):
+        runner.main(["vq"], True, tmp_path, rep_ms=-5.0)
+    with pytest.raises(ValueError, match="layers"):
+        bench_model.main(out_dir=tmp_path, layers=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="layers"):
+        tp.run(True, tmp_path, layers=-1)
+    assert not list(tmp_path.iterdir())
+
+
+def closed_reader(args: list[str], unbuffered: bool) -> subprocess.CompletedProcess:
+    """Run ``python -m tilefuse ARGS`` with its stdout a pipe whose reader is gone before it writes
+    (and no GPU in sight, so that a bench is the quick pipeline check on any machine)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONUNBUFFERED="1" if unbuffered else "", CUDA_VISIBLE_DEVICES="")
+    child = subprocess.Popen([sys.executable, "-m", "tilefuse", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    child.stdout.close()                          # like `| head -0`: gone before the first line
+    err = child.stderr.read()
+    return subprocess.CompletedProcess(args, child.wait(timeout=300), None, err)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+def test_info_survives_a_closed_pipe(unbuffered):
+    done = closed_reader(["info"], unbuffered)
+    assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_bench_survives_a_closed_pipe_and_still_writes_its_results(tmp_path):
+    done = closed_reader(["bench", "vq", "--quick", "--only", '"tokens": 8', "--out", str(tmp_path)], True)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"]
 
 
 def test_bad_family_is_rejected(capsys):
@@ -32,9 +107,8 @@ def test_bad_family_is_rejected(capsys):
 
 
 def test_run_case_rows_and_json_shape(tmp_path, capsys):
-    """On a CPU a row has eager_us only (no GPU times, no rates); the file says it is a pipeline check."""
-    import torch
-
+    """On a CPU every implementation is called once and nothing is timed (no times, no rates); a
+    failing call is an error row; the file says it is a pipeline check, with no ceilings."""
     calls = []
 
     def setup():
@@ -47,24 +121,26 @@ def test_run_case_rows_and_json_shape(tmp_path, capsys):
     timer = Timer(torch.device("cpu"), rep_ms=5, eager_ms=2)
     rows = run_case(case, "toy", timer, Ceilings(100.0, 1.0))
     assert [r["impl"] for r in rows] == ["tilefuse", "torch_eager", "broken"]
-    assert rows[0]["eager_us"] > 0 and rows[0]["eager_calls"] >= 1 and rows[0]["rel_err"] == 0.0 and calls
+    assert rows[0]["rel_err"] == 0.0 and len(calls) == 1
     assert rows[0]["flops"] == 2 * 64 ** 3 and rows[0]["bytes"] == 3 * 64 * 64 * 4
-    for key in ("gpu_us", "graph_us", "tflops", "roofline_frac", "median_us", "best_us", "host_us"):
+    for key in ("gpu_us", "eager_us", "graph_us", "tflops", "roofline_frac", "median_us", "best_us", "host_us"):
         assert key not in rows[0]
-    assert "eager_us" not in rows[2] and "ZeroDivisionError" in rows[2]["error"]
-    head = header(torch.device("cpu"), Ceilings(0.0, 0.0), timer)
-    assert head["timing"]["mode"] == "cpu-pipeline-check" and set(head["timing"]["fields"]) >= {"eager_us", "graph_us"}
+    assert "ZeroDivisionError" in rows[2]["error"]
+    head = header(torch.device("cpu"), Ceilings(None, None), timer)
+    assert head["timing"]["mode"] == "cpu-pipeline-check" and "nothing timed" in head["timing"]["note"]
     assert set(head["machine"]) >= {"gpu", "torch", "triton", "date", "env", "config_overrides"}
     path = write_results("toy", rows, head, tmp_path)
     data = json.loads(path.read_text())
     assert set(data) == {"machine", "ceilings", "timing", "rows", "incomplete"}
-    assert set(data["ceilings"]) == {"copy_gbps", "gemm_bf16_tflops"}
-    assert not path.with_suffix(".png").exists()    # no summary yet: no plot
+    assert data["ceilings"] == {"copy_gbps": None, "gemm_bf16_tflops": None}
+    write_results("toy", rows, head, tmp_path, summary={"pipeline_check": {}})
+    assert not path.with_suffix(".png").exists()    # a CPU run draws no plot
 
 
-def test_only_runs_are_tagged_and_saved_case_by_case(tmp_path, monkeypatch, capsys):
+def test_only_runs_are_tagged_and_saved_case_by_case(tmp_path, monkeypatch, no_gpu, capsys):
     """A --only run writes <family>-<gpu>-only.json (never the full run's file), and the rows are
-    saved after every case, so a run cut short by a timeout still leaves them; stdout is the table."""
+    saved after every case, so a run cut short by a timeout still leaves them; stdout is the
+    family's one line (a CPU run)."""
     from tilefuse.bench import runner
 
     saved = []
@@ -77,13 +153,14 @@ def test_only_runs_are_tagged_and_saved_case_by_case(tmp_path, monkeypatch, caps
     monkeypatch.setattr(runner, "write_results", spy)
     assert runner.main(["vq"], quick=True, out_dir=tmp_path, only='"tokens": 8', rep_ms=1.0) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 2 and all(f.startswith("vq-cpu-") for f in files), files
-    assert files[0].endswith("-quick-only.json") and files[1] == files[0].replace(".json", ".png")
+    assert len(files) == 1 and files[0].startswith("vq-cpu-") and files[0].endswith("-quick-only.json"), files
     partial = [s for s in saved if not s[2]]
     assert len(partial) == 2 and all(tag == "only" for _, tag, _ in saved) and saved[-1][2]
     assert [n for n, _, _ in partial] == sorted(n for n, _, _ in partial)  # rows grow case by case
     out = capsys.readouterr().out
-    assert "64x128 8 tok float16" in out and "vq goals:" in out and '"rows"' not in out
+    assert out == "vq: pipeline check: 2 cases ran on the reference path, nothing timed\n"
+    summary = json.loads((tmp_path / files[0]).read_text())["summary"]
+    assert summary == {"pipeline_check": {"cases": 2, "calls": 4, "failed": []}}
     assert runner.result_path("mla", {"gpu": "NVIDIA H200"}, tmp_path, tag="h16s1").name == "mla-h200-h16s1.json"
 
 
@@ -93,4 +170,44 @@ def test_only_matching_nothing_writes_nothing(tmp_path, capsys):
     assert main(["bench", "swiglu", "--only", "no-such-case", "--out", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "no-such-case" in err and "swiglu" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_cpu_main_job_prints_no_ratio_and_names_every_family(tmp_path, no_gpu, capsys):
+    """`tilefuse bench all --quick` without a GPU: one line per family (a pipeline check, or why it
+    did not run), no speedup, ceiling or goal verdict anywhere, no plot, and exit status 0."""
+    pytest.importorskip("transformers")
+    from tilefuse.cli import main
+
+    assert main(["bench", "all", "--quick", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    for family in (*FAMILIES, "model"):
+        mine = [line for line in lines if line.startswith(f"{family}: ")]
+        assert len(mine) == 1, (family, lines)
+        ran = rf"{family}: pipeline check: \d+ cases? ran on the reference path, nothing timed"
+        assert re.fullmatch(ran, mine[0]) or mine[0].startswith(f"{family}: not run: "), mine[0]
+    assert "swiglu_fp8: not run: " in captured.out and any(line.startswith("tp: not run") for line in lines)
+    for text in (captured.out, captured.err):
+        assert not RATIO.search(text), RATIO.search(text)
+        for word in ("ceilings", "GB/s", "TFLOP/s", "[ok]", "FAIL", "not measured", "goal"):
+            assert word not in text, word
+    assert not list(tmp_path.glob("*.png"))
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 4          # swiglu, mla, vq, model
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["timing"]["mode"] == "cpu-pipeline-check" and data["summary"]["pipeline_check"]["failed"] == []
+        keys = {k for r in data["rows"] for k in r}
+        assert not [k for k in keys if k.endswith(("_us", "speedup")) or k in ("x_stock", "ms_per_token")], keys
+    with pytest.raises(ValueError, match="nothing was timed"):
+        resummarize(next(tmp_path.glob("vq-*.json")))
+
+
+def test_a_family_with_no_case_here_says_so_and_fails(tmp_path, no_gpu, capsys):
+    from tilefuse.cli import main
+
+    assert main(["bench", "swiglu_fp8", "--quick", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("swiglu_fp8: not run: ") and "sm_90" in out
     assert not list(tmp_path.iterdir())

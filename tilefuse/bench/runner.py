@@ -1,14 +1,20 @@
 """``tilefuse bench``: run families' cases, print each family's goals table, write JSON and a plot.
 
-stdout gets, per family, a short table of the summary's cases (eager and graph speedup over the
-baseline, host cost, roofline fraction, pass/fail of each goal) and the family's goals; progress
-goes to stderr; every row and the full summary go to ``<out>/<family>-<gpu>[-quick][-<tag>].json``
-with a PNG beside it (:mod:`tilefuse.bench.plot`).
+On a GPU, stdout gets per family a short table of the summary's cases (eager and graph speedup
+over the baseline, host cost, roofline fraction, pass/fail of each goal) and the family's goals;
+progress goes to stderr; every row and the full summary go to
+``<out>/<family>-<gpu>[-quick][-<tag>].json`` with a PNG beside it (:mod:`tilefuse.bench.plot`).
+
+Without a GPU each implementation is called once on toy shapes through the reference path and
+nothing is timed: stdout gets one "pipeline check" line per family, the results file the rows (no
+times) and a ``pipeline_check`` summary, and no PNG is drawn. A family with no case on this
+machine (``swiglu_fp8`` without an sm_90 GPU) says why and is not run.
 
 Results file: ``machine`` (gpu, versions, date, host, ``env``: the TILEFUSE_* variables set,
 ``config_overrides``: the parsed ``TILEFUSE_CONFIGS`` file), ``ceilings`` (copy_gbps read + write,
-gemm_bf16_tflops), ``timing`` (how this run timed: ``mode`` "gpu" or "cpu-pipeline-check", and
-``fields``: what every row key means), ``rows`` and ``summary`` (each family's ``summarize``).
+gemm_bf16_tflops; None without a GPU), ``timing`` (how this run timed: ``mode`` "gpu" or
+"cpu-pipeline-check", and ``fields``: what every row key means), ``rows`` and ``summary`` (each
+family's ``summarize`` on a GPU, :func:`pipeline_check` on a CPU).
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ DEFAULT_OUT = Path("bench/results")
 EAGER_LOOP_MS = 20.0
 GPU_TIMING = ("GPU: gpu_us, eager_us and graph_us per row (see fields); tflops, gbps and roofline_frac from "
               "graph_us (kernel speed without host cost)")
-CPU_TIMING = ("CPU pipeline check: the PyTorch reference path on toy shapes, eager_us only (time.perf_counter); "
-              "not a measurement of tilefuse")
+CPU_TIMING = ("CPU pipeline check: every implementation called once through the PyTorch reference path on toy "
+              "shapes; nothing timed")
 
 
 def machine_info(device: torch.device) -> dict:
@@ -72,11 +78,15 @@ def _verdict(checks) -> str:
 
 
 def print_summary(family: str, summary: dict, file=None) -> None:
-    """The summary's cases as a table (speedups = baseline time / tilefuse time), then its goals."""
+    """The summary's cases as a table (speedups = baseline time / tilefuse time), then its goals;
+    a CPU run's summary (:func:`pipeline_check`) as its one line."""
     file = file or sys.stdout
+    if "pipeline_check" in summary:
+        print(pipeline_line(family, summary["pipeline_check"]), file=file)
+        return
     width = max([len(e["case"]) for e in summary["cases"]] + [4])
-    print(f"\n{family}: speedup = baseline time / tilefuse time; host = tilefuse eager_us / its graph_us",
-          file=file)
+    print(f"\n{family}: eager, graph: speedup, baseline time / tilefuse time (> 1: tilefuse faster); "
+          "host: tilefuse eager_us / its graph_us", file=file)
     print(f"{'case':<{width}}  {'baseline':<12} {'eager':>7} {'graph':>7} {'host':>6} {'roof':>5}  "
           "host goal  kernel goal", file=file)
     for e in summary["cases"]:
@@ -94,9 +104,31 @@ def print_summary(family: str, summary: dict, file=None) -> None:
         print(f"  [{state}] {goal['goal']}: {measured}", file=file)
 
 
-def select_cases(module, family: str, device: torch.device, quick: bool, only: str | None) -> list:
-    """``module.cases(device, quick, subset)``, keeping those whose params JSON contains ``only``."""
-    cases = module.cases(device, quick, bool(only))
+def pipeline_check(cases: list, rows: list[dict]) -> dict:
+    """The summary of a CPU run: ``{"pipeline_check": {"cases", "calls", "failed"}}``, ``failed``
+    listing each call (or accuracy check) that raised, as ``"<impl> <params>: <error>"``."""
+    failed = [f"{r['impl']} {json.dumps(r['params'])}: {r.get('error') or r.get('extras_error')}"
+              for r in rows if r.get("error") or r.get("extras_error")]
+    return {"pipeline_check": {"cases": len(cases), "calls": len(rows), "failed": failed}}
+
+
+def pipeline_line(family: str, check: dict) -> str:
+    """``"<family>: pipeline check: N cases ran on the reference path, nothing timed"`` (+ failures)."""
+    cases = f"{check['cases']} case{'s' if check['cases'] != 1 else ''}"
+    line = f"{family}: pipeline check: {cases} ran on the reference path, nothing timed"
+    if check["failed"]:
+        line += f"; {len(check['failed'])} of {check['calls']} calls FAILED, first: {check['failed'][0]}"
+    return line
+
+
+def unavailable(module, device: torch.device) -> str:
+    """Why a family has no case on ``device``: its module's ``unavailable(device)``, or a generic line."""
+    why = getattr(module, "unavailable", None)
+    return (why(device) if why else None) or "no case on this machine"
+
+
+def select_cases(cases: list, family: str, only: str | None) -> list:
+    """The ``cases`` whose params JSON contains ``only`` (all of them without ``only``)."""
     if not only:
         return cases
     picked = [c for c in cases if only in json.dumps(c.params)]
@@ -127,19 +159,21 @@ def result_path(family: str, machine: dict, out_dir: Path, quick: bool = False, 
 
 def header(device: torch.device, ceilings: Ceilings, timer: Timer) -> dict:
     """The part of a results file that every family of one run shares: machine, ceilings, timing."""
-    on_gpu = device.type == "cuda"
+    if device.type == "cuda":
+        timing = {"mode": "gpu", "note": GPU_TIMING, "do_bench_rep_ms": timer.rep_ms, "eager_loop_ms": timer.eager_ms}
+    else:
+        timing = {"mode": "cpu-pipeline-check", "note": CPU_TIMING}
     return {
         "machine": machine_info(device),
         "ceilings": {"copy_gbps": ceilings.copy_gbps, "gemm_bf16_tflops": ceilings.gemm_bf16_tflops},
-        "timing": {"mode": "gpu" if on_gpu else "cpu-pipeline-check", "note": GPU_TIMING if on_gpu else CPU_TIMING,
-                   "do_bench_rep_ms": timer.rep_ms, "eager_loop_ms": timer.eager_ms, "fields": ROW_FIELDS},
+        "timing": {**timing, "fields": ROW_FIELDS},
     }
 
 
 def write_results(family: str, rows: list[dict], head: dict, out_dir: Path, summary: dict | None = None,
                   quick: bool = False, tag: str | None = None) -> Path:
     """``head`` (:func:`header`) + rows (+ summary) as JSON at :func:`result_path`; with a ``summary``
-    (a finished run) a PNG beside it, without one the file is marked ``"incomplete": true``.
+    of a GPU run a PNG beside it; without a summary the file is marked ``"incomplete": true``.
     Returns the JSON path."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = result_path(family, head["machine"], out_dir, quick, tag)
@@ -149,7 +183,7 @@ def write_results(family: str, rows: list[dict], head: dict, out_dir: Path, summ
     else:
         payload["summary"] = summary
     path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    if summary is not None:
+    if summary is not None and head["timing"]["mode"] == "gpu":
         _plot(family, summary, path.with_suffix(".png"), head["machine"])
     return path
 
@@ -162,8 +196,6 @@ def _plot(family: str, summary: dict, path: Path, machine: dict) -> None:
         return
     title = (f"tilefuse bench {family}: {machine['gpu']}, {machine['date'][:10]}, torch {machine['torch']}, "
              f"triton {machine['triton']}")
-    if machine["gpu"].startswith("cpu"):
-        title += " (CPU pipeline check, not a measurement)"
     plot_family(family, summary, path, title=title)
 
 
@@ -172,6 +204,8 @@ def resummarize(path: Path) -> tuple[str, dict]:
     :func:`~tilefuse.bench.harness.upgrade_rows` says), write it back and redraw the PNG; the rows
     are left as they are. Returns (family, summary)."""
     data = json.loads(Path(path).read_text())
+    if data.get("timing", {}).get("mode") == "cpu-pipeline-check":
+        raise ValueError(f"path: {path} is a CPU pipeline check: nothing was timed, so there is nothing to summarize")
     family = data["rows"][0]["family"]
     data["summary"] = importlib.import_module(f"tilefuse.bench.{family}").summarize(data["rows"])
     if any("median_us" in row for row in data["rows"]):
@@ -185,41 +219,53 @@ def main(families: list[str], quick: bool, out_dir: Path, only: str | None = Non
          tag: str | None = None) -> int:
     """Benchmark ``families``; an ``only`` run is tagged "only" unless ``tag`` names it otherwise.
 
-    Returns 2 (and writes nothing) when ``only`` matches no case of any of the families; a family
-    it does not match is skipped with a message on stderr."""
+    A family with no case on this machine says why on stdout and is not run. Returns 0 when the
+    families with cases ran (without a GPU: their pipeline checks passed); 1 when none has a case
+    here, or a pipeline check failed; 2 (writing nothing) when ``only`` matches no case of any
+    family (a family it does not match is skipped with a message on stderr)."""
+    if rep_ms is not None and not (math.isfinite(rep_ms) and rep_ms > 0):
+        raise ValueError(f"rep_ms: expected a positive number of milliseconds, got {rep_ms!r}")
     tag = tag or ("only" if only else None)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    selected = {}
+    selected, not_run = {}, {}
     for family in families:
-        try:
-            module = importlib.import_module(f"tilefuse.bench.{family}")
-        except ModuleNotFoundError as exc:
-            print(f"{family}: no benchmark yet ({exc})", file=sys.stderr)
-            continue
-        cases = select_cases(module, family, device, quick, only)
-        if cases:
-            selected[family] = (module, cases)
+        module = importlib.import_module(f"tilefuse.bench.{family}")
+        cases = module.cases(device, quick, bool(only))
+        if not cases:
+            not_run[family] = f"{family}: not run: {unavailable(module, device)}"
+        elif picked := select_cases(cases, family, only):
+            selected[family] = (module, picked)
     if not selected:
-        return 2
-    if device.type != "cuda":
-        print("No CUDA GPU here: running the reference path on small CPU shapes "
-              "(eager wall-clock times only, for checking the pipeline).", file=sys.stderr)
+        for line in not_run.values():
+            print(line, flush=True)
+        return 1 if len(not_run) == len(families) else 2
+    on_gpu = device.type == "cuda"
     ceilings = measure_ceilings(device, quick)
-    print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 GEMM {ceilings.gemm_bf16_tflops:.0f} TFLOP/s",
-          file=sys.stderr)
+    if on_gpu:
+        print(f"ceilings: copy {ceilings.copy_gbps:.0f} GB/s, bf16 GEMM {ceilings.gemm_bf16_tflops:.0f} TFLOP/s",
+              file=sys.stderr)
+    else:
+        print(f"No CUDA GPU here: {CPU_TIMING}.", file=sys.stderr)
     rep = rep_ms or (20.0 if quick else 50.0)
-    timer = Timer(device, rep_ms=rep, eager_ms=EAGER_LOOP_MS if device.type == "cuda" else min(EAGER_LOOP_MS, rep))
+    timer = Timer(device, rep_ms=rep, eager_ms=EAGER_LOOP_MS)
     head = header(device, ceilings, timer)
     print(f"machine: {head['machine']}", file=sys.stderr)
-    if device.type != "cuda":
-        print(f"({CPU_TIMING})")
-    for family, (module, cases) in selected.items():
+    status = 0
+    for family in families:
+        if family in not_run:
+            print(not_run[family], flush=True)
+        if family not in selected:
+            continue
+        module, cases = selected[family]
+
         def save_so_far(rows, family=family):  # a run cut short (timeout) still leaves its rows
             write_results(family, rows, head, out_dir, quick=quick, tag=tag)
 
         rows = run_family(family, cases, timer, ceilings, progress=save_so_far)
-        summary = module.summarize(rows)
+        summary = module.summarize(rows) if on_gpu else pipeline_check(cases, rows)
         path = write_results(family, rows, head, out_dir, summary, quick=quick, tag=tag)
         print_summary(family, summary)
-        print(f"wrote {path} and {path.with_suffix('.png').name}", file=sys.stderr)
-    return 0
+        if not on_gpu and summary["pipeline_check"]["failed"]:
+            status = 1
+        print(f"wrote {path}" + (f" and {path.with_suffix('.png').name}" if on_gpu else ""), file=sys.stderr)
+    return status

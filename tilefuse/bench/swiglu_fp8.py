@@ -107,11 +107,20 @@ QUICK_M = (1, 128, 4096)
 FULL_M = (1, 16, 128, 333, 1024, 4096, 16384)
 
 
+def unavailable(device: torch.device) -> str | None:
+    """Why this family has no case on ``device`` (None where it has): an sm_90 GPU or newer."""
+    need = "the FP8 kernels need an NVIDIA GPU of sm_90 or newer (FP8 tensor cores, TMA)"
+    if device.type != "cuda":
+        return f"{need}; there is no CUDA GPU here"
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{need}; this GPU is sm_{major}{minor}" if major < 9 else None
+
+
 def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
-    """Qwen2.5 (0.5B/7B/72B when quick) and Llama-3 MLP shapes; GPU only (sm_90: FP8 tensor cores)."""
+    """Qwen2.5 (0.5B/7B/72B when quick) and Llama-3 MLP shapes; none where :func:`unavailable` says why."""
     from tilefuse.testing.swiglu import LLAMA3_SHAPES, SHAPES
 
-    if device.type != "cuda":
+    if unavailable(device):
         return []
     shapes = {**SHAPES, **LLAMA3_SHAPES}
     if quick:

@@ -4,10 +4,11 @@
 
 Every rank measures TP=1 on its own GPU at the same time (the one-device modules, no collective),
 then all ranks measure TP=N together (``tilefuse.parallel`` shards, NCCL). Without ``torchrun``
-only TP=1 runs; without a GPU, gloo processes run the reference path on toy shapes (a pipeline
-check, not a measurement).
+only TP=1 runs; without a GPU, gloo processes run the reference path on toy shapes once each: a
+pipeline check (outputs against TP=1, token agreement), nothing timed.
 
-Per-layer cases (bf16, one decode step, weights built from one seed on every rank):
+Per-layer cases (bf16, one decode step, weights built from one seed on every rank; the layers are
+in :mod:`tilefuse.bench.tp_layers`):
 
 * ``mlp`` -- Llama-3-8B (H 4096, I 14336) and 70B (8192, 28672) SwiGLU MLPs at M = 1, 4, 16 tokens:
   ``FusedSwiGLUMLP`` at TP=1, :class:`~tilefuse.parallel.ParallelSwiGLUMLP` at TP=N;
@@ -28,9 +29,9 @@ an all-reduce forever), and each timed call starts right after a one-element all
 ranks start together and a call's time is not another rank's lateness. A row's times are the
 slowest rank's (a step waits for it); ``rank_graph_us`` lists all.
 
-End to end (``e2e``): greedy decoding of a Llama-3-8B-shaped model (random weights, ``--layers``
-blocks, 4 with ``--quick``), ms per token with a CUDA-graph decode step and eagerly, batch 1 and
-16: stock and fused (``tilefuse.hf.patch_swiglu``) at TP=1; at TP=N through
+End to end (``e2e``, :mod:`tilefuse.bench.tp_e2e`): greedy decoding of a Llama-3-8B-shaped model
+(random weights, ``--layers`` blocks, 4 with ``--quick``), ms per token with a CUDA-graph decode
+step and eagerly, batch 1 and 16: stock and fused (``tilefuse.hf.patch_swiglu``) at TP=1; at TP=N through
 :func:`tilefuse.parallel.shard_model` (dense and fused) and, where ``accelerate`` is installed,
 transformers' own ``tp_plan="auto"`` (stock, and with :func:`tilefuse.parallel.hf.patch_swiglu`).
 
@@ -46,7 +47,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,13 +55,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from tilefuse.bench.harness import check, geomean, ratio, tally
+from tilefuse.bench.tp_layers import MLA_DIMS, mla_layer, mlp_layer, shard_vq_mlp, vq_mlp
 
 MLP_SHAPES = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
-# DeepSeek-V3's MLA: hidden, q latent (q_lora_rank), nope / rope query dims, value head dim
-MLA_DIMS = dict(hidden=7168, q_rank=1536, nope=128, rope=64, v_head=128)
 FLUSH_BYTES = 256 << 20
 
 
@@ -147,21 +145,19 @@ class TPTimer:
         return 1e6 * statistics.median(samples) / calls
 
     def times(self, fn: Callable[[], object]) -> dict:
-        """gpu_us, graph_us (GPU) and eager_us of this rank; the same call counts on every rank."""
-        out: dict = {}
-        if self.cuda:
-            out["gpu_us"] = self._per_call_us(fn)
-            try:
-                graph, _ = capture(fn)
-                out["graph_us"] = self._per_call_us(graph.replay)
-                del graph
-            except RuntimeError as exc:
-                out["graph_us"], out["graph_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
-            guess = self.agree_max(out["gpu_us"])
-        else:
-            t0 = time.perf_counter()
+        """gpu_us, graph_us and eager_us of this rank; the same call counts on every rank. On a CPU
+        ``fn`` runs once and nothing is timed (``{}``)."""
+        if not self.cuda:
             fn()
-            guess = self.agree_max(1e6 * (time.perf_counter() - t0))
+            return {}
+        out: dict = {"gpu_us": self._per_call_us(fn)}
+        try:
+            graph, _ = capture(fn)
+            out["graph_us"] = self._per_call_us(graph.replay)
+            del graph
+        except RuntimeError as exc:
+            out["graph_us"], out["graph_error"] = None, f"{type(exc).__name__}: {exc}"[:300]
+        guess = self.agree_max(out["gpu_us"])
         calls = int(min(2000, max(5, self.plan.eager_ms * 1e3 / max(guess, 1.0))))
         out["eager_us"], out["eager_calls"] = self.eager_us(fn, calls), calls
         return out
@@ -200,106 +196,6 @@ def merge(per_rank: list[dict]) -> dict:
             row[key] = max(values)
             row[f"rank_{key}"] = [round(v, 2) for v in values]
     return row
-
-
-# ----------------------------------------------------------------------------- layers
-def _draw(gen: torch.Generator, shape, std: float, dtype, device) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
-
-
-def mlp_layer(hidden: int, inter: int, dtype, device, seed: int = 0) -> nn.Module:
-    """A FusedSwiGLUMLP with random O(1)-output weights, the same on every rank."""
-    from tilefuse.nn.swiglu import FusedSwiGLUMLP
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-    mlp = FusedSwiGLUMLP(hidden, inter, device="meta", dtype=dtype)
-    mlp.gate_up_weight = nn.Parameter(_draw(gen, (2 * inter, hidden), hidden ** -0.5, dtype, device),
-                                      requires_grad=False)
-    mlp.down_proj.weight = nn.Parameter(_draw(gen, (hidden, inter), inter ** -0.5, dtype, device), requires_grad=False)
-    return mlp
-
-
-class VQMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` over 2x8 VQ projections (or their tensor-parallel shards)."""
-
-    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module):
-        super().__init__()
-        self.gate, self.up, self.down = gate, up, down
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-def vq_mlp(hidden: int, inter: int, dtype, device, seed: int = 0) -> VQMLP:
-    from tilefuse.nn.vq import VQLinear
-
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def layer(n, k):
-        vq = VQLinear(k, n, bias=False, dtype=dtype, device=device)
-        codes = torch.randint(0, 256, (n, k // 8, 2), generator=gen, device=device, dtype=torch.uint8)
-        books = _draw(gen, (2, 256, 1, 8), 0.5 ** 0.5, dtype, device)
-        return vq.load_quantized(codes, books, torch.full((n,), k ** -0.5, dtype=dtype, device=device))
-
-    return VQMLP(layer(inter, hidden), layer(inter, hidden), layer(hidden, inter))
-
-
-def shard_vq_mlp(mlp: VQMLP, group, reduce_results: bool = True) -> VQMLP:
-    from tilefuse.parallel import shard
-
-    return VQMLP(shard(mlp.gate, group, style="column"), shard(mlp.up, group, style="column"),
-                 shard(mlp.down, group, style="row", reduce_results=reduce_results))
-
-
-class MLADecodeLayer(nn.Module):
-    """One decode step of a DeepSeek-style MLA layer with absorbed weights, on ``heads`` heads.
-
-    c_q ``[b, q_rank]`` -> q_b projection -> per head (nope, rope) -> q_nope W_UK -> latent query
-    ``[b, 1, h, 576]`` -> paged attention -> W_UV ``[h, 512, v]`` -> o_proj ``[hidden, h v]`` -> ``[b, hidden]``.
-    Built full (TP=1) by :func:`mla_layer`, or as a rank's shard by :meth:`shard`.
-    """
-
-    def __init__(self, q_b: nn.Module, w_uk: torch.Tensor, w_uv: torch.Tensor, attn: nn.Module, o_proj: nn.Module):
-        super().__init__()
-        self.q_b, self.attn, self.o_proj = q_b, attn, o_proj
-        self.register_buffer("w_uk", w_uk)          # [h, nope, 512]
-        self.register_buffer("w_uv", w_uv)          # [h, 512, v]
-
-    def forward(self, c_q, k_cache, block_table):
-        """c_q [b, q_rank]; the attention's schedule from its last ``plan(cache_seqlens)`` (once per step)."""
-        b, heads = c_q.shape[0], self.w_uk.shape[0]
-        q = self.q_b(c_q).view(b, heads, MLA_DIMS["nope"] + MLA_DIMS["rope"])
-        q_nope, q_pe = q.split((MLA_DIMS["nope"], MLA_DIMS["rope"]), dim=-1)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)               # [b, h, 512]
-        q = torch.cat((q_latent, q_pe), dim=-1).unsqueeze(1)                                   # [b, 1, h, 576]
-        out, _ = self.attn(q, k_cache, block_table)                                             # [b, 1, h, 512]
-        v = torch.bmm(out[:, 0].transpose(0, 1), self.w_uv).transpose(0, 1).reshape(b, -1)    # [b, h v]
-        return self.o_proj(v)
-
-    def shard(self, group, reduce_results: bool = True) -> MLADecodeLayer:
-        """This rank's heads: q_b rows, W_UK / W_UV heads, attention heads, o_proj columns."""
-        from tilefuse.parallel import placement, shard
-
-        where = placement(group)
-        heads = where.part(self.w_uk.shape[0])
-        return MLADecodeLayer(shard(self.q_b, group, style="column").local, self.w_uk[heads].contiguous(),
-                              self.w_uv[heads].contiguous(), shard(self.attn, group),
-                              shard(self.o_proj, group, style="row", reduce_results=reduce_results))
-
-
-def mla_layer(heads: int, dtype, device, seed: int = 0) -> MLADecodeLayer:
-    from tilefuse.nn.mla import MLADecodeAttention
-    from tilefuse.parallel.sharding import linear_from
-
-    d = MLA_DIMS
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q_b = linear_from(_draw(gen, (heads * (d["nope"] + d["rope"]), d["q_rank"]), d["q_rank"] ** -0.5, dtype, device),
-                      None)
-    w_uk = _draw(gen, (heads, d["nope"], 512), d["nope"] ** -0.5, dtype, device)
-    w_uv = _draw(gen, (heads, 512, d["v_head"]), 512 ** -0.5, dtype, device)
-    o_proj = linear_from(_draw(gen, (d["hidden"], heads * d["v_head"]), (heads * d["v_head"]) ** -0.5, dtype,
-                               device), None)
-    return MLADecodeLayer(q_b, w_uk, w_uv, MLADecodeAttention(heads), o_proj)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -459,103 +355,6 @@ def case_key(case: Case) -> tuple:
     return (case.kind, *sorted(case.params.items()))
 
 
-# ----------------------------------------------------------------------------- end to end
-def e2e_rows(plan: Plan, device, dtype, world: int, cpu: bool) -> list[dict]:
-    """Greedy decode ms/token of a Llama-3-8B-shaped model: TP=1 stock / fused, TP=world through
-    shard_model (dense / fused) and transformers' tp_plan (stock / tilefuse.parallel.hf.patch_swiglu)."""
-    import importlib.util
-
-    import tilefuse.hf
-    from tilefuse.bench.hf_decode import Clock, GraphDecoder
-    from tilefuse.bench.model import llama3_8b_config, random_model, tiny_llama_config
-    from tilefuse.parallel import shard_model
-
-    config = tiny_llama_config(plan.e2e_layers) if cpu else llama3_8b_config(plan.e2e_layers)
-    rows, tokens = [], {}
-
-    def measure(name: str, tp: int, make: Callable[[], nn.Module]) -> None:
-        model = make()
-        for batch in plan.e2e_batches:
-            gen = torch.Generator(device="cpu").manual_seed(7)
-            prompt = torch.randint(0, config.vocab_size, (batch, plan.e2e_prompt), generator=gen).to(device)
-            for mode in ("graph", "eager") if not cpu else ("eager",):
-                row = {"family": "tp", "kind": "e2e", "tp": tp, "impl": name, "mode": mode,
-                       "params": {"model": "llama3-8b-shapes" if not cpu else "tiny-llama", "layers": plan.e2e_layers,
-                                  "batch": batch}}
-                try:   # every rank fails alike (same model, same step), so none is left in a collective
-                    clock = Clock(device, plan.e2e_tokens)
-                    decoder = GraphDecoder(model, batch, plan.e2e_prompt + plan.e2e_tokens, capture=mode == "graph")
-                    with torch.no_grad():
-                        ids = decoder.decode(prompt, plan.e2e_tokens, clock)
-                    steps = clock.intervals_ms()[min(4, plan.e2e_tokens // 4):]
-                except Exception as exc:  # noqa: BLE001 -- recorded; the other routes still run
-                    rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    log(f"e2e {name} tp={tp} batch={batch} {mode}: {rows[-1]['error']}")
-                    continue
-                local = {"ms_per_token": statistics.median(steps)}
-                per_rank = gather_rows(local, world) if tp > 1 else [local]
-                row["ms_per_token"] = round(max(r["ms_per_token"] for r in per_rank), 4)
-                row["rank_ms_per_token"] = [round(r["ms_per_token"], 4) for r in per_rank]
-                base = tokens.setdefault((batch, mode), ids.cpu())
-                row["agreement_vs_tp1_stock"] = round(float((ids.cpu() == base).float().mean()), 4)
-                rows.append(row)
-                log(f"e2e {name} tp={tp} batch={batch} {mode}: {row['ms_per_token']:.3f} ms/token")
-        del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def fused(model):
-        tilefuse.hf.patch_swiglu(model)
-        return model
-
-    def sharded(model, fuse: bool):
-        if fuse:
-            tilefuse.hf.patch_swiglu(model)
-        shard_model(model)
-        return model
-
-    measure("stock", 1, lambda: random_model(config, device, dtype))
-    measure("tilefuse-swiglu", 1, lambda: fused(random_model(config, device, dtype)))
-    if world > 1:
-        measure("shard_model", world, lambda: sharded(random_model(config, device, dtype), False))
-        measure("shard_model+swiglu", world, lambda: sharded(random_model(config, device, dtype), True))
-        if importlib.util.find_spec("accelerate") is not None:
-            tp_plan_rows(config, device, dtype, world, measure)
-        else:
-            log("accelerate is not installed: transformers' tp_plan route skipped")
-    return rows
-
-
-def tp_plan_rows(config, device, dtype, world, measure) -> None:
-    """transformers' tp_plan="auto" from a checkpoint rank 0 writes: stock, and patched by tilefuse."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from tilefuse.bench.model import random_model
-    from tilefuse.parallel.hf import patch_swiglu
-
-    folder = [tempfile.mkdtemp(prefix="tilefuse-tp-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(folder, src=0)
-    if dist.get_rank() == 0:
-        random_model(config, device, dtype).save_pretrained(folder[0])
-    dist.barrier()
-
-    def load(patch: bool):
-        model = AutoModelForCausalLM.from_pretrained(folder[0], tp_plan="auto", dtype=dtype).eval()
-        if patch:
-            patch_swiglu(model)
-        return model
-
-    try:
-        measure("tp_plan", world, lambda: load(False))
-        measure("tp_plan+parallel.hf.patch_swiglu", world, lambda: load(True))
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(folder[0], ignore_errors=True)
-
-
 # ----------------------------------------------------------------------------- summary
 MLP_GOAL, MLA_GOAL = 0.6, 0.55
 
@@ -606,29 +405,36 @@ def summarize(rows: list[dict], world: int) -> dict:
 
 
 def _e2e_table(rows: list[dict]) -> list[dict]:
-    """Each e2e row with its ms/token over TP=1 stock's (same batch and mode)."""
-    rows = [r for r in rows if "ms_per_token" in r]
-    base = {(r["params"]["batch"], r["mode"]): r["ms_per_token"] for r in rows if r["impl"] == "stock"}
+    """Each e2e row that ran, with its speedup over TP=1 stock (stock's ms/token over its own, same
+    batch and mode; None where not timed)."""
+    rows = [r for r in rows if "error" not in r]
+    base = {(r["params"]["batch"], r["mode"]): r.get("ms_per_token") for r in rows if r["impl"] == "stock"}
     return [{"impl": r["impl"], "tp": r["tp"], "batch": r["params"]["batch"], "mode": r["mode"],
-             "ms_per_token": r["ms_per_token"], "x_tp1_stock": ratio(r["ms_per_token"],
-                                                                      base.get((r["params"]["batch"], r["mode"]))),
+             "ms_per_token": r.get("ms_per_token"),
+             "speedup_over_tp1_stock": ratio(base.get((r["params"]["batch"], r["mode"])), r.get("ms_per_token")),
              "agreement_vs_tp1_stock": r["agreement_vs_tp1_stock"]} for r in rows]
 
 
 def print_summary(summary: dict, world: int, file=None) -> None:
     file = file or sys.stdout
-    print(f"\ntp: layer time TP={world} / TP=1 (slowest rank), all-reduce alone at TP={world}", file=file)
-    print(f"{'case':<44} {'graph':>6} {'eager':>6} {'tp1 us':>8} {'tp' + str(world) + ' us':>8} {'AR us':>7} "
-          f"{'tol':>5}", file=file)
+    print("", file=file)
+    if summary["cases"]:
+        print(f"tp: graph, eager = time ratio, layer time at TP={world} / at TP=1 (slowest rank; < 1: TP={world} "
+              f"faster); AR = the all-reduce alone at TP={world}", file=file)
+        print(f"{'case':<44} {'graph':>6} {'eager':>6} {'tp1 us':>8} {'tp' + str(world) + ' us':>8} {'AR us':>7} "
+              f"{'tol':>5}", file=file)
     fmt = lambda v, s=".2f": "-" if v is None else format(v, s)  # noqa: E731
     for c in summary["cases"]:
         label = f"{c['kind']} " + " ".join(f"{k}={v}" for k, v in c["params"].items())
         print(f"{label:<44} {fmt(c['ratio_graph']):>6} {fmt(c['ratio_eager']):>6} {fmt(c['tp1_graph_us'], '.1f'):>8} "
               f"{fmt(c[f'tp{world}_graph_us'], '.1f'):>8} {fmt(c['allreduce_graph_us'], '.1f'):>7} "
               f"{fmt(c.get('worst_over_tolerance')):>5}", file=file)
+    if summary["e2e"]:
+        print("e2e: x TP=1 stock = speedup = TP=1 stock ms/token / this ms/token (> 1: faster)", file=file)
     for e in summary["e2e"]:
-        print(f"e2e {e['impl']:<34} tp={e['tp']} b={e['batch']:<3} {e['mode']:<5} {e['ms_per_token']:.3f} ms/token "
-              f"({fmt(e['x_tp1_stock'])} x TP=1 stock, agreement {e['agreement_vs_tp1_stock']})", file=file)
+        print(f"e2e {e['impl']:<34} tp={e['tp']} b={e['batch']:<3} {e['mode']:<5} {fmt(e['ms_per_token'], '.3f')} "
+              f"ms/token, {fmt(e['speedup_over_tp1_stock'])}x TP=1 stock, agreement {e['agreement_vs_tp1_stock']}",
+              file=file)
     for goal in summary["goals"]:
         state = {True: "ok", False: "FAIL", None: "not measured"}[goal["met"]]
         measured = f"met in {goal['met_in']}/{goal['of']}" if "met_in" in goal else f"{goal['measured']}"
@@ -690,7 +496,10 @@ def result_path(out_dir: Path, gpu: str, world: int, quick: bool, tag: str | Non
 
 def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
         layers: int | None = None) -> int:
-    """The benchmark on this rank of an initialized group (or alone); rank 0 writes the results."""
+    """The benchmark on this rank of an initialized group (or alone); rank 0 writes the results.
+    Returns 2 when ``only`` matches nothing; 1 when a CPU pipeline check failed; else 0."""
+    if layers is not None and (not isinstance(layers, int) or layers < 1):
+        raise ValueError(f"layers: expected a positive number of blocks, got {layers!r}")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     cuda = torch.cuda.is_available()
@@ -737,14 +546,26 @@ def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | 
         save()
     _MLA_CACHE.clear()
     if run_e2e:
+        from tilefuse.bench.tp_e2e import e2e_rows
+
         rows.extend(e2e_rows(plan, device, dtype, world, not cuda))
         save()
     summary = summarize(rows, world)
+    if not cuda:
+        from tilefuse.bench.runner import pipeline_line
+
+        failed = [f"{r['kind']} tp={r['tp']} {r['impl']} {json.dumps(r['params'])}: "
+                  f"{r.get('error') or r.get('tolerance_error')}" for r in rows
+                  if r.get("error") or r.get("tolerance_error")]
+        summary["pipeline_check"] = {"cases": len(cases) + bool(run_e2e), "calls": len(rows), "failed": failed}
     save(summary)
     if rank == 0:
-        print_summary(summary, world)
+        if cuda:
+            print_summary(summary, world)
+        else:
+            print(pipeline_line("tp", summary["pipeline_check"]))
         log(f"wrote {path}")
-    return 0
+    return 1 if not cuda and summary["pipeline_check"]["failed"] else 0
 
 
 def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,

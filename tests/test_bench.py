@@ -202,8 +202,6 @@ def test_older_results_file_is_resummarized_and_replotted(tmp_path):
 
 
 def test_tools_configs_file_sections(tmp_path):
-    import sys
-
     sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
     try:
         import sweep_common
@@ -223,14 +221,84 @@ def test_tools_configs_file_sections(tmp_path):
     assert base["vq"]["resident"] == {"block_r": 64, "num_warps": 8}     # the input is not modified
 
 
-@pytest.mark.parametrize("tool", ["tune_swiglu.py", "vq_decode_sweep.py", "mla_sweep.py", "replot.py"])
-def test_tools_start_without_a_gpu(tool):
-    import subprocess
-    import sys
+GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
+             "vq_layer_probe.py", "sanitize.py"]
 
+
+def run_tool(tool: str, *args: str, gpu: bool = True):
+    """``python3 tools/<tool> ARGS``; with ``gpu=False`` it sees no CUDA GPU and no Triton interpreter."""
+    import os
+    import subprocess
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     script = Path(__file__).parents[1] / "tools" / tool
-    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert done.returncode in (0, 2) and "tools/" + tool in done.stdout + done.stderr
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+@pytest.mark.parametrize("tool", [*GPU_TOOLS, "replot.py", "vq_quality.py"])
+def test_tools_help_works_without_a_gpu(tool):
+    done = run_tool(tool, "--help", gpu=False)
+    assert done.returncode == 0 and "usage:" in done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("tool", GPU_TOOLS)
+def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(tool, tmp_path):
+    done = run_tool(tool, str(tmp_path), gpu=False) if tool != "sanitize.py" else run_tool(tool, "--one", gpu=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith(f"tools/{tool}: needs a CUDA GPU")
+    assert not list(tmp_path.iterdir())
+
+
+def test_sweep_defaults(monkeypatch):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    try:
+        import sweep_common
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(sweep_common, "require_gpu", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    args = sweep_common.parse_args("doc", [])
+    assert args.out_dir is None and args.configs == Path("configs.json") and args.quick is False
+    assert sweep_common.sweep_path("mla-sweep", args.out_dir) == Path("bench/results/sweeps/mla-sweep-h200.json")
+    args = sweep_common.parse_args("doc", ["out", "--quick"])
+    assert args.configs == Path("out/configs.json") and args.quick
+    assert sweep_common.sweep_path("vq-mma-sweep", args.out_dir) == Path("out/vq-mma-sweep-h200.json")
+    assert not hasattr(sweep_common.parse_args("doc", [], configs=False), "configs")
+
+
+def test_replot_refuses_a_cpu_pipeline_check_in_one_line(tmp_path):
+    path = tmp_path / "vq-cpu-x86-64.json"
+    path.write_text(json.dumps({"timing": {"mode": "cpu-pipeline-check"}, "rows": [{"family": "vq"}]}))
+    done = run_tool("replot.py", str(path), gpu=False)
+    assert done.returncode == 1 and "nothing was timed" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_every_x_column_is_a_speedup(capsys):
+    """Model and tp tables print "x" as stock's (or TP=1 stock's) time over this one's, as the kernel
+    families print baseline time / tilefuse time, and say so above the table."""
+    from tilefuse.bench import model as bench_model
+    from tilefuse.bench import tp
+
+    def decode(variant, ms):
+        return {"model": "m", "variant": variant, "mode": "graph", "batch": 1, "ms_per_token": ms}
+
+    rows = [decode("stock", 10.0), decode("swiglu", 5.0)]
+    bench_model.compare(rows, {})
+    bench_model.print_table(rows, bench_model.summarize(rows))
+    out = capsys.readouterr().out
+    assert "x stock: speedup = stock ms/token / this ms/token" in out and " 2.00x " in out
+    e2e = [{"kind": "e2e", "tp": tp_, "impl": impl, "mode": "graph", "params": {"batch": 1}, "ms_per_token": ms,
+            "agreement_vs_tp1_stock": 1.0} for tp_, impl, ms in ((1, "stock", 8.0), (2, "shard_model", 4.0))]
+    summary = tp.summarize(e2e, 2)
+    assert [e["speedup_over_tp1_stock"] for e in summary["e2e"]] == [1.0, 2.0]
+    tp.print_summary(summary, 2)
+    out = capsys.readouterr().out
+    assert "speedup = TP=1 stock ms/token / this ms/token" in out and "2.00x TP=1 stock" in out
 
 
 def test_two_flashmla_builds_load_side_by_side(tmp_path, monkeypatch):

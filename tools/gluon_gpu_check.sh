@@ -10,6 +10,10 @@
 # A failing step is reported and the next one still runs; the exit status is the first failure's.
 # The benches time FlashMLA too when TILEFUSE_FLASHMLA (or an importable flash_mla) is set up.
 set -uo pipefail
+if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "tools/gluon_gpu_check.sh: needs a CUDA GPU and torch with CUDA; python3 sees none here" >&2
+    exit 1
+fi
 out=${OUT:-gluon-check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 """Sweep the launch settings of the MLA decode kernels on a GPU and pick one per kernel and regime.
 
-    python3 tools/mla_sweep.py OUT_DIR [--quick] [--configs FILE]
-    TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench mla          # then measure the picks
+    python3 tools/mla_sweep.py [OUT_DIR] [--quick] [--configs FILE]
+    TILEFUSE_CONFIGS=configs.json tilefuse bench mla          # then measure the picks
 
 Config keys (``tilefuse/ops/mla/configs.py``): ``transposed`` (below 64 query rows),
 ``standard_small`` (the standard orientation below 64 rows) and ``standard`` (64+ rows). Each
@@ -14,7 +14,8 @@ op's block-table proxy), the candidate with the best geomean speedup over the fi
 current default) unless none beats it by ``--margin``; and per regime the orientation at <= 16
 rows (the faster of the two picks on the shapes both ran). Merges them into the ``"mla"``
 section of the configs file (``"<key>:<regime>": config`` entries and ``"small_rows_variant"``);
-every time goes to ``OUT_DIR/mla-sweep.json``.
+every time goes to ``OUT_DIR/mla-sweep-<gpu>.json`` (default ``bench/results/sweeps/``). Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import json
 import math
 import sys
 
-from sweep_common import merge_section, parse_args, read_configs, run_with_configs, update_section, write_json
+from sweep_common import (merge_section, parse_args, read_configs, run_with_configs, sweep_path, update_section,
+                          write_json)
 
 # (batch, h_q, s_q, context)
 SHAPES = [(16, 16, 1, 1024), (16, 16, 1, 4096), (64, 16, 1, 4096), (32, 16, 1, 16384), (16, 16, 1, 65536),
@@ -130,8 +132,9 @@ def main() -> None:
     section = {name: KEYS[name.split(":")[0]]["candidates"][idx] for name, idx in picks.items()}
     if small:
         section["small_rows_variant"] = small
-    write_json(args.out_dir / "mla-sweep.json",
-               {"candidates": {k: s["candidates"] for k, s in KEYS.items()}, "times": timed, "picks": section})
+    write_json(sweep_path("mla-sweep", args.out_dir),
+               {"candidates": {k: s["candidates"] for k, s in KEYS.items()}, "times": timed, "picks": section},
+               quick=args.quick)
     update_section(args.configs, "mla", section)
     print(f"merged into {args.configs}: TILEFUSE_CONFIGS={args.configs} tilefuse bench mla")
 

@@ -132,6 +132,10 @@ def main(argv=None) -> int:
     parser.add_argument("--gluon", action="store_true", help="only the Gluon (VQ decode) kernels")
     parser.add_argument("--only", default=None, help="only the cases whose name starts with this (e.g. mla)")
     args = parser.parse_args(argv)
+    if DEV != "cuda" and not tilefuse._backend.interpreting():
+        from sweep_common import require_gpu
+
+        require_gpu(otherwise="(or TRITON_INTERPRET=1 to run the cases in Triton's interpreter)")
     families = {"vq": lambda: vq_cases_to_run(args.one, args.gluon)}
     if not args.gluon:
         families = {"swiglu": lambda: swiglu_cases_to_run(args.one),

@@ -1,5 +1,5 @@
 """What the tuning tools share: the ``TILEFUSE_CONFIGS`` file they write, running a candidate in a
-fresh process, and their command line.
+fresh process, their command line, where their timings go, and the check that a GPU is there.
 
 The file is one JSON object, one section per family, each in the format its ``configs.py``
 documents::
@@ -8,13 +8,19 @@ documents::
      "mla":    {"transposed": {...}, "standard:long": {...}, "small_rows_variant": {"short": ..., "long": ...}},
      "vq":     {"resident": {"block_r": 128, ...}, "gather": {...}}}
 
-Every sweep takes ``OUT_DIR`` (its full timings go there) and ``--configs FILE`` (default
-``OUT_DIR/configs.json``): it starts from the file's contents and merges its picks into its own
-family's section, so sweeps of several families can share one file. Then measure the picks with
-``TILEFUSE_CONFIGS=FILE tilefuse bench <family>`` (the results file records the variable and the
-file's contents in its ``machine`` block) and copy the winners into the family's ``configs.py``.
+Every sweep takes ``[OUT_DIR]``: its full timings go to ``OUT_DIR/<name>-<gpu>.json``, by default
+``bench/results/sweeps/<name>-<gpu>.json`` (:func:`sweep_path`). A sweep that picks launch
+settings also takes ``--configs FILE`` (default ``OUT_DIR/configs.json``, or ``configs.json`` in
+the current folder without an ``OUT_DIR``): it starts from the file's contents and merges its
+picks into its own family's section, so sweeps of several families can share one file. Then
+measure the picks with ``TILEFUSE_CONFIGS=FILE tilefuse bench <family>`` (the results file records
+the variable and the file's contents in its ``machine`` block) and copy the winners into the
+family's ``configs.py``.
 The library reads the file when it is imported, so the sweeps time every candidate in a fresh
 process (:func:`run_with_configs`), exactly as the benchmark would run it.
+
+On a machine without a CUDA GPU a sweep says so in one line and exits with status 1
+(:func:`require_gpu`) once its arguments are read, so ``--help`` works anywhere.
 
 ``tools/`` is on ``sys.path`` when one of the tools runs as a script, so they ``import sweep_common``.
 """
@@ -28,6 +34,37 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+SWEEPS = Path("bench/results/sweeps")
+
+
+def require_gpu(min_capability: tuple[int, int] | None = None, otherwise: str = "") -> None:
+    """End the running tool with one line on stderr and exit status 1 where it cannot run: torch
+    sees no CUDA GPU, or the GPU is older than ``min_capability`` (e.g. ``(9, 0)`` for Hopper).
+    ``otherwise``: what else would do, added to the no-GPU line (e.g. "or TRITON_INTERPRET=1")."""
+    tool = f"tools/{Path(sys.argv[0]).name}"
+    try:
+        import torch
+    except ImportError:
+        sys.exit(f"{tool}: needs torch with CUDA and a CUDA GPU; torch is not installed")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        sys.exit(f"{tool}: needs a CUDA GPU{' ' + otherwise if otherwise else ''}; "
+                 f"torch {torch.__version__} ({build}) sees none here")
+    if min_capability and torch.cuda.get_device_capability() < min_capability:
+        major, minor = torch.cuda.get_device_capability()
+        sys.exit(f"{tool}: needs an sm_{min_capability[0]}{min_capability[1]} GPU or newer; "
+                 f"{torch.cuda.get_device_name()} is sm_{major}{minor}")
+
+
+def sweep_path(name: str, out_dir: Path | None = None) -> Path:
+    """``<out_dir>/<name>-<gpu>.json`` (out_dir default :data:`SWEEPS`), e.g.
+    ``bench/results/sweeps/mla-sweep-h200.json``: where a sweep's timings go."""
+    import torch
+
+    from tilefuse.bench.runner import _slug
+
+    return (out_dir or SWEEPS) / f"{name}-{_slug(torch.cuda.get_device_name())}.json"
 
 
 def read_configs(path: str | Path | None) -> dict:
@@ -79,32 +116,38 @@ def run_with_configs(configs: dict, argv: list[str]):
         os.unlink(f.name)
 
 
-def parse_args(doc: str, argv: list[str] | None = None, workers: bool = True, **extra) -> argparse.Namespace:
-    """``OUT_DIR [--configs FILE]`` plus ``extra`` options (name -> argparse kwargs); with ``workers``
-    also ``--quick`` and ``--measure WHAT``, the worker mode of a sweep (one candidate, in its own
-    process)."""
+def parse_args(doc: str, argv: list[str] | None = None, workers: bool = True, configs: bool = True,
+               min_capability: tuple[int, int] | None = None, **extra) -> argparse.Namespace:
+    """``[OUT_DIR] [--configs FILE]`` plus ``extra`` options (name -> argparse kwargs), then
+    :func:`require_gpu` (``min_capability``); with ``workers`` also ``--quick`` and ``--measure
+    WHAT``, the worker mode of a sweep (one candidate, in its own process); ``configs=False`` for a
+    sweep that picks nothing (no ``--configs``). ``args.out_dir`` is None without an OUT_DIR."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path, nargs="?", default=Path("."), help="where the sweep's timings go")
-    parser.add_argument("--configs", type=Path, default=None,
-                        help="the TILEFUSE_CONFIGS file to start from and merge the picks into "
-                             "(default OUT_DIR/configs.json)")
+    parser.add_argument("out_dir", type=Path, nargs="?", default=None, metavar="OUT_DIR",
+                        help=f"where the sweep's timings go, as <name>-<gpu>.json (default {SWEEPS})")
+    if configs:
+        parser.add_argument("--configs", type=Path, default=None,
+                            help="the TILEFUSE_CONFIGS file to start from and merge the picks into "
+                                 "(default OUT_DIR/configs.json, or ./configs.json without OUT_DIR)")
     if workers:
         parser.add_argument("--quick", action="store_true", help="fewer shapes and candidates")
         parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)
     for name, kwargs in extra.items():
         parser.add_argument(name, **kwargs)
     args = parser.parse_args(argv)
-    args.configs = args.configs or args.out_dir / "configs.json"
+    require_gpu(min_capability)
+    if configs:
+        args.configs = args.configs or (args.out_dir or Path(".")) / "configs.json"
     return args
 
 
-def write_json(path: Path, data) -> None:
-    """``data`` under "results", beside "machine" (GPU, versions, date) when a GPU is present."""
+def write_json(path: Path, data, **about) -> None:
+    """``data`` under "results", beside "machine" (GPU, versions, date) and ``about`` (e.g. quick=True)."""
     import torch
 
     from tilefuse.bench.runner import machine_info
 
-    head = {"machine": machine_info(torch.device("cuda"))} if torch.cuda.is_available() else {}
+    head = {"machine": machine_info(torch.device("cuda")), **about}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**head, "results": data}, indent=1, default=str) + "\n")
     print(f"wrote {path}", file=sys.stderr)

@@ -1,10 +1,10 @@
 """Sweep the launch configs of the fused SwiGLU kernels on a GPU and pick one per shape.
 
-    python3 tools/tune_swiglu.py OUT_DIR [--mode full|tail|tiles] [--configs FILE]
-    python3 tools/tune_swiglu.py OUT_DIR --mode promote       # time and accuracy of per-K-step promotion
-    python3 tools/tune_swiglu.py OUT_DIR --mode fp8           # swiglu_fp8 tiles (tl and Gluon) per (output, M)
-    python3 tools/tune_swiglu.py OUT_DIR --mode fp8decode     # the FP8 decode kernel's tiles (M = 1, 16)
-    TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench swiglu  # then measure the picks
+    python3 tools/tune_swiglu.py [OUT_DIR] [--mode full|tail|tiles|pingpong] [--configs FILE]
+    python3 tools/tune_swiglu.py --mode promote        # time and accuracy of per-K-step promotion
+    python3 tools/tune_swiglu.py --mode fp8            # swiglu_fp8 tiles (tl and Gluon) per (output, M)
+    python3 tools/tune_swiglu.py --mode fp8decode      # the FP8 decode kernel's tiles (M = 1, 16)
+    TILEFUSE_CONFIGS=configs.json tilefuse bench swiglu  # then measure the picks
 
 Every candidate is timed as CUDA-graph replays (cold L2, median) of ``run_kernel`` with that
 config (merged layout, bf16), beside the bare merged cuBLAS GEMM, so host launch cost does not
@@ -19,9 +19,11 @@ unless another is at least 2 % faster. Modes (which shapes, which candidates):
 * ``pingpong``: the Gluon ping-pong kernel's tiles and stages against the current pick, every
   Qwen2.5 shape at M = 128 .. 16384.
 
-Every time goes to ``OUT_DIR/swiglu-<mode>-sweep.json``; the changed picks are merged into the
-``"swiglu"`` section of the configs file (``[{"H", "I", "M", "variant", "config"}]``), and the
-whole table is printed in the form of ``TUNED`` in ``tilefuse/ops/swiglu/configs.py``.
+Every time goes to ``OUT_DIR/swiglu-<mode>-sweep-<gpu>.json`` (default ``bench/results/sweeps/``);
+the changed picks are merged into the ``"swiglu"`` section of the configs file (``[{"H", "I", "M",
+"variant", "config"}]``), and the whole table is printed in the form of ``TUNED`` in
+``tilefuse/ops/swiglu/configs.py``. Needs a CUDA GPU; ``pingpong``, ``fp8`` and ``fp8decode`` an
+sm_90 one.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import json
 import sys
 import time
 
-from sweep_common import parse_args, read_configs, update_section, write_json
+from sweep_common import parse_args, read_configs, require_gpu, sweep_path, update_section, write_json
 
 KEEP_MARGIN = 0.98   # a candidate replaces the current config only if it takes < 98 % of its time
 
@@ -313,12 +315,15 @@ def main() -> None:
     mode = dict(choices=["full", "tail", "tiles", "pingpong", "promote", "fp8", "fp8decode"], default="full",
                 help="which sweep (see above)")
     args = parse_args(__doc__, workers=False, **{"--mode": mode})
+    if args.mode in ("pingpong", "fp8", "fp8decode"):
+        require_gpu((9, 0))
+    out = sweep_path(f"swiglu-{args.mode}-sweep", args.out_dir)
     if args.mode == "promote":
         promote_check()
         return
     if args.mode in ("fp8", "fp8decode"):
         results, picks = fp8_sweep() if args.mode == "fp8" else fp8_decode_sweep()
-        write_json(args.out_dir / f"swiglu-{args.mode}-sweep.json", results)
+        write_json(out, results)
         kept = [e for e in read_configs(args.configs).get("swiglu_fp8", [])
                 if (e.get("variant") == "decode") != (args.mode == "fp8decode")]
         configs = {**read_configs(args.configs), "swiglu_fp8": kept + picks}
@@ -328,7 +333,7 @@ def main() -> None:
         return
     results, changed, table = sweep(args.mode)
     print_table(table)
-    write_json(args.out_dir / f"swiglu-{args.mode}-sweep.json", results)
+    write_json(out, results)
     if changed:
         update_section(args.configs, "swiglu", changed)
         print(f"{len(changed)} changed picks merged into {args.configs}: "

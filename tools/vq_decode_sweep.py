@@ -1,7 +1,7 @@
 """Sweep the launch settings of the VQ resident-table decode kernel on a GPU and pick one.
 
-    python3 tools/vq_decode_sweep.py OUT_DIR [--quick] [--configs FILE]
-    TILEFUSE_CONFIGS=OUT_DIR/configs.json tilefuse bench vq          # then measure the pick
+    python3 tools/vq_decode_sweep.py [OUT_DIR] [--quick] [--configs FILE]
+    TILEFUSE_CONFIGS=configs.json tilefuse bench vq          # then measure the pick
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096 and 28672x8192) at 1, 2
 and 4 tokens (fp16), each candidate ``(block_r, num_warps, build_rows)`` of the resident kernel is
@@ -12,7 +12,8 @@ dequantized weight and the dequantize + cuBLAS path are timed beside, once. An o
 config is never picked.
 
 The pick (best geomean time at 1 token) is merged into the ``"vq"`` section of the configs file
-(``{"resident": {...}}``); every time goes to ``OUT_DIR/vq-decode-sweep.json``.
+(``{"resident": {...}}``); every time goes to ``OUT_DIR/vq-decode-sweep-<gpu>.json`` (default
+``bench/results/sweeps/``). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import json
 import math
 import sys
 
-from sweep_common import merge_section, parse_args, read_configs, run_with_configs, update_section, write_json
+from sweep_common import (merge_section, parse_args, read_configs, run_with_configs, sweep_path, update_section,
+                          write_json)
 
 CANDIDATES = [dict(block_r=br, num_warps=nw, build_rows=256)
               for br, nw in [(128, 16), (256, 32), (128, 32), (64, 32), (256, 16)]]
@@ -88,9 +90,9 @@ def main() -> None:
     if score(pick_rows) == math.inf:
         sys.exit("no candidate ran correctly on every shape: nothing picked")
     print(f"pick: {pick}")
-    write_json(args.out_dir / "vq-decode-sweep.json",
+    write_json(sweep_path("vq-decode-sweep", args.out_dir),
                {"candidates": [{"config": cfg, "rows": rows} for cfg, rows in timed], "baselines": baselines,
-                "pick": pick})
+                "pick": pick}, quick=args.quick)
     update_section(args.configs, "vq", {"resident": pick})
     print(f"merged into {args.configs}: TILEFUSE_CONFIGS={args.configs} tilefuse bench vq")
 

@@ -1,12 +1,12 @@
 """Time Llama-3-8B's projections as the model calls them: tilefuse.nn.VQLinear against nn.Linear.
 
-    python3 tools/vq_layer_probe.py OUT.json
+    python3 tools/vq_layer_probe.py [OUT_DIR]     # -> OUT_DIR/vq-llama3-layers-<gpu>.json
 
 q/o (4096 x 4096), k/v (1024 x 4096), gate/up (14336 x 4096) and down (4096 x 14336), bf16, random
 codes, x of shape [batch, 1, K] for batch 1 and 16 (one decode step), each module call timed as
 CUDA-graph replays (cold L2) with ``tilefuse.bench.harness.Timer``; the variant the dispatch
 picks is recorded beside the times. It locates where a model's decode step goes (docs/vq.md, end
-to end).
+to end). OUT_DIR defaults to ``bench/results/sweeps``. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ from __future__ import annotations
 import json
 import sys
 
+from sweep_common import parse_args, sweep_path
+
 LAYERS = {"q": (4096, 4096), "k": (1024, 4096), "o": (4096, 4096), "gate": (14336, 4096), "down": (4096, 14336)}
 
 
 def main() -> None:
+    args = parse_args(__doc__, workers=False, configs=False)
+
     import torch
 
     from tilefuse.bench.harness import Timer
@@ -42,8 +46,10 @@ def main() -> None:
             rows.append(dict(layer=name, n=n, k=k, batch=batch, dense_us=round(dense_us, 1), vq_us=round(vq_us, 1),
                              variant=vq_op.choose_variant(batch, k, device)))
             print(rows[-1], flush=True)
-    with open(sys.argv[1], "w") as f:
-        json.dump({"machine": machine_info(device), "rows": rows}, f, indent=1)
+    out = sweep_path("vq-llama3-layers", args.out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(device), "rows": rows}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sweep the MMA decode kernel's launch settings and the VQ switch points on a GPU.
 
-    python3 tools/vq_mma_sweep.py OUT_DIR [--quick]
+    python3 tools/vq_mma_sweep.py [OUT_DIR] [--quick] [--configs FILE]
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096 and 28672x8192) at 2, 8 and
 16 tokens (fp16), each candidate ``configs.MMA`` setting of ``kernels_mma.vq_decode_mma_kernel``
@@ -8,21 +8,20 @@ is timed as CUDA-graph replays (cold L2) through ``op.launch_mma`` (one process;
 split is recomputed for each). Beside it, once per case:
 fp16 cuBLAS on the dequantized weight, the table decode (2-4 tokens) and dequantize + cuBLAS (16
 tokens). An output more than 2e-3 (relative) away from cuBLAS's gets no time, so a wrong config is
-never picked. Every time goes to ``OUT_DIR/vq-mma-sweep.json`` with the pick (best geomean time
-over all cases) and the per-token geomean speedups over cuBLAS; ``OUT_DIR/configs.json`` holds the
-pick as a ``TILEFUSE_CONFIGS`` file.
+never picked. Every time goes to ``OUT_DIR/vq-mma-sweep-<gpu>.json`` (default
+``bench/results/sweeps/``) with the pick (best geomean time over all cases) and the per-token
+geomean speedups over cuBLAS; the pick is merged into the ``"vq"`` section of the configs file
+(``{"mma": {...}}``). Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import itertools
 import json
 import math
-from pathlib import Path
 
-from sweep_common import GraphRecorder
+from sweep_common import GraphRecorder, parse_args, sweep_path, update_section
 
 CANDIDATES = [dict(block_n=bn, krep=kr, num_warps=nw, ctas_per_sm=c, fixed_steps=4)
               for bn, kr, nw, c in [(128, 4, 4, 3), (256, 4, 4, 2), (256, 2, 4, 2), (128, 4, 8, 3), (128, 2, 4, 3)]]
@@ -46,15 +45,13 @@ def _mma_settings(cfg):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, workers=False, **{"--quick": dict(action="store_true", help="fewer shapes")})
 
     import torch
     import torch.nn.functional as F
 
     import tilefuse
+    from tilefuse.bench.runner import machine_info
     from tilefuse.bench.vq import BENCH_SHAPES
     from tilefuse.ops.vq import op as vq_op
     from tilefuse.ops.vq.reference import dequantize
@@ -92,11 +89,13 @@ def main() -> None:
              if r.get("config") == pick and r["tokens"] == m and r["us"] and cublas.get((r["N"], r["K"], m))]
         speedups[m] = round(math.exp(sum(map(math.log, s)) / len(s)), 3) if s else None
     print(f"pick: {pick}, geomean speedup over cuBLAS by tokens {speedups}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "vq-mma-sweep.json").write_text(json.dumps(
-        {"candidates": CANDIDATES, "rows": rows, "pick": pick, "pick_speedup_geomean": speedups}, indent=1))
-    (args.out_dir / "configs.json").write_text(json.dumps({"vq": {"mma": pick}}, indent=1))
-    print(f"TILEFUSE_CONFIGS={args.out_dir / 'configs.json'} tilefuse bench vq  # measures the pick")
+    out = sweep_path("vq-mma-sweep", args.out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(torch.device("cuda")), "quick": args.quick,
+                               "candidates": CANDIDATES, "rows": rows, "pick": pick,
+                               "pick_speedup_geomean": speedups}, indent=1))
+    update_section(args.configs, "vq", {"mma": pick})
+    print(f"wrote {out}; TILEFUSE_CONFIGS={args.configs} tilefuse bench vq  # measures the pick")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sweep the WGMMA prefill kernel's tiles and the VQ prefill switch points on a Hopper GPU.
 
-    python3 tools/vq_prefill_sweep.py OUT_DIR [--quick]
+    python3 tools/vq_prefill_sweep.py [OUT_DIR] [--quick]
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096, 28672x8192 and
 4096x14336) at 32, 64, 128 and 512 tokens (fp16), each candidate tile of
@@ -8,21 +8,20 @@ For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096, 28672x8
 timed as CUDA-graph replays (cold L2) through ``op.launch_prefill``, and beside it the
 tile ``configs.wgmma_prefill_config`` picks (``auto``), fp16 cuBLAS on the dequantized weight,
 dequantize + cuBLAS and (up to 64 tokens) the MMA decode kernel. An output more than 2e-3
-(relative) away from cuBLAS's gets no time. Every time goes to ``OUT_DIR/vq-prefill-sweep.json``
-with, per case, the fastest tile, the auto pick's loss against it, and the prefill kernel's time
-over cuBLAS's, over dequant + cuBLAS's and over the MMA decode's (the switch points).
+(relative) away from cuBLAS's gets no time. Every time goes to
+``OUT_DIR/vq-prefill-sweep-<gpu>.json`` (default ``bench/results/sweeps/``) with, per case, the
+fastest tile, the auto pick's loss against it, and the prefill kernel's time over cuBLAS's, over
+dequant + cuBLAS's and over the MMA decode's (the switch points). Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
 import sys
-from pathlib import Path
 
-from sweep_common import GraphRecorder
+from sweep_common import GraphRecorder, parse_args, sweep_path
 
 CANDIDATES = [dict(block_m=bm, num_warps=nw, stages=st, ws=ws)
               for bm, nw, st, ws in [(64, 4, 6, 0), (64, 8, 6, 0), (128, 4, 4, 0), (128, 8, 6, 0), (256, 8, 4, 0),
@@ -32,10 +31,8 @@ MAX_REL_ERR = 2e-3
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(__doc__, workers=False, configs=False, min_capability=(9, 0),
+                      **{"--quick": dict(action="store_true", help="fewer shapes")})
 
     import torch
     import torch.nn.functional as F
@@ -91,10 +88,11 @@ def main() -> None:
                for key in ("prefill_over_fp16_cublas", "prefill_over_dequant", "prefill_over_mma", "auto_over_best")
                for m in TOKENS}
     print(json.dumps(summary, indent=1))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "vq-prefill-sweep.json").write_text(json.dumps(
-        {"machine": machine_info(torch.device("cuda")), "candidates": CANDIDATES, "summary": summary, "cases": cases,
-         "rows": rows}, indent=1))
+    out = sweep_path("vq-prefill-sweep", args.out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(torch.device("cuda")), "quick": args.quick,
+                               "candidates": CANDIDATES, "summary": summary, "cases": cases, "rows": rows}, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from tilefuse.ops.mla import configs as mla_configs  # noqa: E402
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V  # noqa: E402
 from tilefuse.ops.swiglu import configs as swiglu_configs  # noqa: E402
 from tilefuse.ops.swiglu_fp8 import configs as fp8_configs  # noqa: E402
-from tilefuse.testing.gluon import compile_gluon_isolated, tensordesc  # noqa: E402
+from tilefuse.testing.gluon import compile_gluon_isolated, first_shared_store_offset, tensordesc  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024
 CONSTEXPR = "constexpr"
@@ -158,6 +158,8 @@ def test_vq_resident_decode_compiles(m, dtype):
                                     constexprs, num_warps=cfg["num_warps"], aligned=aligned)
     _check_plain(result)
     assert "global_smem" in result.ptx
+    # the lookups read the table at global_smem + 0; the codebooks staged for its build lie past it
+    assert first_shared_store_offset(result.ptx) == 2 * 256 * 64 * 4      # the table: 512 rows of 256 B
 
 
 @pytest.mark.parametrize("m", [3, 16])
@@ -176,6 +178,7 @@ def test_vq_mma_decode_compiles(m):
                                     num_warps=cfg["num_warps"], aligned=aligned)
     _check_plain(result)
     assert "mma.sync" in result.ptx
+    assert first_shared_store_offset(result.ptx) == 0      # the lookups read codebook 0 at global_smem + 0
 
 
 def test_vq_gather_decode_compiles():
@@ -229,7 +232,15 @@ def test_vq_wgmma_prefill_compiles(m, n, k, dtype, ws):
     # one lookup pair per weight pair: 16 per tile, two tiles in the code (the first step, the loop) per
     # consumer; no shuffles but the warp-specialized dispatch's one broadcast of the warp index
     assert result.ptx.count("shfl") <= ws and result.ptx.count("ld.shared.b32 p, [a+") == 32 * (1 + ws)
-    first_store = re.search(r"st\.shared\.v4\.b32\s+\[%r\d+(?:\+(\d+))?\]", result.ptx)
     base = _cb_base(cfg["block_m"], cfg["stages"])
-    assert int(first_store.group(1) or 0) == base, (first_store.group(0), base)
+    assert first_shared_store_offset(result.ptx) == base
     assert f"[a+{base}]" in result.ptx and f"[b+{base + 128}]" in result.ptx
+
+
+def test_child_failure_reports_the_exception():
+    """A kernel that fails to compile in the child process is reported by its exception (type and
+    message), not by the tail of the child's stderr."""
+    with pytest.raises(RuntimeError, match=r"ModuleNotFoundError: No module named 'tilefuse\.no_such_module'"):
+        compile_gluon_isolated("tilefuse.no_such_module:kernel", {"x_ptr": "*fp16"}, {}, num_warps=4)
+    with pytest.raises(RuntimeError, match=r"AttributeError: .*no_such_kernel"):
+        compile_gluon_isolated("tilefuse.ops.gluon_common:no_such_kernel", {"x_ptr": "*fp16"}, {}, num_warps=4)

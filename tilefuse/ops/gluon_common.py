@@ -8,6 +8,7 @@
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
 from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier
 
 

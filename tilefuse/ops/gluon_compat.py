@@ -5,19 +5,33 @@ experimental and renames things between minor releases; every Gluon kernel impor
 primitives from here rather than from Triton, so a rename is handled once:
 
 * ``tma_load(desc, coord, barrier, result, pred=True)`` -- TMA copy global -> shared that
-  signals ``barrier``: ``tma.async_load`` from Triton 3.7 (3.9 removed the old name),
+  signals ``barrier``: ``tma.async_load`` from Triton 3.8 (3.9 removed the old name),
   ``tma.async_copy_global_to_shared`` before.
-* ``tma_store(desc, coord, src)`` -- TMA copy shared -> global: ``tma.async_store`` from 3.7,
+* ``tma_store(desc, coord, src)`` -- TMA copy shared -> global: ``tma.async_store`` from 3.8,
   ``tma.async_copy_shared_to_global`` before.
+* ``thread_barrier()`` -- a barrier of the program's threads (``bar.sync``): ``gl.barrier`` from
+  3.7, ``gl.thread_barrier`` before.
+* ``smem_reinterpret(smem, dtype, shape, layout)`` -- the same shared-memory bytes viewed with
+  another dtype, shape or layout: the descriptor's ``reinterpret`` from 3.9, ``_reinterpret``
+  before.
 
-Both names are Triton builtins themselves (not wrappers), so a ``@gluon.jit`` kernel calls them as
-it would call Triton's own.
+Each is a Triton builtin (Triton's own, or a ``@builtin`` here), so a ``@gluon.jit`` kernel calls
+it as it would call Triton's.
 """
 
+from triton.experimental.gluon import language as gl
+from triton.language.core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
-__all__ = ["fence_async_shared", "mbarrier", "tma", "tma_load", "tma_store", "warpgroup_mma", "warpgroup_mma_wait"]
+
+@builtin
+def smem_reinterpret(smem, dtype, shape, layout, _semantic=None):
+    view = getattr(smem, "reinterpret", None) or smem._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+__all__ = ["fence_async_shared", "mbarrier", "tma", "tma_load", "tma_store", "smem_reinterpret", "thread_barrier", "warpgroup_mma", "warpgroup_mma_wait"]

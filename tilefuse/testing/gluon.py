@@ -63,6 +63,7 @@ def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned
                   ) -> Compiled:
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon._runtime import GluonASTSource
 
     names = list(signature)
@@ -73,7 +74,7 @@ def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+        ptxas = get_ptxas(90).path       # the ptxas Triton itself uses for sm_90 (3.9: its CUDA 13 one)
         result = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", cubin or os.path.join(tmp, "kernel.cubin")],
                                 capture_output=True, text=True)
     if result.returncode:
@@ -84,23 +85,71 @@ def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned
     return Compiled(compiled.asm["ptx"], compiled.metadata.shared, registers, spilled, lines, compiled)
 
 
+def _smem_offset(ptx: str, reg: str, depth: int = 0) -> int | None:
+    """Constant byte offset of PTX register ``reg`` from ``global_smem``, following the chain of
+    ``mov``/``add`` instructions that defines it (None where it does not derive from it)."""
+    if depth > 32:
+        return None
+    found = re.search(rf"^\s*(mov|add)\.[us]?b?\d+\s+{re.escape(reg)},\s*([^;]+);", ptx, re.M)
+    if not found:
+        return None
+    op, args = found.group(1), [a.strip() for a in found.group(2).split(",")]
+    if op == "mov":
+        return 0 if args[0] == "global_smem" else (_smem_offset(ptx, args[0], depth + 1)
+                                                    if args[0].startswith("%r") else None)
+    offsets = [o for a in args if a.startswith("%r") for o in [_smem_offset(ptx, a, depth + 1)] if o is not None]
+    constants = [int(a) for a in args if re.fullmatch(r"-?\d+", a)]
+    return offsets[0] + sum(constants) if len(offsets) == 1 else None
+
+
+def first_shared_store_offset(ptx: str) -> int | None:
+    """Byte offset in ``global_smem`` (the start of the program's shared memory) of the first
+    shared store of thread 0 in ``ptx``, whether Triton writes it as ``[%r+imm]`` (3.6,
+    3.9) or as an ``add`` of ``global_smem`` and a register (3.7, 3.8). Kernels whose inline PTX
+    addresses ``global_smem`` directly use it to check where Triton's allocator put a buffer."""
+    store = re.search(r"st\.shared(?:::cta)?(?:\.v\d)?\.[bfu]\d+\s+\[\s*(%r\d+)\s*(?:\+\s*(\d+)\s*)?\]", ptx)
+    if store is None:
+        return None
+    base = _smem_offset(ptx, store.group(1))
+    return None if base is None else base + int(store.group(2) or 0)
+
+
 def compile_gluon_isolated(kernel: str, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> Compiled:
     """:func:`compile_gluon` of ``kernel`` (``"package.module:function"``) in a child process
-    with ``TRITON_INTERPRET=0``; arguments JSON-serializable."""
+    with ``TRITON_INTERPRET=0``; arguments JSON-serializable.
+
+    A failure in the child is raised here with the child's own exception (type, message and the
+    innermost frames of its traceback), not the tail of its stderr, which Triton's bindings fill
+    with ``nanobind: leaked ...`` lines at exit."""
     spec = dict(kernel=kernel, signature=signature, constexprs=constexprs, num_warps=num_warps, aligned=list(aligned))
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-m", "tilefuse.testing.gluon"], input=json.dumps(spec), env=env,
                           capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"compiling {kernel} failed:\n{done.stderr[-4000:]}")
-    return Compiled(**json.loads(done.stdout))
+    try:
+        reply = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        reply = None
+    if isinstance(reply, dict) and "error" in reply:
+        raise RuntimeError(f"compiling {kernel} failed in the child process:\n{reply['error']}")
+    if done.returncode or reply is None:
+        stderr = "\n".join(line for line in done.stderr.splitlines() if "nanobind: leaked" not in line)
+        raise RuntimeError(f"compiling {kernel}: the child process exited with {done.returncode}:\n"
+                           f"{stderr[-4000:]}")
+    return Compiled(**reply)
 
 
 def _main() -> None:
+    import traceback
+
     spec = json.load(sys.stdin)
-    module, name = spec["kernel"].split(":")
-    result = compile_gluon(getattr(importlib.import_module(module), name), spec["signature"], spec["constexprs"],
-                           spec["num_warps"], spec["aligned"])
+    try:
+        module, name = spec["kernel"].split(":")
+        result = compile_gluon(getattr(importlib.import_module(module), name), spec["signature"],
+                               spec["constexprs"], spec["num_warps"], spec["aligned"])
+    except Exception as exc:  # reported to the parent as data: its stderr is not a reliable channel
+        frames = "".join(traceback.format_tb(exc.__traceback__)[-6:])
+        json.dump({"error": f"{frames}{type(exc).__name__}: {exc}"}, sys.stdout)
+        return
     json.dump({f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name != "kernel"}, sys.stdout)
 
 

@@ -28,8 +28,9 @@ tensor cores read them (a masked score alone would still let ``0 * NaN`` into P 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
+from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, thread_barrier, tma_load, warpgroup_mma,
+                                       warpgroup_mma_wait)
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 PAGE = gl.constexpr(PAGE_SIZE)
@@ -123,7 +124,7 @@ def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, lengt
         _zero_rows_past(kn, start, length, BLOCK_N, D_NOPE, LOAD, 128)
         _zero_rows_past(kr, start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
         fence_async_shared()
-        gl.thread_barrier()
+        thread_barrier()
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)

@@ -34,9 +34,9 @@ Out-of-range rows of x and the K tail are zero-filled by TMA; the TMA store clip
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
 from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
                                        warpgroup_mma_wait)
-
 from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
 LOG2E = gl.constexpr(1.4426950408889634)

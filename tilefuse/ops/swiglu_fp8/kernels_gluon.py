@@ -27,9 +27,9 @@ each row's group scale.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+
 from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, tma, tma_load, tma_store, warpgroup_mma,
                                        warpgroup_mma_wait)
-
 from tilefuse.ops.gluon_common import grouped_tile, slot_barriers
 
 BLOCK_M = gl.constexpr(128)        # rows per tile: 64 per consumer warpgroup (WGMMA's M)

@@ -37,6 +37,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from tilefuse.ops.gluon_compat import thread_barrier
+
 
 @gluon.jit
 def vq_decode_gluon_kernel(
@@ -128,7 +130,7 @@ def vq_decode_gluon_kernel(
         for m in gl.static_range(M_PAD):
             s = gl.sum(gl.where(col_tok == m, acc, gl.zeros_like(acc)), axis=0) * scale
             gl.atomic_add(ws_ptr + m * N + rows, s, mask=(rows < N) & (m < M), sem="relaxed")
-        gl.thread_barrier()
+        thread_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             for m in gl.static_range(M_PAD):

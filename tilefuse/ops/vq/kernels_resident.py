@@ -39,6 +39,8 @@ lane owning word w reads its M_PAD tokens' entries of one (code, group) as one
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from tilefuse.ops.gluon_compat import smem_reinterpret, thread_barrier
+
 from tilefuse.ops.vq.ptx import lookup_asm, reduce_emit_asm
 
 TABLE_COLS = gl.constexpr(64)  # (group, token) columns per K slice: 256 B per table row
@@ -151,12 +153,12 @@ def vq_decode_resident_kernel(
     cb_r = gl.arange(0, CH, layout=gl.SliceLayout(0, gl.SliceLayout(2, L_CBALL)))[None, :, None]
     cb_k = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_CBALL)))[None, None, :]
     cb_smem.store(gl.load(cb_ptr + (cb_s * CH + cb_r) * 8 + cb_k).to(gl.float32))
-    gl.thread_barrier()
-    cb_steps = cb_smem._reinterpret(gl.float32, [2 * 256 // CH, CH, 8], TABLE)  # same bytes, indexable
+    thread_barrier()
+    cb_steps = smem_reinterpret(cb_smem, gl.float32, [2 * 256 // CH, CH, 8], TABLE)  # same bytes, indexable
     for step in range(2 * 256 // CH):
         cbv = cb_steps.index(step).load(L_CB)
         table.index(step).store(gl.sum(cbv[:, :, None] * xt, axis=1))
-    gl.thread_barrier()
+    thread_barrier()
     cb_smem._keep_alive()
 
     # ---- stage 2: stream code words (HBM -> registers), look up (SMEM -> registers) ----
@@ -190,7 +192,7 @@ def vq_decode_resident_kernel(
 
     # ---- stage 3 (split-K): the last program of this row chunk finishes its rows ----
     if SPLIT:
-        gl.thread_barrier()  # every thread's atomics are issued before the arrival (release)
+        thread_barrier()  # every thread's atomics are issued before the arrival (release)
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             # wide blocks (8 rows per thread): the L2 round trips of a chunk overlap

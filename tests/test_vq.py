@@ -12,7 +12,7 @@ import torch
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
 from tilefuse.testing import assert_close, poisoned
-from tilefuse.testing.vq import SHAPES, error_scale, make_case, reference_fp64, tolerance
+from tilefuse.testing.vq import SHAPES, error_scale, make_case, make_overflow_case, reference_fp64, tolerance
 
 LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="auto"),
           "decode_resident": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="resident"),
@@ -170,6 +170,22 @@ def test_wide_codes_are_narrowed_and_checked(interpret):
         tilefuse.vq_matmul(case.x, wide, case.codebooks, case.scales, check_contents=True)
 
 
+def test_wide_code_checks_under_compile_and_on_meta_tensors():
+    """``check_contents=True`` with wide codes under ``torch.compile(fullgraph=True)`` (no
+    data-dependent guard: the read is skipped while tracing) and on meta tensors (shapes)."""
+    case = make_case(3, 16, 64, torch.float32, "cpu")
+    wide = case.codes.to(torch.int32)
+
+    def fn(x, codes, books, scales):
+        return tilefuse.vq_matmul(x, codes, books, scales, check_contents=True)
+
+    eager = fn(case.x, wide, case.codebooks, case.scales)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(case.x, wide, case.codebooks, case.scales)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    y = fn(*(t.to("meta") for t in (case.x, wide, case.codebooks, case.scales)))
+    assert y.shape == (3, 16) and y.device.type == "meta"
+
+
 def test_reference_backend_on_cpu(device):
     case = make_case(3, 8, 64, torch.float16, device)
     with tilefuse.force(backend="reference"):
@@ -265,6 +281,41 @@ def test_gpu_mma_fp32_codebooks_and_nan(dtype):
     case.codes.clamp_(max=200)
     case.codebooks[:, 250] = float("nan")
     _check(_run_poisoned(case, "mma_gluon"), case, "dequant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,m", [("decode", 1), ("decode", 4), ("decode_resident", 2), ("decode_gather", 8),
+                                       ("decode_tl", 3), ("mma", 3), ("mma_gluon", 16), ("prefill_tl", 24),
+                                       ("prefill_wgmma", 64), ("prefill_wgmma", 512), ("dequant", 40)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1000, 1032)])
+def test_gpu_codebook_sums_beyond_fp16_range(variant, m, n, k):
+    """fp16 codebooks whose C0[a] + C1[b] exceeds 65504 with small scaled weights, on every path
+    (the MMA and prefill kernels used to return NaN here while decode and dequant were right).
+    The WGMMA prefill kernel (K a multiple of 64) runs in both forms; K = 1032 takes the odd-K
+    paths (``prefill_wgmma`` then falls back to the tl kernel: skipped)."""
+    if variant == "prefill_wgmma" and k % 64:
+        pytest.skip("the WGMMA prefill kernel needs K a multiple of 64")
+    if variant == "decode_resident" and (k // 8) % 2:
+        pytest.skip("the resident decode needs K a multiple of 16")
+    case = make_overflow_case(m, n, k, torch.float16, "cuda", bias=True)
+    _check(_run_poisoned(case, variant), case, variant)
+    if variant == "prefill_wgmma":
+        out = poisoned((m, n), torch.float16, "cuda")
+        vq_op.launch_prefill(*_args(case), out, impl="wgmma", ws=1 - vq_op.configs.WGMMA_PREFILL["ws"])
+        _check(out, case, "prefill")
+    with tilefuse.force(backend="triton"):      # the default dispatch at these tokens
+        _check(tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales, case.bias), case, "dequant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("variant,m", [("mma_gluon", 8), ("prefill_tl", 24), ("prefill_wgmma", 64)])
+def test_gpu_fp32_codebooks_beyond_x_range(dtype, variant, m):
+    """fp32 codebooks with entries of order 2^40 (fp16: beyond its range) and tiny scales: the MMA
+    and prefill kernels scale the codebook copies by a power of two before rounding them to x's
+    dtype. bf16 x: no overflow, the factor stays 1 (the same check of the common path)."""
+    case = make_overflow_case(m, 4096, 4096, dtype, "cuda", codebooks_dtype=torch.float32, shift=40)
+    _check(_run_poisoned(case, variant), case, "dequant")     # two roundings per weight: dequant's bound
 
 
 @pytest.mark.gpu
@@ -422,6 +473,27 @@ def test_nan_in_an_unused_codebook_entry_never_leaks(interpret, variant):
     case.codes.clamp_(max=200)
     case.codebooks[:, 250] = float("nan")
     _check(_run_poisoned(case, {"decode_tl": "decode_tl"}.get(variant, variant)), case, variant)
+
+
+@pytest.mark.parametrize("variant", ["decode", "decode_tl", "mma", "prefill", "dequant"])
+@pytest.mark.parametrize("m,n,k", [(4, 24, 128), (8, 37, 264)])
+def test_codebook_sums_beyond_fp16_range(interpret, variant, m, n, k):
+    """fp16 codebooks whose C0[a] + C1[b] exceeds 65504 while the scaled weight is small: the
+    reference (fp32 sums, then the scale) is finite, and so must every kernel be (the MMA kernels
+    round C0 + C1 to x's dtype: they scale the codebooks by a power of two, the row scale back)."""
+    case = make_overflow_case(m, n, k, torch.float16, interpret, bias=True)
+    _check(_run_poisoned(case, variant), case, variant)
+
+
+@pytest.mark.parametrize("shift", [16, 40])
+def test_fp32_codebooks_beyond_fp16_range_on_the_mma_path(interpret, shift):
+    """fp32 codebooks with entries of order 2^shift (beyond fp16's range), x fp16, tiny scales: the
+    MMA kernel's power-of-two factor brings them into fp16's range (the public op at 3-16 tokens)."""
+    case = make_overflow_case(5, 24, 128, torch.float16, interpret, codebooks_dtype=torch.float32, shift=shift)
+    assert case.codebooks.abs().max() > 65504
+    y = tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales)
+    assert vq_op.choose_variant(5) == "mma"
+    _check(y, case, "mma")
 
 
 def test_nan_in_x_propagates(interpret):

@@ -51,6 +51,29 @@ def make_case(m: int, n: int, k: int, dtype: torch.dtype, device, *, bias: bool 
     return VQCase(x, codes, codebooks, scales, b)
 
 
+def make_overflow_case(m: int, n: int, k: int, dtype: torch.dtype, device, *, bias: bool = False,
+                       codebooks_dtype: torch.dtype | None = None, shift: int = 14) -> VQCase:
+    """:func:`make_case` with codebooks ``2^shift`` times larger and scales ``2^shift`` times
+    smaller (fp32; the same weights), and the entry pairs (7, 9) and (11, 13) set to +-40000 x
+    ``2^(shift - 14)`` and used by about a fifth of the groups: ``C0[a] + C1[b]`` overflows fp16
+    (|sum| > 65504) while every scaled weight stays small. ``codebooks_dtype``: fp32 codebooks
+    with ``shift`` > 14 hold entries beyond fp16's range."""
+    case = make_case(m, n, k, dtype, device, bias=bias)
+    books_dtype = codebooks_dtype or dtype
+    big = 40000.0 * 2.0 ** (shift - 14)
+    books = case.codebooks.double() * 2.0 ** shift
+    books[0, 7], books[1, 9], books[0, 11], books[1, 13] = big, big, -big, -big
+    case.codebooks = books.to(books_dtype)
+    gen = torch.Generator(device="cpu").manual_seed(n * 7 + k)
+    pick = torch.randint(0, 10, (n, k // 8), generator=gen).to(device)
+    codes = case.codes.long()
+    codes[..., 0] = torch.where(pick == 0, 7, torch.where(pick == 1, 11, codes[..., 0]))
+    codes[..., 1] = torch.where(pick == 0, 9, torch.where(pick == 1, 13, codes[..., 1]))
+    case.codes = codes.to(case.codes.dtype)
+    case.scales = (case.scales.double() * 2.0 ** -shift).float()      # fp32: fp16 would be subnormal here
+    return case
+
+
 def reference_fp64(case: VQCase) -> torch.Tensor:
     """The spec evaluated in fp64 on the case's (already rounded) inputs."""
     from tilefuse.ops.vq.reference import vq_matmul_reference

@@ -126,6 +126,62 @@ def vq_decode_kernel(
 
 
 @triton.jit
+def codebook_factor(cb_ptr, DTYPE: tl.constexpr):
+    """Power-of-two factors ``(f, 1 / f)`` that keep every dequantized weight ``f (C0[a] + C1[b])``
+    finite in x's dtype ``DTYPE`` (fp16 or bf16; largest finite value LIMIT): ``f = 1`` unless
+    twice the codebooks' largest finite magnitude exceeds LIMIT (fp16 codebooks with entries above
+    32752; fp32 ones beyond x's range), then the largest power of two with ``2 max |C| f <= LIMIT``.
+    Exact: scaling by a power of two changes no rounding (short of subnormals), and ``1 / f`` goes
+    into the row scale. Non-finite entries are left out (they give inf / NaN where used, as in the
+    reference). ``kernels_mma.codebook_factor`` is the Gluon twin."""
+    # 2^SHIFT * 2 / LIMIT, SHIFT keeping it a normal fp32 number (2 / bf16's max is subnormal)
+    RATIO: tl.constexpr = 2.0 / 65504.0 if DTYPE == tl.float16 else 2.0 ** 32 * 2.0 / 3.3895313892515355e38
+    SHIFT: tl.constexpr = 0 if DTYPE == tl.float16 else 32
+    v = tl.abs(tl.load(cb_ptr + tl.arange(0, 4096)).to(tl.float32))
+    big = tl.max(tl.where(v < float("inf"), v, 0.0), axis=0)
+    # the smallest e >= 0 with 2 big 2^-e <= LIMIT: the exponent of 2 big / LIMIT rounded up (bits)
+    r = (big * RATIO).to(tl.int32, bitcast=True)
+    e = ((r >> 23) & 0xFF) - (127 + SHIFT) + ((r & 0x7FFFFF) != 0).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, 0), 126)
+    return ((127 - e) << 23).to(tl.float32, bitcast=True), ((127 + e) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_steps(acc, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor,
+               BG: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr):
+    """The MMA kernel's K loop: ``acc += W'`` tiles x x^T, with ``W' = C0[a] + C1[b]`` (``SCALED``:
+    times ``factor``, before the rounding to x's dtype)."""
+    dtype = x_ptrs.dtype.element_ty
+    offs_g = tl.arange(0, BG)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, 8)
+    for g0 in range(g_begin, g_end, BG):
+        # codes [BLOCK_N, BG] int16 (HBM -> registers); groups past g_end read code 0
+        g_ok = (g0 + offs_g) < g_end
+        cv = tl.load(c_ptrs, mask=g_ok[None, :], other=0)
+        c0 = (cv & 0xFF).to(tl.int32) * 8               # multiples of 8 elements: 16-byte rows
+        c1 = ((cv >> 8) & 0xFF).to(tl.int32) * 8 + 2048
+        o0 = tl.max_contiguous(tl.multiple_of(c0[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        o1 = tl.max_contiguous(tl.multiple_of(c1[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
+        # dequantize (L1-resident codebook rows -> registers): one rounding to x's dtype; groups
+        # past g_end are zeroed (an entry 0 of inf / NaN must not meet x's zeros there)
+        e0 = tl.load(cb_ptr + o0).to(tl.float32)
+        e1 = tl.load(cb_ptr + o1).to(tl.float32)
+        if SCALED:
+            w = (e0 * factor + e1 * factor).to(dtype)
+        else:
+            w = (e0 + e1).to(dtype)
+        w = tl.where(g_ok[None, :, None], w, 0.0)
+        w = tl.reshape(w, (acc.shape[0], BLOCK_K))
+        # x^T [BLOCK_K, TOKENS] (L2 -> registers); tokens past M and inputs past g_end read zero
+        xv = tl.load(x_ptrs, mask=(toks[None, :] < M) & ((g0 * 8 + offs_k) < g_end * 8)[:, None], other=0.0)
+        acc = tl.dot(w, xv, acc)
+        c_ptrs += BG
+        x_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
 def vq_mma_kernel(
     # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
     x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
@@ -142,45 +198,36 @@ def vq_mma_kernel(
     over the grid's axis 1, token tiles over axis 2 (then SPLIT is False).
 
     The ``tl`` twin of ``kernels_mma.vq_decode_mma_kernel`` (same arithmetic: each weight
-    ``C0[a] + C1[b]`` rounded once to x's dtype, fp32 accumulation, the row scale applied to the
-    sums), the one the CPU tests run; on the GPU the codebook rows are gathered through L1 instead
-    of the Gluon kernel's conflict-free shared-memory copies. Also the fused prefill variant."""
+    ``f (C0[a] + C1[b])`` rounded once to x's dtype, fp32 accumulation, the row scale times ``1 / f``
+    applied to the sums; ``f`` from :func:`codebook_factor`, 1 unless the codebooks' sums could
+    overflow x's dtype), the one the CPU tests run; on the GPU the codebook rows are gathered
+    through L1 instead of the Gluon kernel's conflict-free shared-memory copies. Also the fused
+    prefill variant."""
     BG: tl.constexpr = BLOCK_K // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     toks = tl.program_id(2) * TOKENS + tl.arange(0, TOKENS)
     g_begin = pid_k * GROUPS_PER_SPLIT
     g_end = tl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
-    dtype = x_ptr.dtype.element_ty
 
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_g = tl.arange(0, BG)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_j = tl.arange(0, 8)
     # rows past N are clamped to N - 1 (loads stay in bounds; those rows are never stored)
     c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + offs_g[None, :]
     x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, TOKENS], dtype=tl.float32)
-    for g0 in range(g_begin, g_end, BG):
-        # codes [BLOCK_N, BG] int16 (HBM -> registers); groups past g_end read code 0
-        g_ok = (g0 + offs_g) < g_end
-        cv = tl.load(c_ptrs, mask=g_ok[None, :], other=0)
-        c0 = (cv & 0xFF).to(tl.int32) * 8               # multiples of 8 elements: 16-byte rows
-        c1 = ((cv >> 8) & 0xFF).to(tl.int32) * 8 + 2048
-        o0 = tl.max_contiguous(tl.multiple_of(c0[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
-        o1 = tl.max_contiguous(tl.multiple_of(c1[:, :, None] + offs_j[None, None, :], [1, 1, 8]), [1, 1, 8])
-        # dequantize (L1-resident codebook rows -> registers): one rounding to x's dtype; groups
-        # past g_end are zeroed (an entry 0 of inf / NaN must not meet x's zeros there)
-        w = (tl.load(cb_ptr + o0).to(tl.float32) + tl.load(cb_ptr + o1).to(tl.float32)).to(dtype)
-        w = tl.where(g_ok[None, :, None], w, 0.0)
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
-        # x^T [BLOCK_K, TOKENS] (L2 -> registers); tokens past M and inputs past g_end read zero
-        xv = tl.load(x_ptrs, mask=(toks[None, :] < M) & ((g0 * 8 + offs_k) < g_end * 8)[:, None], other=0.0)
-        acc = tl.dot(w, xv, acc)
-        c_ptrs += BG
-        x_ptrs += BLOCK_K
+    # C0[a] + C1[b] must be finite in x's dtype (the MMA operand) even where the scaled weight
+    # would be: codebooks that could overflow are scaled by a power of two f < 1 and the row scale
+    # by 1 / f. The common case (f = 1) runs the loop without the multiply: no instruction per
+    # weight is added there, only this one look at the codebooks per program.
+    factor, inverse = codebook_factor(cb_ptr, x_ptr.dtype.element_ty)
+    if factor == 1.0:
+        acc = _mma_steps(acc, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, BLOCK_K, False)
+    else:
+        acc = _mma_steps(acc, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, BLOCK_K, True)
 
-    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * inverse
     _splitk_epilogue(acc * scale[:, None], rows, toks, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_n, M, N, stride_om,
                      SPLIT_K, SPLIT, HAS_BIAS)
 

@@ -8,7 +8,8 @@ codebook reads per 8 weights, whatever the tokens (the table kernels' lookups gr
 * Stage 0 (HBM/L2 -> SMEM, once per program): both codebooks in x's dtype, each entry stored 8
   times side by side (``[2, 256, 8 copies, 8]``, 64 KB): lane ``l`` of a quarter warp reads copy
   ``l % 8``, so the 8 lanes of every ``ld.shared.v4`` phase hit 8 distinct bank quads whatever the
-  codes are (conflict free).
+  codes are (conflict free). Times a power of two ``f`` (1 unless ``C0[a] + C1[b]`` could
+  overflow x's dtype: the note above ``codebook_factor``).
 * Stage 1 (HBM -> registers, streamed): the code pairs of ``BLOCK_N`` rows x ``BG`` groups as int16
   (low byte codebook 0), one step ahead of use. A thread holds ``KREP`` consecutive groups of a row
   (one ``2 * KREP``-byte load).
@@ -22,13 +23,14 @@ codebook reads per 8 weights, whatever the tokens (the table kernels' lookups gr
 * Stage 3 (L1/L2 -> registers -> tensor cores): x^T for the step (16-byte loads, tokens past M
   read as zero) and ``mma.sync`` m16n8k16, fp32 accumulators ``[BLOCK_N, TOKENS]``. More than
   ``TOKENS`` tokens: a third grid axis of token tiles (then without split-K).
-* Stage 4: the row scale (it factors out of the sum over k); split-K partials meet in an fp32
+* Stage 4: the row scale times ``1 / f`` (it factors out of the sum over k); split-K partials meet in an fp32
   workspace ``[TOKENS, N]`` with one arrival counter per row block; the last program adds the bias,
   writes the output and re-zeroes workspace and counter (no zeroing launch, CUDA-graph safe).
 
 The PTX addresses Triton's ``global_smem`` symbol: the codebook copies are the kernel's only
-explicit shared allocation and Triton's allocator puts them at offset 0 (checked in the LLVM IR
-with tilefuse.testing.gluon; the GPU tests would see another placement as wrong results).
+large explicit shared allocation (beside ``NUM_WARPS`` int32 for ``codebook_factor``) and Triton's
+allocator puts them at offset 0 (checked in the PTX with tilefuse.testing.gluon; the GPU tests
+would see another placement as wrong results).
 ``kernels.vq_mma_kernel`` is the same schedule in ``tl`` (codebooks read through L1), the one the
 CPU tests run.
 """
@@ -36,6 +38,8 @@ CPU tests run.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from tilefuse.ops.gluon_compat import thread_barrier
 
 from tilefuse.ops.vq.ptx import dequant_asm
 
@@ -73,6 +77,92 @@ def _codes_layout(block_n, krep, num_warps):
                                       shape=[block_n, 4 * krep])
 
 
+@gluon.constexpr_function
+def _overflow_ratio(dtype):
+    """``2^SHIFT * 2 / LIMIT`` with LIMIT the largest finite value of x's dtype (what ``C0[a] + C1[b]``
+    must not exceed) and SHIFT (:func:`_overflow_shift`) keeping the ratio a normal fp32 number."""
+    return 2.0 / 65504.0 if dtype.is_fp16() else 2.0 ** 32 * 2.0 / 3.3895313892515355e38
+
+
+@gluon.constexpr_function
+def _overflow_shift(dtype):
+    return 0 if dtype.is_fp16() else 32
+
+
+# Codebooks whose sums overflow x's dtype. The MMA operand is ``C0[a] + C1[b]`` in x's dtype, the
+# row scale applied to the fp32 sums (it factors out of the sum over k): fp16 codebooks with
+# entries above 32752 (or fp32 ones beyond x's range) overflow there to inf although the scaled
+# weight the reference builds (fp32 sum, then the scale) is finite. Applying the scale per weight
+# before the rounding would add instructions to every lookup of the loop (fp32 converts, a
+# multiply and a repack per pair instead of one packed add), and a scale folded into the
+# codebooks at plan time cannot be per row. Instead the codebook copies are scaled once per
+# program by a power of two f and the row scale by 1 / f: exact (short of subnormals), and the
+# loop is unchanged. f is 1 unless twice the codebooks' largest finite magnitude exceeds the
+# dtype's largest value (``codebook_factor``). The common case costs, per program: one coalesced
+# 16-byte load per lane beside the copies' loads, a warp reduction (``redux.sync``, no
+# shuffles), one shared store and NUM_WARPS shared loads after the barrier the copies need
+# anyway, and a branch not taken; only codebooks that need f != 1 are stored again, scaled,
+# behind a second barrier. Measured (H200, CUDA-graph replay, against the kernel without it):
+# within 2 % at 3-16 tokens on 4096 x 4096, within 3 % at 8192 x 8192, within noise on larger
+# layers. ``kernels.codebook_factor`` computes the same f in ``tl``.
+
+
+@gluon.constexpr_function
+def _peak_layout(num_warps):
+    """``[NUM_WARPS, 4096 / (256 NUM_WARPS), 32, 8]``: warp w's share of the 4096 codebook values in
+    chunks of 256 (one 16-byte load per lane, the warp's 512 bytes contiguous), chunks and the 8
+    values in registers."""
+    num_warps = int(num_warps)
+    return gl.BlockedLayout([1, 4096 // (256 * num_warps), 1, 8], [1, 1, 32, 1], [num_warps, 1, 1, 1], [3, 1, 2, 0])
+
+
+@gluon.constexpr_function
+def _broadcast_layout(n, num_warps):
+    """``[n]`` held whole by every thread (lane and warp bases zero): reduced in registers."""
+    n, num_warps = int(n), int(num_warps)
+    return gl.DistributedLinearLayout(reg_bases=[[1 << i] for i in range(n.bit_length() - 1)],
+                                      lane_bases=[[0]] * 5, warp_bases=[[0]] * (num_warps.bit_length() - 1),
+                                      block_bases=[], shape=[n])
+
+
+@gluon.jit
+def codebook_scan(cb_ptr, NUM_WARPS: gl.constexpr):
+    """The 4096 codebook values, each thread its share (load first, with the copies' load)."""
+    L: gl.constexpr = _peak_layout(NUM_WARPS)
+    CHUNKS: gl.constexpr = 4096 // (256 * NUM_WARPS)
+    w = gl.arange(0, NUM_WARPS, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    i = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L))))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L))))
+    j = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L))))
+    offs = ((w[:, None, None, None] * CHUNKS + i[None, :, None, None]) * 32 + lane[None, None, :, None]) * 8 + \
+        j[None, None, None, :]
+    return gl.load(cb_ptr + offs)
+
+
+@gluon.jit
+def codebook_peaks(scan, maxima):
+    """Each warp's largest finite magnitude of its ``scan`` values into ``maxima`` (shared
+    ``[NUM_WARPS]`` int32, as bit patterns: non-negative floats order as their bits do, and Triton
+    reduces int32 across a warp with ``redux.sync``, sm_80+). Non-finite entries are left out
+    (they give inf / NaN where used, as in the reference). Store after the copies (the first
+    shared store is theirs: the compile test reads their offset from it); read after a barrier."""
+    v = gl.abs(scan.to(gl.float32))
+    v = gl.max(gl.max(gl.where(v < float("inf"), v, gl.zeros_like(v)), axis=3), axis=1)     # in registers
+    maxima.store(gl.max(v.to(gl.int32, bitcast=True), axis=1))
+
+
+@gluon.jit
+def codebook_factor(maxima, DTYPE: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """``(f, 1 / f)`` from the warps' maxima (after a barrier): the largest power of two ``f <= 1``
+    with ``2 max |C| f`` at most the largest finite value of x's dtype ``DTYPE``."""
+    big = gl.max(maxima.load(_broadcast_layout(NUM_WARPS, NUM_WARPS)), axis=0).to(gl.float32, bitcast=True)
+    # the smallest e >= 0 with 2 big 2^-e <= LIMIT: the exponent of 2 big / LIMIT rounded up (bits)
+    r = (big * _overflow_ratio(DTYPE)).to(gl.int32, bitcast=True)
+    e = ((r >> 23) & 0xFF) - (127 + _overflow_shift(DTYPE)) + (r & 0x7FFFFF != 0).to(gl.int32)
+    e = gl.minimum(gl.maximum(e, 0), 126)
+    return ((127 - e) << 23).to(gl.float32, bitcast=True), ((127 + e) << 23).to(gl.float32, bitcast=True)
+
+
 @gluon.jit
 def _split_finish(total, rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om, pid_n, SPLIT_K,
                   SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -83,7 +173,7 @@ def _split_finish(total, rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, s
     if SPLIT:
         ws_ptrs = ws_ptr + toks[None, :] * N + rows[:, None]
         gl.atomic_add(ws_ptrs, total, mask=ok, sem="relaxed")
-        gl.thread_barrier()   # every thread's atomics are issued before the arrival (release)
+        thread_barrier()   # every thread's atomics are issued before the arrival (release)
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             zero = gl.zeros_like(total)
@@ -130,6 +220,7 @@ def vq_decode_mma_kernel(
     g_begin = pid_k * GROUPS_PER_SPLIT
     g_end = gl.minimum(g_begin + GROUPS_PER_SPLIT, NUM_GROUPS)
     cb_smem = gl.allocate_shared_memory(dtype, [2 * 256, COPIES, 8], FLAT)
+    maxima = gl.allocate_shared_memory(gl.int32, [NUM_WARPS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
     # ---- stage 1 (first step): code pairs of the program's rows, memory order (HBM -> registers).
     # Rows past N are clamped to N - 1 (in bounds, never stored); groups past g_end read code 0.
@@ -141,13 +232,20 @@ def vq_decode_mma_kernel(
     else:
         cw = gl.load(c_ptrs, mask=(g_begin + cg < g_end)[None, :], other=0)
 
-    # ---- stage 0: codebooks (HBM/L2 -> registers -> SMEM), 8 copies of each entry, x's dtype ----
+    # ---- stage 0: codebooks (HBM/L2 -> registers -> SMEM), 8 copies of each entry, x's dtype;
+    # scaled by f (and the row scale by 1 / f) where C0[a] + C1[b] could overflow x's dtype ----
+    scan = codebook_scan(cb_ptr, NUM_WARPS)
     ce = gl.arange(0, 512, layout=gl.SliceLayout(1, gl.SliceLayout(2, CB)))[:, None, None]
     cj = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, CB)))[None, None, :]
     cc = gl.arange(0, COPIES, layout=gl.SliceLayout(0, gl.SliceLayout(2, CB)))[None, :, None]
-    entries = gl.load(cb_ptr + ce * 8 + cj + cc * 0).to(dtype)
-    cb_smem.store(entries)
-    gl.thread_barrier()
+    cb_smem.store(gl.load(cb_ptr + ce * 8 + cj + cc * 0).to(dtype))
+    codebook_peaks(scan, maxima)
+    thread_barrier()
+    factor, inverse = codebook_factor(maxima, dtype, NUM_WARPS)
+    if factor != 1.0:   # rare: store the copies again, scaled (exact: f is a power of two)
+        entries = gl.load(cb_ptr + ce * 8 + cj + cc * 0)
+        cb_smem.store((entries * factor.to(entries.dtype)).to(dtype))
+        thread_barrier()
 
     # per-element constants of the A tile: the copy a lane reads (lane % 8 = (tg % 4) + 4 * (row % 2))
     # as a byte offset, and x's column of each (tile group, j) after the group permutation
@@ -199,6 +297,6 @@ def vq_decode_mma_kernel(
     # ---- stage 4: scale rows, combine split-K partials, bias, output ----
     rows = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
-    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32) * inverse
     _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om, pid_n,
                   SPLIT_K, SPLIT, HAS_BIAS)

@@ -9,7 +9,9 @@ on top of the lookups and bind on shared-memory bandwidth).
 
 * Stage 0 (HBM/L2 -> SMEM, once per program): both codebooks in x's dtype, every entry stored 8
   times side by side, the two codebooks interleaved (``[256 codes, 2 codebooks, 8 copies, 8]``,
-  64 KB: 256 bytes per code).
+  64 KB: 256 bytes per code), times a power of two ``f`` that is 1 unless ``C0[a] + C1[b]`` could
+  overflow x's dtype (``kernels_mma.codebook_factor`` and the note above it; the row scale is
+  multiplied by ``1 / f`` in stage 5).
 * Stage 1 (HBM -> SMEM, TMA ring of ``STAGES`` slots, one mbarrier each): per 64-input K step the
   x box ``[BLOCK_M, 64]`` and the code box ``[BLOCK_N rows, 8 groups]`` (int16 pairs, low byte
   codebook 0), ``STAGES`` steps ahead; tokens and rows past the ends arrive as zeros.
@@ -25,7 +27,7 @@ on top of the lookups and bind on shared-memory bandwidth).
   asynchronously: the next step's stages 2-3 run on the CUDA cores while it computes. The weight
   registers must not change until it is done, hence one WGMMA in flight, waited for at the end of
   each step (a loop-carried register operand of a second one could be moved under it).
-* Stage 5 (registers -> HBM): row scale (it factors out of the sum over k), bias, output. Where
+* Stage 5 (registers -> HBM): row scale times ``1 / f`` (it factors out of the sum over k), bias, output. Where
   the output tiles do not fill the GPU, K is split over the grid's third axis and the partials meet
   in an fp32 workspace with one arrival counter per tile, as in the MMA decode kernel.
 
@@ -43,10 +45,10 @@ results). ``kernels.vq_mma_kernel`` computes the same in ``tl`` (the CPU-tested 
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from tilefuse.ops.gluon_compat import mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
+from tilefuse.ops.gluon_compat import mbarrier, thread_barrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 from tilefuse.ops.gluon_common import slot_barriers
-from tilefuse.ops.vq.kernels_mma import _split_finish
+from tilefuse.ops.vq.kernels_mma import _split_finish, codebook_factor, codebook_peaks, codebook_scan
 from tilefuse.ops.vq.ptx import pair_dequant_asm
 
 COPIES = gl.constexpr(8)             # copies of each codebook entry in shared memory
@@ -127,26 +129,38 @@ def _load_step(x_desc, c_desc, x_ring, c_ring, ready, slot, step, m0, row0):
 
 
 @gluon.jit
-def _copy_codebooks(cb_smem, cb_ptr, NUM_WARPS: gl.constexpr):
+def _copy_codebooks(cb_smem, maxima, cb_ptr, NUM_WARPS: gl.constexpr):
     """Stage 0: both codebooks (HBM/L2 -> registers -> SMEM) in x's dtype, 8 copies of each entry,
-    interleaved as ``[code, codebook, copy, 8]`` (256 bytes per code: ``pair_dequant_asm``)."""
+    interleaved as ``[code, codebook, copy, 8]`` (256 bytes per code: ``pair_dequant_asm``), times
+    ``f``; returns ``1 / f``, the factor of the row scales. ``f`` is 1 unless ``C0[a] + C1[b]``
+    could overflow x's dtype (fp16 codebooks with entries above 32752): scaling the copies once per
+    program keeps the lookup loop as it is, where applying the row scale per weight would add
+    instructions to it (``kernels_mma``'s note on it). ``maxima``: shared ``[NUM_WARPS]`` int32."""
     CB: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NUM_WARPS, 1], [1, 0])
+    scan = codebook_scan(cb_ptr, NUM_WARPS)
     ce = gl.arange(0, CB_ELEMS // 8, layout=gl.SliceLayout(1, CB))[:, None]     # (code * 2 + book) * 8 + copy
     cj = gl.arange(0, 8, layout=gl.SliceLayout(0, CB))[None, :]
     entry = ((ce // COPIES) % 2) * 256 + ce // (2 * COPIES)                     # book * 256 + code
     cb_smem.store(gl.load(cb_ptr + entry * 8 + cj).to(cb_smem.dtype))
-    gl.thread_barrier()
+    codebook_peaks(scan, maxima)
+    thread_barrier()
+    factor, inverse = codebook_factor(maxima, cb_smem.dtype, NUM_WARPS)
+    if factor != 1.0:   # rare: store the copies again, scaled (exact: f is a power of two)
+        entries = gl.load(cb_ptr + entry * 8 + cj)
+        cb_smem.store((entries * factor.to(entries.dtype)).to(cb_smem.dtype))
+        thread_barrier()
+    return inverse
 
 
 @gluon.jit
-def _finish(acc, row0, m0, counter, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K, stride_om,
-            ROWS: gl.constexpr, BLOCK_M: gl.constexpr, ACC: gl.constexpr, SPLIT: gl.constexpr,
+def _finish(acc, row0, m0, counter, inverse, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
+            stride_om, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, ACC: gl.constexpr, SPLIT: gl.constexpr,
             HAS_BIAS: gl.constexpr):
-    """Stage 5: scale rows ``row0 ..``; split-K partials meet in the fp32 workspace (arrival counter
-    ``counter``); bias, output (registers -> HBM)."""
+    """Stage 5: scale rows ``row0 ..`` (times ``inverse``, 1 / the codebook copies' factor); split-K
+    partials meet in the fp32 workspace (arrival counter ``counter``); bias, output (registers -> HBM)."""
     rows = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ACC))
     toks = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, ACC))
-    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32)
+    scale = gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32) * inverse
     _split_finish(acc * scale[:, None], rows, toks, M, N, out_ptr, ws_ptr, cnt_ptr, bias_ptr, stride_om, counter,
                   SPLIT_K, SPLIT, HAS_BIAS)
 
@@ -187,7 +201,7 @@ def _mainloop(acc, x_ring, c_ring, ready, empty, x_desc, c_desc, m0, row0, first
         if WS:
             mbarrier.arrive(empty.index(s))
         else:   # in both warpgroups: then stage 1 refills slot s with the step STAGES ahead
-            gl.thread_barrier()
+            thread_barrier()
             if i + STAGES < steps:
                 _load_step(x_desc, c_desc, x_ring, c_ring, ready, s, first + i + STAGES, m0, row0)
         w = w_next
@@ -223,6 +237,7 @@ def vq_prefill_kernel(
     x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     c_ring = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, GROUPS], c_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    maxima = gl.allocate_shared_memory(gl.int32, [NUM_WARPS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
 
@@ -232,7 +247,7 @@ def vq_prefill_kernel(
         if i < steps:
             _load_step(x_desc, c_desc, x_ring, c_ring, ready, i, first + i, m0, row0)
 
-    _copy_codebooks(cb_smem, cb_ptr, NUM_WARPS)     # stage 0
+    inverse = _copy_codebooks(cb_smem, maxima, cb_ptr, NUM_WARPS)     # stage 0
 
     acc = _mainloop(gl.zeros([BLOCK_N, BLOCK_M], gl.float32, ACC), x_ring, c_ring, ready, ready, x_desc, c_desc, m0,
                     row0, first, steps, 0, BLOCK_N, NUM_WARPS, ACC, CB_BASE, STAGES, False)
@@ -240,8 +255,8 @@ def vq_prefill_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
 
-    _finish(acc, row0, m0, pid_n * gl.num_programs(0) + pid_m, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
-            SPLIT_K, stride_om, BLOCK_N, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile
+    _finish(acc, row0, m0, pid_n * gl.num_programs(0) + pid_m, inverse, scales_ptr, bias_ptr, out_ptr, ws_ptr,
+            cnt_ptr, M, N, SPLIT_K, stride_om, BLOCK_N, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile
 
 
 @gluon.jit
@@ -256,8 +271,8 @@ def _ws_producer(x_desc, c_desc, x_ring, c_ring, ready, empty, m0, row0, first, 
 
 @gluon.jit
 def _ws_consumer(x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
-                 stride_om, m0, row0, steps, tile, W: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                 SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, CB_BASE: gl.constexpr):
+                 stride_om, m0, row0, steps, tile, inverse, W: gl.constexpr, BLOCK_M: gl.constexpr,
+                 STAGES: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, CB_BASE: gl.constexpr):
     """Rows ``64 W .. 64 W + 63`` of the tile (one warpgroup): stages 2-5 as in the one-partition
     kernel, releasing each slot to the producer when its WGMMA is done; the two consumers run
     apart, so one's dequantization overlaps the other's WGMMA."""
@@ -265,8 +280,8 @@ def _ws_consumer(x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws
     acc = _mainloop(gl.zeros([64, BLOCK_M], gl.float32, ACC), x_ring, c_ring, ready, empty, None, None, m0, row0, 0,
                     steps, W * 64, 64, 4, ACC, CB_BASE, STAGES, True)
 
-    _finish(acc, row0 + W * 64, m0, 2 * tile + W, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
-            stride_om, 64, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile and consumer
+    _finish(acc, row0 + W * 64, m0, 2 * tile + W, inverse, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N,
+            SPLIT_K, stride_om, 64, BLOCK_M, ACC, SPLIT, HAS_BIAS)     # one arrival counter per tile and consumer
 
 
 @gluon.jit
@@ -293,15 +308,17 @@ def vq_prefill_ws_kernel(
     x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     c_ring = gl.allocate_shared_memory(gl.int16, [STAGES, 128, GROUPS], c_desc.layout)
     ready, empty = slot_barriers(STAGES, 2)      # both consumers read every slot
+    maxima = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
-    _copy_codebooks(cb_smem, cb_ptr, 4)     # stage 0, by the default partition
+    inverse = _copy_codebooks(cb_smem, maxima, cb_ptr, 4)     # stage 0, by the default partition
 
     tile = pid_n * gl.num_programs(0) + pid_m
     gl.warp_specialize([
         (_ws_consumer, (x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
-                        stride_om, m0, row0, steps, tile, FIRST, BLOCK_M, STAGES, SPLIT, HAS_BIAS, CB_BASE)),
+                        stride_om, m0, row0, steps, tile, inverse, FIRST, BLOCK_M, STAGES, SPLIT, HAS_BIAS, CB_BASE)),
         (_ws_consumer, (x_ring, c_ring, ready, empty, scales_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, SPLIT_K,
-                        stride_om, m0, row0, steps, tile, SECOND, BLOCK_M, STAGES, SPLIT, HAS_BIAS, CB_BASE)),
+                        stride_om, m0, row0, steps, tile, inverse, SECOND, BLOCK_M, STAGES, SPLIT, HAS_BIAS,
+                        CB_BASE)),
         (_ws_producer, (x_desc, c_desc, x_ring, c_ring, ready, empty, m0, row0, first, steps, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
     cb_smem._keep_alive()   # the PTX lookups are invisible to the allocator: hold the copies to here

@@ -558,7 +558,11 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     codebooks : [2, 256, 1, 8], any floating dtype (fp32 as :func:`tilefuse.quantize` returns
         them, or fp16/bf16 as AQLM stores them). The resident decode kernel, the dequantize path
         and the reference compute with them at their own precision; the tensor-core table kernels
-        (MMA decode, 5-8 tokens forced, K/8 odd, prefill) round them to x's dtype.
+        (MMA decode, 5-8 tokens forced, K/8 odd, prefill) round them to x's dtype. The MMA and
+        prefill kernels round each ``C0[a] + C1[b]`` to x's dtype and apply the row scale to the
+        fp32 sums; where that sum could overflow x's dtype (fp16 codebooks with entries above
+        32752) they scale the codebooks by a power of two and the row scale back (exact), so the
+        result matches the reference whenever the codebooks' range fits x's dtype's.
     scales : [N, 1, 1, 1] (or [N]) floating point, per output row.
     bias : [N] floating point or None.
     check_contents : read the codes back to check the range of wide codes (a host sync); default

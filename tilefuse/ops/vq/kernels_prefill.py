@@ -322,3 +322,8 @@ def vq_prefill_ws_kernel(
         (_ws_producer, (x_desc, c_desc, x_ring, c_ring, ready, empty, m0, row0, first, steps, STAGES)),
     ], [4, 1], [CONSUMER_REGS, 24])
     cb_smem._keep_alive()   # the PTX lookups are invisible to the allocator: hold the copies to here
+    # Held too: Triton writes the partitions' captured values to shared memory at warp_specialize
+    # without a barrier after the default partition's last reads, so a dead buffer there (maxima is
+    # read in _copy_codebooks) may be overwritten while a slower warp still reads it; racecheck
+    # reported exactly that overlap (tests/test_racecheck.py).
+    maxima._keep_alive()

@@ -116,6 +116,16 @@ def test_huge_and_tiny_rows_stay_finite(calibrated):
     assert row_err[3] < 1e-3 and row_err.mean() < 0.6 and row_err[7] < 0.8
 
 
+def test_kmeans_baseline_with_a_huge_row_stays_finite():
+    """The quality-study baseline scales rows the same overflow-free way as ``quantize``."""
+    w = _weight(64, 256)
+    w[3] = 1e20 * torch.randn(256)
+    approx = kmeans_vq(w, iters=2)
+    assert torch.isfinite(approx).all()           # before: NaN everywhere (the squares overflowed)
+    row_err = (approx.double() - w.double()).norm(dim=1) / w.double().norm(dim=1)
+    assert row_err.max() < 0.6
+
+
 def test_progress_goes_to_stderr_by_default(capsys):
     w = _weight(8, 16)
     quantize(w, iters=2, init_iters=1)

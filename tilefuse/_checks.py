@@ -89,3 +89,18 @@ def check_float(name: str, value, *, positive: bool = False) -> float:
             or (positive and number <= 0):
         raise ValueError(f"{name}: expected a finite{' positive' if positive else ''} number, got {value!r}")
     return number
+
+
+def contents_unreadable(*tensors) -> bool:
+    """Whether the values of ``tensors`` cannot be read back: while ``torch.compile`` traces (a
+    read would be a data-dependent guard), or for meta and fake tensors (shapes only). The ops skip
+    their content checks then (``check_contents=True`` / ``TILEFUSE_DEBUG``), and meta / fake
+    inputs get the outputs' shapes from the ops' fake implementations."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - a torch without it
+        def is_fake(_):
+            return False
+    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or is_fake(t)) for t in tensors)

@@ -113,14 +113,15 @@ def _as_code_dtype(codes: torch.Tensor, dtype: torch.dtype, name: str) -> torch.
     """``codes`` as ``dtype`` (int8 or uint8) with the same code values: 1-byte integers keep their
     bit patterns (AQLM's int8 -1 is code 255); int16/32/64 must lie in [0, 256) (read back: a host
     sync; skipped for meta and fake tensors, which hold no values); anything else raises."""
-    from tilefuse.ops.vq.op import WIDE_CODE_DTYPES, _readable, check_code_range
+    from tilefuse._checks import contents_unreadable
+    from tilefuse.ops.vq.op import WIDE_CODE_DTYPES, check_code_range
 
     if codes.dtype in (torch.int8, torch.uint8):
         return codes.view(dtype)
     if codes.dtype not in WIDE_CODE_DTYPES:
         raise ValueError(f"{name}: expected integer codes (int8, uint8, or int16/32/64 in [0, 256)), "
                          f"got {codes.dtype}")
-    if _readable(codes):
+    if not contents_unreadable(codes):
         try:
             check_code_range(codes)
         except ValueError as err:

@@ -100,7 +100,7 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
 
 
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, targets: tuple[str, ...] | None = None,
-             seed: int = 0, progress: bool = False, **quantize_opts) -> int:
+             seed: int = 0, progress: bool | None = None, **quantize_opts) -> int:
     """:func:`tilefuse.hf.patch_vq` for a ``tp_plan`` model: every target projection is quantized
     whole (its global weight gathered; layer i on rank ``i % world_size``, then broadcast, so all
     ranks hold the same codes, codebooks and scales), and becomes a :class:`~tilefuse.parallel.ColumnParallel`
@@ -109,7 +109,8 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, 
 
     ``calibration`` must be None here: each rank sees only its shard of a rowwise layer's inputs,
     so ``X^T X`` is not at hand; quantize with calibration on one device and shard the result with
-    :func:`tilefuse.parallel.shard_model` instead.
+    :func:`tilefuse.parallel.shard_model` instead. ``progress`` (default: on when quantizing, off
+    for ``random_codes``) prints one line per layer to stderr.
     """
     from tilefuse.hf import VQ_PROJECTIONS
     from tilefuse.hf import patch_vq as patch_one_device
@@ -126,6 +127,8 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, 
               if isinstance(mod, nn.Linear) and name.rpartition(".")[2] in targets]
     if not layers:
         raise ValueError(f"model: expected nn.Linear modules named {tuple(targets)}, found none")
+    if progress is None:
+        progress = not random_codes
     for i, (name, linear) in enumerate(layers):
         start = time.perf_counter()
         where, style = split_style(linear.weight)

@@ -125,29 +125,50 @@ class Ranks:
     def __init__(self, world_size: int = 2, backend: str = "gloo", timeout: float = 300.0):
         import torch.multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
-        self.world_size, self.timeout = world_size, timeout
-        self.results = ctx.Queue()
-        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.ctx = mp.get_context("spawn")
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        self._start()
+
+    def _start(self) -> None:
+        self.results = self.ctx.Queue()
+        self.jobs = [self.ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
-        self.procs = [ctx.Process(target=_serve, args=(r, world_size, backend, port, self.jobs[r], self.results),
-                                  daemon=True) for r in range(world_size)]
+        self.procs = [self.ctx.Process(target=_serve, args=(r, self.world_size, self.backend, port, self.jobs[r],
+                                                            self.results), daemon=True)
+                      for r in range(self.world_size)]
         for proc in self.procs:
             proc.start()
 
+    def _restart(self) -> None:
+        """A failed job can leave the other ranks inside a collective that never completes: start
+        the ranks afresh so that the next job does not meet them out of step."""
+        for proc in self.procs:
+            proc.kill()
+            proc.join(timeout=30)
+        self._start()
+
     def run(self, fn, *args) -> list:
-        """``fn(*args)`` on every rank; the ranks' results in rank order. A rank's exception is
-        raised here as an AssertionError carrying its traceback."""
-        for queue in self.jobs:
-            queue.put((fn, args))
+        """``fn(*args)`` on every rank; the ranks' results in rank order. A rank's exception (or no
+        answer within ``timeout`` seconds) is raised here as an AssertionError carrying its
+        traceback, and the ranks are restarted for the next job."""
+        import queue
+
+        for jobs in self.jobs:
+            jobs.put((fn, args))
         out, failures = [None] * self.world_size, []
         for _ in range(self.world_size):
-            rank, ok, value = self.results.get(timeout=self.timeout)
+            try:
+                rank, ok, value = self.results.get(timeout=self.timeout)
+            except queue.Empty:
+                failures.append(f"no answer within {self.timeout:.0f} s (a rank waits in a collective, or hangs)")
+                break
             if ok:
                 out[rank] = value
             else:
                 failures.append(f"rank {rank}:\n{value}")
+                break          # the other rank may wait in a collective for this one: do not wait for it
         if failures:
+            self._restart()
             raise AssertionError("\n".join(failures))
         return out
 

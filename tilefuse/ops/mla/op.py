@@ -149,24 +149,6 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
 _get_mla_metadata_op = tilefuse_op("get_mla_metadata", fake=_metadata_fake)(_get_mla_metadata)
 
 
-def _without_data(*tensors) -> bool:
-    """Whether the contents of ``tensors`` cannot be read: while ``torch.compile`` traces (a read
-    would be a data-dependent guard), or for meta and fake tensors (shapes only). Content checks
-    are skipped then, and meta / fake inputs get the outputs' shapes from the ops' fake
-    implementations."""
-    if torch.compiler.is_compiling():
-        return True
-    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or _is_fake(t)) for t in tensors)
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover - a torch without it
-        return False
-    return is_fake(t)
-
-
 def _check_int(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -206,7 +188,7 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
     if num_sm_parts is None:
         num_sm_parts = default_num_sm_parts(cache_seqlens.device, num_q_tokens_per_head_k)
     _check_int("num_sm_parts", num_sm_parts, 1)
-    no_data = _without_data(cache_seqlens)
+    no_data = _checks.contents_unreadable(cache_seqlens)
     if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
         _check_lengths(cache_seqlens, None)
     if not cache_seqlens.is_contiguous():
@@ -453,7 +435,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         cache_seqlens = cache_seqlens.contiguous()
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale, causal)
-    no_data = _without_data(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+    no_data = _checks.contents_unreadable(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
         _check_lengths(cache_seqlens, block_table.shape[1])
         check_block_table(block_table, cache_seqlens, k_cache.shape[0])

@@ -531,18 +531,6 @@ def check_code_range(codes: torch.Tensor) -> None:
             raise ValueError(f"codes: expected values in [0, 256) for dtype {codes.dtype}, got [{lo}, {hi}]")
 
 
-def _readable(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values can be read back: not while ``torch.compile`` traces (a read would
-    be a data-dependent guard), not for meta or fake tensors (shapes only)."""
-    if torch.compiler.is_compiling() or t.device.type == "meta":
-        return False
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover - a torch without it
-        return True
-    return not is_fake(t)
-
-
 def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
               bias: torch.Tensor | None = None, *, check_contents: bool | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for a 2-bit weight in AQLM's 2x8 format, never materializing ``W``.
@@ -580,7 +568,7 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:
         _validate(x, codes, codebooks, scales, bias)
-        if (_env.settings.debug if check_contents is None else check_contents) and _readable(codes):
+        if (_env.settings.debug if check_contents is None else check_contents) and not _checks.contents_unreadable(codes):
             check_code_range(codes)
         codes = codes.to(torch.uint8)
     call = _plan_call(x, codes, codebooks, scales, bias)

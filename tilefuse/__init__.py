@@ -7,7 +7,8 @@ Public ops (PyTorch custom ops under ``torch.ops.tilefuse``):
 * :func:`get_mla_metadata`, :func:`flash_mla_with_kvcache` -- MLA decode over a paged cache (paper 3)
 * :func:`quantize` -- dense weight -> 2x8 codes, codebooks, scales (:mod:`tilefuse.quantizer`)
 
-:func:`force` pins the backend (``"triton"`` / ``"reference"``) or a kernel variant for a block.
+:func:`force` pins the backend (``"triton"`` / ``"reference"``) or a kernel variant for a block;
+:func:`explain` says which path a call takes and why (candidates and predicted times).
 Each family is imported on first use, so ``import tilefuse`` stays cheap and side-effect free.
 """
 
@@ -26,6 +27,7 @@ _PUBLIC = {
     "flash_mla_with_kvcache": "tilefuse.ops.mla.op",
     "nn": "tilefuse.nn",
     "quantize": "tilefuse.quantizer",
+    "explain": "tilefuse._dispatch",
     "quantizer": "tilefuse.quantizer",
     "hf": "tilefuse.hf",
     "parallel": "tilefuse.parallel",

@@ -26,7 +26,7 @@ from tilefuse import _env
 BACKENDS = _env.BACKENDS
 # Kernel variants of each family (the ops dispatch among these; force() accepts any of them).
 VARIANTS = {
-    "swiglu": ("small_m", "large_m", "pingpong"),
+    "swiglu": ("small_m", "large_m", "pingpong", "unfused"),
     "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
     "mla": ("transposed", "standard", "wgmma", "seesaw"),
     "swiglu_fp8": ("tl", "ws", "decode"),

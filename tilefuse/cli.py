@@ -160,6 +160,23 @@ def parser(families: tuple[str, ...], default_out: Path) -> argparse.ArgumentPar
     bench.add_argument("--tag", type=tag_name, default=None,
                        help="suffix of the result file names (default: 'only' for --only runs, so a partial run "
                             "never overwrites the full results)")
+    tune = sub.add_parser("tune", help="measure the dispatch's candidates on this GPU for a model's shapes and "
+                                       "write the table the dispatch reads",
+                          description="Measure the SwiGLU kernels and the unfused path on this GPU for a model's "
+                                      "shapes (every tensor-parallel shard asked for, every token bucket) and merge "
+                                      "the fastest into the table the dispatch reads: "
+                                      "$XDG_CACHE_HOME/tilefuse/tuned-<gpu>.json (~/.cache by default). "
+                                      "Without a GPU: a pipeline check on the reference path, nothing timed.")
+    tune.add_argument("--model-type", action="append", default=[], metavar="NAME",
+                      help="a model of the shape corpus (tilefuse.testing.corpus.MODELS), e.g. deepseek-v3; "
+                           "repeatable")
+    tune.add_argument("--config", type=Path, default=None, help="a Hugging Face config.json to read the shapes from")
+    tune.add_argument("--shapes", default=None, help="explicit SwiGLU shapes HxI[,HxI...], e.g. 7168x2048")
+    tune.add_argument("--tp", default="1", help="tensor-parallel degrees to shard I by, e.g. 1,2,8 (default 1)")
+    tune.add_argument("--tokens", default=None,
+                      help="token counts to tune (default: the dispatch's buckets 1,16,64,128,1024,4096,16384)")
+    tune.add_argument("--out", type=Path, default=None, help="table file (default: the cache path above)")
+    tune.add_argument("--rep-ms", type=positive_float, default=25.0, help="milliseconds per measurement (default 25)")
     model = bench.add_argument_group("bench model and bench tp (model also runs in bench all)")
     model.add_argument("--layers", type=positive_int, default=None,
                        help="blocks of the random-weight models (model: 32 for Llama-3-8B, 28 for Qwen2.5-1.5B, "
@@ -201,6 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = _ClosedPipeSafe(stdout)
     try:
         args = parser(FAMILIES, DEFAULT_OUT).parse_args(argv)
+        if args.command == "tune":
+            from tilefuse.tune import main as tune_main
+
+            try:
+                return tune_main(args.model_type, args.config, args.shapes, args.tp, args.tokens, args.out,
+                                 args.rep_ms)
+            except ValueError as exc:
+                print(f"tilefuse tune: {exc}", file=sys.stderr)
+                return 2
         return info() if args.command == "info" else bench(args, FAMILIES)
     finally:
         sys.stdout.flush()

@@ -1,9 +1,17 @@
-"""Kernel configurations of the fused SwiGLU GEMM: the tuned table and the fallback heuristic.
+"""Launch settings of the fused SwiGLU GEMM and the choice among the kernels and the unfused path.
 
-``choose(M, H, I)`` returns the (variant, config) the op runs. Lookup order: the table measured on
-the H200 by ``tools/tune_swiglu.py`` (keyed by the model shape ``(H, I)`` and the tuned M nearest
-above), else a heuristic from the tile counts. Results are cached per ``(M bucket, H, I)``, so after
-the first call of a shape the hot path is one dict lookup (no autotuning, ever).
+``choose(M, H, I)`` returns the (variant, config) the op runs; ``decide`` the whole decision
+(``tilefuse.explain`` prints it). Authority, first that applies: a table measured on this GPU model
+by ``tilefuse tune``; the table measured on the H200 by ``tools/tune_swiglu.py`` (``TUNED``, keyed
+by the model shape ``(H, I)`` and the tuned M nearest above); else the cost model
+(:func:`predict_us`: the roofline of each candidate -- bytes over the bandwidth the kernel can
+reach with what it keeps in flight, FLOPs over whole waves of its tiles -- with efficiencies
+measured on the H200), which takes a fused kernel over the unfused path (cuBLAS's GEMM on the
+merged weight + one SiLU·mul pass, variant ``"unfused"``) only when it predicts it faster by a
+margin (:func:`measured_regime`: 3 % where the measurements cover the kernel's regime, 15 %
+elsewhere). Decisions are cached per size (one per M up to 64, one per power of
+two above), so after the first call of a shape the hot path is one dict lookup (no autotuning,
+ever).
 """
 
 from __future__ import annotations
@@ -185,30 +193,51 @@ def apply_overrides(entries: list[dict]) -> None:
     for entry in entries:
         cls = CONFIG_CLASSES[entry["variant"]]
         TUNED.setdefault((entry["H"], entry["I"]), {})[entry["M"]] = cls(**entry["config"])
-    _choose_bucketed.cache_clear()
+    decide.cache_clear()
 
 
-def _bucket(m: int) -> int:
-    return next((t for t in TUNED_M if m <= t), TUNED_M[-1])
+def _small_m_in_flight(cfg: SmallMConfig, programs: int, num_sms: int) -> float:
+    """Bytes the small-M kernel keeps in flight: each resident program has ``num_stages - 1``
+    K steps of its gate and up tiles (and x's rows) loading (Little's law: the bandwidth it can
+    reach is this over the memory latency)."""
+    stage = (2 * cfg.block_n + cfg.block_m) * cfg.block_k * 2
+    per_sm = max(1, min(4, (227 * 1024) // (cfg.num_stages * stage)))
+    return min(programs, per_sm * num_sms) * (cfg.num_stages - 1) * stage
 
 
 def _small_m_heuristic(m: int, h: int, i: int, num_sms: int) -> SmallMConfig:
-    # From the sweep: at M <= 16, 64-wide N tiles with long K steps won on every Qwen shape and
-    # split-K never did (I / 64 >= 76 tiles already); it is kept for narrow layers (few tiles).
+    """Tiles for shapes the sweep did not cover. At M <= 16, 64-wide N tiles with long K steps won
+    on every Qwen shape. The memory system needs about ``bandwidth x latency`` bytes in flight
+    (``_dispatch.Chip.in_flight_bytes``, ~8.5 MB on an H200); where the tiles are few (small I,
+    or few SMs' worth of them) split-K multiplies the programs until they keep that much in
+    flight, never below one K step per pipeline stage per slice."""
+    from tilefuse import _dispatch
+
+    target = _dispatch.CHIPS["H200"].in_flight_bytes * num_sms / NUM_SMS_H200
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_k = 256 if (block_m == 16 and h >= 2048) else 128 if block_m <= 32 else 64
+    stages = 3 if block_k == 256 else 4
     m_tiles = -(-m // block_m)
-    block_n = 64 if m_tiles * -(-i // 64) >= num_sms // 2 else 32 if m_tiles * -(-i // 32) >= num_sms // 2 else 16
-    tiles = m_tiles * -(-i // block_n)
     k_steps = -(-h // block_k)
-    split_k = 1
-    while tiles * split_k < num_sms // 2 and split_k * 2 <= min(8, k_steps):
-        split_k *= 2
-    return SmallMConfig(block_m, block_n, block_k, split_k, num_stages=3 if block_k == 256 else 4)
+    best = None
+    for block_n in (64, 32, 16):
+        tiles = m_tiles * -(-i // block_n)
+        split_k = 1
+        while (_small_m_in_flight(SmallMConfig(block_m, block_n, block_k, split_k, stages), tiles * split_k, num_sms)
+               < target and split_k * 2 <= 16 and k_steps // (split_k * 2) >= stages):
+            split_k *= 2
+        cfg = SmallMConfig(block_m, block_n, block_k, split_k, num_stages=stages)
+        flight = _small_m_in_flight(cfg, tiles * split_k, num_sms)
+        if flight >= target:
+            return cfg
+        if best is None or flight > best[0]:
+            best = (flight, cfg)
+    return best[1]
 
 
 def heuristic(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200):
-    """(variant, config) from tile counts alone, for shapes the sweep did not cover."""
+    """(variant, config) of the fused kernels from tile counts alone, for shapes the sweep did not
+    cover (the cost model then weighs it against the unfused path)."""
     if m <= 64 or (m <= SMALL_M_MAX and i * h < 32 * 2 ** 20):
         return "small_m", _small_m_heuristic(m, h, i, num_sms)
     if m <= SMALL_M_MAX:
@@ -216,24 +245,135 @@ def heuristic(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200):
     return "large_m", LargeMConfig()
 
 
-@functools.lru_cache(maxsize=4096)
-def _choose_bucketed(bucket: int, m_small: int, h: int, i: int, num_sms: int):
-    entry = TUNED.get((h, i), {}).get(bucket)
-    if entry is not None:
-        return variant_of(entry), entry
-    return heuristic(m_small, h, i, num_sms)
+# ------------------------------------------------------------------------------- cost model
+# Efficiencies of the kernels relative to the chip's ceilings, from bench/results/swiglu-h200.json
+# (graph replay, the 8 measured shapes x M = 1..16384): the small-M kernel's MMA work at
+# block_m <= 64 runs at about 0.3 of the bf16 rate (M = 128 rows: 1.5-1.9x cuBLAS's time where
+# memory does not limit); the persistent kernels' waves at cuBLAS's rate (large_m) and 0.92 of it
+# (the ping-pong kernel, 5-8 % behind large_m where both ran).
+SMALL_M_MMA_EFF = 0.3
+LARGE_M_EFF = {"large_m": 1.0, "pingpong": 0.92}
+SPLIT_FIXUP_US = 2.0        # the last K slice's wait and sum of the fp32 partials
+SILU_MUL_LAUNCH_US = 3.0    # the unfused path's second kernel (graph replay)
 
 
-def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200):
-    """(variant, config) for an ``[m, h] x [2i, h]`` problem; ``variant`` pins the kernel."""
+def predict_us(variant: str, cfg, m: int, h: int, i: int, chip) -> float:
+    """Predicted graph-replay time (us) of ``variant`` with ``cfg`` on an ``[m, h] x [2i, h]``
+    problem, bf16/fp16, on ``chip`` (``_dispatch.Chip``). ``"unfused"``: cuBLAS's GEMM on the
+    merged weight, then the SiLU·mul pass (reads ``[m, 2i]``, writes ``[m, i]``)."""
+    from tilefuse import _dispatch
+
+    weights, acts, out = 2 * i * h * 2, m * h * 2, m * i * 2
+    if variant == "unfused":
+        silu = SILU_MUL_LAUNCH_US + 3 * out / chip.copy_bytes_per_us
+        return _dispatch.gemm_us(chip, m, 2 * i, h) + silu
+    flops = 2.0 * m * 2 * i * h
+    if variant == "small_m":
+        programs = -(-m // cfg.block_m) * -(-i // cfg.block_n) * cfg.split_k
+        memory = _dispatch.stream_us(chip, weights + acts + out, _small_m_in_flight(cfg, programs, chip.sms))
+        compute = chip.ramp_us / 2 + flops / (chip.bf16_flop_per_us * SMALL_M_MMA_EFF)
+        return max(memory, compute) + (SPLIT_FIXUP_US if cfg.split_k > 1 else 0.0)
+    fill = wave_efficiency(m, h, i, cfg if isinstance(cfg, LargeMConfig) else LargeMConfig(
+        cfg.block_m, cfg.block_n, cfg.block_k), chip.sms)
+    compute = chip.ramp_us / 2 + flops / (chip.bf16_flop_per_us * fill * LARGE_M_EFF[variant])
+    return max(_dispatch.stream_us(chip, weights + acts + out), compute)
+
+
+def measured_regime(variant: str, cfg, m: int, h: int, i: int, num_sms: int) -> bool:
+    """Whether bench/results/swiglu-h200.json covers the regime of this kernel and config (the
+    cost model then needs a small margin over the unfused path): the small-M kernel at M <= 16
+    without split-K and with enough bytes in flight (0.92-1.02x cuBLAS's GEMM on all 8 measured
+    shapes), the large-M kernel from M = 1024 (0.95-1.04x). Split-K, M = 17..1023 off the table,
+    and the ping-pong kernel (only where the table names it) are not."""
+    from tilefuse import _dispatch
+
+    if variant == "small_m":
+        target = _dispatch.CHIPS["H200"].in_flight_bytes * num_sms / NUM_SMS_H200
+        programs = -(-m // cfg.block_m) * -(-i // cfg.block_n)
+        return m <= 16 and cfg.split_k == 1 and _small_m_in_flight(cfg, programs, num_sms) >= target
+    return variant == "large_m" and m >= 1024
+
+
+def candidates(m: int, h: int, i: int, num_sms: int) -> list[tuple[str, object]]:
+    """The (variant, config) pairs the cost model weighs for a shape without a measured entry:
+    the fused kernels' heuristic pick, the large-M kernel from 65 rows on, and the unfused path."""
+    picks = [heuristic(m, h, i, num_sms)]
+    if m > 64 and picks[0][0] != "large_m":
+        picks.append(("large_m", LargeMConfig(num_stages=4) if m <= SMALL_M_MAX else LargeMConfig()))
+    return picks + [("unfused", None)]
+
+
+def _bucket(m: int) -> int:
+    return next((t for t in TUNED_M if m <= t), TUNED_M[-1])
+
+
+def _measured(table: dict, h: int, i: int, m: int):
+    """The entry of a ``{(H, I): {M: config}}`` table for ``m``: the tuned M nearest above, or the
+    M = 64 entry for M = 17..64 where there is one."""
+    entries = table.get((h, i), {})
     bucket = _bucket(m)
-    if 16 < m <= 64 and 64 in TUNED.get((h, i), {}):
-        bucket = 64  # an explicit entry for M = 17..64 (else the M = 128 entry serves them)
-    # The heuristic's small-M tiles depend on M itself below 64, on its bucket above.
-    m_key = m if m <= 64 else bucket
-    chosen, config = _choose_bucketed(bucket, m_key, h, i, num_sms)
-    if variant is None or variant == chosen:
-        return chosen, config
+    if 16 < m <= 64 and 64 in entries:
+        bucket = 64
+    return entries.get(bucket)
+
+
+def _tuned_entries(table: dict) -> dict:
+    """A ``tilefuse tune`` table's swiglu section (``{"H,I": {"M": {"variant", "config"}}}``) as
+    ``{(H, I): {M: config or "unfused"}}``."""
+    out: dict = {}
+    for shape, per_m in table.get("swiglu", {}).items():
+        h, i = (int(v) for v in shape.split(","))
+        for m, entry in per_m.items():
+            variant = entry["variant"]
+            out.setdefault((h, i), {})[int(m)] = (
+                "unfused" if variant == "unfused" else CONFIG_CLASSES[variant](**entry["config"]))
+        out[(h, i)] = dict(sorted(out[(h, i)].items()))
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None):
+    """The decision for one problem size, as a ``_dispatch.Choice``: a table measured on this GPU
+    by ``tilefuse tune`` (``tuned_name``: the GPU's name), else the shipped table, else the cost
+    model over :func:`candidates` (a kernel over the unfused path only with the margin of
+    :func:`measured_regime`). Cached per size."""
+    from tilefuse import _dispatch
+
+    chip = chip or _dispatch.CHIPS["H200"]
+    problem = {"M": m, "H": h, "I": i}
+    weighed = tuple(_dispatch.Candidate(v, c, predict_us(v, c, m, h, i, chip),
+                                        "cuBLAS GEMM on [2I, H] + one SiLU*mul pass" if v == "unfused" else "")
+                    for v, c in candidates(m, h, i, num_sms))
+    if tuned_name is not None:
+        entry = _measured(_tuned_entries(_dispatch.tuned_table(tuned_name)), h, i, m)
+        if entry is not None:
+            variant = "unfused" if entry == "unfused" else variant_of(entry)
+            return _dispatch.Choice("swiglu", problem, variant, None if entry == "unfused" else entry,
+                                    f"tuned table ({_dispatch.tuned_path(tuned_name).name})", weighed)
+    entry = _measured(TUNED, h, i, m)
+    if entry is not None:
+        return _dispatch.Choice("swiglu", problem, variant_of(entry), entry, "shipped table (H200 sweep)", weighed)
+    baseline = next(c for c in weighed if c.variant == "unfused")
+    pick = baseline
+    for cand in sorted((c for c in weighed if c.variant != "unfused"), key=lambda c: c.predicted_us):
+        margin = (_dispatch.MARGIN_MEASURED_REGIME if measured_regime(cand.variant, cand.config, m, h, i, num_sms)
+                  else _dispatch.MARGIN_UNMEASURED)
+        if cand.predicted_us <= (1 - margin) * baseline.predicted_us:
+            pick = cand
+            break
+    return _dispatch.Choice("swiglu", problem, pick.variant, pick.config, "cost model", weighed)
+
+
+def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200, chip=None,
+           tuned_name: str | None = None):
+    """(variant, config) for an ``[m, h] x [2i, h]`` problem; ``variant`` pins the kernel
+    (``"unfused"``: the baseline path, config None)."""
+    m_key = m if m <= 64 else 1 << (m - 1).bit_length()    # above 64: one decision per power of two
+    choice = decide(m_key, h, i, num_sms, chip, tuned_name)
+    if variant is None or variant == choice.variant:
+        return choice.variant, choice.config
+    if variant == "unfused":
+        return variant, None
     if variant == "small_m":
         return variant, _small_m_heuristic(min(m, SMALL_M_MAX), h, i, num_sms)
     if variant == "pingpong":

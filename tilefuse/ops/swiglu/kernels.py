@@ -264,3 +264,44 @@ def swiglu_large_m_kernel(
             if done:
                 _large_m_epilogue(gate, up, bias_ptr, out_desc, pid_m, pid_n, I, HAS_BIAS,
                                   BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def silu_mul_kernel(
+    # pointers
+    y_ptr, bias_ptr, out_ptr,
+    # sizes
+    M, I,
+    # strides (unit last stride)
+    stride_ym, stride_om,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The second half of the unfused path (the baseline the dispatch keeps as a candidate):
+    ``out[m, n] = silu(y[m, gate n]) * y[m, up n]`` over a GEMM's ``y: [M, 2I]`` (merged: gate n
+    at column n, up at I + n; packed: at ``_packed_row(n)`` and PACK further), one
+    ``[BLOCK_M, BLOCK_N]`` output tile per program; ``bias`` ([2I], merged order for both
+    layouts) is added here, in fp32, so the GEMM runs without it. A pass at the copy bandwidth: 4
+    bytes read and 2 written per output for 16-bit dtypes."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
+    # gate and up columns of this tile (HBM -> registers)
+    if PACKED:
+        gate_col = _packed_row(offs_n, PACK)
+        up_col = gate_col + PACK
+    else:
+        gate_col = offs_n
+        up_col = offs_n + I
+    rows = y_ptr + offs_m[:, None] * stride_ym
+    gate = tl.load(rows + gate_col[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(rows + up_col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + I + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
+    # SiLU * mul in fp32, one rounding (registers -> HBM)
+    out = _silu_mul(gate, up)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)

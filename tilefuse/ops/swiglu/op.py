@@ -1,10 +1,12 @@
 """``tilefuse.swiglu`` and ``tilefuse.pack_gate_up``: validation, launch plans, dispatch, custom op.
 
 Kernels live in ``kernels.py`` (Triton) and ``kernels_gluon.py`` (Gluon, Hopper), the
-configuration table in ``configs.py``, the spec in ``reference.py``. Dispatch:
+configuration table and the cost model in ``configs.py``, the spec in ``reference.py``. Dispatch:
 ``configs.choose(M, H, I)`` picks the small-M (split-K, pointer), the large-M (persistent, TMA) or
-the ping-pong (Gluon, warp-specialized) kernel and its tiles; ``tilefuse.force(variant=...)`` pins
-``"small_m"``, ``"large_m"`` or ``"pingpong"``. The ping-pong kernel needs an sm_90 GPU: elsewhere
+the ping-pong (Gluon, warp-specialized) kernel and its tiles, or the unfused path (cuBLAS's GEMM
+on the merged weight + one SiLU·mul pass) where no kernel is measured or predicted faster;
+``tilefuse.force(variant=...)`` pins ``"small_m"``, ``"large_m"``, ``"pingpong"`` or ``"unfused"``;
+``tilefuse.explain(tilefuse.swiglu, x, w)`` says which runs and why. The ping-pong kernel needs an sm_90 GPU: elsewhere
 (the interpreter, other GPUs, TMA-unaligned tensors) its calls run the large-M kernel. fp16/bf16
 run the kernels on CUDA; fp32/fp64 run the reference (cuBLAS GEMMs on a GPU) on every device.
 
@@ -21,7 +23,7 @@ import functools
 
 import torch
 
-from tilefuse import _checks, _launch, _scratch
+from tilefuse import _checks, _dispatch, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, interpreting
 from tilefuse._backend import num_sms as device_num_sms
@@ -77,6 +79,33 @@ def _kernels():
     from tilefuse.ops.swiglu import kernels
 
     return _launch.Kernel(kernels.swiglu_small_m_kernel), _launch.Kernel(kernels.swiglu_large_m_kernel)
+
+
+@functools.cache
+def _silu_mul_kernel():
+    from tilefuse.ops.swiglu import kernels
+
+    return _launch.Kernel(kernels.silu_mul_kernel)
+
+
+def run_unfused(x2d: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, packed: bool) -> torch.Tensor:
+    """The unfused path the dispatch keeps as a candidate: ``y = x2d @ w^T`` by cuBLAS
+    (``[M, 2I]``, x's dtype), then one pass ``out = silu(y_gate + b_gate) * (y_up + b_up)`` (bias
+    and SiLU in fp32, one rounding; y itself is rounded once more than in the fused kernels, as in
+    the two-GEMM code this path stands for)."""
+    m, inter = out.shape
+    y = torch.nn.functional.linear(x2d, w)
+    block_m, block_n = (1, 1024) if m <= 4 else (16, 256)
+    grid = (triton_cdiv(inter, block_n), triton_cdiv(m, block_m))
+    scalars = (m, inter, y.stride(0), out.stride(0))
+    # what Triton specializes on: dtypes, constexprs, 16-byte pointers, integers equal to 1 or
+    # multiples of 16
+    key = (x2d.device, y.dtype, out.dtype, packed, bias is not None, block_m, _launch.aligned(y, bias, out),
+           tuple((v == 1, v % 16 == 0) for v in scalars))
+    _silu_mul_kernel().launch(key, grid, x2d.device.index, (y, bias if bias is not None else y, out), scalars,
+                              dict(HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK, BLOCK_M=block_m,
+                                   BLOCK_N=block_n, num_warps=4))
+    return out
 
 
 def _pingpong_kernel():
@@ -170,10 +199,34 @@ def plan(m: int, h: int, inter: int, device: torch.device, variant: str | None):
     """(variant, config) the op runs for an ``[m, h] x [2 inter, h]`` problem (cached per size);
     the ping-pong kernel's choice becomes the large-M kernel's where the Gluon kernel cannot run."""
     num_sms = device_num_sms(device, cpu_default=configs.NUM_SMS_H200)
-    variant, config = configs.choose(m, h, inter, variant, num_sms)
+    chip, gpu = _dispatch.chip(device), _dispatch.gpu_name(device)
+    variant, config = configs.choose(m, h, inter, variant, num_sms, chip, gpu)
     if variant == "pingpong" and not pingpong_usable(device):
-        return "large_m", configs.choose(m, h, inter, "large_m", num_sms)[1]
+        return "large_m", configs.choose(m, h, inter, "large_m", num_sms, chip, gpu)[1]
     return variant, config
+
+
+def explain(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None, *,
+            layout: str = "merged") -> _dispatch.Choice:
+    """The decision ``swiglu(x, w_gate_up, bias, layout=layout)`` runs, with every candidate the
+    dispatch weighed and its predicted time (``tilefuse.explain``)."""
+    _validate(x, w_gate_up, bias, layout)
+    hidden, inter = x.shape[-1], w_gate_up.shape[0] // 2
+    m = x.numel() // hidden if hidden else 0
+    problem = {"M": m, "H": hidden, "I": inter, "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+    if x.dtype not in KERNEL_DTYPES or m == 0 or inter == 0 or choose_backend(x.device) != "triton":
+        return _dispatch.Choice("swiglu", problem, "reference", None, "reference: " + (
+            "PyTorch computes this dtype" if x.dtype not in KERNEL_DTYPES else "empty problem" if not m * inter
+            else f"backend for {x.device.type} tensors"))
+    num_sms = device_num_sms(x.device, cpu_default=configs.NUM_SMS_H200)
+    forced = forced_variant("swiglu")
+    variant, config = plan(m, hidden, inter, x.device, forced)
+    m_key = m if m <= 64 else 1 << (m - 1).bit_length()
+    decision = configs.decide(m_key, hidden, inter, num_sms, _dispatch.chip(x.device), _dispatch.gpu_name(x.device))
+    source = "forced" if forced else decision.source
+    if variant != decision.variant and not forced:
+        source += f"; {decision.variant} cannot run here"
+    return dataclasses.replace(decision, problem=problem, variant=variant, config=config, source=source)
 
 
 def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, layout: str = "merged",
@@ -197,6 +250,8 @@ def run_kernel(x2d: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, la
     elif variant is None:
         variant = configs.variant_of(config)
     packed = layout == "packed"
+    if variant == "unfused":
+        return run_unfused(x2d, w, bias, out, packed)
     if variant == "pingpong" and not pingpong_usable(x2d.device):
         variant, config = "large_m", configs.choose(m, h, inter, "large_m")[1]
     if variant in ("large_m", "pingpong"):
@@ -227,10 +282,12 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         pingpong = ("ok" if pingpong_usable(device) else
                     "needs Gluon's Hopper module (triton.experimental.gluon)" if major == 9 else
                     f"needs sm_90 (WGMMA), this GPU is sm_{major}{minor}: runs the large-M kernel")
-        return {"small_m": "ok", "large_m": large, "pingpong": pingpong}
+        return {"small_m": "ok", "large_m": large, "pingpong": pingpong,
+                "unfused": "ok (cuBLAS GEMM + SiLU*mul pass: the baseline candidate)"}
     if interpreting():
         return {"small_m": "ok (interpreter)", "large_m": "ok (interpreter, no warp specialization)",
-                "pingpong": "GPU only: runs the large-M kernel in the interpreter"}
+                "pingpong": "GPU only: runs the large-M kernel in the interpreter",
+                "unfused": "ok (PyTorch GEMM + the SiLU*mul pass in the interpreter)"}
     return {v: "no CUDA GPU: reference path (TRITON_INTERPRET=1 interprets the kernels)" for v in VARIANTS}
 
 
@@ -408,7 +465,10 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
 
     Returns
     -------
-    [..., I] in x's dtype. SiLU is computed in fp32 on the fp32 accumulator, one rounding at the end.
+    [..., I] in x's dtype. The fused kernels compute SiLU in fp32 on the fp32 accumulator and round
+    once. Where the dispatch keeps the unfused path (``tilefuse.explain`` says when: sizes no
+    kernel is measured or predicted faster on), gate and up are rounded to x's dtype by the GEMM
+    first, as the two-GEMM code it replaces rounds them; SiLU * mul is then fp32, one rounding.
     Differentiable in ``x``, ``w_gate_up`` and ``bias`` (the backward recomputes the projections in
     fp32 with PyTorch).
 

@@ -44,6 +44,18 @@ def _packed_row(offs_n, PACK: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_rows(cols, I, PACKED: tl.constexpr, PACK: tl.constexpr):
+    # (gate row, up row) of output columns `cols` in the weight (or in the [M, 2I] GEMM output).
+    if PACKED:
+        rows_g = _packed_row(cols, PACK)
+        rows_u = rows_g + PACK
+    else:
+        rows_g = cols
+        rows_u = cols + I
+    return rows_g, rows_u
+
+
+@triton.jit
 def swiglu_small_m_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, lock_ptr,
@@ -69,12 +81,7 @@ def swiglu_small_m_kernel(
     # the last valid one (no masks in the inner loop), their results dropped by the store mask.
     pid_m, pid_n, pid_k, offs_m, offs_n, rows_x, cols, k_begin, k_end = split_k_tile(
         M, I, H, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
-    if PACKED:
-        rows_g = _packed_row(cols, PACK)
-        rows_u = rows_g + PACK
-    else:
-        rows_g = cols
-        rows_u = cols + I
+    rows_g, rows_u = _gate_up_rows(cols, I, PACKED, PACK)
 
     offs_k = k_begin * BLOCK_K + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
@@ -290,12 +297,7 @@ def silu_mul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < I)
     # gate and up columns of this tile (HBM -> registers)
-    if PACKED:
-        gate_col = _packed_row(offs_n, PACK)
-        up_col = gate_col + PACK
-    else:
-        gate_col = offs_n
-        up_col = offs_n + I
+    gate_col, up_col = _gate_up_rows(offs_n, I, PACKED, PACK)
     rows = y_ptr + offs_m[:, None] * stride_ym
     gate = tl.load(rows + gate_col[None, :], mask=mask, other=0.0).to(tl.float32)
     up = tl.load(rows + up_col[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -22,8 +22,10 @@ BENCH_HELP = {
     "swiglu_fp8": "FP8 fused SwiGLU against cuBLASLt's torch._scaled_mm (sm_90 GPUs)",
     "mla": "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch",
     "vq": "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels",
+    "corpus": "swiglu and vq on every shape of the model corpus against what a user had (about an hour; "
+              "--quick 3 min; not in all)",
     "model": "Hugging Face models: stock, fused SwiGLU, 2-bit VQ; eager and CUDA graphs",
-    "all": "swiglu, swiglu_fp8, mla, vq, then model (not tp)",
+    "all": "swiglu, swiglu_fp8, mla, vq, then model (not tp or corpus)",
     "tp": "tensor parallelism, TP=N against TP=1, under torchrun --nproc-per-node 2",
 }
 
@@ -137,9 +139,10 @@ def _driver_version() -> str:
         return "?"
 
 
-def parser(families: tuple[str, ...], default_out: Path) -> argparse.ArgumentParser:
-    """The command line; ``families`` are the kernel families (``tilefuse.bench.runner.FAMILIES``)."""
-    missing = [f for f in families if f not in BENCH_HELP]
+def parser(families: tuple[str, ...], default_out: Path, standalone: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The command line; ``families`` are the kernel families (``tilefuse.bench.runner.FAMILIES``),
+    ``standalone`` the runner's families that ``bench all`` leaves out (``runner.STANDALONE``)."""
+    missing = [f for f in (*families, *standalone) if f not in BENCH_HELP]
     if missing:
         raise ValueError(f"families: no help line for {missing} in tilefuse.cli.BENCH_HELP")
     top = argparse.ArgumentParser(prog="tilefuse", description=DESCRIPTION,
@@ -149,8 +152,8 @@ def parser(families: tuple[str, ...], default_out: Path) -> argparse.ArgumentPar
     bench = sub.add_parser("bench", help="time tilefuse against its baselines and the chip's ceilings",
                            description="Time tilefuse against its baselines and the chip's ceilings.",
                            epilog=bench_epilog(default_out), formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench.add_argument("family", choices=[*families, "model", "all", "tp"], metavar="FAMILY",
-                       help="one of: " + ", ".join([*families, "model", "all", "tp"]) + " (see below)")
+    names = [*families, *standalone, "model", "all", "tp"]
+    bench.add_argument("family", choices=names, metavar="FAMILY", help="one of: " + ", ".join(names) + " (see below)")
     bench.add_argument("--quick", action="store_true", help="a few representative cases, shorter timings")
     bench.add_argument("--out", type=Path, default=default_out,
                        help=f"results folder, made if missing (default: {default_out} in the current folder)")
@@ -212,12 +215,12 @@ def bench(args: argparse.Namespace, families: tuple[str, ...]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES
+    from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES, STANDALONE
 
     stdout = sys.stdout
     sys.stdout = _ClosedPipeSafe(stdout)
     try:
-        args = parser(FAMILIES, DEFAULT_OUT).parse_args(argv)
+        args = parser(FAMILIES, DEFAULT_OUT, STANDALONE).parse_args(argv)
         if args.command == "tune":
             from tilefuse.tune import main as tune_main
 

@@ -32,6 +32,8 @@ import torch
 from tilefuse.bench.harness import LEGACY_NOTE, ROW_FIELDS, Ceilings, Timer, measure_ceilings, run_case
 
 FAMILIES = ("swiglu", "swiglu_fp8", "mla", "vq")
+# Families run by name only, not by `tilefuse bench all` (corpus: about an hour on an H200).
+STANDALONE = ("corpus",)
 DEFAULT_OUT = Path("bench/results")
 EAGER_LOOP_MS = 20.0
 GPU_TIMING = ("GPU: gpu_us, eager_us and graph_us per row (see fields); tflops, gbps and roofline_frac from "
@@ -79,10 +81,15 @@ def _verdict(checks) -> str:
 
 def print_summary(family: str, summary: dict, file=None) -> None:
     """The summary's cases as a table (speedups = baseline time / tilefuse time), then its goals;
-    a CPU run's summary (:func:`pipeline_check`) as its one line."""
+    a CPU run's summary (:func:`pipeline_check`) as its one line; a family module that defines
+    ``print_family_summary(summary, file)`` prints its own."""
     file = file or sys.stdout
     if "pipeline_check" in summary:
         print(pipeline_line(family, summary["pipeline_check"]), file=file)
+        return
+    own = getattr(importlib.import_module(f"tilefuse.bench.{family}"), "print_family_summary", None)
+    if own is not None:   # a family with its own table (corpus: per token bucket, not per case)
+        own(summary, file=file)
         return
     width = max([len(e["case"]) for e in summary["cases"]] + [4])
     print(f"\n{family}: eager, graph: speedup, baseline time / tilefuse time (> 1: tilefuse faster); "

@@ -45,7 +45,7 @@ exits 1 when nothing ran).
 """
 
 
-class _ClosedPipeSafe:
+class ClosedPipeSafe:
     """``sys.stdout`` for the command: once its reader has gone (``tilefuse info | head -3``), the
     rest of the output goes to os.devnull instead of raising BrokenPipeError, so the command ends
     as it would have (a benchmark still writes its results files)."""
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     from tilefuse.bench.runner import DEFAULT_OUT, FAMILIES, STANDALONE
 
     stdout = sys.stdout
-    sys.stdout = _ClosedPipeSafe(stdout)
+    sys.stdout = ClosedPipeSafe(stdout)
     try:
         args = parser(FAMILIES, DEFAULT_OUT, STANDALONE).parse_args(argv)
         if args.command == "tune":

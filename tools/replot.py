@@ -36,4 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from tilefuse.cli import ClosedPipeSafe
+
+    sys.stdout = ClosedPipeSafe(sys.stdout)     # `tools/replot.py ... | head` ends quietly
     sys.exit(main())

@@ -509,7 +509,7 @@ def _main(argv: list[str]) -> int:
     m = sub.add_parser("merge", help="merge results files into OUT")
     m.add_argument("out", type=Path)
     m.add_argument("paths", type=Path, nargs="+")
-    from tilefuse.cli import _ClosedPipeSafe
+    from tilefuse.cli import ClosedPipeSafe
 
     args = parser.parse_args(argv)
     try:
@@ -517,7 +517,7 @@ def _main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"python -m tilefuse.bench.corpus: {exc}", file=sys.stderr)
         return 1
-    stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)     # `... | head` ends quietly
+    stdout, sys.stdout = sys.stdout, ClosedPipeSafe(sys.stdout)     # `... | head` ends quietly
     try:
         print_summary("corpus", summary)
     finally:

@@ -5,6 +5,9 @@
   ``up_proj``, ``down_proj`` and a SiLU activation (``config.hidden_act``).
 * :func:`patch_vq` -- the attention and MLP projections become 2-bit :class:`tilefuse.nn.VQLinear`
   layers (AQLM 2x8), quantized with calibration data, without, or filled randomly for speed runs.
+* :func:`patch_mla`, :class:`PagedMLACache` -- DeepSeek-V2/V3 attention decodes in the absorbed
+  form through :func:`tilefuse.flash_mla_with_kvcache` over a paged latent cache
+  (:mod:`tilefuse.hf.mla`, imported on first use: it needs transformers).
 """
 
 from __future__ import annotations
@@ -15,12 +18,23 @@ import time
 import torch
 from torch import nn
 
+from tilefuse._lazy import lazy_attribute
+
+_PUBLIC = {"patch_mla": "tilefuse.hf.mla", "PagedMLACache": "tilefuse.hf.mla"}
+
+
+def __getattr__(name):
+    return lazy_attribute(__name__, _PUBLIC, name)
+
+
 # model_type -> MLP class name (all with gate_proj / up_proj / down_proj and act_fn).
 SWIGLU_MLP_CLASSES = {
     "llama": "LlamaMLP",
     "mistral": "MistralMLP",
     "qwen2": "Qwen2MLP",
     "qwen3": "Qwen3MLP",
+    "deepseek_v2": "DeepseekV2MLP",     # the dense blocks' MLPs and the MoE blocks' shared experts
+    "deepseek_v3": "DeepseekV3MLP",
 }
 SILU_NAMES = ("silu", "swish")
 

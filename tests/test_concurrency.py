@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import tilefuse
-from tilefuse.testing import assert_close, cos_diff
+from tilefuse.testing import assert_close, cos_diff, run_without_host_sync
 from tilefuse.testing import mla as mla_cases
 from tilefuse.testing import swiglu as swiglu_cases
 from tilefuse.testing import vq as vq_cases
@@ -177,10 +177,5 @@ def test_default_paths_never_sync_with_the_host():
         attn(inp.q, inp.k_cache, inp.block_table)
 
     step()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    run_without_host_sync(step)
     torch.cuda.synchronize()

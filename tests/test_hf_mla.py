@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tilefuse.hf import PagedMLACache, patch_mla, patch_swiglu  # noqa: E402
 from tilefuse.hf.mla import MLA_ATTENTION_CLASSES, PagedMLAAttention, mla_softmax_scale  # noqa: E402
+from tilefuse.testing import run_without_host_sync  # noqa: E402
 
 # transformers renamed the models' cache argument (``past_key_values`` -> ``cache``) after 5.17;
 # pass the one this version's forward takes (the old name still works there, with a warning).
@@ -389,12 +390,7 @@ def test_gpu_decode_step_captured_in_cuda_graph():
     with torch.no_grad():
         prefill()
         step()                                  # compiles the kernels, fills the workspaces
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        run_without_host_sync(step)
         prefill()
         eager = []
         for _ in range(new):

@@ -10,5 +10,6 @@ from tilefuse.testing.compare import (  # noqa: F401
     frac_beyond_ulp,
     poisoned,
     rel_err,
+    run_without_host_sync,
     ulp,
 )

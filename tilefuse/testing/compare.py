@@ -82,3 +82,17 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: flo
             f"{name}: {int(bad.sum())} of {o.numel()} elements off (atol={atol}, rtol={rtol}, "
             f"rel_err={rel_err(out, ref):.3g}); first: {worst}"
         )
+
+
+def run_without_host_sync(fn):
+    """``fn()`` with CUDA's sync debug mode set to "error": any host synchronization inside (a
+    ``.item()``, a ``nonzero``, a device-to-host copy) raises instead of passing unnoticed.
+    Returns ``fn()``'s result."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

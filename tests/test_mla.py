@@ -569,3 +569,13 @@ def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q, varia
         monkeypatch.undo()
         configs.launch_config.cache_clear()
     _check_gpu(out, lse, inp, True)
+
+
+def test_explain_names_the_kernel_and_its_settings(interpret):
+    inp = make_case([90, 33], 1, 16, torch.float16, interpret)
+    choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, *inp.args())
+    assert choice.family == "mla" and choice.variant == op.choose_variant(16, inp.block_table.shape[1], inp.q)
+    assert choice.config == configs.launch_config(choice.variant, 16, inp.block_table.shape[1])[0]
+    with tilefuse.force(variant="transposed"):
+        forced = tilefuse.explain("flash_mla_with_kvcache", *inp.args())
+    assert (forced.variant, forced.source) == ("transposed", "forced")

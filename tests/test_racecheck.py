@@ -105,7 +105,8 @@ def test_vq_prefill_ws_reports_only_the_dispatch():
 
 
 @pytest.mark.xfail(reason="racecheck flags the softmax -> PV hand-offs of P's row factors and sums (docs/mla.md); the "
-                          "minimal ordered hand-off is not flagged, so these are not shown to be artifacts", strict=False)
+                          "minimal ordered hand-off is not flagged, so these are not shown to be artifacts",
+                   strict=False)
 def test_mla_ws_reports_only_the_dispatch():
     from tilefuse.ops.mla.kernels_gluon import mla_split_ws_kernel
 

@@ -534,3 +534,13 @@ def test_non_contiguous_weights_are_copied(interpret):
     assert not scales.is_contiguous() and not bias.is_contiguous()
     y = tilefuse.vq_matmul(case.x, case.codes, case.codebooks, scales, bias)
     _check(y, case, "decode")
+
+
+def test_explain_names_the_measured_rule(interpret):
+    for m, variant in ((1, "decode"), (5, "mma"), (600, "dequant")):
+        case = make_case(m, 40, 64, torch.float16, interpret)
+        choice = tilefuse.explain(tilefuse.vq_matmul, case.x, case.codes, case.codebooks, case.scales.reshape(40))
+        assert (choice.family, choice.variant) == ("vq", variant) and choice.source.startswith("measured token")
+    with tilefuse.force(variant="dequant"):
+        forced = tilefuse.explain("vq_matmul", case.x, case.codes, case.codebooks, case.scales.reshape(40))
+    assert forced.source == "forced"

@@ -196,7 +196,9 @@ class Choice:
 def explain(op, *args, **kwargs) -> Choice:
     """Which path ``op(*args, **kwargs)`` takes and why, without running it.
 
-    ``op``: the public function (``tilefuse.swiglu``) or its name (``"swiglu"``).
+    ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.vq_matmul``,
+    ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU lists every candidate with its
+    predicted time; VQ and MLA report their measured rules (no cost model there yet).
 
     >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))
     swiglu {'M': 1, 'H': 7168, 'I': 2048, 'dtype': 'bfloat16', 'device': 'cuda:0'}: unfused (cost model)
@@ -204,7 +206,8 @@ def explain(op, *args, **kwargs) -> Choice:
         small_m       33.9 us  SmallMConfig(...)
     """
     name = op if isinstance(op, str) else getattr(op, "__name__", "")
-    explainers = {"swiglu": "tilefuse.ops.swiglu.op"}
+    explainers = {"swiglu": "tilefuse.ops.swiglu.op", "vq_matmul": "tilefuse.ops.vq.op",
+                  "flash_mla_with_kvcache": "tilefuse.ops.mla.op"}
     if name not in explainers:
         raise ValueError(f"op: expected one of {tuple(explainers)} (or the function), got {op!r}")
     import importlib

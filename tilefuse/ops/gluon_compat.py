@@ -34,4 +34,5 @@ def smem_reinterpret(smem, dtype, shape, layout, _semantic=None):
     view = getattr(smem, "reinterpret", None) or smem._reinterpret
     return view(dtype, shape, layout, _semantic=_semantic)
 
-__all__ = ["fence_async_shared", "mbarrier", "tma", "tma_load", "tma_store", "smem_reinterpret", "thread_barrier", "warpgroup_mma", "warpgroup_mma_wait"]
+__all__ = ["fence_async_shared", "mbarrier", "tma", "tma_load", "tma_store", "smem_reinterpret", "thread_barrier",
+           "warpgroup_mma", "warpgroup_mma_wait"]

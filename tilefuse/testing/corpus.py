@@ -156,7 +156,8 @@ def linear_shapes(model: ModelConfig, tp_degrees=TP_DEGREES) -> list[Shape]:
     for role, inter in (("mlp", model.intermediate), ("expert", model.moe_intermediate),
                         ("shared", model.shared_intermediate)):
         if inter is not None:
-            layers += [(f"{role}.gate_up", 2 * inter, model.hidden, "col"), (f"{role}.down", model.hidden, inter, "row")]
+            layers += [(f"{role}.gate_up", 2 * inter, model.hidden, "col"),
+                       (f"{role}.down", model.hidden, inter, "row")]
     out = []
     for role, n, k, parallel in layers:
         for tp in tp_degrees:

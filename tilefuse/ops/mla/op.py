@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from tilefuse import _checks, _env, _launch, _scratch
+from tilefuse import _checks, _dispatch, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
@@ -444,3 +444,24 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         return _flash_mla_op(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata,
                              num_splits, call.scale, call.causal)
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+
+
+def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+            head_dim_v: int = HEAD_DIM_V, *_, **__) -> _dispatch.Choice:
+    """The kernel ``flash_mla_with_kvcache(q, k_cache, block_table, ...)`` runs and why
+    (``tilefuse.explain``): the measured rule of ``configs.default_variant`` by query rows per KV
+    head (``s_q * h_q``), the cache's length regime and the chip; its launch settings as config."""
+    batch, s_q, h_q = q.shape[:3] if q.dim() == 4 else (0, 0, 0)
+    rows = s_q * h_q
+    problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
+               "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
+    if choose_backend(q.device) != "triton" or q.dim() != 4:
+        return _dispatch.Choice("mla", problem, "reference", None, "reference")
+    forced = forced_variant("mla")
+    max_blocks = block_table.shape[1]
+    variant = choose_variant(rows, max_blocks, q)
+    cfg = configs.launch_config(variant, rows, max_blocks)[0]
+    source = "forced" if forced else "measured rule (configs.default_variant: rows per KV head, length, chip)"
+    if forced and forced != variant:
+        source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"
+    return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))

@@ -38,7 +38,7 @@ import importlib
 
 import torch
 
-from tilefuse import _checks, _env, _launch, _scratch
+from tilefuse import _checks, _dispatch, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting, num_sms
 from tilefuse._library import PlanCache, plan_key, tilefuse_op, use_dispatcher
@@ -568,7 +568,8 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:
         _validate(x, codes, codebooks, scales, bias)
-        if (_env.settings.debug if check_contents is None else check_contents) and not _checks.contents_unreadable(codes):
+        checks = _env.settings.debug if check_contents is None else check_contents
+        if checks and not _checks.contents_unreadable(codes):
             check_code_range(codes)
         codes = codes.to(torch.uint8)
     call = _plan_call(x, codes, codebooks, scales, bias)
@@ -578,3 +579,28 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     if use_dispatcher(x, codebooks, scales, bias):
         return _vq_matmul_op(x, codes, codebooks, scales, bias)
     return _run(call, x, codes, codebooks, scales, bias)
+
+
+def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+            bias: torch.Tensor | None = None, **_) -> _dispatch.Choice:
+    """The path ``vq_matmul(x, codes, codebooks, scales, bias)`` runs and why (``tilefuse.explain``).
+    The VQ dispatch is the measured token thresholds of ``configs.default_variant``; no cost model
+    weighs the candidates yet, so none is listed with a predicted time."""
+    _validate(x, codes, codebooks, scales, bias)
+    n, k = codes.shape[0], x.shape[-1]
+    m = x.numel() // k if k else 0
+    problem = {"M": m, "N": n, "K": k, "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+    if x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton":
+        return _dispatch.Choice("vq", problem, "reference", None, "reference")
+    forced = forced_variant("vq")
+    variant = choose_variant(m, k, x.device)
+    detail = variant
+    if variant == "decode":
+        detail = "decode (resident table)" if resident_applies(m, k, x.device) else "decode (gather)"
+    elif variant == "prefill" and not wgmma_prefill_applies(k, x.device):
+        detail = "prefill (tl: the WGMMA kernel needs a Hopper GPU and K a multiple of 64)"
+    source = "forced" if forced else (
+        f"measured token thresholds (decode <= {configs.DECODE_SWITCH_TOKENS}, mma <= {configs.MMA_SWITCH_TOKENS}, "
+        f"prefill <= {configs.PREFILL_MAX_TOKENS} where the WGMMA kernel runs, dequant + cuBLAS above)")
+    return _dispatch.Choice("vq", problem, variant, None, source,
+                            (_dispatch.Candidate(variant, None, None, detail),))

@@ -153,7 +153,6 @@ def tuned_table(gpu_name: str) -> dict:
 
 def reload_tuned() -> None:
     tuned_table.cache_clear()
-    chip.cache_clear()
 
 
 def gpu_name(device: torch.device) -> str:

@@ -138,6 +138,20 @@ def refit_pair_joint(t: torch.Tensor, codes: torch.Tensor, row_weight: torch.Ten
     return torch.linalg.solve(normal, rhs).view_as(books).to(books.dtype)
 
 
+def row_rms(w: torch.Tensor) -> torch.Tensor:
+    """RMS of each row of ``w: [N, G, d]``, without overflow or underflow: each row is divided by
+    its largest magnitude before squaring (a row of 1e20 squared would overflow fp32 to inf)."""
+    peak = w.abs().amax((1, 2))
+    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
+    return (w / safe[:, None, None]).pow(2).mean((1, 2)).sqrt() * safe
+
+
+def row_weights(scales: torch.Tensor) -> torch.Tensor:
+    """``scale^2`` per row in float64 (the rows' weights in the codebook refits): a scale of 1e20
+    squares to 1e40, beyond fp32."""
+    return scales.to(torch.float64).pow(2)
+
+
 def kmeans(t: torch.Tensor, row_weight: torch.Tensor, blocks: torch.Tensor | None, num_entries: int,
            iters: int, generator: torch.Generator, sample: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted Lloyd k-means of the targets ``[n, G, d]`` -> (book ``[E, d]``, codes ``[n, G]``).

@@ -46,15 +46,12 @@ def kmeans_vq(weight: torch.Tensor, dim: int = 4, entries: int = 256, calib: tor
     if k % dim:
         raise ValueError(f"weight: expected K a multiple of dim={dim}, got shape {tuple(weight.shape)}")
     w = weight.detach().float().reshape(num_rows, k // dim, dim)
-    # RMS per row, the row's largest magnitude divided out first so that no square overflows fp32
-    peak = w.abs().amax((1, 2))
-    peak = torch.where((peak > 0) & torch.isfinite(peak), peak, torch.ones_like(peak))
-    scales = (w / peak[:, None, None]).pow(2).mean((1, 2)).sqrt() * peak
+    scales = _core.row_rms(w)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     blocks = _core.group_blocks(calib.to(w.device), dim) if calib is not None else None
     generator = torch.Generator(device=w.device).manual_seed(seed)
-    weight_of_row = (scales / scales.amax()).double() ** 2     # relative: the squares stay finite
-    book, codes = _core.kmeans(w / scales[:, None, None], weight_of_row, blocks, entries, iters, generator)
+    book, codes = _core.kmeans(w / scales[:, None, None], _core.row_weights(scales), blocks, entries, iters,
+                               generator)
     return (book[codes] * scales[:, None, None]).reshape(num_rows, k)
 
 

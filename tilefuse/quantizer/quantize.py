@@ -93,20 +93,6 @@ def _decode(books, codes):
     return books[0][codes[..., 0]] + books[1][codes[..., 1]]                       # [N, G, 8]
 
 
-def _row_rms(w):
-    """RMS of each row of ``w: [N, G, d]``, without overflow or underflow: each row is divided by
-    its largest magnitude before squaring (a row of 1e20 squared would overflow fp32 to inf)."""
-    peak = w.abs().amax((1, 2))
-    safe = torch.where(peak > 0, peak, torch.ones_like(peak))
-    return (w / safe[:, None, None]).pow(2).mean((1, 2)).sqrt() * safe
-
-
-def _row_weights(scales):
-    """``scale^2`` per row in float64 (the rows' weights in the codebook refits): a scale of 1e20
-    squares to 1e40, beyond fp32."""
-    return scales.to(torch.float64).pow(2)
-
-
 def _refit_scales(v, u, blocks, scales):
     """Per-row least-squares scale ``s = sum_g w^T H u / sum_g u^T H u`` (kept where undefined).
 
@@ -131,7 +117,7 @@ def _error_feedback(w, calib, codes, books, scales, beam, rounds, log):
 
     best = (full(codes, books), codes.clone(), books.clone())
     log("full-H objective before feedback", best[0])
-    row_weight = _row_weights(scales)
+    row_weight = _core.row_weights(scales)
     for r in range(rounds):
         if r:  # refit both codebooks to the corrected weights the last pass coded, under its metrics
             for _ in range(2):
@@ -198,12 +184,12 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
 
     w = weight.detach().to(dev, torch.float32).reshape(num_rows, num_groups, GROUP)
     blocks = _core.group_blocks(calib.to(dev), GROUP) if calib is not None else None
-    scales = _row_rms(w)
+    scales = _core.row_rms(w)
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     generator = torch.Generator(device=dev).manual_seed(seed)
 
     v = w / scales[:, None, None]
-    row_weight = _row_weights(scales)
+    row_weight = _core.row_weights(scales)
     book0, code0 = _core.kmeans(v, row_weight, blocks, ENTRIES, init_iters, generator)
     book1, code1 = _core.kmeans(v - book0[code0], row_weight, blocks, ENTRIES, init_iters, generator)
     books = torch.stack([book0, book1])
@@ -221,7 +207,7 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
         u = _decode(books, codes)
         scales = _refit_scales(v, u, blocks, scales)
         v = w / scales[:, None, None]
-        row_weight = _row_weights(scales)
+        row_weight = _core.row_weights(scales)
         log(f"pass {it + 1}/{iters}", _loss(w, u, scales, blocks))
 
     if calib is not None and feedback:

@@ -364,12 +364,17 @@ def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned
     return _dispatch.Choice("swiglu", problem, pick.variant, pick.config, "cost model", weighed)
 
 
+def decision(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None):
+    """:func:`decide` for ``m`` tokens: each M up to 64 decided on its own, one decision per power
+    of two above (the cache stays small, the hot path one look-up)."""
+    return decide(m if m <= 64 else 1 << (m - 1).bit_length(), h, i, num_sms, chip, tuned_name)
+
+
 def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200, chip=None,
            tuned_name: str | None = None):
     """(variant, config) for an ``[m, h] x [2i, h]`` problem; ``variant`` pins the kernel
     (``"unfused"``: the baseline path, config None)."""
-    m_key = m if m <= 64 else 1 << (m - 1).bit_length()    # above 64: one decision per power of two
-    choice = decide(m_key, h, i, num_sms, chip, tuned_name)
+    choice = decision(m, h, i, num_sms, chip, tuned_name)
     if variant is None or variant == choice.variant:
         return choice.variant, choice.config
     if variant == "unfused":

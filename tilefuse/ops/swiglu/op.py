@@ -221,8 +221,7 @@ def explain(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None 
     num_sms = device_num_sms(x.device, cpu_default=configs.NUM_SMS_H200)
     forced = forced_variant("swiglu")
     variant, config = plan(m, hidden, inter, x.device, forced)
-    m_key = m if m <= 64 else 1 << (m - 1).bit_length()
-    decision = configs.decide(m_key, hidden, inter, num_sms, _dispatch.chip(x.device), _dispatch.gpu_name(x.device))
+    decision = configs.decision(m, hidden, inter, num_sms, _dispatch.chip(x.device), _dispatch.gpu_name(x.device))
     source = "forced" if forced else decision.source
     if variant != decision.variant and not forced:
         source += f"; {decision.variant} cannot run here"

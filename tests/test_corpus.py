@@ -68,3 +68,54 @@ def test_every_path_on_scaled_corpus_shapes(interpret, variant):
                 run_kernel(x, w, None, "merged", variant, out=out)
             rtol = (4 if chosen == "unfused" else 1) * 2 ** -10
             assert_close(out, reference_fp64(x, w), atol=1e-4, rtol=rtol, name=f"{shape.model} {shape.role} {m}")
+
+
+# ----------------------------------------------------------------------------- GPU
+# Every quick corpus case (one token count per bucket on a fixed subsample of the shapes) through
+# the default dispatch at its real size, against the fp64 spec on a sample of rows (the first and
+# last 64 and 64 random ones). Tolerances: SwiGLU bf16, 1 ulp (2^-7) relative + 1e-3 absolute,
+# 4 ulps where the dispatch picks the unfused path (gate and up are rounded to bf16 before the
+# SiLU*mul pass, see test_swiglu); VQ fp16, the chosen kernel's bound from ``testing.vq.tolerance``.
+def _rows(m, device):
+    if m <= 192:
+        return torch.arange(m, device=device)
+    return torch.cat((torch.arange(64), torch.randint(64, m - 64, (64,)), torch.arange(m - 64, m))).to(device)
+
+
+def _case_id(case):
+    shape, m = case
+    return f"{shape.model}-{shape.role}-tp{shape.tp}-{shape.dims[0]}x{shape.dims[1]}-m{m}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", corpus.quick_cases("swiglu"), ids=_case_id)
+def test_gpu_swiglu_corpus_default_dispatch(case):
+    shape, m = case
+    h, i = shape.dims
+    x, w, _ = make_case(m, h, i, torch.bfloat16, "cuda")
+    out = tilefuse.swiglu(x, w)
+    chosen = tilefuse.explain(tilefuse.swiglu, x, w).variant
+    assert torch.isfinite(out).all(), f"{chosen}: unwritten (NaN) or non-finite outputs"
+    rows = _rows(m, x.device)
+    rtol = (4 if chosen == "unfused" else 1) * 2 ** -7
+    assert_close(out[rows], reference_fp64(x[rows], w), atol=1e-3, rtol=rtol, name=f"{chosen} {_case_id(case)}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", corpus.quick_cases("linear"), ids=_case_id)
+def test_gpu_vq_corpus_default_dispatch(case):
+    from tilefuse.testing import vq as vq_testing
+
+    shape, m = case
+    n, k = shape.dims
+    full = vq_testing.make_case(m, n, k, torch.float16, "cuda")
+    out = tilefuse.vq_matmul(full.x, full.codes, full.codebooks, full.scales)
+    chosen = tilefuse.explain(tilefuse.vq_matmul, full.x, full.codes, full.codebooks, full.scales).variant
+    assert torch.isfinite(out).all(), f"{chosen}: unwritten (NaN) or non-finite outputs"
+    rows = _rows(m, full.x.device)
+    sample = vq_testing.VQCase(full.x[rows], full.codes, full.codebooks, full.scales, None)
+    ref = vq_testing.reference_fp64(sample)
+    tol = vq_testing.tolerance(torch.float16, chosen)
+    err = (out[rows].double() - ref).abs()
+    bad = ~(err <= tol["rtol"] * ref.abs() + tol["scale"] * vq_testing.error_scale(sample))
+    assert not bad.any(), f"{chosen} {_case_id(case)}: {int(bad.sum())} of {bad.numel()} sampled outputs off"

@@ -74,11 +74,14 @@ def _dispatch_lines(kernel) -> set[tuple[str, int]]:
                 if depth <= 0:
                     break
                 j += 1
-            # the region's exit code is given to the statement after the call
-            after = next((k for k in range(j + 1, len(lines)) if lines[k].strip()
-                          and not lines[k].lstrip().startswith("#")), None)
-            if after is not None:
-                found.add(first + after)
+            # the region's exit code is given to the statement after the call, or to the last of
+            # the ``_keep_alive()`` markers that follow it (they emit no code of their own)
+            statements = [k for k in range(j + 1, len(lines)) if lines[k].strip()
+                          and not lines[k].lstrip().startswith("#")]
+            for n, k in enumerate(statements):
+                found.add(first + k)
+                if n + 1 == len(statements) or "_keep_alive()" not in lines[statements[n + 1]]:
+                    break
     return {(name, line) for line in found}
 
 

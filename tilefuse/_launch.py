@@ -86,6 +86,8 @@ class Kernel:
         launch(*grid, torch._C._cuda_getCurrentRawStream(current), *head, *pointers, *scalars, *tail)
 
     def _first_launch(self, key, grid, device_index, args, meta):
+        if len(grid) != 3:   # the cached launcher takes exactly three; Triton's own path pads
+            raise TypeError(f"{self.name}: launch grid must have 3 entries, got {grid!r}")
         if device_index is not None and torch.cuda.is_available() and device_index != torch.cuda.current_device():
             with torch.cuda.device(device_index):
                 compiled = self.fn[grid](*args, **meta)

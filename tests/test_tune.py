@@ -40,13 +40,14 @@ def test_cpu_pipeline_writes_a_table_the_dispatch_reads(cache, capsys):
     choice = configs.decide(1, 7168, 2048, 132, None, "cpu")
     assert choice.source == "tuned table (tuned-cpu.json)" and choice.variant == entries["1"]["variant"]
     # an entry measured otherwise (here: edited) is what the dispatch runs, for every M it serves
-    small = configs.SmallMConfig(16, 64, 256, 4, 3)
+    small = configs.SmallMConfig(16, 32, 256, 2, 3)
     entries["1"] = {"variant": "small_m", "config": small.__dict__, "measured": True}
     (cache / "tuned-cpu.json").write_text(json.dumps(table))
     _dispatch.reload_tuned()
     configs.decide.cache_clear()
     assert configs.choose(1, 7168, 2048, chip=None, tuned_name="cpu") == ("small_m", small)
-    assert configs.choose(1, 7168, 2048) == ("unfused", None)          # no table: the cost model's pick
+    # no tuned table of this GPU: the shipped H200 one
+    assert configs.choose(1, 7168, 2048) == ("small_m", configs.TUNED[(7168, 2048)][1]) != ("small_m", small)
 
 
 def test_tune_refuses_bad_arguments(cache, capsys):

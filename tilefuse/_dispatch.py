@@ -109,16 +109,31 @@ def stream_us(c: Chip, nbytes: float, in_flight: float | None = None) -> float:
     return c.ramp_us + nbytes / rate
 
 
+# cuBLAS's Hopper GEMM tiles (rows x columns of the output) and their rate relative to the
+# 128 x 256 one: it picks per shape, so the model takes whichever finishes first.
+CUBLAS_TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.93), (64, 256, 0.85))
+
+
+def tile_fill(m: int, n: int, block_m: int, block_n: int, sms: int) -> float:
+    """Useful fraction of the tensor-core work of ``[block_m, block_n]`` output tiles over an
+    ``[m, n]`` output on ``sms`` SMs: the padding of the last row and column of tiles, times the
+    busy fraction of the last wave (below one wave, split-K or stream-K keeps the SMs busy, so
+    only the padding counts)."""
+    tiles_m, tiles_n = math.ceil(m / block_m), math.ceil(n / block_n)
+    padding = (m * n) / (tiles_m * block_m * tiles_n * block_n)
+    tiles = tiles_m * tiles_n
+    return padding * (tiles / (waves(tiles, sms) * sms) if tiles >= sms else 1.0)
+
+
 def gemm_us(c: Chip, m: int, n: int, k: int, elem: int = 2, out_elem: int | None = None) -> float:
     """cuBLAS's ``[m, k] x [k, n]`` GEMM: the larger of its memory time (every operand once) and
-    its compute time over whole waves of 128 x 256 tiles (split-K keeps the SMs busy where the
-    tiles are few, so below one wave the compute time is the FLOPs over the whole chip)."""
+    its compute time over whole waves of the best of :data:`CUBLAS_TILES`
+    (:func:`tile_fill`)."""
     out_elem = elem if out_elem is None else out_elem
     nbytes = (m * k + n * k) * elem + m * n * out_elem
     flops = 2.0 * m * n * k
-    tiles = math.ceil(m / 128) * math.ceil(n / 256)
-    fill = tiles / (waves(tiles, c.sms) * c.sms) if tiles >= c.sms else 1.0
     rate = c.bf16_flop_per_us if elem >= 2 else c.fp8_flop_per_us
+    fill = max(tile_fill(m, n, bm, bn, c.sms) * eff for bm, bn, eff in CUBLAS_TILES)
     return max(stream_us(c, nbytes), c.ramp_us / 2 + flops / (rate * fill))
 
 

@@ -27,7 +27,6 @@ NUM_SMS_H200 = 132
 PACK = 64
 # M at and below which the split-K pointer kernel runs when no tuned entry says otherwise.
 SMALL_M_MAX = 256
-TUNED_M = (1, 16, 128, 1024, 4096, 16384)
 
 
 @dataclass(frozen=True)
@@ -87,16 +86,21 @@ def stream_k_split(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int) -> t
 
 
 def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 132) -> float:
-    """Busy fraction of the SMs over the kernel, counting K steps (no fix-up cost): tiles / (waves
-    * num_sms) without stream-K; with it the tail's K steps are spread evenly."""
-    tiles = -(-m // cfg.block_m) * -(-i // cfg.block_n)
+    """Useful fraction of the SMs' work over the kernel, counting K steps (no fix-up cost): the
+    padding of the last row and column of tiles (a tile computes ``block_n`` gate and up columns
+    whatever I is), times tiles / (waves * num_sms) without stream-K; with it the tail's K steps
+    are spread evenly."""
+    tiles_m, tiles_n = -(-m // cfg.block_m), -(-i // cfg.block_n)
+    padding = (m * i) / (tiles_m * cfg.block_m * tiles_n * cfg.block_n)
+    tiles = tiles_m * tiles_n
     k_steps = -(-h // cfg.block_k)
     sk_tiles, sk_iters = stream_k_split(m, h, i, cfg, num_sms)
     per_sm = (tiles - sk_tiles) // num_sms * k_steps + sk_iters if sk_tiles else -(-tiles // num_sms) * k_steps
-    return tiles * k_steps / (per_sm * num_sms)
+    return padding * tiles * k_steps / (per_sm * num_sms)
 
 
 S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
+U = "unfused"     # a table entry naming the baseline path (cuBLAS GEMM + SiLU*mul)
 
 # The ping-pong kernel (P entries): swept against the picks below at M = 128 .. 16384 with
 # tools/tune_swiglu.py --mode pingpong on the H200 ("sweep 1", its timings not in the committed
@@ -115,7 +119,7 @@ S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 # timed at those M). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
 # L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
-TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongConfig]] = {
+TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongConfig | str]] = {
     (896, 4864): {
         1: S(16, 64, 128, 1, 4, 4),
         16: S(16, 64, 128, 1, 4, 4),
@@ -174,6 +178,108 @@ TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongCon
         1024: L(128, 128, 64, 8, 3, 8, False),
         4096: L(128, 128, 64, 4, 3, 8, True),
         16384: L(128, 128, 64, 8, 3, 8, False),
+    },
+    # `tilefuse tune` on the H200 (tools/corpus_gpu.sh tune; every candidate's time in
+    # bench/results/sweeps/swiglu-tune-h200.json): calibration shapes of the shape corpus (dense MLPs,
+    # DeepSeek-V3 / V2-Lite / Qwen3 / Llama-4 experts, TP shards), the unfused path (U) a candidate.
+    (2048, 96): {
+        1: S(16, 64, 256, 4, 3, 4),
+        16: S(16, 32, 256, 2, 3, 4),
+        64: S(64, 16, 64, 4, 4, 4),
+        128: S(64, 16, 64, 4, 4, 4),
+        1024: U,
+        4096: U,
+        16384: U,
+    },
+    (2048, 2816): {
+        1: U,
+        16: S(16, 64, 256, 1, 3, 4),
+        64: S(64, 64, 64, 2, 4, 4),
+        128: U,
+        1024: U,
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (2048, 8192): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 64, 256, 1, 3, 4),
+        64: S(64, 32, 64, 1, 4, 4),
+        128: L(128, 64, 64, 8, 4, 4, False, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (4096, 1536): {
+        1: S(16, 64, 256, 4, 3, 4),
+        16: S(16, 32, 256, 4, 3, 4),
+        64: U,
+        128: U,
+        1024: U,
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (4096, 14336): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 256, 1, 3, 4),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 1),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (5120, 1024): {
+        1: S(16, 64, 256, 4, 3, 4),
+        16: S(16, 32, 256, 4, 3, 4),
+        64: U,
+        128: U,
+        1024: U,
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (6144, 16384): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 32, 256, 1, 3, 4),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 1),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (7168, 2048): {
+        1: S(16, 64, 256, 4, 3, 4),
+        16: S(16, 32, 256, 2, 3, 4),
+        64: U,
+        128: U,
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
+    },
+    (7168, 18432): {
+        1: S(16, 64, 256, 2, 3, 4),
+        16: S(16, 32, 256, 1, 3, 4),
+        64: U,
+        128: U,
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
+    },
+    (8192, 3584): {
+        1: S(16, 64, 256, 2, 3, 4),
+        16: S(16, 64, 256, 2, 3, 4),
+        64: U,
+        128: U,
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
+    },
+    (16384, 6656): {
+        1: S(16, 64, 256, 1, 3, 4),
+        16: S(16, 64, 256, 1, 3, 4),
+        64: U,
+        128: U,
+        1024: U,
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
     },
 }
 
@@ -303,18 +409,25 @@ def candidates(m: int, h: int, i: int, num_sms: int) -> list[tuple[str, object]]
     return picks + [("unfused", None)]
 
 
-def _bucket(m: int) -> int:
-    return next((t for t in TUNED_M if m <= t), TUNED_M[-1])
-
-
 def _measured(table: dict, h: int, i: int, m: int):
-    """The entry of a ``{(H, I): {M: config}}`` table for ``m``: the tuned M nearest above, or the
-    M = 64 entry for M = 17..64 where there is one."""
-    entries = table.get((h, i), {})
-    bucket = _bucket(m)
-    if 16 < m <= 64 and 64 in entries:
-        bucket = 64
-    return entries.get(bucket)
+    """The entry of a ``{(H, I): {M: config or "unfused"}}`` table that rules for ``m``: the
+    entry at the measured M nearest above (the largest one past the end), provided the entry
+    nearest below names the same path; where the two measured neighbours disagree, the crossover
+    lies somewhere between them and None is returned (the cost model decides there)."""
+    entries = table.get((h, i))
+    if not entries:
+        return None
+    measured = sorted(entries)
+    above = next((t for t in measured if t >= m), measured[-1])
+    below = next((t for t in reversed(measured) if t < m), None)
+    entry = entries[above]
+    if below is not None and above > m and _path(entries[below]) != _path(entry):
+        return None
+    return entry
+
+
+def _path(entry) -> str:
+    return U if entry == U else variant_of(entry)
 
 
 def _tuned_entries(table: dict) -> dict:
@@ -352,6 +465,8 @@ def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned
                                     f"tuned table ({_dispatch.tuned_path(tuned_name).name})", weighed)
     entry = _measured(TUNED, h, i, m)
     if entry is not None:
+        if entry == U:
+            return _dispatch.Choice("swiglu", problem, U, None, "shipped table (H200 sweep)", weighed)
         return _dispatch.Choice("swiglu", problem, variant_of(entry), entry, "shipped table (H200 sweep)", weighed)
     baseline = next(c for c in weighed if c.variant == "unfused")
     pick = baseline

@@ -95,7 +95,8 @@ def run_unfused(x2d: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pac
     the two-GEMM code this path stands for)."""
     m, inter = out.shape
     y = torch.nn.functional.linear(x2d, w)
-    block_m, block_n = (1, 1024) if m <= 4 else (16, 256)
+    # one row per program up to 64 rows (a 16-row block left decode-sized M on a handful of SMs)
+    block_m, block_n = (1, 256) if m <= 64 else (16, 256)
     grid = (triton_cdiv(inter, block_n), triton_cdiv(m, block_m), 1)
     scalars = (m, inter, y.stride(0), out.stride(0))
     # what Triton specializes on: dtypes, constexprs, 16-byte pointers, integers equal to 1 or

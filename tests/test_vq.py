@@ -127,14 +127,36 @@ def test_int8_codes_match_uint8(interpret, m):
 
 @pytest.mark.parametrize("m", [1, 2, 3, 17])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
-    """x: [..., K] with leading dims; 1-2 tokens dispatch to the table decode, 3-16 to the MMA decode,
-    more to dequant + GEMM."""
+    """x: [..., K] with leading dims; the path is the cost model's for (M, N, K) (a layer this
+    small: dequant + GEMM, the kernels' fixed cost is not repaid), checked with its tolerance."""
     case = make_case(m, 24, 64, torch.float16, interpret, bias=True)
     x3 = case.x.reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 24)
-    assert vq_op.choose_variant(m) == ("decode" if m <= 2 else "mma" if m <= 16 else "dequant")
-    _check(y.reshape(m, 24), case, vq_op.choose_variant(m))
+    variant = vq_op.choose_variant(m, 64, case.x.device, 24)
+    assert variant == vq_op.configs.decide(m, 24, 64, False).variant == "dequant"
+    _check(y.reshape(m, 24), case, variant)
+    with tilefuse.force(variant="mma"):
+        _check(tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias).reshape(m, 24), case, "mma")
+
+
+def test_cost_model_picks_deterministic_cached_and_never_below_the_margin():
+    """``configs.decide``: per (M, N, K) the fastest predicted kernel that takes M tokens, over
+    dequant + cuBLAS only by ``configs.MARGIN``; the same object on a second call (cached)."""
+    decide = vq_op.configs.decide
+    decide.cache_clear()
+    first = decide(7, 4096, 4096, True)
+    assert decide(7, 4096, 4096, True) is first and decide.cache_info().hits == 1
+    assert [decide(m, 28672, 8192, True).variant for m in (1, 8, 64)] == ["decode", "mma", "prefill"]
+    assert decide(64, 28672, 8192, False).variant in ("mma", "dequant")      # no WGMMA kernel: no prefill
+    assert decide(4096, 28672, 8192, True).variant == "dequant"              # past the kernels' ranges
+    for m, n, k in ((1, 1152, 896), (16, 4096, 4096), (128, 5120, 3200), (333, 9216, 16384), (512, 1536, 192)):
+        choice = decide(m, n, k, True)
+        times = {c.variant: c.predicted_us for c in choice.candidates}
+        assert all(t is None or t > 0 for t in times.values())
+        if choice.variant != "dequant":
+            assert times[choice.variant] * (1 + vq_op.configs.MARGIN) < times["dequant"]
+            assert times[choice.variant] == min(t for v, t in times.items() if t is not None and v != "dequant")
 
 
 def test_default_dispatch_switch_points():
@@ -536,11 +558,13 @@ def test_non_contiguous_weights_are_copied(interpret):
     _check(y, case, "decode")
 
 
-def test_explain_names_the_measured_rule(interpret):
+def test_explain_names_the_cost_model(interpret):
     for m, variant in ((1, "decode"), (5, "mma"), (600, "dequant")):
-        case = make_case(m, 40, 64, torch.float16, interpret)
-        choice = tilefuse.explain(tilefuse.vq_matmul, case.x, case.codes, case.codebooks, case.scales.reshape(40))
-        assert (choice.family, choice.variant) == ("vq", variant) and choice.source.startswith("measured token")
+        case = make_case(m, 4096, 1024, torch.float16, interpret)
+        choice = tilefuse.explain(tilefuse.vq_matmul, case.x, case.codes, case.codebooks, case.scales.reshape(4096))
+        assert (choice.family, choice.variant, choice.source) == ("vq", variant, "cost model"), str(choice)
+        assert {c.variant for c in choice.candidates} == {"decode", "mma", "dequant"}   # no WGMMA on a CPU
+    case = make_case(3, 40, 64, torch.float16, interpret)
     with tilefuse.force(variant="dequant"):
         forced = tilefuse.explain("vq_matmul", case.x, case.codes, case.codebooks, case.scales.reshape(40))
     assert forced.source == "forced"

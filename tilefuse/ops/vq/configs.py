@@ -190,3 +190,73 @@ def default_variant(m: int, wgmma_prefill: bool = False) -> str:
     if m <= MMA_SWITCH_TOKENS:
         return "mma"
     return "prefill" if wgmma_prefill and m <= PREFILL_MAX_TOKENS else "dequant"
+
+
+# ------------------------------------------------------------------------------- cost model
+# Each variant's graph-replay time as a fixed cost plus measured multiples of its roofline terms,
+# fitted (least squares on relative error) to tools/vq_variant_sweep.py on the H200: 16 layers of
+# the shape corpus from 896 x 112 to 59136 x 8192 (held-out models excluded) at 1-512 tokens,
+# bench/results/sweeps/vq-variants-h200.json. Terms: ``codes`` = N K / 4 bytes of codes at the
+# copy bandwidth (us); ``mma`` = the MMA work the kernel issues (tokens padded to its tile) in
+# units of 10^6 N K rows; ``busiest`` = the WGMMA prefill's work on its busiest SM (waves x one
+# tile's block_m x block_n x K / split) / 10^6; ``stream`` = codes + x + y bytes at the copy
+# bandwidth; ``dense`` = N K x 2.25 bytes (write the fp16 weight, read the codes) at the copy
+# bandwidth; ``gemm`` = cuBLAS's GEMM (``_dispatch.gemm_us``). Median error 0-4 %, 5-95 % range
+# 0.6-1.3x (the prefill kernel's wave steps are the worst); hence the margin below.
+COST = {
+    "decode": dict(fixed=10.3, codes=0.457, mma=0.109),        # M <= 2: M x N x K work
+    "mma": dict(fixed=10.1, codes=0.0, mma=0.0167),            # M <= 16: 16-token tiles
+    "prefill": dict(fixed=11.6, busiest=0.326, stream=4.16),
+    "dequant": dict(fixed=1.63, dense=1.66, gemm=0.805),
+}
+# A kernel runs in place of the dequant + cuBLAS baseline only if predicted faster by this much:
+# the model's spread above; with it, no measured point of the sweep is more than 1.35x the
+# baseline (without, 2.4x), and the geometric mean is 1.6 % above the best variant's time.
+MARGIN = 0.10
+
+
+def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None = None) -> float | None:
+    """Predicted graph-replay time (us) of ``variant`` on ``x [m, k] @ W[n, k]^T``, fp16/bf16, on
+    ``chip`` (``_dispatch.Chip``); None where the variant does not take ``m`` tokens (decode
+    above 2, mma above 16, the WGMMA prefill above ``PREFILL_MAX_TOKENS`` or K not a multiple of
+    64)."""
+    from tilefuse import _dispatch
+
+    bw = chip.copy_bytes_per_us
+    c = COST[variant]
+    codes = n * k / 4 / bw
+    if variant == "decode":
+        return None if m > DECODE_SWITCH_TOKENS else c["fixed"] + c["codes"] * codes + c["mma"] * m * n * k / 1e6
+    if variant == "mma":
+        return None if m > MMA_SWITCH_TOKENS else c["fixed"] + c["mma"] * 16 * _cdiv(m, 16) * n * k / 1e6
+    if variant == "prefill":
+        if m > PREFILL_MAX_TOKENS or k % 64:
+            return None
+        cfg = wgmma_prefill_config(m, n, k, num_sms or chip.sms)
+        gm, gn, gs = cfg["grid"]
+        busiest = _cdiv(gm * gn * gs, num_sms or chip.sms) * cfg["block_m"] * cfg["block_n"] * k / gs
+        stream = (n * k / 4 + 2 * m * k + 2 * m * n) / bw
+        return c["fixed"] + c["busiest"] * busiest / 1e6 + c["stream"] * stream
+    dense = n * k * 2.25 / bw
+    return c["fixed"] + c["dense"] * dense + c["gemm"] * _dispatch.gemm_us(chip, m, n, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def decide(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sms: int | None = None):
+    """The VQ decision for one problem size, as a ``_dispatch.Choice``: every variant that takes
+    ``m`` tokens with its predicted time (:func:`predict_us`); the fastest kernel runs where it
+    beats the dequant + cuBLAS baseline by :data:`MARGIN`, else the baseline. ``wgmma_prefill``:
+    the WGMMA prefill kernel runs on this device and K. Cached per size."""
+    from tilefuse import _dispatch
+
+    chip = chip or _dispatch.CHIPS["H200"]
+    names = ("decode", "mma", "prefill", "dequant") if wgmma_prefill else ("decode", "mma", "dequant")
+    weighed = tuple(_dispatch.Candidate(v, None, predict_us(v, m, n, k, chip, num_sms),
+                                        "dequantize into a scratch weight, then cuBLAS" if v == "dequant" else "")
+                    for v in names)
+    baseline = weighed[-1]
+    pick = baseline
+    kernels = sorted((c for c in weighed[:-1] if c.predicted_us is not None), key=lambda c: c.predicted_us)
+    if kernels and kernels[0].predicted_us * (1 + MARGIN) < baseline.predicted_us:
+        pick = kernels[0]
+    return _dispatch.Choice("vq", {"M": m, "N": n, "K": k}, pick.variant, None, "cost model", weighed)

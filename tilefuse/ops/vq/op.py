@@ -21,9 +21,9 @@ Variants (``tilefuse.force(variant=...)``):
   a TMA ring, split-K where the tiles leave SMs idle); elsewhere the ``tl`` MMA kernel
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
-Default dispatch (``configs.default_variant``): ``decode`` at 1-2 tokens, ``mma`` at 3-16 tokens;
-above, on Hopper, ``prefill`` up to 512 tokens, ``dequant`` otherwise (the measured switch points,
-``configs.py``). fp16
+Default dispatch (``configs.decide``): a cost model fitted to every variant's measured times on
+corpus layers picks, per (M, N, K), the fastest kernel that takes M tokens (decode <= 2, mma <= 16,
+the WGMMA prefill <= 512) where it beats dequant + cuBLAS by a margin, else dequant + cuBLAS. fp16
 and bf16 inputs run the kernels on CUDA; fp32 / fp64 inputs run the reference (dequantize, then a
 cuBLAS GEMM on a GPU) on every device.
 
@@ -379,12 +379,25 @@ def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 1
     return out
 
 
-def choose_variant(m: int, k: int = 0, device: torch.device | None = None) -> str:
-    """The variant a call on ``m`` tokens of ``k`` inputs on ``device`` runs: the one pinned by
-    ``force()``, else the measured dispatch."""
-    return forced_variant("vq") or configs.default_variant(
-        m, configs.MMA_SWITCH_TOKENS < m <= configs.PREFILL_MAX_TOKENS and device is not None
-        and wgmma_prefill_applies(k, device))
+def choose_variant(m: int, k: int = 0, device: torch.device | None = None, n: int | None = None) -> str:
+    """The variant a call on ``m`` tokens of ``k`` inputs and ``n`` outputs on ``device`` runs: the
+    one pinned by ``force()``, else the cost model's pick (``configs.decide``; the H200's figures
+    for a CPU, as the interpreter runs), or without ``n`` the token thresholds of
+    ``configs.default_variant``."""
+    forced = forced_variant("vq")
+    if forced:
+        return forced
+    wgmma = device is not None and wgmma_prefill_applies(k, device)
+    if n is None:
+        return configs.default_variant(m, configs.MMA_SWITCH_TOKENS < m <= configs.PREFILL_MAX_TOKENS and wgmma)
+    return decision(m, n, k, device, wgmma).variant
+
+
+def decision(m: int, n: int, k: int, device: torch.device | None, wgmma: bool) -> _dispatch.Choice:
+    """``configs.decide`` for this device's chip and SM count."""
+    if device is not None and device.type == "cuda":
+        return configs.decide(m, n, k, wgmma, _dispatch.chip(device), num_sms(device))
+    return configs.decide(m, n, k, wgmma)
 
 
 def _reference(x, codes, codebooks, scales, bias):
@@ -454,7 +467,7 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference:
         check_interpretable("x", x.dtype)
-    variant = choose_variant(m, k, x.device) if not reference else None
+    variant = choose_variant(m, k, x.device, n) if not reference else None
     if variant == "decode" and resident_applies(m, k, x.device):   # decode sizes: no reshapes
         call = _resident_call(m, n, k, x.device, bias is not None)
     else:
@@ -584,8 +597,8 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
 def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
             bias: torch.Tensor | None = None, **_) -> _dispatch.Choice:
     """The path ``vq_matmul(x, codes, codebooks, scales, bias)`` runs and why (``tilefuse.explain``).
-    The VQ dispatch is the measured token thresholds of ``configs.default_variant``; no cost model
-    weighs the candidates yet, so none is listed with a predicted time."""
+    Every variant that takes the call's tokens is listed with its predicted time
+    (``configs.decide``: the fastest kernel where it beats dequant + cuBLAS by ``configs.MARGIN``)."""
     _validate(x, codes, codebooks, scales, bias)
     n, k = codes.shape[0], x.shape[-1]
     m = x.numel() // k if k else 0
@@ -593,14 +606,15 @@ def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scale
     if x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton":
         return _dispatch.Choice("vq", problem, "reference", None, "reference")
     forced = forced_variant("vq")
-    variant = choose_variant(m, k, x.device)
+    wgmma = wgmma_prefill_applies(k, x.device)
+    choice = decision(m, n, k, x.device, wgmma)
+    variant = forced or choice.variant
     detail = variant
     if variant == "decode":
         detail = "decode (resident table)" if resident_applies(m, k, x.device) else "decode (gather)"
-    elif variant == "prefill" and not wgmma_prefill_applies(k, x.device):
+    elif variant == "prefill" and not wgmma:
         detail = "prefill (tl: the WGMMA kernel needs a Hopper GPU and K a multiple of 64)"
-    source = "forced" if forced else (
-        f"measured token thresholds (decode <= {configs.DECODE_SWITCH_TOKENS}, mma <= {configs.MMA_SWITCH_TOKENS}, "
-        f"prefill <= {configs.PREFILL_MAX_TOKENS} where the WGMMA kernel runs, dequant + cuBLAS above)")
-    return _dispatch.Choice("vq", problem, variant, None, source,
-                            (_dispatch.Candidate(variant, None, None, detail),))
+    source = "forced" if forced else choice.source
+    candidates = tuple(_dispatch.Candidate(c.variant, c.config, c.predicted_us, detail if c.variant == variant else c.note)
+                       for c in choice.candidates)
+    return _dispatch.Choice("vq", problem, variant, None, source, candidates)

@@ -126,14 +126,20 @@ def test_config_overrides(tmp_path, monkeypatch):
         configs.decide.cache_clear()
 
 
-def test_table_entries_serve_the_m_between_agreeing_neighbours():
-    # 0.5B: M = 17..64 take the M = 64 small-M entry (its neighbour below, M = 16, is small-M too);
-    # M = 65..128 lie between the small-M entry at 64 and the large-M one at 128: the cost model
+def test_table_entries_serve_only_where_the_measurement_transfers():
+    # 0.5B: the M = 64 small-M entry (64-row tiles) serves M = 17..64 (one row tile, fewer rows);
+    # the M = 128 large-M entry (128-row tiles) serves M = 65..128, decided once for the range
     assert configs.choose(32, 896, 4864) == ("small_m", configs.TUNED[(896, 4864)][64])
-    assert configs.decide(65, 896, 4864).source == "cost model"
-    assert configs.choose(128, 896, 4864) == ("large_m", configs.TUNED[(896, 4864)][128])
-    # 14B has no M = 64 entry: M = 17..127 lie between small-M (16) and large-M (128) entries
-    assert 64 not in configs.TUNED[(5120, 13824)] and configs.decide(40, 5120, 13824).source == "cost model"
+    assert configs.decision(65, 896, 4864) is configs.decision(128, 896, 4864)
+    assert configs.choose(100, 896, 4864) == ("large_m", configs.TUNED[(896, 4864)][128])
+    # 14B has no M = 64 entry: 17..64 rows in the 128-row tiles of its M = 128 entry: one tile too
+    assert 64 not in configs.TUNED[(5120, 13824)] and configs.decide(40, 5120, 13824).source.startswith("shipped")
+    # between 128 and 1024 rows the tile counts and waves differ from both measurements: the cost
+    # model decides for 257..512 (DeepSeek-V3's expert: its entries are unfused at 128, large-M at 1024)
+    choice = configs.decision(333, 7168, 2048)
+    assert choice.source == "cost model" and choice.problem["M"] == "257..512"
+    # two waves of tiles at the range's low end: the measurement at its top transfers
+    assert configs.decision(3000, 896, 4864).source.startswith("shipped")
     # past the last measured M the last entry serves
     assert configs.choose(50000, 896, 4864) == ("large_m", configs.TUNED[(896, 4864)][16384])
 

@@ -57,16 +57,23 @@ def split_k_tile(M, I, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, rows_ok,
+                      MASK_ROWS: tl.constexpr):
     """HBM -> registers: K step ``ks`` of x [BM, BLOCK_K] and of the gate and up weight rows
-    [BN, BLOCK_K] (the pointers already at the step), columns past K as zero unless EVEN_K."""
-    if EVEN_K:
+    [BN, BLOCK_K] (the pointers already at the step), columns past K as zero unless EVEN_K; with
+    MASK_ROWS, x rows where ``rows_ok`` [BM] is false as zero (not loaded)."""
+    k_ok = (ks * BLOCK_K + tl.arange(0, BLOCK_K)) < K
+    if MASK_ROWS:
+        x_ok = rows_ok[:, None] if EVEN_K else rows_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+    elif EVEN_K:
         x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+    if EVEN_K:
         wg = tl.load(wg_ptrs)
         wu = tl.load(wu_ptrs)
     else:
-        k_ok = (ks * BLOCK_K + tl.arange(0, BLOCK_K)) < K
-        x = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
         wg = tl.load(wg_ptrs, mask=k_ok[None, :], other=0.0)
         wu = tl.load(wu_ptrs, mask=k_ok[None, :], other=0.0)
     return x, wg, wu

@@ -377,7 +377,8 @@ def predict_us(variant: str, cfg, m: int, h: int, i: int, chip) -> float:
     if variant == "small_m":
         programs = -(-m // cfg.block_m) * -(-i // cfg.block_n) * cfg.split_k
         memory = _dispatch.stream_us(chip, weights + acts + out, _small_m_in_flight(cfg, programs, chip.sms))
-        compute = chip.ramp_us / 2 + flops / (chip.bf16_flop_per_us * SMALL_M_MMA_EFF)
+        padded = -(-m // cfg.block_m) * cfg.block_m      # the last tile's empty rows are multiplied too
+        compute = chip.ramp_us / 2 + flops * padded / m / (chip.bf16_flop_per_us * SMALL_M_MMA_EFF)
         return max(memory, compute) + (SPLIT_FIXUP_US if cfg.split_k > 1 else 0.0)
     fill = wave_efficiency(m, h, i, cfg if isinstance(cfg, LargeMConfig) else LargeMConfig(
         cfg.block_m, cfg.block_n, cfg.block_k), chip.sms)
@@ -409,21 +410,34 @@ def candidates(m: int, h: int, i: int, num_sms: int) -> list[tuple[str, object]]
     return picks + [("unfused", None)]
 
 
-def _measured(table: dict, h: int, i: int, m: int):
-    """The entry of a ``{(H, I): {M: config or "unfused"}}`` table that rules for ``m``: the
-    entry at the measured M nearest above (the largest one past the end), provided the entry
-    nearest below names the same path; where the two measured neighbours disagree, the crossover
-    lies somewhere between them and None is returned (the cost model decides there)."""
+def _measured(table: dict, h: int, i: int, m: int, lo: int | None = None, num_sms: int = NUM_SMS_H200):
+    """The entry of a ``{(H, I): {M: config or "unfused"}}`` table that rules for every M in
+    ``[lo, m]`` (default ``lo = m``), or None (the cost model decides). The entry at the measured
+    M nearest above (the last one past the end) rules where it was measured; below that, a kernel
+    config where its row tiles are as many at ``lo`` as where it was measured (the last tile just
+    has fewer rows: the same work) or where its tiles fill two waves of ``num_sms`` at ``lo``
+    already (what changes with M is then a small share), an unfused entry where the entry below
+    is unfused too.
+    Elsewhere the tile counts, waves and crossovers differ from what was measured (e.g. 333 rows
+    between entries at 128 and 1024)."""
     entries = table.get((h, i))
     if not entries:
         return None
+    lo = m if lo is None else lo
     measured = sorted(entries)
     above = next((t for t in measured if t >= m), measured[-1])
-    below = next((t for t in reversed(measured) if t < m), None)
     entry = entries[above]
-    if below is not None and above > m and _path(entries[below]) != _path(entry):
-        return None
-    return entry
+    if lo == m == above:
+        return entry
+    if entry == U:
+        below = next((t for t in reversed(measured) if t < lo), None)
+        return entry if below is None or entries[below] == U else None
+    rows = entry.block_m
+    if -(-lo // rows) == -(-above // rows) and m <= above:
+        return entry
+    # many waves at both ends: the last wave's share (what changes with M) is small
+    tiles_lo = -(-lo // rows) * -(-i // entry.block_n)
+    return entry if tiles_lo >= 2 * num_sms and m <= above else None
 
 
 def _path(entry) -> str:
@@ -445,35 +459,42 @@ def _tuned_entries(table: dict) -> dict:
 
 
 @functools.lru_cache(maxsize=4096)
-def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None):
-    """The decision for one problem size, as a ``_dispatch.Choice``: a table measured on this GPU
-    by ``tilefuse tune`` (``tuned_name``: the GPU's name), else the shipped table, else the cost
-    model over :func:`candidates` (a kernel over the unfused path only with the margin of
-    :func:`measured_regime`). Cached per size."""
+def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None,
+           lo: int | None = None):
+    """The decision for every M in ``[lo, m]`` (default ``lo = m``), as a ``_dispatch.Choice``: a
+    table measured on this GPU by ``tilefuse tune`` (``tuned_name``: the GPU's name), else the
+    shipped table (:func:`_measured`: where an entry rules), else the cost model over
+    :func:`candidates`: a kernel over the unfused path only where predicted faster by the margin
+    of :func:`measured_regime` at both ends of the range. Cached per size."""
     from tilefuse import _dispatch
 
     chip = chip or _dispatch.CHIPS["H200"]
-    problem = {"M": m, "H": h, "I": i}
+    lo = m if lo is None else lo
+    problem = {"M": m, "H": h, "I": i} if lo == m else {"M": f"{lo}..{m}", "H": h, "I": i}
+    picks = candidates(m, h, i, num_sms)
     weighed = tuple(_dispatch.Candidate(v, c, predict_us(v, c, m, h, i, chip),
                                         "cuBLAS GEMM on [2I, H] + one SiLU*mul pass" if v == "unfused" else "")
-                    for v, c in candidates(m, h, i, num_sms))
+                    for v, c in picks)
     if tuned_name is not None:
-        entry = _measured(_tuned_entries(_dispatch.tuned_table(tuned_name)), h, i, m)
+        entry = _measured(_tuned_entries(_dispatch.tuned_table(tuned_name)), h, i, m, lo, num_sms)
         if entry is not None:
-            variant = "unfused" if entry == "unfused" else variant_of(entry)
-            return _dispatch.Choice("swiglu", problem, variant, None if entry == "unfused" else entry,
+            variant = U if entry == U else variant_of(entry)
+            return _dispatch.Choice("swiglu", problem, variant, None if entry == U else entry,
                                     f"tuned table ({_dispatch.tuned_path(tuned_name).name})", weighed)
-    entry = _measured(TUNED, h, i, m)
+    entry = _measured(TUNED, h, i, m, lo, num_sms)
     if entry is not None:
         if entry == U:
             return _dispatch.Choice("swiglu", problem, U, None, "shipped table (H200 sweep)", weighed)
         return _dispatch.Choice("swiglu", problem, variant_of(entry), entry, "shipped table (H200 sweep)", weighed)
-    baseline = next(c for c in weighed if c.variant == "unfused")
-    pick = baseline
-    for cand in sorted((c for c in weighed if c.variant != "unfused"), key=lambda c: c.predicted_us):
-        margin = (_dispatch.MARGIN_MEASURED_REGIME if measured_regime(cand.variant, cand.config, m, h, i, num_sms)
-                  else _dispatch.MARGIN_UNMEASURED)
-        if cand.predicted_us <= (1 - margin) * baseline.predicted_us:
+    pick = next(c for c in weighed if c.variant == U)
+    for cand in sorted((c for c in weighed if c.variant != U), key=lambda c: c.predicted_us):
+        wins = True
+        for rows in {lo, m}:
+            margin = (_dispatch.MARGIN_MEASURED_REGIME if measured_regime(cand.variant, cand.config, rows, h, i, num_sms)
+                      else _dispatch.MARGIN_UNMEASURED)
+            wins &= (predict_us(cand.variant, cand.config, rows, h, i, chip)
+                     <= (1 - margin) * predict_us(U, None, rows, h, i, chip))
+        if wins:
             pick = cand
             break
     return _dispatch.Choice("swiglu", problem, pick.variant, pick.config, "cost model", weighed)
@@ -481,8 +502,12 @@ def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned
 
 def decision(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None):
     """:func:`decide` for ``m`` tokens: each M up to 64 decided on its own, one decision per power
-    of two above (the cache stays small, the hot path one look-up)."""
-    return decide(m if m <= 64 else 1 << (m - 1).bit_length(), h, i, num_sms, chip, tuned_name)
+    of two above, made for the whole range ``(2^(j-1), 2^j]`` (the cache stays small, the hot
+    path one look-up)."""
+    if m <= 64:
+        return decide(m, h, i, num_sms, chip, tuned_name)
+    top = 1 << (m - 1).bit_length()
+    return decide(top, h, i, num_sms, chip, tuned_name, max(65, top // 2 + 1))
 
 
 def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200, chip=None,

@@ -393,7 +393,8 @@ def _small_m_call(m, hidden, inter, stride_xm, stride_om, stride_wn, cfg: config
     call.scalars = (m, inter, hidden, stride_xm, stride_wn, stride_om, 0.0)
     call.meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                      BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, EVEN_K=hidden % cfg.block_k == 0,
-                     PROMOTE=cfg.promote, num_stages=cfg.num_stages, num_warps=cfg.num_warps)
+                     PROMOTE=cfg.promote, MASK_ROWS=m % cfg.block_m != 0,
+                     num_stages=cfg.num_stages, num_warps=cfg.num_warps)
     return call
 
 

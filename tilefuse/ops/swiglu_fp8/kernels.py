@@ -169,7 +169,7 @@ def swiglu_fp8_decode_kernel(
     # the gate and up weight rows [BN, 128] of a K block, e4m3; each product fresh in the tensor
     # core (fp32), scaled where the scales vary along K, added to the fp32 sums.
     for ks in range(k_begin, k_end):
-        x, wg, wu = load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, WBLOCK, EVEN_K)
+        x, wg, wu = load_gate_up_step(x_ptrs, wg_ptrs, wu_ptrs, ks, K, WBLOCK, EVEN_K, rows, False)
         zero = tl.full((BLOCK_M, BLOCK_N), acc_zero, tl.float32)
         part_g = tl.dot(x, tl.trans(wg), zero)
         part_u = tl.dot(x, tl.trans(wu), zero)

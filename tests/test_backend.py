@@ -139,7 +139,7 @@ def test_launcher_requires_named_constexprs():
     kernel = Kernel(swiglu_small_m_kernel)
     names = swiglu_small_m_kernel.arg_names
     assert names[:6] == ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "lock_ptr"]
-    assert names[-1] == "PROMOTE" and kernel.name == "swiglu_small_m_kernel"
+    assert names[-2:] == ["PROMOTE", "MASK_ROWS"] and kernel.name == "swiglu_small_m_kernel"
 
 
 class _FakeCudaTensor:

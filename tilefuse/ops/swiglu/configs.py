@@ -390,7 +390,7 @@ def measured_regime(variant: str, cfg, m: int, h: int, i: int, num_sms: int) -> 
     """Whether bench/results/swiglu-h200.json covers the regime of this kernel and config (the
     cost model then needs a small margin over the unfused path): the small-M kernel at M <= 16
     without split-K and with enough bytes in flight (0.92-1.02x cuBLAS's GEMM on all 8 measured
-    shapes), the large-M kernel from M = 1024 (0.95-1.04x). Split-K, M = 17..1023 off the table,
+    shapes), the large-M kernel from M = 1024 in whole row tiles (0.95-1.04x). Split-K, M = 17..1023 off the table,
     and the ping-pong kernel (only where the table names it) are not."""
     from tilefuse import _dispatch
 
@@ -398,7 +398,9 @@ def measured_regime(variant: str, cfg, m: int, h: int, i: int, num_sms: int) -> 
         target = _dispatch.CHIPS["H200"].in_flight_bytes * num_sms / NUM_SMS_H200
         programs = -(-m // cfg.block_m) * -(-i // cfg.block_n)
         return m <= 16 and cfg.split_k == 1 and _small_m_in_flight(cfg, programs, num_sms) >= target
-    return variant == "large_m" and m >= 1024
+    # the large-M kernel's measurements are of whole row tiles (M a multiple of 128): a partly
+    # empty last row of tiles (M = 1025: 12 % padding) measured 1.2-1.35x its M = 1024 time
+    return variant == "large_m" and m >= 1024 and -(-m // cfg.block_m) * cfg.block_m <= 1.04 * m
 
 
 def candidates(m: int, h: int, i: int, num_sms: int) -> list[tuple[str, object]]:
@@ -415,9 +417,9 @@ def _measured(table: dict, h: int, i: int, m: int, lo: int | None = None, num_sm
     ``[lo, m]`` (default ``lo = m``), or None (the cost model decides). The entry at the measured
     M nearest above (the last one past the end) rules where it was measured; below that, a kernel
     config where its row tiles are as many at ``lo`` as where it was measured (the last tile just
-    has fewer rows: the same work) or where its tiles fill two waves of ``num_sms`` at ``lo``
-    already (what changes with M is then a small share), an unfused entry where the entry below
-    is unfused too.
+    has fewer rows: the same work) or where its tiles fill two waves of ``num_sms`` at ``lo`` with
+    at most 4 % of padded rows (what changes with M is then a small share), an unfused entry
+    where the entry below is unfused too.
     Elsewhere the tile counts, waves and crossovers differ from what was measured (e.g. 333 rows
     between entries at 128 and 1024)."""
     entries = table.get((h, i))
@@ -435,9 +437,10 @@ def _measured(table: dict, h: int, i: int, m: int, lo: int | None = None, num_sm
     rows = entry.block_m
     if -(-lo // rows) == -(-above // rows) and m <= above:
         return entry
-    # many waves at both ends: the last wave's share (what changes with M) is small
+    # many waves and little padding at both ends: what changes with M is a small share
     tiles_lo = -(-lo // rows) * -(-i // entry.block_n)
-    return entry if tiles_lo >= 2 * num_sms and m <= above else None
+    padding_lo = -(-lo // rows) * rows / lo
+    return entry if tiles_lo >= 2 * num_sms and padding_lo <= 1.04 and m <= above else None
 
 
 def _path(entry) -> str:
@@ -500,14 +503,22 @@ def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned
     return _dispatch.Choice("swiglu", problem, pick.variant, pick.config, "cost model", weighed)
 
 
+DECISION_ROWS = 128      # above 64 rows, one decision per this many rows up to DECISION_POW2_FROM
+DECISION_POW2_FROM = 4096  # then one per power of two (33+ row tiles: little changes within one)
+
+
 def decision(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned_name: str | None = None):
-    """:func:`decide` for ``m`` tokens: each M up to 64 decided on its own, one decision per power
-    of two above, made for the whole range ``(2^(j-1), 2^j]`` (the cache stays small, the hot
-    path one look-up)."""
+    """:func:`decide` for ``m`` tokens: each M up to 64 decided on its own, then one decision per
+    128 rows (the large-M kernels' row tile: the tile counts and padding, hence the crossovers,
+    move in those steps) up to 4096, one per power of two above; each made for its whole range
+    (the cache stays small, the hot path one look-up)."""
     if m <= 64:
         return decide(m, h, i, num_sms, chip, tuned_name)
+    if m <= DECISION_POW2_FROM:
+        top = -(-m // DECISION_ROWS) * DECISION_ROWS
+        return decide(top, h, i, num_sms, chip, tuned_name, max(65, top - DECISION_ROWS + 1))
     top = 1 << (m - 1).bit_length()
-    return decide(top, h, i, num_sms, chip, tuned_name, max(65, top // 2 + 1))
+    return decide(top, h, i, num_sms, chip, tuned_name, top // 2 + 1)
 
 
 def choose(m: int, h: int, i: int, variant: str | None = None, num_sms: int = NUM_SMS_H200, chip=None,

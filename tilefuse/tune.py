@@ -57,7 +57,8 @@ def shapes_from_config(config: dict, tp_degrees=(1,)) -> list[tuple[int, int]]:
 
 def _candidates(m: int, h: int, i: int, num_sms: int, pingpong: bool) -> list[tuple[str, object]]:
     """The cost model's candidates plus tile variants around its picks (split-K doubled and halved,
-    the other N tile, the stream-K tail, the ping-pong kernel where it runs)."""
+    the other N tile, the stream-K tail, the ping-pong kernel where it runs) and the shipped
+    table's entry at this M."""
     from tilefuse.ops.swiglu import configs
 
     picks = configs.candidates(m, h, i, num_sms)
@@ -73,6 +74,9 @@ def _candidates(m: int, h: int, i: int, num_sms: int, pingpong: bool) -> list[tu
     if pingpong and m >= 128:
         extra.append(("pingpong", configs.PingPongConfig()))
         extra.append(("pingpong", configs.PingPongConfig(64, 128, 64, 8, 4)))
+    shipped = configs.TUNED.get((h, i), {}).get(m)      # the shipped table's pick at this M, if any
+    if shipped is not None and shipped != configs.U and (pingpong or not isinstance(shipped, configs.PingPongConfig)):
+        extra.append((configs.variant_of(shipped), shipped))
     seen, out = set(), []
     for cand in picks + extra:
         if cand not in seen:

@@ -132,12 +132,13 @@ def test_table_entries_serve_only_where_the_measurement_transfers():
     assert configs.choose(32, 896, 4864) == ("small_m", configs.TUNED[(896, 4864)][64])
     assert configs.decision(65, 896, 4864) is configs.decision(128, 896, 4864)
     assert configs.choose(100, 896, 4864) == ("large_m", configs.TUNED[(896, 4864)][128])
-    # 14B has no M = 64 entry: 17..64 rows in the 128-row tiles of its M = 128 entry: one tile too
-    assert 64 not in configs.TUNED[(5120, 13824)] and configs.decide(40, 5120, 13824).source.startswith("shipped")
+    # without an M = 64 entry, 17..64 rows run in the 128-row tiles of the M = 128 entry: one tile too
+    table = {(5120, 13824): {16: configs.TUNED[(5120, 13824)][16], 128: configs.TUNED[(5120, 13824)][128]}}
+    assert configs._measured(table, 5120, 13824, 40) == configs.TUNED[(5120, 13824)][128]
     # between 128 and 1024 rows the tile counts and waves differ from both measurements: the cost
-    # model decides for 257..512 (DeepSeek-V3's expert: its entries are unfused at 128, large-M at 1024)
+    # model decides, per 128 rows (DeepSeek-V3's expert: unfused at 128, large-M at 1024 measured)
     choice = configs.decision(333, 7168, 2048)
-    assert choice.source == "cost model" and choice.problem["M"] == "257..512"
+    assert choice.source == "cost model" and choice.problem["M"] == "257..384"
     # two waves of tiles at the range's low end: the measurement at its top transfers
     assert configs.decision(3000, 896, 4864).source.startswith("shipped")
     # past the last measured M the last entry serves

@@ -2,16 +2,17 @@
 
 ``choose(M, H, I)`` returns the (variant, config) the op runs; ``decide`` the whole decision
 (``tilefuse.explain`` prints it). Authority, first that applies: a table measured on this GPU model
-by ``tilefuse tune``; the table measured on the H200 by ``tools/tune_swiglu.py`` (``TUNED``, keyed
-by the model shape ``(H, I)`` and the tuned M nearest above); else the cost model
-(:func:`predict_us`: the roofline of each candidate -- bytes over the bandwidth the kernel can
-reach with what it keeps in flight, FLOPs over whole waves of its tiles -- with efficiencies
+by ``tilefuse tune``; the table measured on the H200 by ``tilefuse tune`` (``TUNED``, keyed by
+the model shape ``(H, I)`` and the measured M; an entry serves the M around it only where the
+measurement transfers, :func:`_measured`); else the cost model (:func:`predict_us`: the roofline
+of each candidate -- bytes over the bandwidth the kernel can reach with what it keeps in flight,
+FLOPs over whole waves of its tiles, padded rows and columns included -- with efficiencies
 measured on the H200), which takes a fused kernel over the unfused path (cuBLAS's GEMM on the
 merged weight + one SiLU·mul pass, variant ``"unfused"``) only when it predicts it faster by a
 margin (:func:`measured_regime`: 3 % where the measurements cover the kernel's regime, 15 %
-elsewhere). Decisions are cached per size (one per M up to 64, one per power of
-two above), so after the first call of a shape the hot path is one dict lookup (no autotuning,
-ever).
+elsewhere) at both ends of the decision's range of M. Decisions are cached per range (each M up
+to 64, then 128 rows up to 4096, then powers of two), so after the first call of a shape the hot
+path is one dict lookup (no autotuning, ever).
 """
 
 from __future__ import annotations
@@ -102,86 +103,82 @@ def wave_efficiency(m: int, h: int, i: int, cfg: LargeMConfig, num_sms: int = 13
 S, L, P = SmallMConfig, LargeMConfig, PingPongConfig
 U = "unfused"     # a table entry naming the baseline path (cuBLAS GEMM + SiLU*mul)
 
-# The ping-pong kernel (P entries): swept against the picks below at M = 128 .. 16384 with
-# tools/tune_swiglu.py --mode pingpong on the H200 ("sweep 1", its timings not in the committed
-# results; "sweep 2" after the ring hand-off moved ahead of the last WGMMA wait,
-# bench/results/sweeps/swiglu-pingpong-sweep-h200.json). In sweep 2 its best tiles take 0.99-1.32x
-# cuBLAS's time where the picks take 0.91-1.30x; it wins the three entries marked "sweep 2" below
-# by 4-7 %, the one marked "sweep 1" by 4 % in that sweep. Elsewhere it runs when forced
-# (``tilefuse.force(variant="pingpong")``).
-
-# Measured winners per (H, I) and tuned M: tools/tune_swiglu.py on the H200, bf16, merged layout
-# (entries marked "tail sweep" / "tiles sweep" come from the CUDA-graph-timed `tune_swiglu.py
-# tail|tiles` runs; the timings of these sweeps are not in the committed results, and
-# bench/results/swiglu-h200.json has every entry's time in the full bench).
-# _M64_NOTE: where the new M = 128 entry has 128-row tiles, an M = 64 entry keeps the former
-# M = 128 config for M = 17..64 (the 128-row tile would do 2-8x padded MMA work there; neither was
-# timed at those M). Fields in order:
+# Measured winners per (H, I) and M on the H200, bf16, merged layout: `tilefuse tune` (CUDA-graph
+# replay, cold L2), whose candidates are the cost model's picks, tile variants around them, the
+# ping-pong kernel, the unfused path (U: cuBLAS GEMM + SiLU*mul) and the entry this table held
+# before (the earlier tools/tune_swiglu.py sweeps' picks). Every candidate's time:
+# bench/results/sweeps/swiglu-tune-qwen-h200.json (the Qwen2.5 shapes, first block) and
+# bench/results/sweeps/swiglu-tune-h200.json (the corpus calibration shapes, second block). An entry
+# serves the M around it only where the measurement transfers (:func:`_measured`). Fields in order:
 # S(block_m, block_n, block_k, split_k, num_stages, num_warps),
-# L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k).
+# L(block_m, block_n, block_k, group_m, num_stages, num_warps, warp_specialize, stream_k),
+# P(block_m, block_n, block_k, group_m, stages).
 TUNED: dict[tuple[int, int], dict[int, SmallMConfig | LargeMConfig | PingPongConfig | str]] = {
     (896, 4864): {
-        1: S(16, 64, 128, 1, 4, 4),
+        1: S(16, 32, 128, 1, 4, 4),
         16: S(16, 64, 128, 1, 4, 4),
-        64: S(64, 64, 64, 1, 4, 4),  # M = 17..64 keep the pre-2026-11-29-tail entry (see _M64_NOTE)
-        128: L(128, 64, 64, 8, 4, 4, False),  # tiles sweep: 14.8 vs 15.6 us (S(64, 64, 64))
-        1024: P(64, 128, 64, 8, 4),            # ping-pong sweep 2: 36.1 vs 37.5 us
-        4096: P(64, 128, 64, 8, 4),            # ping-pong sweep 2: 110.1 vs 114.9 us
-        16384: L(128, 128, 64, 8, 3, 8, True),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 64, 64, 8, 4, 4, False, 0),
+        1024: P(64, 128, 64, 8, 4),
+        4096: P(64, 128, 64, 8, 4),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
     },
     (1536, 8960): {
-        1: S(16, 128, 128, 1, 4, 8),  # tail sweep: 24.9 vs 27.1 us (S(16, 64, 256): 140 tiles)
+        1: S(16, 32, 128, 1, 4, 4),
         16: S(16, 32, 128, 1, 4, 4),
-        64: S(64, 64, 64, 1, 4, 4),
-        128: L(128, 64, 64, 8, 4, 4, False),  # tiles sweep: 33.9 vs 35.5 us (S(64, 64, 64))
-        1024: L(128, 128, 64, 8, 4, 8, True),
-        4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: L(128, 128, 64, 8, 3, 8, True),
+        64: S(64, 32, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 4, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
     },
     (2048, 11008): {
-        1: S(16, 64, 256, 1, 3, 4),
+        1: S(16, 32, 256, 1, 3, 4),
         16: S(16, 32, 128, 1, 4, 4),
-        128: L(128, 128, 64, 8, 4, 8, True),
-        1024: L(128, 128, 64, 8, 4, 8, True),
-        4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: L(128, 128, 64, 8, 3, 8, True),
+        64: S(64, 32, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 4, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
     },
     (3584, 18944): {
-        1: S(16, 64, 256, 1, 3, 4),
+        1: S(16, 32, 256, 1, 3, 4),
         16: S(16, 32, 128, 1, 4, 4),
-        64: L(64, 128, 64, 8, 4, 4, False),
-        128: L(128, 64, 64, 8, 4, 4, False, 1),  # stream-K tail: 90.8 vs 97.4 us (tail sweep)
-        1024: L(128, 128, 64, 8, 3, 8, False),
-        4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: L(128, 128, 64, 8, 3, 8, True),
+        64: S(64, 32, 64, 1, 4, 4),
+        128: U,
+        1024: L(128, 128, 64, 8, 3, 8, False, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
     },
     (5120, 13824): {
-        1: S(16, 64, 256, 1, 3, 4),
+        1: S(16, 32, 256, 1, 3, 4),
         16: S(16, 32, 256, 1, 3, 4),
-        128: L(128, 128, 64, 8, 4, 8, True),
-        1024: L(128, 128, 64, 8, 3, 8, False),
-        4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: P(64, 128, 64, 8, 4),           # ping-pong sweep 2: 6405.9 vs 6856.0 us
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 8, 3, 8, True, 1),
+        16384: L(128, 128, 64, 8, 3, 8, True, 1),
     },
     (5120, 27648): {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 64, 128, 1, 4, 4),
-        128: L(128, 128, 64, 8, 4, 8, True),
-        1024: P(64, 128, 64, 8, 4),            # ping-pong sweep 1: 856.2 vs 889.7 us
-        4096: L(128, 128, 64, 8, 3, 8, True),
-        16384: L(128, 128, 64, 8, 3, 8, True),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 1),
+        4096: L(128, 128, 64, 8, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
     },
     (8192, 29568): {
         1: S(16, 64, 256, 1, 3, 4),
         16: S(16, 64, 256, 1, 3, 4),
-        128: L(128, 128, 64, 8, 4, 8, True),
-        1024: L(128, 128, 64, 8, 3, 8, False),
-        4096: L(128, 128, 64, 4, 3, 8, True),
-        16384: L(128, 128, 64, 8, 3, 8, False),
+        64: S(64, 64, 64, 1, 4, 4),
+        128: L(128, 128, 64, 8, 4, 8, True, 0),
+        1024: L(128, 128, 64, 8, 3, 8, True, 0),
+        4096: L(128, 128, 64, 4, 3, 8, True, 0),
+        16384: L(128, 128, 64, 8, 3, 8, True, 0),
     },
-    # `tilefuse tune` on the H200 (tools/corpus_gpu.sh tune; every candidate's time in
-    # bench/results/sweeps/swiglu-tune-h200.json): calibration shapes of the shape corpus (dense MLPs,
-    # DeepSeek-V3 / V2-Lite / Qwen3 / Llama-4 experts, TP shards), the unfused path (U) a candidate.
+    # the corpus calibration shapes (tools/corpus_gpu.sh tune): dense MLPs, DeepSeek-V3 / V2-Lite /
+    # Qwen3 / Llama-4 experts, TP shards
     (2048, 96): {
         1: S(16, 64, 256, 4, 3, 4),
         16: S(16, 32, 256, 2, 3, 4),

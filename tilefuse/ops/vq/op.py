@@ -572,11 +572,12 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
 
     Returns
     -------
-    [..., N] in x's dtype. Accumulation is fp32. 1-2 tokens run the one-launch table-lookup
-    decode kernel, 3-16 the one-launch MMA decode kernel (weight tiles dequantized in registers);
-    on Hopper 17-512 tokens the one-launch WGMMA prefill kernel; other calls dequantize the weight
-    into a scratch [N, K] (one kernel) and run cuBLAS (the measured switch points,
-    ``configs.DECODE_SWITCH_TOKENS`` / ``MMA_SWITCH_TOKENS`` / ``PREFILL_MAX_TOKENS``).
+    [..., N] in x's dtype. Accumulation is fp32. The path is the cost model's per (M, N, K)
+    (``configs.decide``; ``tilefuse.explain`` shows it): the one-launch table-lookup decode kernel
+    (1-2 tokens), the one-launch MMA decode kernel (weight tiles dequantized in registers, up to
+    16), on Hopper the one-launch WGMMA prefill kernel (up to 512), where one is predicted faster
+    than the baseline by 10 %; else the weight is dequantized into a scratch [N, K] (one kernel)
+    and cuBLAS runs.
     Differentiable in ``x``, ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:

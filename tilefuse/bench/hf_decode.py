@@ -1,7 +1,8 @@
 """Greedy decoding of Hugging Face causal LMs and its timing, for ``tilefuse bench model``.
 
 * :func:`generate_eager` -- ``model.generate`` greedy with its default dynamic cache (what most users run).
-* :class:`GraphDecoder` -- a static cache, one decode step captured in a CUDA graph, replayed per token.
+* :class:`GraphDecoder` -- ``tilefuse.hf.generate``'s loop (a static cache, one decode step captured in a
+  CUDA graph, replayed per token), greedy, without EOS.
 * :class:`Clock`, :func:`prefill_ms` -- timestamps on the device timeline (CUDA events; the wall clock on a CPU).
 * :func:`perplexity`, :func:`forced_argmax`, :func:`agreement` -- quality and token agreement.
 """
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from tilefuse.hf.decode import Generator
 
 class Clock:
     """Timestamps on the device's timeline: CUDA events on a GPU (read back once, at the end),
@@ -68,63 +71,19 @@ def generate_eager(model, prompt: torch.Tensor, new_tokens: int, clock: Clock | 
     return out[:, prompt.shape[1]:]
 
 
-class GraphDecoder:
-    """Greedy decoding with a ``transformers.StaticCache``: eager prefill, then one decode step
-    captured in a CUDA graph and replayed per token.
-
-    The step reads the static buffers ``token`` ``[batch, 1]`` (int64, the last token) and
-    ``position`` ``[batch, 1]`` (its position), runs ``model(input_ids=token, position_ids=position,
-    past_key_values=cache)``, writes the argmax back into ``token`` and advances ``position``, all
-    on the device: no host sync per token. The cache keeps its write index in a device tensor of
-    its own (transformers 5.x: ``StaticLayer.cumulative_length``, advanced in place by each update),
-    so a replay appends at the right slot, and the attention mask covers the whole static length
-    with the unwritten slots masked.
-
-    Capture-safe by construction: every tensor the step touches exists before capture (the cache
-    is allocated by the prefill, the kernels' workspaces by the warm-up steps), and the step has no
-    ``.item()``, no host copies and no Python branch on tensor values. Without CUDA (or with
-    ``capture=False``) the same step runs eagerly, which is how the CPU tests check the route
-    against ``generate()``.
-    """
+class GraphDecoder(Generator):
+    """Greedy decoding as the benchmark times it: :class:`tilefuse.hf.decode.Generator` (the loop
+    of ``tilefuse.hf.generate``: a ``transformers.StaticCache``, or a ``PagedMLACache`` for a model
+    patched by ``patch_mla``; eager prefill, then one decode step captured in a CUDA graph and
+    replayed per token, no host sync per token) without EOS, returning the new tokens alone.
+    Without CUDA (or with ``capture=False``) the same step runs eagerly, which is how the CPU
+    tests check the route against ``generate()``."""
 
     def __init__(self, model, batch: int, max_len: int, capture: bool, warmup_steps: int = 3):
-        from transformers import StaticCache
+        super().__init__(model, batch, max_len, capture=capture, warmup_steps=warmup_steps)
 
-        self.model, self.max_len = model, max_len
-        device = next(model.parameters()).device
-        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.capture, self.warmup_steps = capture, warmup_steps
-        self.graph = None
-
-    def step(self) -> None:
-        """One greedy decode step on the static buffers (the body of the graph)."""
-        logits = self.model(input_ids=self.token, position_ids=self.position, past_key_values=self.cache,
-                            use_cache=True, logits_to_keep=1).logits
-        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.position.add_(1)
-
-    def prefill(self, prompt: torch.Tensor) -> None:
-        """Empty the cache (in place: the graph holds its addresses), run the prompt, set ``token``."""
-        self.cache.reset()
-        logits = self.model(input_ids=prompt, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.position.fill_(prompt.shape[1])
-
-    def _capture(self, prompt: torch.Tensor) -> None:
-        """Warm up on a side stream (lazy allocations, Triton compiles), then capture one step."""
-        self.prefill(prompt)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup_steps):
-                self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
-        # the warm-up and the capture moved the cache on; decode() starts again from a prefill
+    def prefill(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        super().prefill(prompt, attention_mask)
 
     @torch.no_grad()
     def decode(self, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None) -> torch.Tensor:
@@ -134,22 +93,8 @@ class GraphDecoder:
         if needed > self.max_len:
             raise ValueError(f"prompt: {prompt.shape[1]} tokens + {new_tokens} new need a cache of {needed}, "
                              f"got max_len={self.max_len}")
-        if self.capture and self.graph is None:
-            self._capture(prompt)
-        out = torch.empty(prompt.shape[0], new_tokens, dtype=torch.long, device=self.token.device)
-        self.prefill(prompt)
-        out[:, 0] = self.token[:, 0]
-        if clock is not None:
-            clock.mark()
-        for i in range(1, new_tokens):
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self.step()
-            out[:, i] = self.token[:, 0]
-            if clock is not None:
-                clock.mark()
-        return out
+        out = self.run(prompt, None, new_tokens, on_token=clock.mark if clock is not None else None)
+        return out[:, prompt.shape[1]:]
 
 
 @torch.no_grad()

@@ -8,6 +8,8 @@
 * :func:`patch_mla`, :class:`PagedMLACache` -- DeepSeek-V2/V3 attention decodes in the absorbed
   form through :func:`tilefuse.flash_mla_with_kvcache` over a paged latent cache
   (:mod:`tilefuse.hf.mla`, imported on first use: it needs transformers).
+* :func:`generate` -- ``model.generate``'s greedy / sampled continuation with the decode step
+  replayed from a CUDA graph (:mod:`tilefuse.hf.decode`), for stock and patched models.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch import nn
 
 from tilefuse._lazy import lazy_attribute
 
-_PUBLIC = {"patch_mla": "tilefuse.hf.mla", "PagedMLACache": "tilefuse.hf.mla"}
+_PUBLIC = {"patch_mla": "tilefuse.hf.mla", "PagedMLACache": "tilefuse.hf.mla", "generate": "tilefuse.hf.decode",
+           "Generator": "tilefuse.hf.decode"}
 
 
 def __getattr__(name):

@@ -1,0 +1,298 @@
+"""``tilefuse.hf.generate``: decoding with one step captured in a CUDA graph and replayed per token.
+
+A decode step of a Hugging Face model in eager mode is mostly host time (hundreds of module calls,
+transformers' mask and cache code); replayed as a CUDA graph it is the kernels' time. This module
+runs the whole loop that way, for stock and patched models:
+
+1. **Prefill** (eager): the prompt through ``model(...)`` into a fixed-size cache -- a
+   ``transformers.StaticCache``, or for a model patched by :func:`tilefuse.hf.patch_mla` a
+   :class:`tilefuse.hf.PagedMLACache` -- and the first new token picked.
+2. **Decode**: one step -- ``model(token, position, cache, mask)``, the next token picked (greedy,
+   or sampled), EOS bookkeeping -- on static device buffers, captured once per shape and replayed.
+   Nothing in the step reads a device value on the host, so the loop issues one replay per token
+   and syncs only every ``check_every`` tokens to stop early when every sequence has finished.
+
+Batches of different prompt lengths come left-padded with their ``attention_mask``, as a tokenizer
+pads them for ``model.generate``: positions are per request (``cumsum(mask) - 1``), padded slots
+stay masked. The static-cache step passes transformers a prepared 4D key mask (bool for ``sdpa``,
+additive for ``eager`` attention), so no mask is built, or synced on, per step.
+
+Sampling (``do_sample=True``): temperature, then top-k and top-p filtering, then the Gumbel-max
+draw ``argmax(logits + g)``, ``g = -log(-log(u))`` -- the same distribution as a multinomial draw
+from the filtered softmax. ``u`` comes from a ``torch.Generator`` seeded with ``seed``, filled
+before each replay, so a seed gives the same tokens call after call (not the random stream of
+``model.generate``, which draws differently).
+
+Without CUDA the same loop runs step by step, uncaptured (what the CPU tests check against
+``model.generate``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> {key: Generator}
+MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             cuda_graph: bool | None = None, check_every: int = 16) -> torch.Tensor:
+    """Continue ``input_ids`` by up to ``max_new_tokens`` tokens, as ``model.generate`` does,
+    with the decode step replayed from a CUDA graph.
+
+    Parameters
+    ----------
+    model : a Hugging Face causal LM (stock, or patched by ``tilefuse.hf.patch_swiglu`` /
+        ``patch_vq`` / ``patch_mla``), on the device the ids are on.
+    input_ids : [batch, prompt] int64.
+    max_new_tokens : >= 1.
+    attention_mask : [batch, prompt], 1 for tokens, 0 for left padding (right padding is refused).
+    do_sample, temperature, top_k, top_p, seed : greedy by default; sampling as described in the
+        module docstring (``seed``: the generator's seed, random when None).
+    eos_token_id : an id or a list of ids ending a sequence (default: the model's generation
+        config); its later tokens are ``pad_token_id`` (default: the generation config's, else the
+        first EOS id, else 0).
+    cuda_graph : capture the step (default: on CUDA). The first call of a (batch, length,
+        sampling) shape captures (a warm-up prefill and a few steps first); later calls replay.
+    check_every : tokens between the host checks for "every sequence has finished" (each a sync).
+
+    Returns
+    -------
+    [batch, prompt + n] int64: the prompt, then the new tokens; ``n <= max_new_tokens`` is cut
+    after the step where every sequence has emitted EOS, as ``model.generate`` cuts it.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError(f"input_ids: expected a [batch, prompt] int64 tensor, got "
+                         f"{_describe(input_ids)}")
+    if input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids: expected at least one request and one token, got shape {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"attention_mask: expected shape {tuple(input_ids.shape)} like input_ids, got "
+                             f"{_describe(attention_mask)}")
+        mask = attention_mask.to(device=input_ids.device, dtype=torch.bool)
+        if bool((mask[:, 1:] < mask[:, :-1]).any()) or not bool(mask[:, -1].all()):
+            raise ValueError("attention_mask: expected left padding (zeros, then ones up to the last column), "
+                             "as a tokenizer with padding_side='left' makes")
+    if do_sample:
+        if not temperature > 0:
+            raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k: expected a positive int or None, got {top_k!r}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p: expected a value in (0, 1] or None, got {top_p!r}")
+    if not isinstance(check_every, int) or check_every < 1:
+        raise ValueError(f"check_every: expected a positive int, got {check_every!r}")
+    param = next(model.parameters(), None)
+    if param is not None and param.device != input_ids.device:
+        raise ValueError(f"input_ids: expected the model's device {param.device}, got {input_ids.device}")
+    config = getattr(model, "generation_config", None)
+    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
+    pad = pad if pad is not None else (eos[0] if eos else 0)
+    capture = input_ids.is_cuda if cuda_graph is None else bool(cuda_graph)
+    if capture and not input_ids.is_cuda:
+        raise ValueError("cuda_graph: CUDA graphs need the model and input_ids on a CUDA device")
+
+    batch, prompt_len = input_ids.shape
+    sampling = (float(temperature), top_k, top_p) if do_sample else None
+    key = (batch, prompt_len + max_new_tokens, sampling, tuple(eos), pad, capture)
+    per_model = _GENERATORS.setdefault(model, {})
+    gen = per_model.get(key)
+    if gen is None:
+        gen = per_model[key] = Generator(model, batch, prompt_len + max_new_tokens, sampling=sampling, eos=eos,
+                                         pad=pad, capture=capture)
+    return gen.run(input_ids, attention_mask, max_new_tokens, seed=seed, check_every=check_every)
+
+
+class Generator:
+    """The decode loop on static buffers for one (batch, cache length, sampling, EOS) setting:
+    :meth:`prefill`, :meth:`step` (the captured body), :meth:`run`. ``tilefuse.hf.generate``
+    keeps one per model and setting; the benchmark drives one directly (``on_token``)."""
+
+    def __init__(self, model, batch: int, max_len: int, *, sampling=None, eos=(), pad: int = 0,
+                 capture: bool = False, warmup_steps: int = 3):
+        self.model, self.batch, self.max_len = model, batch, max_len
+        self.sampling, self.pad, self.capture, self.warmup_steps = sampling, pad, capture, warmup_steps
+        device = next(model.parameters()).device
+        self.device = device
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.paged = getattr(getattr(model, "base_model", model), "_tilefuse_mla_hook", None) is not None
+        if self.paged:
+            from tilefuse.hf.mla import PagedMLACache
+
+            self.cache = PagedMLACache(model, max_batch=batch, max_tokens=max_len)
+        else:
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.impl = getattr(model.config, "_attn_implementation", "sdpa") or "sdpa"
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.has_eos = bool(eos)
+        self.eos = torch.tensor(list(eos) or [-1], dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)         # the cache slot the step writes
+        self.keys = torch.zeros(batch, 1, 1, max_len, dtype=torch.bool, device=device)   # attended slots
+        self.use_mask = False
+        self.noise = None
+        self.generator = torch.Generator(device=device) if sampling is not None else None
+        self.graph = None
+
+    # --- the pieces
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token [batch] from the last position's logits [batch, vocab], EOS applied."""
+        logits = logits.float()
+        if self.sampling is None:
+            tok = logits.argmax(-1)
+        else:
+            temperature, top_k, top_p = self.sampling
+            x = logits / temperature
+            if top_k is not None and top_k < x.shape[-1]:
+                kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
+                x = x.masked_fill(x < kth, float("-inf"))
+            if top_p is not None and top_p < 1:
+                sorted_x, order = torch.sort(x, dim=-1, descending=True)
+                probs = sorted_x.softmax(-1)
+                drop = probs.cumsum(-1) - probs > top_p         # keep the smallest prefix reaching top_p
+                x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+            u = self.noise.clamp(1e-20, 1 - 1e-7)
+            tok = (x - torch.log(-torch.log(u))).argmax(-1)
+        if self.has_eos:
+            tok = torch.where(self.finished, torch.full_like(tok, self.pad), tok)
+            self.finished |= (tok[:, None] == self.eos[None, :]).any(-1)
+        return tok
+
+    def _mask(self):
+        """The step's prepared 4D key mask, or None (no padding and no need: transformers' own
+        causal mask over the static cache; the paged cache takes none)."""
+        if not self.use_mask:
+            return None
+        if self.impl == "eager":
+            dtype = next(self.model.parameters()).dtype
+            return torch.zeros(self.keys.shape, dtype=dtype, device=self.device).masked_fill(
+                ~self.keys, torch.finfo(dtype).min)
+        return self.keys
+
+    def step(self) -> None:
+        """One decode step on the static buffers (the body of the graph)."""
+        if self.use_mask:
+            self.keys.index_fill_(3, self.slot, True)
+        kwargs = {self.cache_arg: self.cache}
+        mask = self._mask()
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+        logits = self.model(input_ids=self.token, position_ids=self.position, use_cache=True, logits_to_keep=1,
+                            **kwargs).logits
+        self.token.copy_(self._pick(logits[:, -1])[:, None])
+        self.position.add_(1)
+        self.slot.add_(1)
+
+    def _draw(self) -> None:
+        if self.noise is not None:
+            self.noise.uniform_(generator=self.generator)
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """Empty the cache in place (graphs hold its addresses), run the prompt, pick the first token."""
+        batch, prompt_len = input_ids.shape
+        self.cache.reset()
+        self.finished.zero_()
+        self.slot.fill_(prompt_len)
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if padded and not self.paged and self.impl not in MASK_IMPLEMENTATIONS:
+            raise ValueError(f"attention_mask: left-padded batches need attn_implementation in "
+                             f"{MASK_IMPLEMENTATIONS} (a prepared 4D mask per step), got {self.impl!r}")
+        # with a static cache the step always takes a prepared mask once one is needed, so a graph
+        # captured for padded prompts also serves unpadded ones (and the reverse is refused below)
+        if padded and not self.paged:
+            if self.graph is not None and not self.use_mask:
+                self.graph = None
+            self.use_mask = True
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.keys.zero_()
+        self.keys[:, 0, 0, :prompt_len] = mask.bool()
+        kwargs = {self.cache_arg: self.cache}
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                            logits_to_keep=1, **kwargs).logits[:, -1]
+        if self.sampling is not None and self.noise is None:
+            self.noise = torch.empty(batch, logits.shape[-1], dtype=torch.float32, device=self.device)
+        self._draw()
+        self.token.copy_(self._pick(logits)[:, None])
+        self.position.copy_(mask.sum(-1, keepdim=True))
+
+    def _capture(self, input_ids, attention_mask) -> None:
+        """Warm up on a side stream (lazy allocations, Triton compiles), then capture one step."""
+        self.prefill(input_ids, attention_mask)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_steps):
+                self._draw()
+                self.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step()
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int, *,
+            seed: int | None = None, check_every: int = 16, on_token=None) -> torch.Tensor:
+        """``[batch, prompt + n]``: the prompt and up to ``max_new_tokens`` new tokens (module
+        docstring). ``on_token()`` is called after each new token is issued (the benchmark's clock)."""
+        batch, prompt_len = input_ids.shape
+        if batch != self.batch or prompt_len + max_new_tokens > self.max_len:
+            raise ValueError(f"input_ids: a Generator for batch {self.batch} and {self.max_len} tokens got batch "
+                             f"{batch} with {prompt_len} + {max_new_tokens} tokens")
+        if self.capture and prompt_len + max(max_new_tokens, self.warmup_steps + 1) > self.max_len:
+            # the warm-up steps before the capture write ahead of the prompt too
+            raise ValueError(f"max_new_tokens: the capture's {self.warmup_steps} warm-up steps need "
+                             f"{self.warmup_steps + 1} tokens of room, got {max_new_tokens}")
+        if self.generator is not None:
+            self.generator.manual_seed(seed if seed is not None else int(torch.randint(2 ** 62, ()).item()))
+        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if self.capture and (self.graph is None or (padded and not self.use_mask)):
+            self._capture(input_ids, attention_mask)
+            if self.generator is not None:      # the warm-up drew from the stream: start it again
+                self.generator.manual_seed(seed if seed is not None else int(torch.randint(2 ** 62, ()).item()))
+        out = torch.full((batch, max_new_tokens), self.pad, dtype=torch.long, device=self.device)
+        self.prefill(input_ids, attention_mask)
+        out[:, 0] = self.token[:, 0]
+        if on_token is not None:
+            on_token()
+        done = 1
+        for i in range(1, max_new_tokens):
+            if self.has_eos and i % check_every == 0 and bool(self.finished.all()):
+                break
+            self._draw()
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.step()
+            out[:, i] = self.token[:, 0]
+            done = i + 1
+            if on_token is not None:
+                on_token()
+        new = out[:, :done]
+        if self.has_eos:
+            # as model.generate: cut after the step where the last sequence emitted EOS
+            hit = (new[:, :, None] == self.eos[None, None, :]).any(-1)
+            if bool(hit.any(-1).all()):
+                last = int(hit.float().argmax(-1).max())
+                new = new[:, :last + 1]
+        return torch.cat([input_ids, new], dim=1)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

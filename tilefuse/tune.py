@@ -121,7 +121,11 @@ def tune_swiglu(shapes, tokens=TUNE_M, device=None, rep_ms: float = 25.0, progre
                     if progress:
                         print(f"tilefuse tune: {name} at {m}x{h}x{i}: {type(exc).__name__}: {exc}"[:200],
                               file=sys.stderr)
-            best = min((t, c) for c, t in times.items() if t is not None)
+            timed = [(t, c) for c, t in times.items() if t is not None]
+            if not timed:
+                raise RuntimeError(f"tilefuse tune: no candidate ran correctly at M={m}, H={h}, I={i} (each one "
+                                   f"failed to launch or disagreed with the fp64 reference; stderr names why)")
+            best = min(timed)
             variant, cfg = _unlabel(best[1])
             entry = {"variant": variant, "config": None if cfg is None else dataclasses.asdict(cfg),
                      "graph_us": best[0], "us": times, "measured": True}

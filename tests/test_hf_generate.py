@@ -161,7 +161,9 @@ def test_gpu_captured_loop_equals_the_uncaptured_one_without_host_sync(dtype):
         assert torch.equal(graphed, stock_generate(model, ids, mask, 24, eos_token_id=None))
     gen = next(g for k, g in decode._GENERATORS[model].items() if k[-1])
     assert gen.graph is not None
-    run_without_host_sync(lambda: [gen.graph.replay() for _ in range(8)])
+    with torch.no_grad():
+        gen.prefill(ids, mask)          # then replays within the cache's length, as run() issues them
+        run_without_host_sync(lambda: [gen.graph.replay() for _ in range(8)])
     # sampling under the graph: reproducible by seed
     a = tilefuse.hf.generate(model, ids, 16, do_sample=True, seed=1, top_k=20, eos_token_id=None)
     b = tilefuse.hf.generate(model, ids, 16, do_sample=True, seed=1, top_k=20, eos_token_id=None)

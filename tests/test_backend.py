@@ -181,3 +181,43 @@ def test_tma_descriptors_are_cached_by_address_and_geometry(monkeypatch):
     assert len(_launch._descriptors) == 6
     cpu = torch.zeros(128, 64, dtype=torch.bfloat16)
     assert _launch.descriptor(cpu, [128, 64], [64, 1], [64, 64]).base is cpu and len(_launch._descriptors) == 6
+
+
+def test_registry_is_the_one_family_list():
+    """tilefuse/_registry.py: every family's op module has its public functions and kernel_status;
+    force, the lazy exports, explain, the CLI and the benchmark runner read the same list."""
+    import importlib
+
+    import tilefuse
+    from tilefuse import _backend, _registry, cli
+    from tilefuse.bench import runner
+
+    for name, family in _registry.FAMILIES.items():
+        module = importlib.import_module(family.op_module)
+        assert callable(module.kernel_status) and name in cli.BENCH_HELP
+        for public in family.public:
+            assert getattr(tilefuse, public) is getattr(module, public)
+            assert _registry.family_of_op(public) is family
+        if family.explained:
+            assert callable(module.explain) and family.explained in family.public
+        assert _backend.VARIANTS[name] == family.variants
+    assert runner.FAMILIES == tuple(_registry.FAMILIES)
+
+
+def test_force_keyed_by_family():
+    """A variant name two families share pins both unless ``family`` names one."""
+    from tilefuse._backend import forced_variant
+
+    with tilefuse.force(variant="decode"):
+        assert forced_variant("vq") == forced_variant("swiglu_fp8") == "decode"
+    with tilefuse.force(variant="decode", family="vq"):
+        assert forced_variant("vq") == "decode" and forced_variant("swiglu_fp8") is None
+        with tilefuse.force(backend="reference"):       # an inner backend pin keeps the variant pin
+            assert forced_variant("vq") == "decode"
+    assert forced_variant("vq") is None
+    with pytest.raises(ValueError, match="family: expected one of"):
+        with tilefuse.force(variant="decode", family="mlp"):
+            pass
+    with pytest.raises(ValueError, match="variant: expected one of"):
+        with tilefuse.force(variant="large_m", family="vq"):
+            pass

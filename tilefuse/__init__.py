@@ -15,16 +15,12 @@ Each family is imported on first use, so ``import tilefuse`` stays cheap and sid
 from tilefuse._lazy import lazy_attribute
 
 from tilefuse._backend import force  # noqa: F401
+from tilefuse._registry import FAMILIES
 
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "swiglu": "tilefuse.ops.swiglu.op",
-    "pack_gate_up": "tilefuse.ops.swiglu.op",
-    "swiglu_fp8": "tilefuse.ops.swiglu_fp8.op",
-    "vq_matmul": "tilefuse.ops.vq.op",
-    "get_mla_metadata": "tilefuse.ops.mla.op",
-    "flash_mla_with_kvcache": "tilefuse.ops.mla.op",
+    **{name: family.op_module for family in FAMILIES.values() for name in family.public},
     "nn": "tilefuse.nn",
     "quantize": "tilefuse.quantizer",
     "explain": "tilefuse._dispatch",

@@ -22,23 +22,19 @@ import threading
 import torch
 
 from tilefuse import _env
+from tilefuse._registry import FAMILIES
 
 BACKENDS = _env.BACKENDS
 # Kernel variants of each family (the ops dispatch among these; force() accepts any of them).
-VARIANTS = {
-    "swiglu": ("small_m", "large_m", "pingpong", "unfused"),
-    "vq": ("decode", "decode_tl", "mma", "prefill", "dequant"),
-    "mla": ("transposed", "standard", "wgmma", "seesaw"),
-    "swiglu_fp8": ("tl", "ws", "decode"),
-}
-_ALL_VARIANTS = tuple(v for family in VARIANTS.values() for v in family)
+VARIANTS = {name: family.variants for name, family in FAMILIES.items()}
+_ALL_VARIANTS = tuple(dict.fromkeys(v for family in VARIANTS.values() for v in family))
 
 class _Forced(threading.local):
-    """This thread's :func:`force` pins, ``(backend, variant)``. A class-level default: reading an
-    unset attribute of a plain ``threading.local`` through ``getattr(..., default)`` raises and
-    catches an exception, about 1 us on every op call (the plan keys read it)."""
+    """This thread's :func:`force` pins, ``(backend, variant, family)``. A class-level default:
+    reading an unset attribute of a plain ``threading.local`` through ``getattr(..., default)``
+    raises and catches an exception, about 1 us on every op call (the plan keys read it)."""
 
-    state: tuple[str | None, str | None] = (None, None)
+    state: tuple[str | None, str | None, str | None] = (None, None, None)
 
 
 _local = _Forced()
@@ -91,18 +87,25 @@ def interpreting() -> bool:
 
 
 @contextlib.contextmanager
-def force(backend: str | None = None, variant: str | None = None):
-    """Pin the backend and/or a kernel variant for ops called inside the block.
+def force(backend: str | None = None, variant: str | None = None, family: str | None = None):
+    """Pin the backend and/or a kernel variant for ops called inside the block. A variant name two
+    families share (``"decode"``: vq and swiglu_fp8) pins it in both, unless ``family`` names one.
 
     >>> with tilefuse.force(variant="large_m"):
     ...     y = tilefuse.swiglu(x, w)
+    >>> with tilefuse.force(variant="decode", family="vq"):
+    ...     y = tilefuse.vq_matmul(x, codes, codebooks, scales)
     """
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if variant is not None and variant not in _ALL_VARIANTS:
-        raise ValueError(f"variant: expected one of {_ALL_VARIANTS}, got {variant!r}")
+    if family is not None and family not in VARIANTS:
+        raise ValueError(f"family: expected one of {tuple(VARIANTS)}, got {family!r}")
+    allowed = VARIANTS[family] if family is not None else _ALL_VARIANTS
+    if variant is not None and variant not in allowed:
+        raise ValueError(f"variant: expected one of {allowed}, got {variant!r}")
     saved = _local.state
-    _local.state = (backend or saved[0], variant or saved[1])
+    pinned = (variant, family) if variant is not None else saved[1:]
+    _local.state = (backend or saved[0], *pinned)
     try:
         yield
     finally:
@@ -111,12 +114,14 @@ def force(backend: str | None = None, variant: str | None = None):
 
 def forced_variant(family: str) -> str | None:
     """The variant of ``family`` pinned by :func:`force`, or None to let the op dispatch by shape."""
-    variant = _local.state[1]
+    _, variant, pinned_family = _local.state
+    if pinned_family is not None and pinned_family != family:
+        return None
     return variant if variant in VARIANTS[family] else None
 
 
-def forced_state() -> tuple[str | None, str | None]:
-    """(backend, variant) pinned by :func:`force` on this thread: part of the ops' plan keys."""
+def forced_state() -> tuple[str | None, str | None, str | None]:
+    """(backend, variant, family) pinned by :func:`force` on this thread: part of the ops' plan keys."""
     return _local.state
 
 

@@ -219,9 +219,10 @@ def explain(op, *args, **kwargs) -> Choice:
       * unfused       27.6 us  -- cuBLAS GEMM on [2I, H] + one SiLU*mul pass
         small_m       33.9 us  SmallMConfig(...)
     """
+    from tilefuse._registry import FAMILIES
+
     name = op if isinstance(op, str) else getattr(op, "__name__", "")
-    explainers = {"swiglu": "tilefuse.ops.swiglu.op", "vq_matmul": "tilefuse.ops.vq.op",
-                  "flash_mla_with_kvcache": "tilefuse.ops.mla.op"}
+    explainers = {f.explained: f.op_module for f in FAMILIES.values() if f.explained}
     if name not in explainers:
         raise ValueError(f"op: expected one of {tuple(explainers)} (or the function), got {op!r}")
     import importlib

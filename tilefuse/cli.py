@@ -10,6 +10,8 @@ import platform
 import sys
 from pathlib import Path
 
+from tilefuse._registry import FAMILIES
+
 DESCRIPTION = """\
 tilefuse: fused LLM-inference kernels (SwiGLU, 2-bit VQ linear, MLA decode) in Triton and Gluon.
 
@@ -18,14 +20,11 @@ tilefuse: fused LLM-inference kernels (SwiGLU, 2-bit VQ linear, MLA decode) in T
 """
 # One line per benchmark in `tilefuse bench --help`; tests check that every family has one.
 BENCH_HELP = {
-    "swiglu": "fused SwiGLU gate/up GEMM (bf16) against cuBLAS, PyTorch, torch.compile",
-    "swiglu_fp8": "FP8 fused SwiGLU against cuBLASLt's torch._scaled_mm (sm_90 GPUs)",
-    "mla": "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch",
-    "vq": "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels",
+    **{name: family.bench for name, family in FAMILIES.items()},
     "corpus": "swiglu and vq on every shape of the model corpus against what a user had (about an hour; "
               "--quick 3 min; not in all)",
     "model": "Hugging Face models: stock, fused SwiGLU, 2-bit VQ; eager and CUDA graphs",
-    "all": "swiglu, swiglu_fp8, mla, vq, then model (not tp or corpus)",
+    "all": f"{', '.join(FAMILIES)}, then model (not tp or corpus)",
     "tp": "tensor parallelism, TP=N against TP=1, under torchrun --nproc-per-node 2",
 }
 
@@ -118,9 +117,9 @@ def info() -> int:
         print("gpu      none: ops run their PyTorch reference (TRITON_INTERPRET=1 with "
               "TILEFUSE_BACKEND=triton interprets the kernels on the CPU)")
     print("kernels:")
-    for family in ("swiglu", "swiglu_fp8", "mla", "vq"):
+    for family, entry in FAMILIES.items():
         try:
-            status = importlib.import_module(f"tilefuse.ops.{family}.op").kernel_status(dev)
+            status = importlib.import_module(entry.op_module).kernel_status(dev)
         except (ImportError, AttributeError) as exc:
             status = {"*": f"not implemented ({exc.__class__.__name__})"}
         for variant, state in status.items():

@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from tilefuse import _registry
 from tilefuse.bench.harness import LEGACY_NOTE, ROW_FIELDS, Ceilings, Timer, measure_ceilings, run_case
 
-FAMILIES = ("swiglu", "swiglu_fp8", "mla", "vq")
+FAMILIES = tuple(_registry.FAMILIES)     # the kernel families (tilefuse/_registry.py)
 # Families run by name only, not by `tilefuse bench all` (corpus: about an hour on an H200).
 STANDALONE = ("corpus",)
 DEFAULT_OUT = Path("bench/results")

@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 import tilefuse.hf  # noqa: E402
 from tilefuse.bench import hf_models  # noqa: E402
 from tilefuse.hf import decode  # noqa: E402
+from tests.test_hf_mla import VOCAB, prompts as left_padded  # noqa: E402  (left-padded ids and mask)
 
-VOCAB = 97
 
 
 def tiny(arch="llama", impl="sdpa", device="cpu", dtype=torch.float32):
@@ -28,15 +28,6 @@ def tiny(arch="llama", impl="sdpa", device="cpu", dtype=torch.float32):
     config = transformers.Qwen2Config(**common) if arch == "qwen2" else transformers.LlamaConfig(**common)
     config._attn_implementation = impl
     return hf_models.random_model(config, torch.device(device), dtype)
-
-
-def left_padded(lengths, device="cpu", pad=0):
-    width = max(lengths)
-    ids = torch.randint(3, VOCAB, (len(lengths), width), device=device)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        mask[row, width - n:] = 1
-    return ids.masked_fill(mask == 0, pad), mask
 
 
 def stock_generate(model, ids, mask, new, **kw):

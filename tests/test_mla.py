@@ -71,6 +71,37 @@ def test_mla_interpret(interpret, dtype, lens, s_q, h_q, causal, variant, parts)
     _check(out, lse, inp, causal)
 
 
+# Page sizes other than FlashMLA's 64: lengths that end mid-page and cross pages, a split that
+# starts mid-page (few parts), both orientations (and both tile widths: BLOCK_N 32 / 64 against
+# pages of 16 and 32, where a tile spans pages), NaN in every slot not written.
+@pytest.mark.parametrize("page", [16, 32, 128, 256])
+@pytest.mark.parametrize("lens,s_q,h_q,causal,variant,parts", [
+    ([0, 1, 15, 17, 33, 200], 1, 16, True, None, 4),
+    ([300, 70], 2, 8, True, "transposed", 8),
+    ([130, 257], 1, 64, False, "standard", 3),
+])
+def test_mla_page_sizes_interpret(interpret, page, lens, s_q, h_q, causal, variant, parts):
+    inp = make_case(lens, s_q, h_q, torch.float16, interpret, page_size=page)
+    assert inp.k_cache.shape[1] == page
+    out, lse = _run(inp, causal, parts, variant)
+    _check(out, lse, inp, causal)
+
+
+def test_mla_page_size_checks(interpret):
+    inp = make_case([40], 1, 16, torch.float16, interpret, page_size=32)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    bad = inp.k_cache.new_zeros(4, 48, 1, 576)
+    with pytest.raises(ValueError, match=r"k_cache: expected \[num_blocks, page, 1, 576\] with page in"):
+        tilefuse.flash_mla_with_kvcache(inp.q, bad, inp.block_table, inp.cache_seqlens, 512, meta, splits)
+    # lengths beyond the block table's pages of this size are refused when contents are checked
+    too_long = torch.tensor([inp.block_table.shape[1] * 32 + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="pages of 32"):
+        tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, too_long, 512, meta, splits,
+                                        check_contents=True)
+    q16 = inp.q.to(torch.bfloat16)
+    assert op.choose_variant(128, 1, q16, 32) in ("standard", "transposed")     # no Gluon kernel for 32
+
+
 @pytest.mark.parametrize("variant,config", [
     ("transposed", dict(BLOCK_N=32, num_warps=4, num_stages=1, slot_programs=2, fused_combine=False)),
     ("transposed", dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=3, fused_combine=True)),
@@ -330,7 +361,7 @@ def _valid(dtype=torch.float16):
 
 @pytest.mark.parametrize("change,match", [
     (lambda a: a.update(q=a["q"][..., :512].contiguous()), "q: expected head dim 576"),
-    (lambda a: a.update(k_cache=a["k_cache"].view(-1, 32, 1, 576)), "k_cache: expected shape"),
+    (lambda a: a.update(k_cache=a["k_cache"][:, :48]), "k_cache: expected .* with page in"),
     (lambda a: a.update(k_cache=a["k_cache"].to(torch.float32)), "k_cache: expected dtype"),
     (lambda a: a.update(block_table=a["block_table"].long()), "block_table: expected dtype int32"),
     (lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), "cache_seqlens: expected dtype int32"),
@@ -447,6 +478,17 @@ def _check_gpu(out, lse, inp, causal):
     assert cos_diff(lse[finite], rl[finite]) < 1e-5
     assert_close(out, ro, atol=1e-2, rtol=1e-2)
     assert_close(lse, rl, atol=1e-3, rtol=1e-4, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 32, 128, 256])
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (16, 4)])
+def test_gpu_page_sizes(page, h_q, s_q):
+    """Pages other than 64 on the GPU (the tl kernels), bf16, lengths across pages and splits."""
+    lens = [1, page - 1, page + 1, 5 * page + 3, 4000]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page)
+    out, lse = _run_gpu(inp, s_q, h_q, True)
+    _check_gpu(out, lse, inp, True)
 
 
 @pytest.mark.gpu

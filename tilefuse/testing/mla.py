@@ -31,26 +31,27 @@ class MLACase:
 
 def paged_cache(seqlens: list[int], dtype: torch.dtype, device, *, extra_blocks: int = 0,
                 nan_tail: bool = True, shuffle: bool = True, max_blocks: int | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cache holding ``seqlens[i]`` random tokens for request i, on shuffled pages.
+                page_size: int = PAGE_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache holding ``seqlens[i]`` random tokens for request i, on shuffled pages of
+    ``page_size`` tokens.
 
     Slots past each length are NaN (``nan_tail``) so a kernel that reads them fails; pages a
     request does not use are NaN too. Values are N(0, 1) like FlashMLA's tests.
     """
     batch = len(seqlens)
-    need = max([(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seqlens] + [1])
+    need = max([(n + page_size - 1) // page_size for n in seqlens] + [1])
     max_blocks = max(max_blocks or need, need)
     num_blocks = batch * max_blocks + extra_blocks
-    k_cache = torch.randn(num_blocks, PAGE_SIZE, 1, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
+    k_cache = torch.randn(num_blocks, page_size, 1, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
     order = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
     block_table = order[: batch * max_blocks].view(batch, max_blocks).to(torch.int32).to(device)
     if nan_tail:
-        used = torch.zeros(num_blocks, PAGE_SIZE, dtype=torch.bool)
+        used = torch.zeros(num_blocks, page_size, dtype=torch.bool)
         table = block_table.cpu()
         for i, n in enumerate(seqlens):
-            for t in range(0, n, PAGE_SIZE):
-                page = int(table[i, t // PAGE_SIZE])
-                used[page, : min(PAGE_SIZE, n - t)] = True
+            for t in range(0, n, page_size):
+                page = int(table[i, t // page_size])
+                used[page, : min(page_size, n - t)] = True
         k_cache[~used.to(device)] = float("nan")
     return k_cache, block_table
 

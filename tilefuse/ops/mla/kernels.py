@@ -30,7 +30,8 @@ import triton.language as tl
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 from tilefuse.ops.tl_common import arrive
 
-PAGE = tl.constexpr(PAGE_SIZE)            # tokens per cache page (FlashMLA's block size)
+PAGE = tl.constexpr(PAGE_SIZE)            # tokens per scheduling chunk (FlashMLA's page); the cache's
+                                          # own page size is each split kernel's KV_PAGE
 D_NOPE = tl.constexpr(HEAD_DIM_V)         # latent part of the 576-wide vector: the K "nope" part and all of V
 D_ROPE = tl.constexpr(HEAD_DIM - HEAD_DIM_V)   # RoPE part, only in K
 LN2 = tl.constexpr(0.6931471805599453)
@@ -197,23 +198,31 @@ def _query_rows(q_ptr, req, pid_h, h_q, s_q, rows_total, length, stride_qb, stri
 
 
 @triton.jit
-def _page_of(bt_row, token, last_page, num_blocks):
-    """Cache page holding ``token`` of the request (the block-table column clamped to the slot's
-    last page; the entry clamped to the cache, so a bad table cannot read outside it)."""
-    page = tl.load(bt_row + tl.minimum(token // PAGE, last_page))
+def _page_of(bt_row, token, last_page, num_blocks, KV_PAGE: tl.constexpr):
+    """Cache page holding ``token`` of the request, pages of KV_PAGE tokens (the block-table
+    column clamped to the slot's last page; the entry clamped to the cache, so a bad table cannot
+    read outside it). ``token`` may be a scalar or a vector."""
+    page = tl.load(bt_row + tl.minimum(token // KV_PAGE, last_page))
     return tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
 
 
 @triton.jit
-def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N: tl.constexpr):
-    """Tokens ``start .. start + BLOCK_N`` of one page: HBM -> SMEM (pipelined by num_stages).
+def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page, num_blocks,
+             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr):
+    """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages).
 
+    With pages of at least BLOCK_N tokens the tile lies in one page, ``page`` (looked up a step
+    ahead by the caller); with smaller pages (16, 32) each token's page is looked up here.
     Returns positions, the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
     Positions past ``length`` load as 0: their slots may hold NaN and are never read.
     """
     pos = start + tl.arange(0, BLOCK_N)
     in_len = pos < length
-    k_rows = kc_ptr + page * stride_kp + (pos % PAGE) * stride_kt
+    if KV_PAGE >= BLOCK_N:
+        k_rows = kc_ptr + page * stride_kp + (pos % KV_PAGE) * stride_kt
+    else:
+        k_rows = kc_ptr + _page_of(bt_row, pos, last_page, num_blocks, KV_PAGE) * stride_kp \
+            + (pos % KV_PAGE) * stride_kt
     k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0.0)
     k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None], other=0.0)
     return pos, k_nope, k_rope
@@ -227,7 +236,7 @@ def mla_split_standard_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
@@ -252,13 +261,14 @@ def mla_split_standard_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     bt_row = bt_ptr + req * stride_btb
-    last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = _page_of(bt_row, tok_begin, last_page, num_blocks)
+    last_page = tl.maximum(tok_end - 1, 0) // KV_PAGE
+    page = _page_of(bt_row, tok_begin, last_page, num_blocks, KV_PAGE)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks)
-        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
+        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
+                                       num_blocks, BLOCK_N, KV_PAGE)
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
         s = tl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
@@ -284,7 +294,7 @@ def mla_split_transposed_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
@@ -310,13 +320,14 @@ def mla_split_transposed_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc_t = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
     bt_row = bt_ptr + req * stride_btb
-    last_page = tl.maximum(tok_end - 1, 0) // PAGE
-    page = _page_of(bt_row, tok_begin, last_page, num_blocks)
+    last_page = tl.maximum(tok_end - 1, 0) // KV_PAGE
+    page = _page_of(bt_row, tok_begin, last_page, num_blocks, KV_PAGE)
     for start in tl.range(tok_begin, tok_end, BLOCK_N):
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
-        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks)
-        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, BLOCK_N)
+        next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
+        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
+                                       num_blocks, BLOCK_N, KV_PAGE)
         s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
         s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
         s_t = tl.where(pos[:, None] <= limit[None, :], s_t * qk_scale, float("-inf"))

@@ -36,7 +36,8 @@ from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
-from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table, mla_decode_reference
+from tilefuse.ops.mla.reference import (HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, PAGE_SIZES, check_block_table,
+                                        mla_decode_reference)
 
 VARIANTS = _FAMILY_VARIANTS["mla"]
 MAX_BATCH = 8192          # the metadata kernel holds the batch's lengths in one program
@@ -57,12 +58,12 @@ def wgmma_usable(device: torch.device) -> bool:
     return gluon_hopper(device) and _kernels().get("wgmma") is not None
 
 
-def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
+def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None, page_size: int = PAGE_SIZE) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the same orientation
-    (``standard``) runs."""
-    fits = q is not None and _wgmma_fits(q)
+    GPU and pages of 64 tokens (its TMA boxes), as does ``seesaw`` (pinned only: measured
+    slower); elsewhere the ``tl`` kernel of the same orientation (``standard``) runs."""
+    fits = q is not None and _wgmma_fits(q) and page_size == PAGE_SIZE
     chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, chip)
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
@@ -215,8 +216,9 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     batch, s_q, h_q, _ = q.shape
     rows = s_q * h_q
     max_blocks = block_table.shape[1]
+    page = k_cache.shape[1]
     call = _Call()
-    call.variant = variant or choose_variant(rows, max_blocks, q)
+    call.variant = variant or choose_variant(rows, max_blocks, q, page)
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
@@ -238,11 +240,11 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
         call.meta = dict(CAUSAL=causal, **cfg)
     else:
         call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
-        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
+        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, **cfg)
+                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, **cfg)
     call.combine_grid = None if fused else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
@@ -330,13 +332,13 @@ def _run(call: _Call, q, k_cache, block_table, cache_seqlens, meta, num_splits):
     return _launch_attention(call, q, k_cache, block_table, cache_seqlens, meta, num_splits)
 
 
-def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int | None) -> None:
+def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int | None, page_size: int = PAGE_SIZE) -> None:
     """Lengths >= 0 and (``max_blocks``) within the block table: reads them (a host sync)."""
     if cache_seqlens.numel():
         lo, hi = (int(v) for v in torch.aminmax(cache_seqlens))
-        top = float("inf") if max_blocks is None else max_blocks * PAGE_SIZE
+        top = float("inf") if max_blocks is None else max_blocks * page_size
         if lo < 0 or hi > top:
-            room = "" if max_blocks is None else f" (block_table has {max_blocks} pages of {PAGE_SIZE})"
+            room = "" if max_blocks is None else f" (block_table has {max_blocks} pages of {page_size})"
             raise ValueError(f"cache_seqlens: expected lengths in [0, {top}]{room}, got [{lo}, {hi}]")
 
 
@@ -371,7 +373,10 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
         raise ValueError(f"q: expected head dim {HEAD_DIM} (512 latent + 64 RoPE), got {head_dim}")
     if head_dim_v != HEAD_DIM_V:
         raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v!r}")
-    _checks.check_shape("k_cache", k_cache, (None, PAGE_SIZE, 1, HEAD_DIM), f"[num_blocks, {PAGE_SIZE}, 1, {HEAD_DIM}]")
+    if k_cache.shape[1] not in PAGE_SIZES:
+        raise ValueError(f"k_cache: expected [num_blocks, page, 1, {HEAD_DIM}] with page in {PAGE_SIZES}, got shape "
+                         f"{tuple(k_cache.shape)}")
+    _checks.check_shape("k_cache", k_cache, (None, None, 1, HEAD_DIM), f"[num_blocks, page, 1, {HEAD_DIM}]")
     if k_cache.shape[0] < 1:
         raise ValueError(f"k_cache: expected at least one page, got shape {tuple(k_cache.shape)}")
     _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
@@ -407,11 +412,12 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     ----------
     q : [b, s_q, h_q, 576] bf16 or fp16 (fp32 accepted: IEEE fp32 dots). s_q query tokens per
         request (multi-token prediction / speculative decoding), h_q from 1 to 128.
-    k_cache : [num_blocks, 64, 1, 576], q's dtype, contiguous. Pages of 64 tokens; V is the first
-        ``head_dim_v`` values of each 576-wide latent vector.
-    block_table : [b, max_blocks] int32: request i's token t is in page ``block_table[i, t // 64]``.
+    k_cache : [num_blocks, page, 1, 576], q's dtype, contiguous. Pages of ``page`` tokens: 64
+        (FlashMLA's; the Gluon kernel on Hopper), or 16, 32, 128, 256 (vLLM's 16, for one; the
+        ``tl`` kernels); V is the first ``head_dim_v`` values of each 576-wide latent vector.
+    block_table : [b, max_blocks] int32: request i's token t is in page ``block_table[i, t // page]``.
         Only the pages below a request's length are read (vLLM's -1 padding after them is fine).
-    cache_seqlens : [b] int32, each in [0, 64 * max_blocks]. Slots past a length are never read.
+    cache_seqlens : [b] int32, each in [0, page * max_blocks]. Slots past a length are never read.
     head_dim_v : 512.
     tile_scheduler_metadata, num_splits : from :func:`get_mla_metadata` for this batch (any
         lengths: they only schedule the work).
@@ -437,8 +443,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                       softmax_scale, causal)
     no_data = _checks.contents_unreadable(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
-        _check_lengths(cache_seqlens, block_table.shape[1])
-        check_block_table(block_table, cache_seqlens, k_cache.shape[0])
+        _check_lengths(cache_seqlens, block_table.shape[1], k_cache.shape[1])
+        check_block_table(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
         check_schedule(cache_seqlens, tile_scheduler_metadata, num_splits)
     if no_data or use_dispatcher(q, k_cache):
         return _flash_mla_op(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata,
@@ -453,15 +459,16 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     head (``s_q * h_q``), the cache's length regime and the chip; its launch settings as config."""
     batch, s_q, h_q = q.shape[:3] if q.dim() == 4 else (0, 0, 0)
     rows = s_q * h_q
+    page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
     problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
-               "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
+               "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
     if choose_backend(q.device) != "triton" or q.dim() != 4:
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")
     max_blocks = block_table.shape[1]
-    variant = choose_variant(rows, max_blocks, q)
+    variant = choose_variant(rows, max_blocks, q, page)
     cfg = configs.launch_config(variant, rows, max_blocks)[0]
     source = "forced" if forced else "measured rule (configs.default_variant: rows per KV head, length, chip)"
     if forced and forced != variant:
-        source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"
+        source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU, pages of 64)"
     return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))

@@ -2,18 +2,18 @@
 ``tilefuse.flash_mla_with_kvcache``.
 
 Layout (FlashMLA's): each cached token is one latent vector of ``d = 576`` values (512 latent +
-64 RoPE), stored in pages of 64 tokens; V is the first ``head_dim_v = 512`` values of the same
-vector.
+64 RoPE), stored in pages of ``page`` tokens (FlashMLA's 64; 16, 32, 128 and 256 too); V is the
+first ``head_dim_v = 512`` values of the same vector.
 
 * q            ``[b, s_q, h_q, 576]``
-* k_cache      ``[num_blocks, 64, h_kv, 576]`` (h_kv = 1)
-* block_table  ``[b, max_blocks]`` int32: request i's token t lives in page ``block_table[i, t // 64]``
-* cache_seqlens ``[b]`` int32, each in ``[0, 64 max_blocks]``
+* k_cache      ``[num_blocks, page, h_kv, 576]`` (h_kv = 1)
+* block_table  ``[b, max_blocks]`` int32: request i's token t lives in page ``block_table[i, t // page]``
+* cache_seqlens ``[b]`` int32, each in ``[0, page max_blocks]``
 
 Query token ``t`` of ``s_q`` (causal) sees keys ``0 .. L - s_q + t``; without causal masking it
 sees all ``L``. Rules the kernels follow too:
 
-* Only the first ``ceil(L / 64)`` pages of a request are read, and slots past ``L`` never: NaN
+* Only the first ``ceil(L / page)`` pages of a request are read, and slots past ``L`` never: NaN
   there cannot leak. Those pages must lie in ``[0, num_blocks)`` (checked here: ``ValueError``).
 * A query row with no visible key returns out = 0 and lse = +inf.
 * NaN in an input that reaches an output propagates: a NaN in a query head or in a visible key
@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import torch
 
-PAGE_SIZE = 64
+PAGE_SIZE = 64                        # FlashMLA's page; the kernels schedule work in chunks of it
+PAGE_SIZES = (16, 32, 64, 128, 256)   # the cache page sizes the kernels take
 HEAD_DIM = 576        # 512 latent + 64 RoPE values per cached token
 HEAD_DIM_V = 512      # V: the latent part
 
 
-def check_block_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int) -> None:
-    """The pages each request reads (the first ``ceil(L / 64)`` entries) lie in ``[0, num_blocks)``.
-    Reads the tensors (a host sync on a GPU)."""
+def check_block_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int,
+                      page_size: int = PAGE_SIZE) -> None:
+    """The pages each request reads (the first ``ceil(L / page_size)`` entries) lie in
+    ``[0, num_blocks)``. Reads the tensors (a host sync on a GPU)."""
     if block_table.numel() == 0:
         return
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * PAGE_SIZE \
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size \
         < cache_seqlens.to(block_table.device)[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_blocks))
     if bool(bad.any()):
@@ -62,7 +64,7 @@ def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
     if any(n < 0 or n > capacity for n in seqlens):
         raise ValueError(f"cache_seqlens: expected lengths in [0, {capacity}] (block_table has "
                          f"{block_table.shape[1]} pages of {page_size}), got [{min(seqlens)}, {max(seqlens)}]")
-    check_block_table(block_table, cache_seqlens, num_blocks)
+    check_block_table(block_table, cache_seqlens, num_blocks, page_size)
     for i, length in enumerate(seqlens):
         if length == 0:
             continue

@@ -237,6 +237,39 @@ def test_vq_wgmma_prefill_compiles(m, n, k, dtype, ws):
     assert f"[a+{base}]" in result.ptx and f"[b+{base + 128}]" in result.ptx
 
 
+def _mla_tl_signature():
+    sig = {name: ("*bf16" if name in ("q_ptr", "kc_ptr", "out_ptr") else "*fp32" if "acc" in name or name == "lse_ptr"
+                  else "*i32")
+           for name in ("q_ptr", "kc_ptr", "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
+                        "oacc_ptr", "lseacc_ptr", "cnt_ptr")}
+    sig.update({name: "i32" for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks", "max_tokens")})
+    sig["qk_scale"] = "fp32"
+    sig.update({name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_kp", "stride_kt", "stride_btb",
+                                         "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh")})
+    return sig
+
+
+@pytest.mark.parametrize("kernel,block_h", [("mla_split_standard_kernel", 64), ("mla_split_transposed_kernel", 32)])
+@pytest.mark.parametrize("page", [16, 128])
+def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page):
+    """The tl split kernels (which serve pages other than 64 on Hopper) compile for sm_90a with
+    pages smaller than a KV tile (a page per token) and larger (a page per tile)."""
+    constexprs = dict(CAUSAL=True, BLOCK_H=block_h, BLOCK_N=64, DOT_PREC="tf32", FUSED_COMBINE=False,
+                      SLOT_PROGRAMS=1, KV_PAGE=page)
+    signature = {**_mla_tl_signature(), **{name: CONSTEXPR for name in constexprs}}
+    result = compile_gluon_isolated(f"tilefuse.ops.mla.kernels:{kernel}", signature, constexprs, num_warps=8)
+    assert result.shared <= SMEM_LIMIT and result.registers > 0
+
+
+def test_mla_metadata_kernel_compiles():
+    """The metadata kernel (one program, two data-dependent bisections) compiles for sm_90a."""
+    constexprs = dict(BLOCK_B=256, BLOCK_P=32, SPLIT_COST=mla_configs.SPLIT_COST_PAGES)
+    signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "batch": "i32",
+                 "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_metadata_kernel", signature, constexprs, num_warps=4)
+    assert result.registers > 0 and result.spilled == 0
+
+
 def test_child_failure_reports_the_exception():
     """A kernel that fails to compile in the child process is reported by its exception (type and
     message), not by the tail of the child's stderr."""

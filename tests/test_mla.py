@@ -216,6 +216,45 @@ def test_mla_metadata_schedule(interpret, lens, parts):
     assert longest == max(-(-n // k) for n, k in zip(pages, best))
 
 
+def _uneven_batches():
+    gen = torch.Generator().manual_seed(0)
+    zipf = (20000 / torch.arange(1, 97, dtype=torch.float64) ** 1.1).long().tolist()
+    return [
+        ([131072] + [int(v) for v in torch.randint(1, 2000, (255,), generator=gen)], 132),  # one long among short
+        ([70000] + [int(v) for v in torch.randint(1, 20000, (95,), generator=gen)], 66),    # 96 requests, 2 head tiles
+        (zipf, 132),                                                                        # Zipf lengths
+        ([0, 0, 90000, 0, 5, 0] * 3, 132),                                                  # zero lengths
+        ([1, 300, 70000], 132),
+    ]
+
+
+@pytest.mark.parametrize("lens,parts", _uneven_batches())
+def test_mla_metadata_balances_uneven_batches(interpret, lens, parts):
+    """Where one wave of splits cannot balance the batch (about num_parts requests or more, a few
+    long ones among short ones), the schedule takes more slots (at most parts + b) and bounds the
+    longest slot and the busiest part's share near the balanced share; kernel and PyTorch mirror
+    agree; every split runs once."""
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    meta, splits = tilefuse.get_mla_metadata(seqlens, 16, 1, num_sm_parts=parts)
+    meta_ref, splits_ref = op._metadata_torch(seqlens, parts)
+    assert torch.equal(meta, meta_ref) and torch.equal(splits, splits_ref)
+    op.check_schedule(seqlens, meta, splits)
+    pages = [(n + 63) // 64 for n in lens]
+    counts = (splits[1:] - splits[:-1]).tolist()
+    total, slots = sum(pages), sum(counts)
+    assert slots <= parts + len(lens)
+    longest = max(-(-n // k) for n, k in zip(pages, counts))
+    balanced = -(-total // parts)
+    cost = configs.SPLIT_COST_PAGES
+    makespan = max(longest, (total + cost * slots) / parts)
+    # no worse than the best one-wave schedule; within twice the balanced share (one wave is kept
+    # up to there) or within the split costs of it
+    one_wave = min((c for c in range(1, max(pages) + 1) if sum(max(-(-n // c), 1) for n in pages) <= parts),
+                   default=max(pages))
+    assert makespan <= max(one_wave, (total + cost * sum(max(-(-n // one_wave), 1) for n in pages)) / parts)
+    assert makespan <= max(2 * balanced, balanced + cost * (parts + len(lens)) / parts + 1)
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_mla_stale_metadata_is_still_correct(interpret, backend):
     """Metadata planned for other lengths (same batch) only schedules: outputs follow cache_seqlens."""

@@ -1,4 +1,4 @@
-"""Compile a Gluon kernel for sm_90a on a machine without a GPU: compile errors, shared memory,
+"""Compile a Gluon (or ``tl``) kernel for sm_90a on a machine without a GPU: compile errors, shared memory,
 registers and spills, and the PTX (Triton's wheel ships ptxas). The CPU tests use it to check the
 Hopper kernels' resources; by hand it shows what a change does before any device time is spent::
 
@@ -68,7 +68,9 @@ def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned
 
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    # a Gluon kernel, or a ``tl`` one (``@triton.jit``: the same compile, Triton's own front end)
+    source = GluonASTSource if "gluon" in type(fn).__module__ else triton.compiler.ASTSource
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")

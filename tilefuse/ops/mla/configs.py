@@ -52,6 +52,12 @@ LONG_CONTEXT_PAGES = 256
 # tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
+# The metadata's fixed cost of one split, in 64-token pages of KV: a split program also reads the
+# query tile (64 rows x 576: one page's bytes), writes its partial output (64 x 512 fp32: two
+# pages' worth) and the combine reads it back (two more), about 4-5 pages of traffic for a 64-row
+# tile (FlashMLA's scheduler counts 5 blocks). The roofline figure, not yet tuned by measurement;
+# it weighs more splits against balance where one wave of splits cannot balance the batch.
+SPLIT_COST_PAGES = 4
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
 # ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs

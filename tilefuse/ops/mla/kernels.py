@@ -41,27 +41,47 @@ LN2 = tl.constexpr(0.6931471805599453)
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = target number of busy slots
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr,
 ):
     # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
-    # Chunks of at most `chunk` pages: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts
-    # slots (one wave, the shortest longest slot). ceil(total / (num_parts - b)) always fits
+    # One wave: chunks of at most `chunk` pages, the smallest chunk with sum_i ceil(n_i / chunk)
+    # <= num_parts slots (the shortest longest slot). ceil(total / (num_parts - b)) always fits
     # (sum_i ceil(n_i / c) <= total / c + b) and ceil(total / num_parts) is a lower bound, so a
     # bisection between the two takes log2(upper - lower) steps (0-6 on the bench shapes).
     total = tl.sum(pages, axis=0)
     room = tl.maximum(num_parts - batch, 1)
     hi = tl.maximum((total + room - 1) // room, 1)
     lo = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), hi)
+    balanced = lo
     while lo < hi:
         mid = (lo + hi) // 2
         fits = tl.sum(tl.where(in_batch, tl.maximum((pages + mid - 1) // mid, 1), 0), axis=0) <= num_parts
         hi = tl.where(fits, mid, hi)
         lo = tl.where(fits, lo, mid + 1)
     chunk = hi
+    # Where one wave forces chunks over twice the balanced size (a batch of about num_parts
+    # requests or more, or a few long requests among short ones), trade it for balance: more
+    # slots than num_parts (at most num_parts + b, the metadata's rows), the chunk that
+    # minimizes max(chunk, (total + SPLIT_COST * slots) / num_parts) -- the longest slot, or
+    # the busiest part's pages with each split's fixed cost counted -- found by bisection on
+    # the smallest chunk where the first term reaches the second, and its left neighbour.
+    if chunk > 2 * balanced:
+        a = balanced
+        b = chunk
+        while a < b:
+            mid = (a + b) // 2
+            slots = tl.sum(tl.where(in_batch, tl.maximum((pages + mid - 1) // mid, 1), 0), axis=0)
+            enough = mid * num_parts >= total + SPLIT_COST * slots
+            b = tl.where(enough, mid, b)
+            a = tl.where(enough, a, mid + 1)
+        left = tl.maximum(b - 1, balanced)
+        slots_left = tl.sum(tl.where(in_batch, tl.maximum((pages + left - 1) // left, 1), 0), axis=0)
+        cost_left = (total + SPLIT_COST * slots_left + num_parts - 1) // num_parts
+        chunk = tl.where(cost_left < b, left, b)
     splits = tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits

@@ -104,14 +104,28 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
     """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
     pages = (cache_seqlens.long().clamp_min(0) + PAGE_SIZE - 1) // PAGE_SIZE
+
+    def slots(chunk):
+        return ((pages + chunk - 1) // chunk).clamp_min(1).sum()
+
     room = max(num_parts - batch, 1)
     total = pages.sum()
     hi = ((total + room - 1) // room).clamp_min(1)
     lo = ((total + num_parts - 1) // num_parts).clamp_min(1).minimum(hi)
-    for _ in range(40):      # the kernel's bisection, a fixed number of steps (no host sync)
+    balanced = lo
+    for _ in range(40):      # the kernel's bisections, a fixed number of steps (no host sync)
         mid = (lo + hi) // 2
-        fits = ((pages + mid - 1) // mid).clamp_min(1).sum() <= num_parts
+        fits = slots(mid) <= num_parts
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
+    a, b = balanced, hi
+    for _ in range(40):
+        active = a < b
+        mid = (a + b) // 2
+        enough = mid * num_parts >= total + configs.SPLIT_COST_PAGES * slots(mid)
+        b, a = torch.where(active & enough, mid, b), torch.where(active & ~enough, mid + 1, a)
+    left = (b - 1).maximum(balanced)
+    cost_left = (total + configs.SPLIT_COST_PAGES * slots(left) + num_parts - 1) // num_parts
+    hi = torch.where(hi > 2 * balanced, torch.where(cost_left < b, left, b), hi)
     splits = ((pages + hi - 1) // hi).clamp_min(1)
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
@@ -143,7 +157,8 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
-                                  dict(BLOCK_B=block_b, BLOCK_P=block_p, num_warps=4))
+                                  dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
+                                       num_warps=4))
     return meta, num_splits
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import time
@@ -60,14 +61,18 @@ def _criteria_class():
 
 
 @torch.no_grad()
-def generate_eager(model, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None) -> torch.Tensor:
-    """``model.generate`` greedy, default (dynamic) cache, no EOS stop: ``[batch, new_tokens]`` ids.
-    With a ``clock``, it is marked after each new token."""
+def generate_eager(model, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None,
+                   cache=None) -> torch.Tensor:
+    """``model.generate`` greedy, default (dynamic) cache or ``cache`` (``past_key_values``: a
+    ``PagedMLACache`` for a ``patch_mla`` model), no EOS stop: ``[batch, new_tokens]`` ids. With a
+    ``clock``, it is marked after each new token."""
     from transformers import StoppingCriteriaList
 
     criteria = StoppingCriteriaList([_criteria_class()(clock)]) if clock is not None else None
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    extra = {} if cache is None else {name: cache}
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new_tokens,
-                         eos_token_id=None, pad_token_id=0, stopping_criteria=criteria)
+                         eos_token_id=None, pad_token_id=0, stopping_criteria=criteria, **extra)
     return out[:, prompt.shape[1]:]
 
 

@@ -34,6 +34,8 @@ class Subject:
     info: dict
     encode: Callable[[str], list[int]] | None = None   # text -> token ids (None: no tokenizer, no text)
     decode: Callable[[list[int]], str] | None = None   # token ids -> text (real models: samples)
+    variants: tuple[str, ...] | None = None            # the variants it runs (None: model.VARIANTS)
+    contexts: tuple[int, ...] | None = None            # decode prompt lengths (None: the plan's)
 
 
 def llama3_8b_config(layers: int):
@@ -57,6 +59,33 @@ def tiny_llama_config(layers: int):
 
     return LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def deepseek_v3_config(layers: int, heads: int = 128):
+    """DeepSeek-V3's attention and dense-MLP shapes (hidden 7168, MLA: q LoRA 1536, KV LoRA 512,
+    RoPE 64, nope 128, v 128; MLP 18432; vocab 129280) with ``heads`` query heads (128, or 16: one
+    GPU's share under TP8) and every block dense (``first_k_dense_replace = layers``), so the MLP
+    is a SwiGLU the fused kernel can take."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                            num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=heads,
+                            num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=256,
+                            num_experts_per_tok=8, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                            qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+                            tie_word_embeddings=False)
+
+
+def tiny_deepseek_config(layers: int):
+    """The CPU pipeline check's DeepSeek-V3: the op's latent (KV LoRA 512, RoPE 64), 4 heads,
+    hidden 64, bytes as tokens, every block dense."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=4,
+                            num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+                            n_group=2, topk_group=1, kv_lora_rank=512, q_lora_rank=32, qk_rope_head_dim=64,
+                            qk_nope_head_dim=32, v_head_dim=32, max_position_embeddings=4096)
 
 
 def random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
@@ -108,18 +137,25 @@ def load_gguf_model(path: Path):
     return model.float().eval(), tokenizer
 
 
+MLA_VARIANTS = ("stock", "swiglu", "mla", "mla_swiglu")    # the DeepSeek shapes' variants
+DEEPSEEK_CONTEXTS = (4096, 32768)                          # their decode prompt lengths (--quick: 4096)
+DEEPSEEK_LAYERS = 8                                        # their blocks unless --layers says otherwise
+
+
 def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
-             gguf: str | None) -> list[tuple[str, Callable[[], Subject | None]]]:
-    """(name, loader) of the models of this machine: the three on a GPU, the tiny one on a CPU;
-    ``layers``: blocks of the random-weight shapes (None: their full count; the tiny model needs it).
-    A loader returns None (and says why on stderr) when its model is not available."""
+             gguf: str | None, quick: bool = False) -> list[tuple[str, Callable[[], Subject | None]]]:
+    """(name, loader) of the models of this machine: the five on a GPU, the tiny ones on a CPU;
+    ``layers``: blocks of the random-weight shapes (None: their full count, 8 for the DeepSeek
+    shapes; the tiny models need it). A loader returns None (and says why on stderr) when its
+    model is not available."""
     dtype_name = str(dtype).removeprefix("torch.")
 
-    def shape(name, config_fn, layers, about, encode=None):
+    def shape(name, config_fn, layers, about, encode=None, variants=None, contexts=None):
         def load():
             config = config_fn(layers)
             return Subject(name, lambda: random_model(config, device, dtype), config.vocab_size,
-                           {"source": about, "weights": "random", "layers": layers, "dtype": dtype_name}, encode)
+                           {"source": about, "weights": "random", "layers": layers, "dtype": dtype_name}, encode,
+                           variants=variants, contexts=contexts)
         return name, load
 
     def smollm2():
@@ -140,10 +176,20 @@ def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
 
     if device.type != "cuda":
         return [shape("tiny-llama", tiny_llama_config, layers, "LlamaConfig, hidden 64, UTF-8 bytes as tokens",
-                      encode=lambda text: list(text.encode("utf-8")))]
+                      encode=lambda text: list(text.encode("utf-8"))),
+                shape("tiny-deepseek", tiny_deepseek_config, layers, "DeepseekV3Config, hidden 64, 4 MLA heads",
+                      variants=MLA_VARIANTS)]
+    contexts = DEEPSEEK_CONTEXTS[:1] if quick else DEEPSEEK_CONTEXTS
+    deepseek = layers or DEEPSEEK_LAYERS
     return [shape("llama3-8b", llama3_8b_config, layers or 32, "Llama-3-8B shapes (LlamaConfig)"),
             ("smollm2-135m", smollm2),
-            shape("qwen2.5-1.5b", qwen2_1p5b_config, layers or 28, "Qwen2.5-1.5B shapes (Qwen2Config)")]
+            shape("qwen2.5-1.5b", qwen2_1p5b_config, layers or 28, "Qwen2.5-1.5B shapes (Qwen2Config)"),
+            shape("deepseek-v3", lambda n: deepseek_v3_config(n, 128), deepseek,
+                  "DeepSeek-V3 shapes, 128 heads, dense MLPs (DeepseekV3Config)", variants=MLA_VARIANTS,
+                  contexts=contexts),
+            shape("deepseek-v3-h16", lambda n: deepseek_v3_config(n, 16), deepseek,
+                  "DeepSeek-V3 shapes, 16 heads (one GPU's share under TP8), dense MLPs", variants=MLA_VARIANTS,
+                  contexts=contexts)]
 
 
 # ----------------------------------------------------------------------------- text

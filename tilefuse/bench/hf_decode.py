@@ -3,7 +3,7 @@
 * :func:`generate_eager` -- ``model.generate`` greedy with its default dynamic cache (what most users run).
 * :class:`GraphDecoder` -- ``tilefuse.hf.generate``'s loop (a static cache, one decode step captured in a
   CUDA graph, replayed per token), greedy, without EOS.
-* :class:`Clock`, :func:`prefill_ms` -- timestamps on the device timeline (CUDA events; the wall clock on a CPU).
+* :class:`Clock`, :func:`prefill_times` -- timestamps on the device timeline (CUDA events; the wall clock on a CPU).
 * :func:`perplexity`, :func:`forced_argmax`, :func:`agreement` -- quality and token agreement.
 """
 
@@ -103,16 +103,37 @@ class GraphDecoder(Generator):
 
 
 @torch.no_grad()
-def prefill_ms(model, prompt: torch.Tensor, device: torch.device, reps: int = 3) -> float:
-    """Median time of ``model(prompt)`` with a fresh dynamic cache (the first call is a warm-up)."""
-    times = []
+def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int = 3) -> dict:
+    """``model(prompt)`` with a fresh dynamic cache, timed three ways (the first call a warm-up):
+    ``prefill_ms``, the median between CUDA events around the forward (the device's timeline:
+    kernels and the gaps where it waits for the host); ``prefill_wall_ms``, the median wall clock
+    with a synchronize after the forward; and on a GPU ``prefill_kernel_ms``, the kernels' own time
+    in one more forward (``torch.profiler``: the sum of its CUDA kernels' durations, what the
+    kernels did whatever the host did)."""
+    events, walls = [], []
     for _ in range(reps + 1):
         clock = Clock(device, 2)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
         clock.mark()
         model(input_ids=prompt, use_cache=True, logits_to_keep=1)
         clock.mark()
-        times.extend(clock.intervals_ms())
-    return statistics.median(times[1:])
+        events.extend(clock.intervals_ms())
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        walls.append((time.perf_counter() - start) * 1e3)
+    out = {"prefill_ms": statistics.median(events[1:]), "prefill_wall_ms": statistics.median(walls[1:])}
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            torch.cuda.synchronize()
+        kernels_us = sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in prof.events()
+                         if str(getattr(e, "device_type", "")).endswith("CUDA"))
+        out["prefill_kernel_ms"] = kernels_us / 1e3
+    return out
 
 
 def windows(ids: torch.Tensor, size: int) -> list[torch.Tensor]:

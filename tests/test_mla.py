@@ -660,3 +660,80 @@ def test_explain_names_the_kernel_and_its_settings(interpret):
     with tilefuse.force(variant="transposed"):
         forced = tilefuse.explain("flash_mla_with_kvcache", *inp.args())
     assert (forced.variant, forced.source) == ("transposed", "forced")
+
+
+# ----------------------------------------------------------------------------- the cache writers
+def test_fp8_layout_round_trip_and_bytes():
+    """mla_quantize_kv / mla_dequantize_kv: 656 bytes per token (512 e4m3, 4 fp32 scales, 64 bf16
+    RoPE); dequantized within e4m3's rounding: half an ulp, 2^-4 relative for normal codes, and
+    2^-10 of the group's scale for subnormal ones; the RoPE part exact in bf16; FlashMLA's
+    float8_e4m3fn view of the bytes read alike; an all-zero group exact."""
+    from tilefuse.ops.mla.reference import FP8_KV_BYTES
+
+    x = torch.randn(7, 3, 576) * torch.logspace(-3, 3, 7)[:, None, None]
+    x[0, 0, 128:256] = 0.0
+    packed = tilefuse.mla_quantize_kv(x)
+    assert packed.shape == (7, 3, FP8_KV_BYTES) and packed.dtype == torch.uint8
+    scales = packed[..., 512:528].contiguous().view(torch.float32)
+    groups = x[..., :512].reshape(7, 3, 4, 128)
+    expect = torch.where(groups.abs().amax(-1) > 0, groups.abs().amax(-1) / 448, torch.ones(()))
+    assert torch.equal(scales, expect) and scales[0, 0, 1] == 1.0
+    assert torch.equal(packed[..., 528:].contiguous().view(torch.bfloat16), x[..., 512:].bfloat16())
+    back = tilefuse.mla_dequantize_kv(packed, torch.float32)
+    err = (back[..., :512] - x[..., :512]).abs().reshape(7, 3, 4, 128)
+    bound = torch.maximum(groups.abs() * 2 ** -4, scales[..., None] * 2 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all()
+    assert (back[0, 0, 128:256] == 0).all()
+    assert torch.equal(tilefuse.mla_dequantize_kv(packed.view(torch.float8_e4m3fn), torch.float32), back)
+    assert tilefuse.mla_dequantize_kv(packed).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda: tilefuse.mla_quantize_kv(torch.randn(3, 512)), r"latent: expected \[\.\.\., 576\]"),
+    (lambda: tilefuse.mla_quantize_kv(torch.full((2, 576), float("inf"))), "latent: expected finite"),
+    (lambda: tilefuse.mla_quantize_kv(torch.zeros(2, 576, dtype=torch.int32)), "latent: expected dtype"),
+    (lambda: tilefuse.mla_dequantize_kv(torch.zeros(2, 576, dtype=torch.uint8)), r"k_cache: expected \[\.\.\., 656\]"),
+    (lambda: tilefuse.mla_dequantize_kv(torch.zeros(2, 656, dtype=torch.uint8), torch.int8), "dtype: expected"),
+])
+def test_fp8_layout_errors(bad, match):
+    with pytest.raises(ValueError, match=match):
+        bad()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_scatter_kv_into_pages(interpret, backend, fp8):
+    """mla_scatter_kv: each token's latent lands in its slot (page * page_size + offset) of a bf16
+    (fp16 in the interpreter) or FP8 cache; -1 slots and slots past the cache are skipped (the
+    debug check refuses the latter); nothing else changes."""
+    page, blocks = 16, 4
+    width = 656 if fp8 else 576
+    dtype = torch.uint8 if fp8 else torch.float16
+    cache = torch.randint(0, 255, (blocks, page, 1, width), dtype=torch.uint8).to(dtype).to(interpret)
+    before = cache.clone()
+    latent = torch.randn(6, 576).to(torch.float16).to(interpret)
+    slots = torch.tensor([3, -1, 17, 63, 40, blocks * page + 5], dtype=torch.int64, device=interpret)
+    with tilefuse.force(backend=backend):
+        tilefuse.mla_scatter_kv(latent, cache, slots, check_contents=False)
+    rows, old = cache.view(-1, width), before.view(-1, width)
+    want = tilefuse.mla_quantize_kv(latent) if fp8 else latent
+    for t, slot in enumerate(slots.tolist()):
+        if 0 <= slot < rows.shape[0]:
+            assert torch.equal(rows[slot], want[t]), (t, slot)
+    untouched = torch.ones(rows.shape[0], dtype=torch.bool)
+    untouched[[3, 17, 63, 40]] = False
+    assert torch.equal(rows[untouched.to(rows.device)], old[untouched.to(rows.device)])
+    with pytest.raises(ValueError, match=r"slot_mapping: expected slots in \[0, 64\) or -1"):
+        tilefuse.mla_scatter_kv(latent, cache, slots, check_contents=True)
+    with pytest.raises(ValueError, match="k_cache: expected"):
+        tilefuse.mla_scatter_kv(latent, cache[..., :100], slots)
+
+
+def test_fp8_cache_decodes_through_its_dequantized_form(interpret):
+    """A paged FP8 cache, dequantized, is what flash_mla_with_kvcache decodes: the same outputs as
+    the fp64 reference on the dequantized cache (the FP8 kernel itself is not written yet)."""
+    inp = make_case([70, 5], 1, 16, torch.float16, interpret, page_size=32, nan_tail=False)
+    packed = tilefuse.mla_quantize_kv(inp.k_cache)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.float16)
+    out, lse = _run(inp, True, 4)
+    _check(out, lse, inp, True)

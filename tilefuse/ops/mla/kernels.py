@@ -413,3 +413,20 @@ def mla_combine_kernel(
                  (acc / t_safe).to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
                  tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
+
+
+@triton.jit
+def mla_scatter_rows_kernel(
+    src_ptr, slot_ptr, dst_ptr,                 # [T, WIDTH] rows; [T] slots; [num_rows, WIDTH] cache rows
+    num_rows,
+    WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``dst[slot[t]] = src[t]`` for every token t with ``0 <= slot[t] < num_rows`` (one program
+    per token; -1 marks a token to skip, vLLM's convention): the cache write of a decode step,
+    HBM -> HBM, without a host-side filter of the skipped tokens."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if (slot >= 0) & (slot < num_rows):
+        offs = tl.arange(0, BLOCK)
+        row = tl.load(src_ptr + t.to(tl.int64) * WIDTH + offs, mask=offs < WIDTH)
+        tl.store(dst_ptr + slot * WIDTH + offs, row, mask=offs < WIDTH)

@@ -487,3 +487,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     if forced and forced != variant:
         source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU, pages of 64)"
     return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))
+
+
+# the cache writers (FP8 layout, paged scatter) are part of the family's public surface
+from tilefuse.ops.mla.kv import mla_dequantize_kv, mla_quantize_kv, mla_scatter_kv  # noqa: E402, F401

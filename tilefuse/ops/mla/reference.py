@@ -89,3 +89,50 @@ def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
         out[i] = o.reshape(s_q, h_q, head_dim_v)
         lse[i] = row_lse.reshape(h_q, s_q).to(lse_dtype)
     return out.to(out_dtype or q.dtype), lse
+
+
+# ----------------------------------------------------------------------------- FP8 latent cache
+# FlashMLA's FP8 layout (DeepSeek-V3.2): 656 bytes per token = the 512 latent ("NoPE") values as
+# e4m3, 4 fp32 scales (one per 128 values: value = e4m3 x scale), then the 64 RoPE values as
+# bf16, unquantized. FlashMLA holds it as a float8_e4m3fn tensor [..., 656] (the bytes viewed as
+# e4m3); tilefuse takes that or uint8.
+FP8_KV_BYTES = 656
+FP8_GROUP = 128
+FP8_MAX = 448.0       # the largest finite e4m3 value
+
+
+def quantize_kv_reference(latent: torch.Tensor) -> torch.Tensor:
+    """``latent [..., 576]`` (fp32 / bf16 / fp16) -> ``[..., 656]`` uint8 in the FP8 layout: per
+    group of 128 latent values ``scale = amax / 448`` (fp32; 1 for an all-zero group, whose codes
+    are then 0), codes ``e4m3(x / scale)`` (round to nearest), the RoPE part rounded to bf16.
+    Non-finite latent values raise ``ValueError`` (a scale of inf or NaN would poison the group)."""
+    if latent.shape[-1] != HEAD_DIM:
+        raise ValueError(f"latent: expected [..., {HEAD_DIM}] (512 latent + 64 RoPE), got shape {tuple(latent.shape)}")
+    x = latent.float()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("latent: expected finite values (an inf or NaN makes its group's FP8 scale meaningless)")
+    lead = x.shape[:-1]
+    groups = x[..., :HEAD_DIM_V].reshape(*lead, HEAD_DIM_V // FP8_GROUP, FP8_GROUP)
+    amax = groups.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    codes = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    rope = x[..., HEAD_DIM_V:].to(torch.bfloat16)
+    return torch.cat([codes.reshape(*lead, HEAD_DIM_V).view(torch.uint8),
+                      scale.contiguous().view(torch.uint8).reshape(*lead, 4 * 4),
+                      rope.contiguous().view(torch.uint8).reshape(*lead, 2 * (HEAD_DIM - HEAD_DIM_V))], dim=-1)
+
+
+def dequantize_kv_reference(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[..., 656]`` (uint8, or float8_e4m3fn as FlashMLA holds it) -> ``[..., 576]`` in
+    ``dtype``: ``e4m3 x scale`` per 128-value group (in fp32, then rounded to ``dtype``), the RoPE
+    part as stored (bf16)."""
+    if packed.shape[-1] != FP8_KV_BYTES or packed.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"k_cache: expected [..., {FP8_KV_BYTES}] uint8 or float8_e4m3fn (FlashMLA's FP8 layout), "
+                         f"got {packed.dtype} of shape {tuple(packed.shape)}")
+    raw = packed.view(torch.uint8) if packed.dtype != torch.uint8 else packed
+    lead = raw.shape[:-1]
+    codes = raw[..., :HEAD_DIM_V].contiguous().view(torch.float8_e4m3fn).float()
+    scale = raw[..., HEAD_DIM_V:HEAD_DIM_V + 16].contiguous().view(torch.float32)
+    rope = raw[..., HEAD_DIM_V + 16:].contiguous().view(torch.bfloat16).float()
+    nope = (codes.reshape(*lead, HEAD_DIM_V // FP8_GROUP, FP8_GROUP) * scale[..., None]).reshape(*lead, HEAD_DIM_V)
+    return torch.cat([nope, rope], dim=-1).to(dtype)

@@ -1,0 +1,152 @@
+"""Writing the latent cache: FlashMLA's FP8 layout and the paged scatter a serving engine needs.
+
+* :func:`mla_quantize_kv` -- ``latent [T, 576]`` -> ``[T, 656]`` uint8 in the FP8 layout
+  (``reference.quantize_kv_reference``: 512 e4m3 values, 4 fp32 scales, 64 bf16 RoPE values).
+* :func:`mla_dequantize_kv` -- the layout back to ``[..., 576]`` in a floating dtype: a bf16 cache
+  that :func:`tilefuse.flash_mla_with_kvcache` decodes (its FP8 kernel is not written yet).
+* :func:`mla_scatter_kv` -- ``latent [T, 576]`` into a paged cache at ``slot_mapping [T]``
+  (``slot = page * page_size + offset``, -1 skipped, vLLM's convention), a bf16 / fp16 cache
+  ``[num_blocks, page, 1, 576]`` as it is, an FP8 one ``[num_blocks, page, 1, 656]`` quantized.
+
+Each is a PyTorch custom op (``torch.compile`` and CUDA graphs see through them). The
+quantization is a few elementwise PyTorch kernels (no host sync); the scatter is one Triton
+kernel (``kernels.mla_scatter_rows_kernel``: a program per token, skipped slots skipped on the
+device), PyTorch indexing on the reference backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tilefuse import _checks, _launch
+from tilefuse._backend import choose_backend
+from tilefuse._library import tilefuse_op, use_dispatcher
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, PAGE_SIZES, dequantize_kv_reference,
+                                        quantize_kv_reference)
+
+LATENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+def _quantize_fake(latent):
+    return latent.new_empty(*latent.shape[:-1], FP8_KV_BYTES, dtype=torch.uint8)
+
+
+@tilefuse_op("mla_quantize_kv", fake=_quantize_fake)
+def _quantize_op(latent: torch.Tensor) -> torch.Tensor:
+    return quantize_kv_reference(latent)
+
+
+def mla_quantize_kv(latent: torch.Tensor) -> torch.Tensor:
+    """``latent [..., 576]`` fp32 / bf16 / fp16 (512 latent + 64 RoPE values per token) ->
+    ``[..., 656]`` uint8 in FlashMLA's FP8 layout (module docstring). Values must be finite."""
+    _checks.check_tensor("latent", latent, dtypes=LATENT_DTYPES)
+    if latent.dim() < 1 or latent.shape[-1] != HEAD_DIM:
+        raise ValueError(f"latent: expected [..., {HEAD_DIM}] (512 latent + 64 RoPE), got shape {tuple(latent.shape)}")
+    return _quantize_op(latent) if use_dispatcher(latent) else quantize_kv_reference(latent)
+
+
+def _dequantize_fake(packed, dtype):
+    return packed.new_empty(*packed.shape[:-1], HEAD_DIM, dtype=dtype)
+
+
+@tilefuse_op("mla_dequantize_kv", fake=_dequantize_fake)
+def _dequantize_op(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_kv_reference(packed, dtype)
+
+
+def mla_dequantize_kv(k_cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``k_cache [..., 656]`` (uint8, or float8_e4m3fn as FlashMLA holds it) -> ``[..., 576]`` in
+    ``dtype`` (bf16 by default): ``e4m3 x scale`` per group of 128, the RoPE part as stored. On a
+    paged cache ``[num_blocks, page, 1, 656]`` it gives the ``[num_blocks, page, 1, 576]`` cache
+    ``flash_mla_with_kvcache`` takes, with the same block table."""
+    _checks.check_tensor("k_cache", k_cache, dtypes=FP8_CACHE_DTYPES)
+    if k_cache.dim() < 1 or k_cache.shape[-1] != FP8_KV_BYTES:
+        raise ValueError(f"k_cache: expected [..., {FP8_KV_BYTES}] (FlashMLA's FP8 layout), got shape "
+                         f"{tuple(k_cache.shape)}")
+    if dtype not in LATENT_DTYPES:
+        raise ValueError(f"dtype: expected one of {LATENT_DTYPES}, got {dtype!r}")
+    return _dequantize_op(k_cache, dtype) if use_dispatcher(k_cache) else dequantize_kv_reference(k_cache, dtype)
+
+
+def _scatter_fake(latent, k_cache, slot_mapping):
+    return None
+
+
+@tilefuse_op("mla_scatter_kv", fake=_scatter_fake, mutates_args=("k_cache",))
+def _scatter_op(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _scatter(latent, k_cache, slot_mapping)
+
+
+def _scatter(latent, k_cache, slot_mapping) -> None:
+    rows = k_cache.view(-1, k_cache.shape[-1])
+    fp8 = k_cache.shape[-1] == FP8_KV_BYTES
+    values = quantize_kv_reference(latent) if fp8 else latent.to(k_cache.dtype)
+    if fp8 and k_cache.dtype != torch.uint8:
+        values = values.view(k_cache.dtype)
+    values = values.contiguous()
+    if choose_backend(latent.device) == "triton":
+        # one program per token: slots < 0 (and past the cache) skipped on the device, no host sync
+        width = rows.shape[1]
+        block = 1 << (width - 1).bit_length()
+        slots = slot_mapping.contiguous()
+        key = (latent.device, rows.dtype, slots.dtype, width)
+        _scatter_kernel().launch(key, (slots.shape[0], 1, 1), latent.device.index, (values, slots, rows),
+                                 (rows.shape[0],), dict(WIDTH=width, BLOCK=block, num_warps=4))
+    else:
+        keep = (slot_mapping >= 0) & (slot_mapping < rows.shape[0])
+        rows[slot_mapping[keep].long()] = values[keep]
+
+
+@functools.cache
+def _scatter_kernel():
+    from tilefuse.ops.mla import kernels
+
+    return _launch.Kernel(kernels.mla_scatter_rows_kernel)
+
+
+def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   *, check_contents: bool | None = None) -> None:
+    """Write ``latent [T, 576]`` into ``k_cache`` at ``slot_mapping [T]`` (int32 / int64, ``page *
+    page_size + offset``; -1: skip the token), in place.
+
+    ``k_cache``: ``[num_blocks, page, 1, 576]`` in a floating dtype (the latent rounded to it), or
+    ``[num_blocks, page, 1, 656]`` uint8 / float8_e4m3fn (quantized, :func:`mla_quantize_kv`);
+    contiguous, on ``latent``'s device, ``page`` in 16-256. ``check_contents`` (default
+    ``TILEFUSE_DEBUG``) reads the slots back and refuses one past the cache (a host sync);
+    without it such a token is skipped, as a -1 is."""
+    _checks.check_tensor("latent", latent, dtypes=LATENT_DTYPES, ndim=2)
+    if latent.shape[1] != HEAD_DIM:
+        raise ValueError(f"latent: expected [T, {HEAD_DIM}], got shape {tuple(latent.shape)}")
+    _checks.check_tensor("k_cache", k_cache, ndim=4)
+    width = k_cache.shape[-1]
+    if width == FP8_KV_BYTES:
+        if k_cache.dtype not in FP8_CACHE_DTYPES:
+            raise ValueError(f"k_cache: an FP8 cache [.., {FP8_KV_BYTES}] must be uint8 or float8_e4m3fn, got "
+                             f"{k_cache.dtype}")
+    elif width != HEAD_DIM or k_cache.dtype not in LATENT_DTYPES:
+        raise ValueError(f"k_cache: expected [num_blocks, page, 1, {HEAD_DIM}] bf16/fp16/fp32 or [num_blocks, page, 1, "
+                         f"{FP8_KV_BYTES}] uint8/float8_e4m3fn, got {k_cache.dtype} of shape {tuple(k_cache.shape)}")
+    if k_cache.shape[1] not in PAGE_SIZES or k_cache.shape[2] != 1:
+        raise ValueError(f"k_cache: expected [num_blocks, page, 1, {width}] with page in {PAGE_SIZES}, got shape "
+                         f"{tuple(k_cache.shape)}")
+    _checks.check_contiguous("k_cache", k_cache)
+    _checks.check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=1)
+    if slot_mapping.shape[0] != latent.shape[0]:
+        raise ValueError(f"slot_mapping: expected [T={latent.shape[0]}] like latent, got shape "
+                         f"{tuple(slot_mapping.shape)}")
+    _checks.check_same_device(latent=latent, k_cache=k_cache, slot_mapping=slot_mapping)
+    from tilefuse import _env
+
+    if (_env.settings.debug if check_contents is None else check_contents) and slot_mapping.numel() \
+            and not _checks.contents_unreadable(slot_mapping):
+        top = k_cache.shape[0] * k_cache.shape[1]
+        if int(slot_mapping.max()) >= top or int(slot_mapping.min()) < -1:
+            raise ValueError(f"slot_mapping: expected slots in [0, {top}) or -1, got "
+                             f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
+    if use_dispatcher(latent):
+        _scatter_op(latent, k_cache, slot_mapping)
+    else:
+        _scatter(latent, k_cache, slot_mapping)

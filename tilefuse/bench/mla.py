@@ -42,14 +42,14 @@ H20 = {"tflops": 148.0, "tbps": 4.0}
 _CACHE: dict = {}
 
 
-def _cache(batch: int, max_len: int, device, dtype):
-    """One shared paged cache per (batch, context): consecutive cases reuse it."""
-    key = (batch, max_len, str(device), dtype)
+def _cache(batch: int, max_len: int, device, dtype, page: int = 64):
+    """One shared paged cache per (batch, context, page size): consecutive cases reuse it."""
+    key = (batch, max_len, str(device), dtype, page)
     if key not in _CACHE:
         _CACHE.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        _CACHE[key] = paged_cache([max_len] * batch, dtype, device, nan_tail=False)
+        _CACHE[key] = paged_cache([max_len] * batch, dtype, device, nan_tail=False, page_size=page)
     return _CACHE[key]
 
 
@@ -123,8 +123,9 @@ def _attention_impls(lib, name: str, q, k_cache, block_table, lens, rows: int) -
 
 
 def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, mixed: bool = False,
-             naive: bool = True, accuracy: bool = False) -> Case:
-    """One case: ``batch`` requests of ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens."""
+             naive: bool = True, accuracy: bool = False, page: int = 64, label: str | None = None) -> Case:
+    """One case: ``batch`` requests of ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens,
+    cache pages of ``page`` tokens (FlashMLA runs only at 64); ``label`` names a length mix."""
     import tilefuse
 
     flops, nbytes = flops_bytes(seqlens, s_q, h_q)
@@ -132,11 +133,15 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
     rows = s_q * h_q
     params = {"batch": batch, "h_q": h_q, "s_q": s_q, "context": ctx if not mixed else f"mixed<={ctx}",
               "dtype": str(dtype).replace("torch.", "")}
+    if page != 64:
+        params["page"] = page
+    if label:
+        params["lengths"] = label
 
     state = {}
 
     def setup():
-        k_cache, block_table = _cache(batch, ctx, device, dtype)
+        k_cache, block_table = _cache(batch, ctx, device, dtype, page)
         q = torch.randn(batch, s_q, h_q, 576, device=device, dtype=dtype)
         lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
         state.update(q=q, lens=lens)
@@ -159,7 +164,7 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
             impls["tilefuse:seesaw"] = forced("seesaw")
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
-        if device.type == "cuda":   # peer builds, only where present (never built by tilefuse)
+        if device.type == "cuda" and page == 64:   # peer builds, only where present (never built by tilefuse)
             for name, module in flashmla_peers().items():
                 impls.update(_attention_impls(module, name, q, k_cache, block_table, lens, rows))
         return impls
@@ -169,7 +174,7 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
         from tilefuse.ops.mla.reference import mla_decode_reference
         from tilefuse.testing.compare import cos_diff
 
-        k_cache, block_table = _cache(batch, ctx, device, dtype)
+        k_cache, block_table = _cache(batch, ctx, device, dtype, page)
         ro, rl = mla_decode_reference(state["q"], k_cache, block_table, state["lens"], 512, causal=True,
                                       compute_dtype=torch.float64)
         result = {}
@@ -186,8 +191,9 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
 
 def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
     """The grid above on a GPU (quick: batch 16/64 x 16/128 heads x 4K/64K, s_q 1), then mixed
-    lengths, s_q 3-4 at 16 heads with uneven lengths, batch 128 at 1K, 32 and 64 heads at 16K; tiny
-    cases on a CPU. ``subset`` (an ``--only`` run) changes nothing here."""
+    lengths, s_q 3-4 at 16 heads with uneven lengths, batch 128 at 1K, 32 and 64 heads at 16K, the
+    serving mixes (:func:`serving_cases`) and pages of 16, 32 and 128 tokens; tiny cases on a CPU.
+    ``subset`` (an ``--only`` run) changes nothing here."""
     dtype = torch.bfloat16
     if device.type != "cuda":
         # CPU: the reference path on tiny shapes, to check the pipeline anywhere.
@@ -224,7 +230,25 @@ def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]
         out.append(mla_case(128, h_q, 1, [1024] * 128, device, dtype, naive=False))
     for h_q in (32, 64):
         out.append(mla_case(32, h_q, 1, [16384] * 32, device, dtype, naive=False))
+    out += serving_cases(device, dtype)
+    # cache pages other than FlashMLA's 64 (vLLM's 16; 32, 128): tilefuse against itself at 64
+    for page in (16, 32, 128):
+        out.append(mla_case(16, 16, 1, [4096] * 16, device, dtype, naive=False, page=page))
     return out
+
+
+def serving_cases(device, dtype) -> list[Case]:
+    """Length mixes a server sees, where one long request shares the batch with short ones (the
+    split schedule's hard case) and 96 query rows per KV head (24 heads x 4 tokens)."""
+    gen = torch.Generator().manual_seed(1)
+    mixed96 = torch.randint(1, 20000, (96,), generator=gen).tolist()
+    mixed96[0] = 70000
+    specs = [(3, 8, 4, [1, 300, 70000], "1,300,70000"), (4, 24, 4, [1, 300, 70000, 4097], "1,300,70000,4097"),
+             (3, 24, 1, [70000, 4097, 300], "70000,4097,300"), (96, 8, 4, mixed96, "uniform 1-20000, one 70000"),
+             (96, 24, 1, mixed96, "uniform 1-20000, one 70000"), (96, 24, 4, mixed96, "uniform 1-20000, one 70000"),
+             (64, 16, 2, [8192] * 64, "8192 each"), (32, 128, 1, [32768] * 32, "32768 each")]
+    return [mla_case(b, h, sq, lens, device, dtype, mixed=True, naive=False, label=label)
+            for b, h, sq, lens, label in specs]
 
 
 # ----------------------------------------------------------------------------- summary

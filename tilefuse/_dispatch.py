@@ -211,13 +211,13 @@ def explain(op, *args, **kwargs) -> Choice:
     """Which path ``op(*args, **kwargs)`` takes and why, without running it.
 
     ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.vq_matmul``,
-    ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU lists every candidate with its
-    predicted time; VQ and MLA report their measured rules (no cost model there yet).
+    ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU and VQ list every candidate with its
+    predicted time; MLA reports its measured rule (no cost model there yet).
 
     >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))
-    swiglu {'M': 1, 'H': 7168, 'I': 2048, 'dtype': 'bfloat16', 'device': 'cuda:0'}: unfused (cost model)
-      * unfused       27.6 us  -- cuBLAS GEMM on [2I, H] + one SiLU*mul pass
-        small_m       33.9 us  SmallMConfig(...)
+    swiglu {'M': 333, 'H': 7168, 'I': 2048}: unfused (cost model)
+      * unfused       51.2 us  -- cuBLAS GEMM on [2I, H] + one SiLU*mul pass
+        large_m       91.1 us  LargeMConfig(...)
     """
     from tilefuse._registry import FAMILIES
 

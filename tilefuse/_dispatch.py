@@ -214,10 +214,10 @@ def explain(op, *args, **kwargs) -> Choice:
     ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU and VQ list every candidate with its
     predicted time; MLA reports its measured rule (no cost model there yet).
 
-    >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))
-    swiglu {'M': 333, 'H': 7168, 'I': 2048}: unfused (cost model)
-      * unfused       51.2 us  -- cuBLAS GEMM on [2I, H] + one SiLU*mul pass
-        large_m       91.1 us  LargeMConfig(...)
+    >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))      # x: [333, 7168] on an H200
+    swiglu {'M': 333, 'H': 7168, 'I': 2048, 'dtype': 'bfloat16', 'device': 'cuda:0'}: unfused (cost model)
+        large_m         91.1 us  LargeMConfig(...)
+      * unfused         40.4 us    -- cuBLAS GEMM on [2I, H] + one SiLU*mul pass
     """
     from tilefuse._registry import FAMILIES
 

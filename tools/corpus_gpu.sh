@@ -7,6 +7,9 @@
 #   bash tools/corpus_gpu.sh corpus     # tilefuse bench corpus --quick (about 3 minutes)
 #   bash tools/corpus_gpu.sh tune       # tilefuse tune on the calibration shapes below, one shape per
 #                                       # call merged into OUT/tuned.json, so a cut-short run keeps them
+#   bash tools/corpus_gpu.sh heldout    # tilefuse tune on the held-out models (TP 1 and 8) into
+#                                       # OUT/heldout.json (not read by the dispatch), then
+#                                       # tools/dispatch_check.py: the shipped dispatch against it
 #
 # Run from the repository root on the GPU machine (the package importable, e.g. `pip install -e .`).
 set -uo pipefail
@@ -27,6 +30,12 @@ for what in "$@"; do
         for s in $TUNE_SHAPES; do
             tilefuse tune --shapes "$s" --rep-ms 10 --out "$out/tuned.json" 2>> "$out/tune.err" | tail -n 1
         done ;;
-    *) echo "tools/corpus_gpu.sh: unknown step $what (tests|corpus|tune)" >&2; exit 2 ;;
+    heldout)
+        for model in phi4-14b glm4.5 llama3.2-3b mistral-nemo-12b; do
+            tilefuse tune --model-type "$model" --tp 1,8 --rep-ms 10 --out "$out/heldout.json" \
+                2>> "$out/heldout.err" | tail -n 1
+        done
+        python3 tools/dispatch_check.py "$out/heldout.json" --json "$out/heldout-check.json" | tail -n 30 ;;
+    *) echo "tools/corpus_gpu.sh: unknown step $what (tests|corpus|tune|heldout)" >&2; exit 2 ;;
     esac
 done

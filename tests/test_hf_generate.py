@@ -75,7 +75,26 @@ def test_deepseek_stock_and_patched_mla_equal_model_generate():
     assert torch.equal(tilefuse.hf.generate(stock, ids, 8, attention_mask=mask, eos_token_id=None), want)
     gen = tilefuse.hf.generate(patched, ids, 8, attention_mask=mask, eos_token_id=None)
     assert torch.equal(gen, want)
-    assert decode._GENERATORS[patched] and all(g.paged for g in decode._GENERATORS[patched].values())
+    assert patched._tilefuse_generators and all(g.paged for g in patched._tilefuse_generators.values())
+
+
+def test_generators_are_shared_by_nearby_lengths_and_few_are_kept():
+    """Calls whose prompt + new tokens round to the same cache length share one generator (its
+    cache and graph); at most GENERATORS_PER_MODEL are kept, the least recently used dropped."""
+    model = tiny()
+    ids = torch.randint(3, VOCAB, (2, 20))
+    tilefuse.hf.generate(model, ids, 5, eos_token_id=None)
+    tilefuse.hf.generate(model, ids[:, :9], 30, eos_token_id=None)
+    assert len(model._tilefuse_generators) == 1
+    first = next(iter(model._tilefuse_generators.values()))
+    assert first.max_len == decode.CAPACITY_STEP
+    for batch in (3, 4, 5):
+        tilefuse.hf.generate(model, torch.randint(3, VOCAB, (batch, 8)), 4, eos_token_id=None)
+    kept = model._tilefuse_generators
+    assert len(kept) == decode.GENERATORS_PER_MODEL and [k[0] for k in kept] == [4, 5]
+    long = torch.randint(3, VOCAB, (2, decode.CAPACITY_STEP))
+    assert tilefuse.hf.generate(model, long, 3, eos_token_id=None).shape == (2, decode.CAPACITY_STEP + 3)
+    assert max(g.max_len for g in kept.values()) == 2 * decode.CAPACITY_STEP
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
@@ -150,7 +169,7 @@ def test_gpu_captured_loop_equals_the_uncaptured_one_without_host_sync(dtype):
     assert torch.equal(graphed, plain)
     if dtype == torch.float32:
         assert torch.equal(graphed, stock_generate(model, ids, mask, 24, eos_token_id=None))
-    gen = next(g for k, g in decode._GENERATORS[model].items() if k[-1])
+    gen = next(g for k, g in model._tilefuse_generators.items() if k[-1])
     assert gen.graph is not None
     with torch.no_grad():
         gen.prefill(ids, mask)          # then replays within the cache's length, as run() issues them

@@ -30,12 +30,12 @@ Without CUDA the same loop runs step by step, uncaptured (what the CPU tests che
 from __future__ import annotations
 
 import inspect
-import weakref
 
 import torch
 
-_GENERATORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # model -> {key: Generator}
 MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+CAPACITY_STEP = 256             # generators' cache lengths, in steps of this many tokens
+GENERATORS_PER_MODEL = 2        # the most recently used (batch, length, sampling) settings kept
 
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
@@ -104,13 +104,28 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
 
     batch, prompt_len = input_ids.shape
     sampling = (float(temperature), top_k, top_p) if do_sample else None
-    key = (batch, prompt_len + max_new_tokens, sampling, tuple(eos), pad, capture)
-    per_model = _GENERATORS.setdefault(model, {})
-    gen = per_model.get(key)
+    # the cache's length rounded up, so that calls of nearby lengths share one generator (its
+    # cache and graph); the capture's warm-up steps need room beyond the prompt too
+    needed = prompt_len + max(max_new_tokens, Generator.WARMUP_STEPS + 1)
+    capacity = -(-needed // CAPACITY_STEP) * CAPACITY_STEP
+    key = (batch, capacity, sampling, tuple(eos), pad, capture)
+    per_model = _generators(model)
+    gen = per_model.pop(key, None)
     if gen is None:
-        gen = per_model[key] = Generator(model, batch, prompt_len + max_new_tokens, sampling=sampling, eos=eos,
-                                         pad=pad, capture=capture)
+        while len(per_model) >= GENERATORS_PER_MODEL:      # each holds a whole cache: keep few
+            per_model.pop(next(iter(per_model)))
+        gen = Generator(model, batch, capacity, sampling=sampling, eos=eos, pad=pad, capture=capture)
+    per_model[key] = gen                                     # most recent last
     return gen.run(input_ids, attention_mask, max_new_tokens, seed=seed, check_every=check_every)
+
+
+def _generators(model) -> dict:
+    """The generators kept for ``model`` (insertion order: least recently used first), on the
+    model itself so that they live and die with it."""
+    found = model.__dict__.get("_tilefuse_generators")
+    if found is None:
+        found = model.__dict__["_tilefuse_generators"] = {}
+    return found
 
 
 class Generator:
@@ -118,8 +133,10 @@ class Generator:
     :meth:`prefill`, :meth:`step` (the captured body), :meth:`run`. ``tilefuse.hf.generate``
     keeps one per model and setting; the benchmark drives one directly (``on_token``)."""
 
+    WARMUP_STEPS = 3
+
     def __init__(self, model, batch: int, max_len: int, *, sampling=None, eos=(), pad: int = 0,
-                 capture: bool = False, warmup_steps: int = 3):
+                 capture: bool = False, warmup_steps: int = WARMUP_STEPS):
         self.model, self.batch, self.max_len = model, batch, max_len
         self.sampling, self.pad, self.capture, self.warmup_steps = sampling, pad, capture, warmup_steps
         device = next(model.parameters()).device

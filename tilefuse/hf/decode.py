@@ -168,12 +168,11 @@ class Generator:
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token [batch] from the last position's logits [batch, vocab], EOS applied."""
-        logits = logits.float()
         if self.sampling is None:
-            tok = logits.argmax(-1)
+            tok = logits.argmax(-1)             # in the logits' dtype: the same pick, no cast pass
         else:
             temperature, top_k, top_p = self.sampling
-            x = logits / temperature
+            x = logits.float() / temperature
             if top_k is not None and top_k < x.shape[-1]:
                 kth = torch.topk(x, top_k, dim=-1).values[:, -1:]
                 x = x.masked_fill(x < kth, float("-inf"))

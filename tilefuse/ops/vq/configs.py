@@ -218,15 +218,19 @@ MARGIN = 0.10
 def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None = None) -> float | None:
     """Predicted graph-replay time (us) of ``variant`` on ``x [m, k] @ W[n, k]^T``, fp16/bf16, on
     ``chip`` (``_dispatch.Chip``); None where the variant does not take ``m`` tokens (decode
-    above 2, mma above 16, the WGMMA prefill above ``PREFILL_MAX_TOKENS`` or K not a multiple of
-    64)."""
+    above 2 or with an odd number of 8-wide groups, mma above 16, the WGMMA prefill above
+    ``PREFILL_MAX_TOKENS`` or K not a multiple of 64)."""
     from tilefuse import _dispatch
 
     bw = chip.copy_bytes_per_us
     c = COST[variant]
     codes = n * k / 4 / bw
     if variant == "decode":
-        return None if m > DECODE_SWITCH_TOKENS else c["fixed"] + c["codes"] * codes + c["mma"] * m * n * k / 1e6
+        # the resident table decode only (an even number of 8-wide groups): the gather form that
+        # serves odd K/8 plans its launch on every call, tens of microseconds of host time
+        if m > DECODE_SWITCH_TOKENS or (k // 8) % 2:
+            return None
+        return c["fixed"] + c["codes"] * codes + c["mma"] * m * n * k / 1e6
     if variant == "mma":
         return None if m > MMA_SWITCH_TOKENS else c["fixed"] + c["mma"] * 16 * _cdiv(m, 16) * n * k / 1e6
     if variant == "prefill":

@@ -412,3 +412,15 @@ def test_gpu_graph_capture_and_saturation(variant):
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     check_quantized(q, s, ref, frac=0.05, slack=accumulation_bound(case, torch.arange(64, device="cuda")))
     assert swiglu_fp8_reference(*case.args(), out_dtype=FP8)[1].shape == s.shape
+
+
+def test_explain_names_the_measured_rule(interpret):
+    """tilefuse.explain(tilefuse.swiglu_fp8, ...): the decode kernel up to DECODE_MAX_M rows, the
+    tl kernel above (no Gluon in the interpreter), a pinned variant as forced."""
+    for m, variant in ((3, "decode"), (configs.DECODE_MAX_M + 1, "tl")):
+        case = make_fp8_case(m, 128, 256, interpret)
+        choice = tilefuse.explain(tilefuse.swiglu_fp8, *case.args(), out_dtype=FP8)
+        assert (choice.family, choice.variant) == ("swiglu_fp8", variant), str(choice)
+        assert choice.source.startswith("measured rule") and choice.problem["M"] == m
+    with tilefuse.force(variant="tl", family="swiglu_fp8"):
+        assert tilefuse.explain("swiglu_fp8", *case.args()).source == "forced"

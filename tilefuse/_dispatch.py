@@ -210,9 +210,10 @@ class Choice:
 def explain(op, *args, **kwargs) -> Choice:
     """Which path ``op(*args, **kwargs)`` takes and why, without running it.
 
-    ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.vq_matmul``,
-    ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU and VQ list every candidate with its
-    predicted time; MLA reports its measured rule (no cost model there yet).
+    ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.swiglu_fp8``,
+    ``tilefuse.vq_matmul``, ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU and VQ list
+    every candidate with its predicted time; FP8 SwiGLU and MLA report their measured rules (no
+    cost model there yet).
 
     >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))      # x: [333, 7168] on an H200
     swiglu {'M': 333, 'H': 7168, 'I': 2048, 'dtype': 'bfloat16', 'device': 'cuda:0'}: unfused (cost model)

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from tilefuse import _checks, _launch, _scratch
+from tilefuse import _checks, _dispatch, _launch, _scratch
 from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
@@ -351,3 +351,31 @@ def swiglu_fp8(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor,
     else:
         out, scales = _run(call, x, x_scales, w_gate_up, w_scales, out_dtype)
     return (out, scales) if call.quant else out
+
+
+def explain(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor, w_scales: torch.Tensor, *,
+            out_dtype: torch.dtype = torch.bfloat16, **_) -> _dispatch.Choice:
+    """The kernel ``swiglu_fp8(x, x_scales, w_gate_up, w_scales, out_dtype=...)`` runs and why
+    (``tilefuse.explain``): the measured rule (the split-K decode kernel up to
+    ``configs.DECODE_MAX_M`` rows; above, ``configs.TUNED``'s pick per M bucket -- the Gluon
+    warp-specialized kernel where it runs and fills enough SMs, else the ``tl`` kernel). No cost
+    model weighs the unfused FP8 pipeline yet: the fused path measured 0.23-0.79x its time on
+    every shape of ``bench/results/swiglu_fp8-h200-quick.json``."""
+    call = _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype)
+    problem = {"M": call.m, "H": call.hidden, "I": call.inter, "out": str(out_dtype).removeprefix("torch."),
+               "device": str(x.device)}
+    if call.reference:
+        return _dispatch.Choice("swiglu_fp8", problem, "reference", None, "reference")
+    forced = forced_variant("swiglu_fp8")
+    if call.decode_config is not None:
+        variant, config = "decode", call.decode_config
+    elif call.ws_config is not None:
+        variant, config = "ws", call.ws_config
+    else:
+        variant, config = "tl", call.config
+    source = "forced" if forced else (f"measured rule (decode up to {configs.DECODE_MAX_M} rows, then "
+                                      f"configs.TUNED per M bucket)")
+    if forced and forced != variant:
+        source += f"; {forced} cannot run here (the Gluon kernel needs a Hopper GPU)"
+    return _dispatch.Choice("swiglu_fp8", problem, variant, config, source,
+                            (_dispatch.Candidate(variant, config, None),))

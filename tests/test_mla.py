@@ -665,9 +665,10 @@ def test_explain_names_the_kernel_and_its_settings(interpret):
 # ----------------------------------------------------------------------------- the cache writers
 def test_fp8_layout_round_trip_and_bytes():
     """mla_quantize_kv / mla_dequantize_kv: 656 bytes per token (512 e4m3, 4 fp32 scales, 64 bf16
-    RoPE); dequantized within e4m3's rounding: half an ulp, 2^-4 relative for normal codes, and
-    2^-10 of the group's scale for subnormal ones; the RoPE part exact in bf16; FlashMLA's
-    float8_e4m3fn view of the bytes read alike; an all-zero group exact."""
+    RoPE); power-of-two scales as FlashMLA quantizes; dequantized within e4m3's rounding: half an
+    ulp, 2^-4 relative for normal codes, and 2^-10 of the group's scale for subnormal ones; the
+    RoPE part exact in bf16; FlashMLA's float8_e4m3fn view of the bytes read alike; an all-zero
+    group exact."""
     from tilefuse.ops.mla.reference import FP8_KV_BYTES
 
     x = torch.randn(7, 3, 576) * torch.logspace(-3, 3, 7)[:, None, None]
@@ -676,8 +677,11 @@ def test_fp8_layout_round_trip_and_bytes():
     assert packed.shape == (7, 3, FP8_KV_BYTES) and packed.dtype == torch.uint8
     scales = packed[..., 512:528].contiguous().view(torch.float32)
     groups = x[..., :512].reshape(7, 3, 4, 128)
-    expect = torch.where(groups.abs().amax(-1) > 0, groups.abs().amax(-1) / 448, torch.ones(()))
-    assert torch.equal(scales, expect) and scales[0, 0, 1] == 1.0
+    # powers of two, the smallest >= amax / 448 (and >= 1e-4: 2^-13 for the zero group)
+    assert torch.equal(scales, torch.exp2(torch.round(torch.log2(scales))))
+    amax = groups.abs().amax(-1)
+    assert (scales >= amax / 448).all() and ((scales / 2 < amax / 448) | (scales == 2 ** -13)).all()
+    assert scales[0, 0, 1] == 2 ** -13
     assert torch.equal(packed[..., 528:].contiguous().view(torch.bfloat16), x[..., 512:].bfloat16())
     back = tilefuse.mla_dequantize_kv(packed, torch.float32)
     err = (back[..., :512] - x[..., :512]).abs().reshape(7, 3, 4, 128)

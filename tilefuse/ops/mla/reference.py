@@ -99,13 +99,16 @@ def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
 FP8_KV_BYTES = 656
 FP8_GROUP = 128
 FP8_MAX = 448.0       # the largest finite e4m3 value
+FP8_MIN_SCALE = 1e-4  # scales are at least this, rounded up to a power of two (2^-13)
 
 
 def quantize_kv_reference(latent: torch.Tensor) -> torch.Tensor:
     """``latent [..., 576]`` (fp32 / bf16 / fp16) -> ``[..., 656]`` uint8 in the FP8 layout: per
-    group of 128 latent values ``scale = amax / 448`` (fp32; 1 for an all-zero group, whose codes
-    are then 0), codes ``e4m3(x / scale)`` (round to nearest), the RoPE part rounded to bf16.
-    Non-finite latent values raise ``ValueError`` (a scale of inf or NaN would poison the group)."""
+    group of 128 latent values the scale is ``amax / 448`` rounded up to a power of two, at least
+    2^-13 (FlashMLA's and DeepSeek-V3.2's convention: a UE8M0-representable scale, so codes times
+    scale is exact), codes ``e4m3(x / scale)`` (round to nearest), the RoPE part rounded to
+    bf16. Non-finite latent values raise ``ValueError`` (a scale of inf or NaN would poison the
+    group)."""
     if latent.shape[-1] != HEAD_DIM:
         raise ValueError(f"latent: expected [..., {HEAD_DIM}] (512 latent + 64 RoPE), got shape {tuple(latent.shape)}")
     x = latent.float()
@@ -114,7 +117,7 @@ def quantize_kv_reference(latent: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     groups = x[..., :HEAD_DIM_V].reshape(*lead, HEAD_DIM_V // FP8_GROUP, FP8_GROUP)
     amax = groups.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax / FP8_MAX, FP8_MIN_SCALE))))
     codes = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     rope = x[..., HEAD_DIM_V:].to(torch.bfloat16)
     return torch.cat([codes.reshape(*lead, HEAD_DIM_V).view(torch.uint8),

@@ -741,3 +741,102 @@ def test_fp8_cache_decodes_through_its_dequantized_form(interpret):
     inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.float16)
     out, lse = _run(inp, True, 4)
     _check(out, lse, inp, True)
+
+
+# ----------------------------------------------------------------------------- FP8 and sparse decode
+def _slots(inp, i, tokens):
+    """Cache slots (page * page_size + offset) of request i's tokens."""
+    page = inp.k_cache.shape[1]
+    return [int(inp.block_table[i, t // page]) * page + t % page for t in tokens]
+
+
+def _sparse(inp, per_request, topk):
+    idx = torch.full((inp.q.shape[0], inp.q.shape[1], topk), -1, dtype=torch.int32)
+    for i, tokens in enumerate(per_request):
+        idx[i, :, :len(tokens)] = torch.tensor(_slots(inp, i, tokens), dtype=torch.int32)
+    return idx
+
+
+def test_sparse_decode_of_every_token_is_the_dense_decode():
+    """indices naming every token of each request (in any order, with -1 padding) give the dense
+    non-causal decode; NaN in the unselected slots never leaks."""
+    inp = make_case([40, 33], 1, 8, torch.float32, "cpu", page_size=16)
+    dense = mla_decode_reference(*inp.args(), 512, compute_dtype=torch.float64)
+    tokens = [list(range(40))[::-1], list(range(33))]
+    for topk in (40, 64):
+        idx = _sparse(inp, tokens, topk)
+        out, lse = tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, None, None, 512, None, None, indices=idx)
+        assert_close(out, dense[0].float(), atol=1e-5, rtol=1e-5)
+        assert_close(lse, dense[1].float(), atol=1e-5, rtol=1e-5, name="lse")
+
+
+def test_sparse_decode_topk_length_sink_extra_and_empty_rows():
+    from tilefuse.ops.mla.reference import mla_sparse_decode_reference as sparse
+
+    inp = make_case([64, 64], 2, 4, torch.float32, "cpu", page_size=32)
+    idx = _sparse(inp, [list(range(0, 64, 3)), list(range(5, 60, 2))], 32)
+    out, lse = sparse(inp.q, inp.k_cache, idx)
+    # topk_length k: the first k indices only
+    length = torch.tensor([7, 0], dtype=torch.int32)
+    cut = idx.clone()
+    cut[0, :, 7:] = -1
+    cut[1] = -1
+    o1, l1 = sparse(inp.q, inp.k_cache, idx, topk_length=length)
+    o2, l2 = sparse(inp.q, inp.k_cache, cut)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert (o1[1] == 0).all() and torch.isinf(l1[1]).all() and (l1[1] > 0).all()   # no token: 0, +inf
+    # the sink scales the output by exp(lse) / (exp(lse) + exp(sink)), leaves lse alone
+    sink = torch.tensor([0.5, float("inf"), float("-inf"), -3.0])
+    o3, l3 = sparse(inp.q, inp.k_cache, idx, attn_sink=sink)
+    factor = 1 / (1 + torch.exp(sink[None, :, None] - lse))                       # [b, h, s_q]
+    assert torch.equal(l3, lse)
+    assert_close(o3, out * factor.permute(0, 2, 1)[..., None], atol=1e-6, rtol=1e-6)
+    assert (o3[:, :, 1] == 0).all() and torch.equal(o3[:, :, 2], out[:, :, 2])
+    # a second cache: its tokens join the same softmax
+    half = idx.shape[-1] // 2
+    o4, l4 = sparse(inp.q, inp.k_cache, idx[..., :half], extra_k_cache=inp.k_cache, extra_indices=idx[..., half:])
+    assert_close(o4, out, atol=1e-5, rtol=1e-5)
+    assert_close(l4, lse, atol=1e-5, rtol=1e-5, name="lse")
+    # indices outside the cache attend to nothing
+    wild = idx.clone()
+    wild[..., -1] = 10 ** 6
+    o5, _ = sparse(inp.q, inp.k_cache, wild)
+    o6, _ = sparse(inp.q, inp.k_cache, torch.where(wild == 10 ** 6, -1, wild))
+    assert torch.equal(o5, o6)
+
+
+def test_fp8_cache_dense_and_sparse_decode_read_the_dequantized_values():
+    """is_fp8_kvcache=True: the decode of the FP8 cache is the decode of its dequantized values,
+    dense (block table, causal) and sparse."""
+    inp = make_case([50, 20], 2, 16, torch.bfloat16, "cpu", page_size=16, nan_tail=False)
+    packed = tilefuse.mla_quantize_kv(inp.k_cache)
+    deq = tilefuse.mla_dequantize_kv(packed, torch.float32)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 32, 1)
+    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=True, is_fp8_kvcache=True)
+    ro, rl = mla_decode_reference(inp.q.float(), deq, inp.block_table, inp.cache_seqlens, 512, causal=True)
+    assert_close(out.float(), ro, atol=1e-2, rtol=1e-2)
+    assert_close(lse, rl, atol=1e-4, rtol=1e-4, name="lse")
+    idx = _sparse(inp, [list(range(50)), list(range(20))], 64)
+    so, sl = tilefuse.flash_mla_with_kvcache(inp.q, packed.view(torch.float8_e4m3fn), None, None, 512, None, None,
+                                             is_fp8_kvcache=True, indices=idx)
+    assert_close(sl, tilefuse.flash_mla_with_kvcache(inp.q.float(), deq, None, None, 512, None, None,
+                                                     indices=idx)[1], atol=1e-4, rtol=1e-4, name="lse")
+    assert so.dtype == torch.bfloat16 and so.shape == (2, 2, 16, 512)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(indices=torch.zeros(2, 1, 4, dtype=torch.int32), causal=True), "causal: expected False with indices"),
+    (dict(indices=torch.zeros(2, 3, 4, dtype=torch.int32)), r"indices: expected \[b=2, s_q=1, topk\]"),
+    (dict(indices=torch.zeros(2, 1, 4, dtype=torch.int32), attn_sink=torch.zeros(3)), r"attn_sink: expected shape"),
+    (dict(indices=torch.zeros(2, 1, 4, dtype=torch.int32), topk_length=torch.zeros(3, dtype=torch.int32)),
+     "topk_length: expected shape"),
+    (dict(indices=torch.zeros(2, 1, 4, dtype=torch.int32), extra_indices_in_kvcache=torch.zeros(2, 1, 4, dtype=torch.int32)),
+     "extra_k_cache, extra_indices_in_kvcache: expected both"),
+    (dict(is_fp8_kvcache=True), r"k_cache: expected \[num_blocks, page, 1, 656\]"),
+])
+def test_fp8_and_sparse_errors(kwargs, match):
+    inp = make_case([40, 20], 1, 16, torch.float32, "cpu", page_size=16)
+    with pytest.raises(ValueError, match=match):
+        tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, None, None,
+                                        **kwargs)

@@ -36,8 +36,8 @@ from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
-from tilefuse.ops.mla.reference import (HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, PAGE_SIZES, check_block_table,
-                                        mla_decode_reference)
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, PAGE_SIZES, check_block_table,
+                                        mla_decode_reference, mla_sparse_decode_reference)
 
 VARIANTS = _FAMILY_VARIANTS["mla"]
 MAX_BATCH = 8192          # the metadata kernel holds the batch's lengths in one program
@@ -416,10 +416,14 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
     _checks.check_contiguous("block_table", block_table, last_dim_only=True)
 
 
-def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
+def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None,
+                           cache_seqlens: torch.Tensor | None, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
                            num_splits: torch.Tensor, softmax_scale: float | None = None,
                            causal: bool = False, *, check_contents: bool | None = None,
+                           is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+                           attn_sink: torch.Tensor | None = None, extra_k_cache: torch.Tensor | None = None,
+                           extra_indices_in_kvcache: torch.Tensor | None = None,
+                           topk_length: torch.Tensor | None = None, extra_topk_length: torch.Tensor | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention over a paged latent cache (FlashMLA's signature).
 
@@ -445,6 +449,14 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         Skipped while ``torch.compile`` traces and for meta / fake tensors (nothing to read:
         check eagerly); meta / fake inputs return outputs of the right shapes.
 
+    is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+        extra_topk_length : FlashMLA main's FP8 cache (``k_cache [.., 656]`` bytes: ``mla_quantize_kv``)
+        and sparse (top-k) decode (``indices [b, s_q, topk]`` int32 of ``page * page_size +
+        offset``, -1 for none; ``topk_length [b]``; ``attn_sink [h_q]`` fp32; a second cache and
+        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. These run
+        the PyTorch reference (``reference.mla_sparse_decode_reference``, or the dense reference
+        over the dequantized pages) on every device: their kernels are not written yet.
+
     Returns
     -------
     out : [b, s_q, h_q, 512] in q's dtype (0 for a row with no visible key).
@@ -452,6 +464,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
     Decode only: requesting a gradient through it raises.
     """
+    if is_fp8_kvcache or indices is not None:
+        return _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+                              is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
+                              topk_length, extra_topk_length)
     if isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_contiguous():
         cache_seqlens = cache_seqlens.contiguous()
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
@@ -467,8 +483,67 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
+def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
+                   attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length):
+    """FlashMLA main's FP8 and sparse decode, validated, through the PyTorch references."""
+    _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
+    batch, s_q, h_q, head_dim = q.shape
+    if head_dim != HEAD_DIM or head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"q: expected head dim {HEAD_DIM} and head_dim_v {HEAD_DIM_V}, got {head_dim} and "
+                         f"{head_dim_v!r}")
+    if not 1 <= h_q <= 128:
+        raise ValueError(f"q: expected 1 <= h_q <= 128, got {h_q}")
+
+    def check_cache(name, cache):
+        _checks.check_tensor(name, cache, ndim=4)
+        if is_fp8:
+            if cache.dtype not in (torch.uint8, torch.float8_e4m3fn) or cache.shape[-1] != FP8_KV_BYTES:
+                raise ValueError(f"{name}: expected [num_blocks, page, 1, {FP8_KV_BYTES}] uint8 or float8_e4m3fn "
+                                 f"with is_fp8_kvcache=True (mla_quantize_kv's layout), got {cache.dtype} of shape "
+                                 f"{tuple(cache.shape)}")
+        elif cache.dtype != q.dtype or cache.shape[-1] != HEAD_DIM:
+            raise ValueError(f"{name}: expected [num_blocks, page, 1, {HEAD_DIM}] in q's dtype {q.dtype} (or "
+                             f"is_fp8_kvcache=True for the FP8 layout), got {cache.dtype} of shape "
+                             f"{tuple(cache.shape)}")
+        if cache.shape[1] not in PAGE_SIZES or cache.shape[2] != 1:
+            raise ValueError(f"{name}: expected pages of {PAGE_SIZES} tokens and one KV head, got shape "
+                             f"{tuple(cache.shape)}")
+
+    def check_indices(name, idx, length_name, length):
+        _checks.check_tensor(name, idx, dtypes=(torch.int32, torch.int64), ndim=3)
+        if idx.shape[:2] != (batch, s_q):
+            raise ValueError(f"{name}: expected [b={batch}, s_q={s_q}, topk], got shape {tuple(idx.shape)}")
+        if length is not None:
+            _checks.check_tensor(length_name, length, dtypes=(torch.int32, torch.int64), ndim=1)
+            _checks.check_shape(length_name, length, (batch,), f"[b={batch}]")
+
+    check_cache("k_cache", k_cache)
+    scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
+    if attn_sink is not None:
+        _checks.check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
+        _checks.check_shape("attn_sink", attn_sink, (h_q,), f"[h_q={h_q}]")
+    if indices is None:
+        if block_table is None or cache_seqlens is None:
+            raise ValueError("block_table, cache_seqlens: expected tensors for a dense decode (or pass indices)")
+        if attn_sink is not None or extra_k_cache is not None or topk_length is not None:
+            raise ValueError("attn_sink, extra_k_cache, topk_length: expected with indices only (sparse decode)")
+        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, bool(causal))
+    if causal:
+        raise ValueError("causal: expected False with indices (a sparse decode attends to what its indices name)")
+    check_indices("indices", indices, "topk_length", topk_length)
+    if (extra_k_cache is None) != (extra_indices is None):
+        raise ValueError("extra_k_cache, extra_indices_in_kvcache: expected both or neither")
+    if extra_k_cache is not None:
+        check_cache("extra_k_cache", extra_k_cache)
+        check_indices("extra_indices_in_kvcache", extra_indices, "extra_topk_length", extra_topk_length)
+    return mla_sparse_decode_reference(q, k_cache, indices, scale, topk_length=topk_length, attn_sink=attn_sink,
+                                       extra_k_cache=extra_k_cache, extra_indices=extra_indices,
+                                       extra_topk_length=extra_topk_length)
+
+
 def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-            head_dim_v: int = HEAD_DIM_V, *_, **__) -> _dispatch.Choice:
+            head_dim_v: int = HEAD_DIM_V, *_, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+            **__) -> _dispatch.Choice:
     """The kernel ``flash_mla_with_kvcache(q, k_cache, block_table, ...)`` runs and why
     (``tilefuse.explain``): the measured rule of ``configs.default_variant`` by query rows per KV
     head (``s_q * h_q``), the cache's length regime and the chip; its launch settings as config."""
@@ -477,6 +552,9 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
     problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
+    if is_fp8_kvcache or indices is not None:
+        return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse decodes have no "
+                                "kernel yet (reference.mla_sparse_decode_reference / mla_decode_reference)")
     if choose_backend(q.device) != "triton" or q.dim() != 4:
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")

@@ -69,7 +69,10 @@ def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
         if length == 0:
             continue
         pages = block_table[i, : (length + page_size - 1) // page_size].long()
-        kv = k_cache[pages].reshape(-1, h_kv, head_dim)[:length].to(compute_dtype)   # [L, h_kv, d]
+        rows = k_cache[pages]
+        if rows.shape[-1] == FP8_KV_BYTES:                     # an FP8 cache: its dequantized values
+            rows = dequantize_kv_reference(rows, torch.float32)
+        kv = rows.reshape(-1, h_kv, head_dim)[:length].to(compute_dtype)   # [L, h_kv, d]
         q_heads = q[i].to(compute_dtype).reshape(s_q, h_kv, h_q // h_kv, head_dim)       # [s_q, h_kv, g, d]
         scores = torch.einsum("skgd,lkd->kgsl", q_heads, kv) * scale                   # [h_kv, g, s_q, L]
         visible = torch.ones(s_q, length, dtype=torch.bool, device=q.device)
@@ -139,3 +142,60 @@ def dequantize_kv_reference(packed: torch.Tensor, dtype: torch.dtype = torch.flo
     rope = raw[..., HEAD_DIM_V + 16:].contiguous().view(torch.bfloat16).float()
     nope = (codes.reshape(*lead, HEAD_DIM_V // FP8_GROUP, FP8_GROUP) * scale[..., None]).reshape(*lead, HEAD_DIM_V)
     return torch.cat([nope, rope], dim=-1).to(dtype)
+
+
+def mla_sparse_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+                                softmax_scale: float | None = None, *, topk_length: torch.Tensor | None = None,
+                                attn_sink: torch.Tensor | None = None, extra_k_cache: torch.Tensor | None = None,
+                                extra_indices: torch.Tensor | None = None,
+                                extra_topk_length: torch.Tensor | None = None,
+                                compute_dtype: torch.dtype = torch.float32,
+                                out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse (top-k) MLA decode, DeepSeek-V3.2's: each query token attends to the cached tokens
+    its indices name. Returns ``out [b, s_q, h_q, 512]`` (q's dtype by default) and ``lse [b, h_q,
+    s_q]`` fp32 (natural log; fp64 with ``compute_dtype=torch.float64``).
+
+    * ``q [b, s_q, h_q, 576]``; ``k_cache [num_blocks, page, 1, 576]`` in a floating dtype, or
+      ``[.., 656]`` in the FP8 layout (dequantized here).
+    * ``indices [b, s_q, topk]`` int: ``page * page_size + offset`` of each attended token; -1,
+      and any index outside the cache, attends to nothing. ``topk_length [b]``: only the first
+      ``topk_length[i]`` indices of request i count.
+    * ``extra_k_cache`` / ``extra_indices`` / ``extra_topk_length``: more tokens, from a second
+      cache, in the same softmax.
+    * ``attn_sink [h_q]`` fp32: a per-head logit that joins the softmax's denominator only: the
+      output is scaled by ``exp(lse) / (exp(lse) + exp(sink))`` (+inf: the output is 0); the
+      returned lse is the tokens' own.
+    * A row that attends to no token returns out = 0 and lse = +inf. Tokens not attended are
+      never read into a result: NaN there cannot leak.
+    """
+    batch, s_q, h_q, head_dim = q.shape
+    scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+    lse_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+    def gather(cache, idx, length):
+        rows = cache.reshape(-1, cache.shape[-1])
+        valid = (idx >= 0) & (idx < rows.shape[0])
+        if length is not None:
+            valid &= torch.arange(idx.shape[-1], device=idx.device)[None, None, :] < length.view(-1, 1, 1)
+        picked = rows[torch.where(valid, idx, 0).long()]                    # [b, s_q, k, width]
+        if picked.shape[-1] == FP8_KV_BYTES:
+            picked = dequantize_kv_reference(picked, torch.float32)
+        picked = torch.where(valid[..., None], picked.to(compute_dtype), 0.0)   # unattended rows: 0, never NaN
+        return picked, valid
+
+    kv, valid = gather(k_cache, indices, topk_length)
+    if extra_k_cache is not None:
+        kv2, valid2 = gather(extra_k_cache, extra_indices, extra_topk_length)
+        kv, valid = torch.cat([kv, kv2], 2), torch.cat([valid, valid2], 2)
+    scores = torch.einsum("bshd,bskd->bshk", q.to(compute_dtype), kv) * scale          # [b, s_q, h_q, k]
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)                                                 # [b, s_q, h_q]
+    empty = torch.isneginf(lse)
+    weights = torch.exp(scores - torch.where(empty, 0.0, lse)[..., None])
+    out = torch.einsum("bshk,bskd->bshd", weights, kv[..., :HEAD_DIM_V])
+    if attn_sink is not None:
+        sink = attn_sink.to(compute_dtype).view(1, 1, h_q)
+        out = out * torch.sigmoid(lse - sink)[..., None]          # exp(lse) / (exp(lse) + exp(sink))
+    out = torch.where(empty[..., None], 0.0, out)
+    lse = torch.where(empty, float("inf"), lse)
+    return out.to(out_dtype or q.dtype), lse.transpose(1, 2).to(lse_dtype).contiguous()

@@ -142,3 +142,36 @@ def test_real_llama_every_projection(calibrated):
     assert isinstance(model.lm_head, nn.Linear) and torch.isfinite(after).all()
     if calibrated:  # 2 bits on random weights: a rough copy, clearly correlated with the dense logits
         assert nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0) > 0.5
+
+
+def test_save_and_load_a_2bit_model(tmp_path):
+    """save_vq writes the state dict (AQLM's names for the 2-bit layers) and which modules are
+    2-bit; load_vq rebuilds them in a fresh model of the same config: the same outputs."""
+    transformers = pytest.importorskip("transformers")
+
+    from tilefuse.bench import hf_models
+    from tilefuse.hf import load_vq, patch_vq, save_vq
+
+    config = hf_models.tiny_llama_config(2)
+    model = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=1)
+    patch_vq(model, random_codes=True)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    folder = save_vq(model, tmp_path / "vq")
+    assert (folder / "tilefuse_vq.json").exists() and (folder / "model.safetensors").exists()
+    keys = set(model.state_dict())
+    assert "model.layers.0.self_attn.q_proj.codes" in keys and "model.layers.0.self_attn.q_proj.codebooks" in keys
+    fresh = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=2)
+    load_vq(fresh, folder)
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, want)
+    with pytest.raises(ValueError, match="save_vq"):
+        load_vq(fresh, tmp_path)
+    with pytest.raises(ValueError, match="patch_vq"):
+        save_vq(hf_models.random_model(config, torch.device("cpu"), torch.float32), tmp_path / "dense")
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=256, hidden_size=32,
+                                                                   intermediate_size=64, num_hidden_layers=2,
+                                                                   num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="the saved layer is"):
+        load_vq(other, folder)

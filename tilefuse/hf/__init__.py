@@ -8,14 +8,18 @@
 * :func:`patch_mla`, :class:`PagedMLACache` -- DeepSeek-V2/V3 attention decodes in the absorbed
   form through :func:`tilefuse.flash_mla_with_kvcache` over a paged latent cache
   (:mod:`tilefuse.hf.mla`, imported on first use: it needs transformers).
+* :func:`save_vq`, :func:`load_vq` -- a 2-bit model to a directory (its state dict, AQLM's names
+  for the 2-bit layers) and back into a freshly built model of the same config.
 * :func:`generate` -- ``model.generate``'s greedy / sampled continuation with the decode step
   replayed from a CUDA graph (:mod:`tilefuse.hf.decode`), for stock and patched models.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -230,3 +234,80 @@ def _random_vq_linear(linear: nn.Linear, generator: torch.Generator) -> nn.Modul
     books = torch.randn(2, 256, 1, 8, generator=generator, device=weight.device) * 0.5 ** 0.5
     scales = weight.float().pow(2).mean(1).sqrt()
     return layer.load_quantized(codes, books.to(weight.dtype), scales.to(weight.dtype), linear.bias)
+
+
+VQ_FILE = "tilefuse_vq.json"          # which modules are 2-bit, beside the weights
+VQ_WEIGHTS = "model.safetensors"
+
+
+def save_vq(model: nn.Module, path) -> Path:
+    """Save a model patched by :func:`patch_vq` to the directory ``path``: its whole state dict
+    (``model.safetensors``; the 2-bit layers under AQLM's names: ``codes``, ``codebooks``,
+    ``scales``) and ``tilefuse_vq.json`` naming the 2-bit modules and their shapes, which
+    :func:`load_vq` reads to rebuild them. Returns the directory."""
+    from tilefuse.nn.vq import VQLinear
+
+    modules = {name: {"in_features": mod.in_features, "out_features": mod.out_features,
+                      "bias": mod.bias is not None, "codes_dtype": str(mod.codes.dtype).removeprefix("torch.")}
+               for name, mod in model.named_modules() if isinstance(mod, VQLinear)}
+    if not modules:
+        raise ValueError("model: expected a model patched by tilefuse.hf.patch_vq (no VQLinear module found)")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    _write_tensors(state, folder / VQ_WEIGHTS)
+    (folder / VQ_FILE).write_text(json.dumps({"format": "aqlm-2x8", "modules": modules}, indent=1, sort_keys=True))
+    return folder
+
+
+def load_vq(model: nn.Module, path) -> nn.Module:
+    """Load what :func:`save_vq` wrote into ``model``, a freshly built model of the same config
+    (``from_config``, or ``from_pretrained`` of the dense checkpoint): the modules named in
+    ``tilefuse_vq.json`` become :class:`tilefuse.nn.VQLinear` shells, then the whole state dict
+    is loaded (strictly: every key must match). Returns ``model``."""
+    folder = Path(path)
+    spec_path = folder / VQ_FILE
+    if not spec_path.exists():
+        raise ValueError(f"path: expected a directory written by tilefuse.hf.save_vq ({VQ_FILE} in it), got {folder}")
+    spec = json.loads(spec_path.read_text())
+    names = set(spec.get("modules", {}))
+    layers = {name: mod for name, mod in model.named_modules() if name in names}
+    missing = sorted(names - set(layers))
+    if missing:
+        raise ValueError(f"model: expected the modules {missing[:4]}{'...' if len(missing) > 4 else ''} named in "
+                         f"{spec_path} (a model of the saved config)")
+    from tilefuse.nn.vq import VQLinear
+
+    for name, linear in layers.items():
+        shape = spec["modules"][name]
+        if not isinstance(linear, nn.Linear) or (linear.in_features, linear.out_features) != (
+                shape["in_features"], shape["out_features"]):
+            raise ValueError(f"model: {name} is {type(linear).__name__} "
+                             f"{getattr(linear, 'out_features', '?')}x{getattr(linear, 'in_features', '?')}, "
+                             f"the saved layer is {shape['out_features']}x{shape['in_features']}")
+        weight = linear.weight
+        codes_dtype = getattr(torch, shape.get("codes_dtype", "int8"))
+        model.set_submodule(name, VQLinear(shape["in_features"], shape["out_features"], bias=shape["bias"],
+                                           dtype=weight.dtype, codes_dtype=codes_dtype, device=weight.device))
+    model.load_state_dict(_read_tensors(folder / VQ_WEIGHTS), strict=True)
+    return model
+
+
+def _write_tensors(state: dict, file: Path) -> None:
+    try:
+        from safetensors.torch import save_file
+    except ImportError:          # safetensors is optional: torch's own format then
+        torch.save(state, file)
+        return
+    save_file(state, str(file))
+
+
+def _read_tensors(file: Path) -> dict:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        return torch.load(file, weights_only=True)
+    try:
+        return load_file(str(file))
+    except Exception:            # written by torch.save where safetensors was missing
+        return torch.load(file, weights_only=True)

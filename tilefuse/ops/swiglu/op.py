@@ -95,18 +95,25 @@ def run_unfused(x2d: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pac
     the two-GEMM code this path stands for)."""
     m, inter = out.shape
     y = torch.nn.functional.linear(x2d, w)
+    grid, scalars, key, meta = _silu_mul_plan(x2d.device, m, inter, y.stride(0), out.stride(0), y.dtype, out.dtype,
+                                              packed, bias is not None)
+    _silu_mul_kernel().launch((key, _launch.aligned(y, bias, out)), grid, x2d.device.index,
+                              (y, bias if bias is not None else y, out), scalars, meta)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _silu_mul_plan(device, m, inter, stride_y, stride_out, y_dtype, out_dtype, packed, has_bias):
+    """The SiLU·mul pass's launch for one size: grid, run-time scalars, the launch key's part that
+    depends on the size (what Triton specializes on: dtypes, constexprs, integers equal to 1 or
+    multiples of 16; the pointers' alignment is added per call) and the meta-parameters."""
     # one row per program up to 64 rows (a 16-row block left decode-sized M on a handful of SMs)
     block_m, block_n = (1, 256) if m <= 64 else (16, 256)
     grid = (triton_cdiv(inter, block_n), triton_cdiv(m, block_m), 1)
-    scalars = (m, inter, y.stride(0), out.stride(0))
-    # what Triton specializes on: dtypes, constexprs, 16-byte pointers, integers equal to 1 or
-    # multiples of 16
-    key = (x2d.device, y.dtype, out.dtype, packed, bias is not None, block_m, _launch.aligned(y, bias, out),
-           tuple((v == 1, v % 16 == 0) for v in scalars))
-    _silu_mul_kernel().launch(key, grid, x2d.device.index, (y, bias if bias is not None else y, out), scalars,
-                              dict(HAS_BIAS=bias is not None, PACKED=packed, PACK=PACK, BLOCK_M=block_m,
-                                   BLOCK_N=block_n, num_warps=4))
-    return out
+    scalars = (m, inter, stride_y, stride_out)
+    key = (device, y_dtype, out_dtype, packed, has_bias, block_m, tuple((v == 1, v % 16 == 0) for v in scalars))
+    meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    return grid, scalars, key, meta
 
 
 def _pingpong_kernel():

@@ -23,7 +23,7 @@ import torch
 from tilefuse import _checks, _launch
 from tilefuse._backend import choose_backend
 from tilefuse._library import tilefuse_op, use_dispatcher
-from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, PAGE_SIZES, dequantize_kv_reference,
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, check_page_shape, dequantize_kv_reference,
                                         quantize_kv_reference)
 
 LATENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -129,9 +129,7 @@ def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
     elif width != HEAD_DIM or k_cache.dtype not in LATENT_DTYPES:
         raise ValueError(f"k_cache: expected [num_blocks, page, 1, {HEAD_DIM}] bf16/fp16/fp32 or [num_blocks, page, 1, "
                          f"{FP8_KV_BYTES}] uint8/float8_e4m3fn, got {k_cache.dtype} of shape {tuple(k_cache.shape)}")
-    if k_cache.shape[1] not in PAGE_SIZES or k_cache.shape[2] != 1:
-        raise ValueError(f"k_cache: expected [num_blocks, page, 1, {width}] with page in {PAGE_SIZES}, got shape "
-                         f"{tuple(k_cache.shape)}")
+    check_page_shape("k_cache", k_cache, width)
     _checks.check_contiguous("k_cache", k_cache)
     _checks.check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int32, torch.int64), ndim=1)
     if slot_mapping.shape[0] != latent.shape[0]:

@@ -36,8 +36,8 @@ from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
-from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, PAGE_SIZES, check_block_table,
-                                        mla_decode_reference, mla_sparse_decode_reference)
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table,
+                                        check_page_shape, mla_decode_reference, mla_sparse_decode_reference)
 
 VARIANTS = _FAMILY_VARIANTS["mla"]
 MAX_BATCH = 8192          # the metadata kernel holds the batch's lengths in one program
@@ -388,9 +388,7 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
         raise ValueError(f"q: expected head dim {HEAD_DIM} (512 latent + 64 RoPE), got {head_dim}")
     if head_dim_v != HEAD_DIM_V:
         raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v!r}")
-    if k_cache.shape[1] not in PAGE_SIZES:
-        raise ValueError(f"k_cache: expected [num_blocks, page, 1, {HEAD_DIM}] with page in {PAGE_SIZES}, got shape "
-                         f"{tuple(k_cache.shape)}")
+    check_page_shape("k_cache", k_cache, HEAD_DIM)
     _checks.check_shape("k_cache", k_cache, (None, None, 1, HEAD_DIM), f"[num_blocks, page, 1, {HEAD_DIM}]")
     if k_cache.shape[0] < 1:
         raise ValueError(f"k_cache: expected at least one page, got shape {tuple(k_cache.shape)}")
@@ -505,9 +503,7 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
             raise ValueError(f"{name}: expected [num_blocks, page, 1, {HEAD_DIM}] in q's dtype {q.dtype} (or "
                              f"is_fp8_kvcache=True for the FP8 layout), got {cache.dtype} of shape "
                              f"{tuple(cache.shape)}")
-        if cache.shape[1] not in PAGE_SIZES or cache.shape[2] != 1:
-            raise ValueError(f"{name}: expected pages of {PAGE_SIZES} tokens and one KV head, got shape "
-                             f"{tuple(cache.shape)}")
+        check_page_shape(name, cache, cache.shape[-1])
 
     def check_indices(name, idx, length_name, length):
         _checks.check_tensor(name, idx, dtypes=(torch.int32, torch.int64), ndim=3)

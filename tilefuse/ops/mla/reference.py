@@ -32,6 +32,14 @@ HEAD_DIM = 576        # 512 latent + 64 RoPE values per cached token
 HEAD_DIM_V = 512      # V: the latent part
 
 
+def check_page_shape(name: str, cache: torch.Tensor, width: int) -> None:
+    """``cache`` is ``[num_blocks, page, 1, width]`` with ``page`` in :data:`PAGE_SIZES` (one KV
+    head); raises ValueError naming ``name`` otherwise (the other checks are the callers')."""
+    if cache.dim() != 4 or cache.shape[1] not in PAGE_SIZES or cache.shape[2] != 1:
+        raise ValueError(f"{name}: expected [num_blocks, page, 1, {width}] with page in {PAGE_SIZES}, got shape "
+                         f"{tuple(cache.shape)}")
+
+
 def check_block_table(block_table: torch.Tensor, cache_seqlens: torch.Tensor, num_blocks: int,
                       page_size: int = PAGE_SIZE) -> None:
     """The pages each request reads (the first ``ceil(L / page_size)`` entries) lie in

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import time
@@ -17,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tilefuse.hf.decode import Generator
+from tilefuse.hf.decode import Generator, cache_argument
 
 class Clock:
     """Timestamps on the device's timeline: CUDA events on a GPU (read back once, at the end),
@@ -69,8 +68,7 @@ def generate_eager(model, prompt: torch.Tensor, new_tokens: int, clock: Clock | 
     from transformers import StoppingCriteriaList
 
     criteria = StoppingCriteriaList([_criteria_class()(clock)]) if clock is not None else None
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    extra = {} if cache is None else {name: cache}
+    extra = {} if cache is None else {cache_argument(model): cache}
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=new_tokens,
                          eos_token_id=None, pad_token_id=0, stopping_criteria=criteria, **extra)
     return out[:, prompt.shape[1]:]
@@ -86,9 +84,6 @@ class GraphDecoder(Generator):
 
     def __init__(self, model, batch: int, max_len: int, capture: bool, warmup_steps: int = 3):
         super().__init__(model, batch, max_len, capture=capture, warmup_steps=warmup_steps)
-
-    def prefill(self, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
-        super().prefill(prompt, attention_mask)
 
     @torch.no_grad()
     def decode(self, prompt: torch.Tensor, new_tokens: int, clock: Clock | None = None) -> torch.Tensor:

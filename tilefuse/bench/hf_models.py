@@ -34,7 +34,6 @@ class Subject:
     info: dict
     encode: Callable[[str], list[int]] | None = None   # text -> token ids (None: no tokenizer, no text)
     decode: Callable[[list[int]], str] | None = None   # token ids -> text (real models: samples)
-    variants: tuple[str, ...] | None = None            # the variants it runs (None: model.VARIANTS)
     contexts: tuple[int, ...] | None = None            # decode prompt lengths (None: the plan's)
 
 
@@ -138,6 +137,8 @@ def load_gguf_model(path: Path):
 
 
 MLA_VARIANTS = ("stock", "swiglu", "mla", "mla_swiglu")    # the DeepSeek shapes' variants
+# the models whose variants are not model.VARIANTS (the benchmark selects cases before loading)
+OWN_VARIANTS = {"tiny-deepseek": MLA_VARIANTS, "deepseek-v3": MLA_VARIANTS, "deepseek-v3-h16": MLA_VARIANTS}
 DEEPSEEK_CONTEXTS = (4096, 32768)                          # their decode prompt lengths (--quick: 4096)
 DEEPSEEK_LAYERS = 8                                        # their blocks unless --layers says otherwise
 
@@ -150,12 +151,12 @@ def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
     model is not available."""
     dtype_name = str(dtype).removeprefix("torch.")
 
-    def shape(name, config_fn, layers, about, encode=None, variants=None, contexts=None):
+    def shape(name, config_fn, layers, about, encode=None, contexts=None):
         def load():
             config = config_fn(layers)
             return Subject(name, lambda: random_model(config, device, dtype), config.vocab_size,
                            {"source": about, "weights": "random", "layers": layers, "dtype": dtype_name}, encode,
-                           variants=variants, contexts=contexts)
+                           contexts=contexts)
         return name, load
 
     def smollm2():
@@ -177,19 +178,16 @@ def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
     if device.type != "cuda":
         return [shape("tiny-llama", tiny_llama_config, layers, "LlamaConfig, hidden 64, UTF-8 bytes as tokens",
                       encode=lambda text: list(text.encode("utf-8"))),
-                shape("tiny-deepseek", tiny_deepseek_config, layers, "DeepseekV3Config, hidden 64, 4 MLA heads",
-                      variants=MLA_VARIANTS)]
+                shape("tiny-deepseek", tiny_deepseek_config, layers, "DeepseekV3Config, hidden 64, 4 MLA heads")]
     contexts = DEEPSEEK_CONTEXTS[:1] if quick else DEEPSEEK_CONTEXTS
     deepseek = layers or DEEPSEEK_LAYERS
     return [shape("llama3-8b", llama3_8b_config, layers or 32, "Llama-3-8B shapes (LlamaConfig)"),
             ("smollm2-135m", smollm2),
             shape("qwen2.5-1.5b", qwen2_1p5b_config, layers or 28, "Qwen2.5-1.5B shapes (Qwen2Config)"),
             shape("deepseek-v3", lambda n: deepseek_v3_config(n, 128), deepseek,
-                  "DeepSeek-V3 shapes, 128 heads, dense MLPs (DeepseekV3Config)", variants=MLA_VARIANTS,
-                  contexts=contexts),
+                  "DeepSeek-V3 shapes, 128 heads, dense MLPs (DeepseekV3Config)", contexts=contexts),
             shape("deepseek-v3-h16", lambda n: deepseek_v3_config(n, 16), deepseek,
-                  "DeepSeek-V3 shapes, 16 heads (one GPU's share under TP8), dense MLPs", variants=MLA_VARIANTS,
-                  contexts=contexts)]
+                  "DeepSeek-V3 shapes, 16 heads (one GPU's share under TP8), dense MLPs", contexts=contexts)]
 
 
 # ----------------------------------------------------------------------------- text

@@ -51,7 +51,7 @@ import torch
 
 from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, forced_argmax, generate_eager, perplexity,
                                       prefill_times, windows)
-from tilefuse.bench.hf_models import MLA_VARIANTS, Subject, load_texts, log, subjects
+from tilefuse.bench.hf_models import MLA_VARIANTS, OWN_VARIANTS, Subject, load_texts, log, subjects  # noqa: F401
 
 VARIANTS = ("stock", "swiglu", "vq2")
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
@@ -155,9 +155,10 @@ def perplexity_row(model, subject: Subject, variant: str, eval_ids: torch.Tensor
 def paged_cache(model, prompt: torch.Tensor, plan: Plan):
     """A ``PagedMLACache`` for a model patched by ``patch_mla`` (its attention decodes only over
     one; eager ``generate`` gets it as ``past_key_values``), else None (the default cache)."""
-    if getattr(getattr(model, "base_model", model), "_tilefuse_mla_hook", None) is None:
+    from tilefuse.hf.mla import PagedMLACache, is_patched
+
+    if not is_patched(model):
         return None
-    from tilefuse.hf import PagedMLACache
 
     return PagedMLACache(model, max_batch=prompt.shape[0], max_tokens=prompt.shape[1] + plan.new_tokens)
 
@@ -514,8 +515,7 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
     modes = ["eager", "graph"] if timed else ["eager"]
     catalogue = subjects(device, dtype, plan.layers, gguf, quick)
     names = [name for name, _ in catalogue]
-    own = {"tiny-deepseek": MLA_VARIANTS, "deepseek-v3": MLA_VARIANTS, "deepseek-v3-h16": MLA_VARIANTS}
-    selected = select(names, only, own)
+    selected = select(names, only, OWN_VARIANTS)
     if not selected:
         print(f"--only {only!r}: no model/variant matches; cases look like "
               f"{json.dumps({'model': 'llama3-8b', 'variant': 'vq2'})}", file=sys.stderr)

@@ -119,6 +119,12 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     return gen.run(input_ids, attention_mask, max_new_tokens, seed=seed, check_every=check_every)
 
 
+def cache_argument(model) -> str:
+    """The name under which ``model``'s forward (and ``generate``) takes its cache: ``cache`` in
+    transformers after 5.17, ``past_key_values`` before (still accepted there, with a warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _generators(model) -> dict:
     """The generators kept for ``model`` (insertion order: least recently used first), on the
     model itself so that they live and die with it."""
@@ -139,13 +145,14 @@ class Generator:
                  capture: bool = False, warmup_steps: int = WARMUP_STEPS):
         self.model, self.batch, self.max_len = model, batch, max_len
         self.sampling, self.pad, self.capture, self.warmup_steps = sampling, pad, capture, warmup_steps
-        device = next(model.parameters()).device
-        self.device = device
-        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.paged = getattr(getattr(model, "base_model", model), "_tilefuse_mla_hook", None) is not None
-        if self.paged:
-            from tilefuse.hf.mla import PagedMLACache
+        param = next(model.parameters())
+        device = self.device = param.device
+        self.dtype = param.dtype            # the model's: the eager attention's additive mask takes it
+        self.cache_arg = cache_argument(model)
+        from tilefuse.hf.mla import PagedMLACache, is_patched
 
+        self.paged = is_patched(model)
+        if self.paged:
             self.cache = PagedMLACache(model, max_batch=batch, max_tokens=max_len)
         else:
             from transformers import StaticCache
@@ -194,9 +201,8 @@ class Generator:
         if not self.use_mask:
             return None
         if self.impl == "eager":
-            dtype = next(self.model.parameters()).dtype
-            return torch.zeros(self.keys.shape, dtype=dtype, device=self.device).masked_fill(
-                ~self.keys, torch.finfo(dtype).min)
+            return torch.zeros(self.keys.shape, dtype=self.dtype, device=self.device).masked_fill(
+                ~self.keys, torch.finfo(self.dtype).min)
         return self.keys
 
     def step(self) -> None:
@@ -217,13 +223,16 @@ class Generator:
         if self.noise is not None:
             self.noise.uniform_(generator=self.generator)
 
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """Empty the cache in place (graphs hold its addresses), run the prompt, pick the first token."""
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                padded: bool | None = None) -> None:
+        """Empty the cache in place (graphs hold its addresses), run the prompt, pick the first token.
+        ``padded``: whether ``attention_mask`` has any 0 (read from it when None)."""
         batch, prompt_len = input_ids.shape
         self.cache.reset()
         self.finished.zero_()
         self.slot.fill_(prompt_len)
-        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if padded is None:
+            padded = _padded(attention_mask)
         if padded and not self.paged and self.impl not in MASK_IMPLEMENTATIONS:
             raise ValueError(f"attention_mask: left-padded batches need attn_implementation in "
                              f"{MASK_IMPLEMENTATIONS} (a prepared 4D mask per step), got {self.impl!r}")
@@ -246,9 +255,9 @@ class Generator:
         self.token.copy_(self._pick(logits)[:, None])
         self.position.copy_(mask.sum(-1, keepdim=True))
 
-    def _capture(self, input_ids, attention_mask) -> None:
+    def _capture(self, input_ids, attention_mask, padded: bool) -> None:
         """Warm up on a side stream (lazy allocations, Triton compiles), then capture one step."""
-        self.prefill(input_ids, attention_mask)
+        self.prefill(input_ids, attention_mask, padded)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -273,15 +282,15 @@ class Generator:
             # the warm-up steps before the capture write ahead of the prompt too
             raise ValueError(f"max_new_tokens: the capture's {self.warmup_steps} warm-up steps need "
                              f"{self.warmup_steps + 1} tokens of room, got {max_new_tokens}")
-        if self.generator is not None:
-            self.generator.manual_seed(seed if seed is not None else int(torch.randint(2 ** 62, ()).item()))
-        padded = attention_mask is not None and not bool(attention_mask.bool().all())
+        if self.generator is not None and seed is None:
+            seed = int(torch.randint(2 ** 62, ()).item())
+        padded = _padded(attention_mask)
         if self.capture and (self.graph is None or (padded and not self.use_mask)):
-            self._capture(input_ids, attention_mask)
-            if self.generator is not None:      # the warm-up drew from the stream: start it again
-                self.generator.manual_seed(seed if seed is not None else int(torch.randint(2 ** 62, ()).item()))
+            self._capture(input_ids, attention_mask, padded)
+        if self.generator is not None:          # after the capture: its warm-up draws from the stream too
+            self.generator.manual_seed(seed)
         out = torch.full((batch, max_new_tokens), self.pad, dtype=torch.long, device=self.device)
-        self.prefill(input_ids, attention_mask)
+        self.prefill(input_ids, attention_mask, padded)
         out[:, 0] = self.token[:, 0]
         if on_token is not None:
             on_token()
@@ -306,6 +315,11 @@ class Generator:
                 last = int(hit.float().argmax(-1).max())
                 new = new[:, :last + 1]
         return torch.cat([input_ids, new], dim=1)
+
+
+def _padded(attention_mask: torch.Tensor | None) -> bool:
+    """Whether ``attention_mask`` marks any padding (a host sync)."""
+    return attention_mask is not None and not bool(attention_mask.bool().all())
 
 
 def _describe(value) -> str:

@@ -531,14 +531,20 @@ def patch_mla(model: nn.Module) -> int:
     return len(targets)
 
 
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`patch_mla` patched ``model`` (its attention then decodes only over a
+    :class:`PagedMLACache`)."""
+    return getattr(getattr(model, "base_model", model), "_tilefuse_mla_hook", None) is not None
+
+
 def _hook_attention_mask(model: nn.Module) -> None:
     """A forward pre-hook on the decoder model that hands its ``attention_mask`` to a
     :class:`PagedMLACache` passed with it (once per model). After the prefill the model gets no
     mask: the paged attention reads none, so transformers' mask code (a host sync per step when a
     2D mask has padding, and a ``[b, 1, s, past + s]`` mask) is skipped."""
-    base = getattr(model, "base_model", model)
-    if getattr(base, "_tilefuse_mla_hook", None) is not None:
+    if is_patched(model):
         return
+    base = getattr(model, "base_model", model)
     params = inspect.signature(base.forward).parameters.values()
     names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
     if "attention_mask" not in names:

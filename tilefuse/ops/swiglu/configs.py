@@ -487,14 +487,18 @@ def decide(m: int, h: int, i: int, num_sms: int = NUM_SMS_H200, chip=None, tuned
             return _dispatch.Choice("swiglu", problem, U, None, "shipped table (H200 sweep)", weighed)
         return _dispatch.Choice("swiglu", problem, variant_of(entry), entry, "shipped table (H200 sweep)", weighed)
     pick = next(c for c in weighed if c.variant == U)
+    ends = {m: pick.predicted_us}                          # the baseline at both ends of the range
+    if lo != m:
+        ends[lo] = predict_us(U, None, lo, h, i, chip)
+
+    def wins(cand, rows):
+        margin = (_dispatch.MARGIN_MEASURED_REGIME if measured_regime(cand.variant, cand.config, rows, h, i, num_sms)
+                  else _dispatch.MARGIN_UNMEASURED)
+        mine = cand.predicted_us if rows == m else predict_us(cand.variant, cand.config, rows, h, i, chip)
+        return mine <= (1 - margin) * ends[rows]
+
     for cand in sorted((c for c in weighed if c.variant != U), key=lambda c: c.predicted_us):
-        wins = True
-        for rows in {lo, m}:
-            margin = (_dispatch.MARGIN_MEASURED_REGIME if measured_regime(cand.variant, cand.config, rows, h, i, num_sms)
-                      else _dispatch.MARGIN_UNMEASURED)
-            wins &= (predict_us(cand.variant, cand.config, rows, h, i, chip)
-                     <= (1 - margin) * predict_us(U, None, rows, h, i, chip))
-        if wins:
+        if all(wins(cand, rows) for rows in ends):
             pick = cand
             break
     return _dispatch.Choice("swiglu", problem, pick.variant, pick.config, "cost model", weighed)

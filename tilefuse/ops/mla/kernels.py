@@ -38,6 +38,13 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _splits(pages, in_batch, chunk):
+    """Splits of each request when cut in chunks of at most ``chunk`` pages (one for an empty
+    request; 0 past the batch)."""
+    return tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
+
+
+@triton.jit
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = target number of busy slots
@@ -59,7 +66,7 @@ def mla_metadata_kernel(
     balanced = lo
     while lo < hi:
         mid = (lo + hi) // 2
-        fits = tl.sum(tl.where(in_batch, tl.maximum((pages + mid - 1) // mid, 1), 0), axis=0) <= num_parts
+        fits = tl.sum(_splits(pages, in_batch, mid), axis=0) <= num_parts
         hi = tl.where(fits, mid, hi)
         lo = tl.where(fits, lo, mid + 1)
     chunk = hi
@@ -74,15 +81,15 @@ def mla_metadata_kernel(
         b = chunk
         while a < b:
             mid = (a + b) // 2
-            slots = tl.sum(tl.where(in_batch, tl.maximum((pages + mid - 1) // mid, 1), 0), axis=0)
+            slots = tl.sum(_splits(pages, in_batch, mid), axis=0)
             enough = mid * num_parts >= total + SPLIT_COST * slots
             b = tl.where(enough, mid, b)
             a = tl.where(enough, a, mid + 1)
         left = tl.maximum(b - 1, balanced)
-        slots_left = tl.sum(tl.where(in_batch, tl.maximum((pages + left - 1) // left, 1), 0), axis=0)
+        slots_left = tl.sum(_splits(pages, in_batch, left), axis=0)
         cost_left = (total + SPLIT_COST * slots_left + num_parts - 1) // num_parts
         chunk = tl.where(cost_left < b, left, b)
-    splits = tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
+    splits = _splits(pages, in_batch, chunk)
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)

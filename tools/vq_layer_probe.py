@@ -44,7 +44,7 @@ def main() -> None:
                 dense_us = timer.graph_us(lambda: dense(x))
                 vq_us = timer.graph_us(lambda: vq(x))
             rows.append(dict(layer=name, n=n, k=k, batch=batch, dense_us=round(dense_us, 1), vq_us=round(vq_us, 1),
-                             variant=vq_op.choose_variant(batch, k, device)))
+                             variant=vq_op.choose_variant(batch, k, device, n)))
             print(rows[-1], flush=True)
     out = sweep_path("vq-llama3-layers", args.out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)

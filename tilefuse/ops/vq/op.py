@@ -600,22 +600,20 @@ def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scale
     """The path ``vq_matmul(x, codes, codebooks, scales, bias)`` runs and why (``tilefuse.explain``).
     Every variant that takes the call's tokens is listed with its predicted time
     (``configs.decide``: the fastest kernel where it beats dequant + cuBLAS by ``configs.MARGIN``)."""
-    _validate(x, codes, codebooks, scales, bias)
-    n, k = codes.shape[0], x.shape[-1]
-    m = x.numel() // k if k else 0
+    call = _plan_call(x, codes, codebooks, scales, bias)      # the op's own plan: its path, forced or not
+    n, k, m = codes.shape[0], x.shape[-1], call.m
     problem = {"M": m, "N": n, "K": k, "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
-    if x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton":
+    if call.reference:
         return _dispatch.Choice("vq", problem, "reference", None, "reference")
-    forced = forced_variant("vq")
     wgmma = wgmma_prefill_applies(k, x.device)
     choice = decision(m, n, k, x.device, wgmma)
-    variant = forced or choice.variant
+    variant = call.variant
     detail = variant
     if variant == "decode":
-        detail = "decode (resident table)" if resident_applies(m, k, x.device) else "decode (gather)"
+        detail = "decode (resident table)" if call.resident else "decode (gather)"
     elif variant == "prefill" and not wgmma:
         detail = "prefill (tl: the WGMMA kernel needs a Hopper GPU and K a multiple of 64)"
-    source = "forced" if forced else choice.source
+    source = "forced" if forced_variant("vq") else choice.source
     candidates = tuple(_dispatch.Candidate(c.variant, c.config, c.predicted_us, detail if c.variant == variant else c.note)
                        for c in choice.candidates)
     return _dispatch.Choice("vq", problem, variant, None, source, candidates)

@@ -143,7 +143,7 @@ def test_mla_regime_dispatch(interpret, monkeypatch, mla_configs):
 @pytest.mark.parametrize("name,small_rows", [("NVIDIA H200", "wgmma"), ("NVIDIA H100 80GB HBM3", "wgmma"),
                                              ("NVIDIA H20", "transposed")])
 def test_mla_dispatch_pads_rows_only_where_the_chip_stays_memory_bound(name, small_rows):
-    """Below 64 rows the Gluon kernel pads to 64: on an H20 (37 FLOP/B) that is compute-bound, so
+    """Below 64 rows the Gluon kernel pads to 64: on an H20 (about 40 FLOP/B) that is compute-bound, so
     the unpadded transposed kernel takes those shapes; from 64 rows the Gluon kernel everywhere."""
     chip = configs.ridge(name)
     assert [configs.default_variant(rows, 64, True, chip) for rows in (16, 32)] == [small_rows] * 2

@@ -81,16 +81,17 @@ def regime(max_blocks: int) -> str:
 # 64 rows do 64 x 2 x (576 + 512) FLOP per 1152-byte cached token, 121 FLOP/B. A chip whose
 # ridge point (dense bf16 FLOP/s over HBM bytes/s) is below that turns the padded kernel
 # compute-bound below 64 rows, and the transposed (ETAP) kernel, which pads nothing, wins there:
-# the H20 (148 TFLOP/s, 4.0 TB/s: 37 FLOP/B) by about 3.2x at 16 rows in the bench's roofline
-# model. (TFLOP/s, TB/s) per device-name marker, first match; other Hopper parts count as H100s.
+# the H20 (about 40 FLOP/B). The rates are the dispatch's chip table (``_dispatch.CHIPS``: the
+# H200's measured, other parts scaled from their datasheets; an unknown part as the H200).
 PADDED_FLOP_PER_BYTE = 64 * 2 * (576 + 512) / (576 * 2)
-CHIP_RATES = (("H200", 989.0, 4.8), ("H100", 989.0, 3.35), ("H800", 989.0, 3.35), ("H20", 148.0, 4.0))
 
 
 def ridge(device_name: str) -> float:
     """Dense bf16 FLOP per HBM byte at which the chip ``device_name`` turns compute-bound."""
-    tflops, tbps = next(((f, b) for marker, f, b in CHIP_RATES if marker in device_name), CHIP_RATES[1][1:])
-    return tflops / tbps
+    from tilefuse import _dispatch
+
+    chip = _dispatch.chip_of(device_name, _dispatch.CHIPS["H200"].sms)   # the ratio is the same at any SM count
+    return chip.bf16_flop_per_us / chip.copy_bytes_per_us
 
 
 def default_variant(rows: int, max_blocks: int, wgmma: bool = False, chip_ridge: float | None = None) -> str:

@@ -229,3 +229,20 @@ def _hooks_installed() -> bool:
 
         _runtime_knobs = knobs.runtime
     return bool(_runtime_knobs.launch_enter_hook.calls or _runtime_knobs.launch_exit_hook.calls)
+
+
+def capture_graph(fn, warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(a CUDA graph of ``fn``, the output its replays write): ``fn`` runs ``warmup`` times on a
+    side stream first (Triton compiles, workspaces and caches allocated outside the capture), then
+    once under capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    torch.cuda.synchronize()
+    return graph, out

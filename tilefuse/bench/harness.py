@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tilefuse._launch import capture_graph
+
 # What each key of a result row means; written into every results file as "fields".
 ROW_FIELDS = {
     "family": "benchmark family (swiglu, mla, vq)",
@@ -166,15 +168,7 @@ class Timer:
 
     def graph_us(self, fn: Callable[[], object]) -> float:
         """Median time of one CUDA-graph replay of ``fn`` (cold L2), in microseconds."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up outside the capture (compilation, workspace allocation)
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
         try:
             return self.gpu_us(graph.replay)
         finally:

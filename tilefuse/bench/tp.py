@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tilefuse._launch import capture_graph as capture  # noqa: F401  (the tests capture as the bench does)
 from tilefuse.bench.harness import check, geomean, ratio, tally
 from tilefuse.bench.tp_layers import MLA_DIMS, mla_layer, mlp_layer, shard_vq_mlp, vq_mlp
 
@@ -161,21 +162,6 @@ class TPTimer:
         calls = int(min(2000, max(5, self.plan.eager_ms * 1e3 / max(guess, 1.0))))
         out["eager_us"], out["eager_calls"] = self.eager_us(fn, calls), calls
         return out
-
-
-def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-    """(a CUDA graph of ``fn``, the output its replays write), after a warm-up on a side stream."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
 
 
 def gather_rows(local: dict, world: int) -> list[dict]:

@@ -257,17 +257,10 @@ class Generator:
 
     def _capture(self, input_ids, attention_mask, padded: bool) -> None:
         """Warm up on a side stream (lazy allocations, Triton compiles), then capture one step."""
+        from tilefuse._launch import capture_graph
+
         self.prefill(input_ids, attention_mask, padded)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup_steps):
-                self._draw()
-                self.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+        self.graph, _ = capture_graph(self.step, warmup=self.warmup_steps)
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int, *,

@@ -66,7 +66,7 @@ def plot_sorted(spec: SortedRatioPlot, summary: dict, path: Path, title: str) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator, PercentFormatter
+    from matplotlib.ticker import PercentFormatter
 
     colors = plt.get_cmap("tab10")
     fig, axes = plt.subplots(len(SORTED_MODES), len(spec.panels), figsize=(6.4 * len(spec.panels), 7.6),
@@ -108,12 +108,7 @@ def plot_sorted(spec: SortedRatioPlot, summary: dict, path: Path, title: str) ->
                 ax.tick_params(axis="y", left=False, labelleft=False)
             else:
                 ax.axhline(1.0, color="black", lw=0.7)
-                lo, hi = min(ys + [g.y for g in goals] + [1.0]), max(ys + [g.y for g in goals] + [1.0])
-                ax.set_yscale("log")
-                ax.set_ylim(lo / 1.15, hi * 1.25)
-                ax.yaxis.set_major_locator(FixedLocator(_ratio_ticks(lo / 1.15, hi * 1.25)))
-                ax.yaxis.set_minor_locator(NullLocator())
-                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+                _ratio_axis(ax, ys + [g.y for g in goals])
                 ax.text(0.01, 0.98, f"{len(ys)} cases, {sum(y < 1 for y in ys)} slower than {'/'.join(baselines)}, "
                         f"{len(ringed[0])} miss a goal (ringed)", transform=ax.transAxes, ha="left", va="top",
                         fontsize=7)
@@ -145,6 +140,18 @@ def _misses(entry: dict, mode: str) -> bool:
 def _size_label(v: float) -> str:
     v = int(v)
     return f"{v // 1024}K" if v >= 1024 and v % 1024 == 0 else str(v)
+
+
+def _ratio_axis(ax, values: list[float]) -> None:
+    """A log y axis of speed ratios around ``values`` and 1.0, ticks labelled "2x", "0.5x"."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    lo, hi = min(values + [1.0]) / 1.15, max(values + [1.0]) * 1.25
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    ax.yaxis.set_major_locator(FixedLocator(_ratio_ticks(lo, hi)))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
 
 
 def _ratio_ticks(lo: float, hi: float) -> list[float]:
@@ -218,14 +225,9 @@ def plot_family(family: str, summary: dict, path: Path, title: str | None = None
             if panel == "roofline":
                 ax.set_ylim(0, 1.05)
             else:
-                lo, hi = min(ys + [g.y for g in goals] + [1.0]), max(ys + [g.y for g in goals] + [1.0])
                 if ys:
                     ax.axhline(1.0, color="black", lw=0.6)
-                ax.set_yscale("log")
-                ax.set_ylim(lo / 1.15, hi * 1.25)
-                ax.yaxis.set_major_locator(FixedLocator(_ratio_ticks(lo / 1.15, hi * 1.25)))
-                ax.yaxis.set_minor_locator(NullLocator())
-                ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+                _ratio_axis(ax, ys + [g.y for g in goals])
             ax.set_xscale("log")
             ax.set_xlim(xs[0] / 1.4, xs[-1] * 1.4)
             ax.xaxis.set_major_locator(FixedLocator(xs))

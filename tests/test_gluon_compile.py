@@ -69,18 +69,22 @@ def test_swiglu_pingpong_oversized_tile_spills():
         swiglu_configs.PingPongConfig(128, 128)
 
 
-@pytest.mark.parametrize("seesaw,ring,one_head", [(False, None, False), (True, None, False), (True, (32, 4), False),
-                                                  (True, None, True)],
-                         ids=["role-split", "seesaw", "seesaw-32x4", "seesaw-h1"])
-def test_mla_split_ws_compiles(seesaw, ring, one_head):
-    """``one_head``: h_q = 1, which the launch specializes into a constant."""
+@pytest.mark.parametrize("seesaw,ring,one_head,page", [(False, None, False, 64), (True, None, False, 64),
+                                                       (True, (32, 4), False, 64), (True, None, True, 64),
+                                                       (False, None, False, 16), (False, None, False, 128)],
+                         ids=["role-split", "seesaw", "seesaw-32x4", "seesaw-h1", "role-split-page16",
+                              "role-split-page128"])
+def test_mla_split_ws_compiles(seesaw, ring, one_head, page):
+    """``one_head``: h_q = 1, which the launch specializes into a constant; ``page``: the cache's
+    page size (below the tile: boxes of a page each; above: one box inside a page)."""
     cfg, _, _, _ = mla_configs.launch_config("seesaw" if seesaw else "wgmma", 128, 256)
     block_n, stages = ring or (cfg["BLOCK_N"], cfg["STAGES"])
     assert cfg["SEESAW"] == seesaw
     dtype = torch.bfloat16
     pointers = ["q_ptr", None, None, "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
                 "oacc_ptr", "lseacc_ptr"]
-    types = ["*bf16", tensordesc(dtype, [block_n, HEAD_DIM_V]), tensordesc(dtype, [block_n, HEAD_DIM - HEAD_DIM_V]),
+    box = min(page, block_n)
+    types = ["*bf16", tensordesc(dtype, [box, HEAD_DIM_V]), tensordesc(dtype, [box, HEAD_DIM - HEAD_DIM_V]),
              "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
     names = ["q_ptr", "kn_desc", "kr_desc"] + pointers[3:]
     signature = dict(zip(names, types))
@@ -90,7 +94,8 @@ def test_mla_split_ws_compiles(seesaw, ring, one_head):
     for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
                  "stride_lb", "stride_lh"):
         signature[name] = "i32"
-    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, SEESAW=seesaw, num_warps=cfg["num_warps"])
+    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, SEESAW=seesaw, KV_PAGE=page,
+                      num_warps=cfg["num_warps"])
     if one_head:
         constexprs["h_q"] = 1
     signature.update({name: CONSTEXPR for name in constexprs})
@@ -262,8 +267,10 @@ def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page):
 
 
 def test_mla_metadata_kernel_compiles():
-    """The metadata kernel (one program, two data-dependent bisections) compiles for sm_90a."""
-    constexprs = dict(BLOCK_B=256, BLOCK_P=32, SPLIT_COST=mla_configs.SPLIT_COST_PAGES)
+    """The metadata kernel (one program: a data-dependent bisection, then the chunk candidates)
+    compiles for sm_90a."""
+    constexprs = dict(BLOCK_B=256, BLOCK_P=32, SPLIT_COST=mla_configs.SPLIT_COST_PAGES,
+                      CANDIDATES=mla_configs.SCHEDULE_CANDIDATES)
     signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "batch": "i32",
                  "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_metadata_kernel", signature, constexprs, num_warps=4)

@@ -55,9 +55,32 @@ WGMMA_FROM_ROWS = 1
 # The metadata's fixed cost of one split, in 64-token pages of KV: a split program also reads the
 # query tile (64 rows x 576: one page's bytes), writes its partial output (64 x 512 fp32: two
 # pages' worth) and the combine reads it back (two more), about 4-5 pages of traffic for a 64-row
-# tile (FlashMLA's scheduler counts 5 blocks). The roofline figure, not yet tuned by measurement;
-# it weighs more splits against balance where one wave of splits cannot balance the batch.
+# tile (FlashMLA's scheduler counts 5 blocks); a program's start (the first tile's latency) is
+# about one more page at one SM's share of the bandwidth.
 SPLIT_COST_PAGES = 4
+# The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
+# per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
+# sizes are tried besides the one-wave chunk (1.5x the balanced share, then 2/3 of it each step).
+SLOT_WAVES = 4
+SCHEDULE_CANDIDATES = 10
+
+
+def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float:
+    """Expected pages of the busiest part when ``slots`` splits of at most ``chunk`` pages
+    (``total_pages`` in all) run on ``parts`` parts, each split costing SPLIT_COST_PAGES more.
+
+    One wave (``slots <= parts``): the longest split, ``chunk + cost``. More: the programs of a
+    launch are handed to SMs as they free, which is list scheduling, bounded below by the mean
+    ``(total + cost slots) / parts`` and above by the mean plus one split; the estimate is the
+    middle of the two (it matches a simulation of the hand-out within 10 % on the uneven batches
+    of ``tests/test_mla.py``). The metadata kernel computes it in integers (``_schedule_cost2``:
+    twice this, rounded up)."""
+    longest = chunk + SPLIT_COST_PAGES
+    if slots <= parts:
+        return float(longest)
+    return max(float(longest), (total_pages + SPLIT_COST_PAGES * slots) / parts + longest / 2)
+
+
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
 # ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs

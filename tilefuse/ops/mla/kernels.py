@@ -45,18 +45,28 @@ def _splits(pages, in_batch, chunk):
 
 
 @triton.jit
+def _schedule_cost2(total, slots, chunk, num_parts, SPLIT_COST: tl.constexpr):
+    """Twice the expected busiest part, in pages, of ``slots`` splits of at most ``chunk`` pages
+    over ``num_parts`` parts, each split costing SPLIT_COST pages more (``configs.schedule_cost``
+    says why)."""
+    longest = chunk + SPLIT_COST
+    spread = (2 * (total + SPLIT_COST * slots) + num_parts - 1) // num_parts + longest
+    return tl.where(slots <= num_parts, 2 * longest, tl.maximum(2 * longest, spread))
+
+
+@triton.jit
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
-    batch, num_parts, num_slots,                # sizes: num_parts = target number of busy slots
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr,
+    batch, num_parts, num_slots,                # sizes: num_parts = SMs (or SM groups) to fill
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr, CANDIDATES: tl.constexpr,
 ):
     # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
-    # One wave: chunks of at most `chunk` pages, the smallest chunk with sum_i ceil(n_i / chunk)
-    # <= num_parts slots (the shortest longest slot). ceil(total / (num_parts - b)) always fits
+    # Candidate 1, one wave: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts slots
+    # (each part runs at most one split). ceil(total / (num_parts - b)) always fits
     # (sum_i ceil(n_i / c) <= total / c + b) and ceil(total / num_parts) is a lower bound, so a
     # bisection between the two takes log2(upper - lower) steps (0-6 on the bench shapes).
     total = tl.sum(pages, axis=0)
@@ -70,25 +80,20 @@ def mla_metadata_kernel(
         hi = tl.where(fits, mid, hi)
         lo = tl.where(fits, lo, mid + 1)
     chunk = hi
-    # Where one wave forces chunks over twice the balanced size (a batch of about num_parts
-    # requests or more, or a few long requests among short ones), trade it for balance: more
-    # slots than num_parts (at most num_parts + b, the metadata's rows), the chunk that
-    # minimizes max(chunk, (total + SPLIT_COST * slots) / num_parts) -- the longest slot, or
-    # the busiest part's pages with each split's fixed cost counted -- found by bisection on
-    # the smallest chunk where the first term reaches the second, and its left neighbour.
-    if chunk > 2 * balanced:
-        a = balanced
-        b = chunk
-        while a < b:
-            mid = (a + b) // 2
-            slots = tl.sum(_splits(pages, in_batch, mid), axis=0)
-            enough = mid * num_parts >= total + SPLIT_COST * slots
-            b = tl.where(enough, mid, b)
-            a = tl.where(enough, a, mid + 1)
-        left = tl.maximum(b - 1, balanced)
-        slots_left = tl.sum(_splits(pages, in_batch, left), axis=0)
-        cost_left = (total + SPLIT_COST * slots_left + num_parts - 1) // num_parts
-        chunk = tl.where(cost_left < b, left, b)
+    best = _schedule_cost2(total, tl.sum(_splits(pages, in_batch, chunk), axis=0), chunk, num_parts, SPLIT_COST)
+    # Candidates 2..: several waves of smaller chunks, from 1.5x the balanced share down by 2/3
+    # each step. One wave cannot balance a batch of about num_parts requests or more, or a few
+    # long requests among short ones; smaller chunks let the parts that finish early take more
+    # splits, at SPLIT_COST pages per split. Kept where the expected busiest part is shorter and
+    # the splits fit in the metadata's rows.
+    cand = (3 * balanced + 1) // 2
+    for _ in range(CANDIDATES):
+        slots = tl.sum(_splits(pages, in_batch, cand), axis=0)
+        cost = _schedule_cost2(total, slots, cand, num_parts, SPLIT_COST)
+        better = (cost < best) & (slots <= num_slots)
+        chunk = tl.where(better, cand, chunk)
+        best = tl.where(better, cost, best)
+        cand = tl.maximum(cand * 2 // 3, 1)
     splits = _splits(pages, in_batch, chunk)
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits

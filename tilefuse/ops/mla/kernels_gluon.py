@@ -17,7 +17,7 @@ What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same part
   - seesaw: the warpgroups take the tiles in turn (S, softmax, P handoff), passing the running
     row max from one to the other, so one warpgroup's softmax runs under the other's WGMMAs.
 
-One program per (slot, 64-row head tile); split requests write partials that
+One program per (64-row head tile, slot); split requests write partials that
 ``kernels.mla_combine_kernel`` merges in a second launch. Rows past ``s_q * h_q`` are computed as
 zeros and never stored.
 
@@ -78,19 +78,28 @@ def _split_range(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens
 
 @gluon.jit
 def _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, bars, bt_row, tok_begin, j, last_page, num_blocks,
-                pred, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                pred, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
     """HBM -> SMEM: TMA copies of tile ``j`` (tokens ``tok_begin + j BLOCK_N ..``) into ring slot
-    ``j % STAGES``; its mbarrier flips when all bytes have landed. The page comes from the block
-    table (column clamped to the split's last page, entry clamped to the cache)."""
+    ``j % STAGES``; its mbarrier flips when all bytes have landed. Pages come from the block
+    table (column clamped to the split's last page, entry clamped to the cache): a tile within
+    one cache page of ``KV_PAGE >= BLOCK_N`` tokens is one box per part; with smaller pages the
+    tile's ``BLOCK_N / KV_PAGE`` pages land as boxes of ``KV_PAGE`` rows side by side."""
+    BOX: gl.constexpr = KV_PAGE if KV_PAGE < BLOCK_N else BLOCK_N
     start = tok_begin + j * BLOCK_N
-    page = gl.load(bt_row + gl.minimum(start // PAGE, last_page), mask=pred, other=0)
-    page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-    row = page * PAGE + start % PAGE
     s = j % STAGES
     bar = bars.index(s)
-    mbarrier.expect(bar, kn_desc.block_type.nbytes + kr_desc.block_type.nbytes, pred=pred)
-    tma_load(kn_desc, [row, 0], bar, kn_ring.index(s), pred=pred)
-    tma_load(kr_desc, [row, 0], bar, kr_ring.index(s), pred=pred)
+    mbarrier.expect(bar, (BLOCK_N // BOX) * (kn_desc.block_type.nbytes + kr_desc.block_type.nbytes), pred=pred)
+    for sub in gl.static_range(BLOCK_N // BOX):
+        token = start + sub * BOX
+        page = gl.load(bt_row + gl.minimum(token // KV_PAGE, last_page), mask=pred, other=0)
+        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+        row = page * KV_PAGE + token % KV_PAGE
+        if BOX == BLOCK_N:
+            tma_load(kn_desc, [row, 0], bar, kn_ring.index(s), pred=pred)
+            tma_load(kr_desc, [row, 0], bar, kr_ring.index(s), pred=pred)
+        else:
+            tma_load(kn_desc, [row, 0], bar, kn_ring.index(s).slice(sub * BOX, BOX, dim=0), pred=pred)
+            tma_load(kr_desc, [row, 0], bar, kr_ring.index(s).slice(sub * BOX, BOX, dim=0), pred=pred)
 
 
 @gluon.jit
@@ -158,13 +167,13 @@ def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, tok_begin, j, lengt
 
 @gluon.jit
 def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
-                 num_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                 num_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
     for j in range(n_tiles):
         # slot j % STAGES is free once both consumers released tile j - STAGES (a fresh barrier
         # passes the parity-1 wait: the first round finds every slot free)
         mbarrier.wait(k_empty.index(j % STAGES), ((j // STAGES) & 1) ^ 1)
         _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, bt_row, tok_begin, j, last_page, num_blocks,
-                    True, BLOCK_N, STAGES)
+                    True, BLOCK_N, STAGES, KV_PAGE)
 
 
 @gluon.jit
@@ -397,22 +406,25 @@ def mla_split_ws_kernel(
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SEESAW: gl.constexpr,
-    num_warps: gl.constexpr,
+    KV_PAGE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Attention of 64 query rows of one request over one split of its pages, on a producer warp
     and two consumer warpgroups (``num_warps = 4``: the default partition is the softmax
     warpgroup, or with ``SEESAW`` consumer 0; the other consumer and the producer are worker
     partitions).
 
-    kn_desc / kr_desc: TMA descriptors over the cache as ``[num_blocks * 64, 576]`` rows, blocks
-    ``[BLOCK_N, 512]`` (columns 0..511) and ``[BLOCK_N, 64]`` (columns 512..575). Scores in the
+    kn_desc / kr_desc: TMA descriptors over the cache as ``[num_blocks * KV_PAGE, 576]`` rows,
+    boxes of ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]`` (columns 0..511) and ``[., 64]``
+    (columns 512..575). Scores in the
     log2 domain (``qk_scale = softmax_scale * log2(e)``)."""
     dtype: gl.constexpr = kn_desc.dtype
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    slot = gl.program_id(0)
-    pid_h = gl.program_id(1)
+    # The head tile is the grid's fastest axis: the tiles of one slot start together on
+    # neighbouring SMs and stream the same KV pages, so the second reads them from L2.
+    pid_h = gl.program_id(0)
+    slot = gl.program_id(1)
     valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
         meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
     if not valid:
@@ -446,7 +458,7 @@ def mla_split_ws_kernel(
     fence_async_shared()
 
     bt_row = bt_ptr + req * stride_btb
-    last_page = gl.maximum(tok_end - 1, 0) // PAGE
+    last_page = gl.maximum(tok_end - 1, 0) // KV_PAGE
     n_tiles = (tok_end - tok_begin + BLOCK_N - 1) // BLOCK_N
     limit_base = length - 1
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
@@ -463,7 +475,7 @@ def mla_split_ws_kernel(
                                 oacc_ptr, lseacc_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, SECOND,
                                 CAUSAL, BLOCK_N, STAGES)),
             (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
-                            num_blocks, BLOCK_N, STAGES)),
+                            num_blocks, BLOCK_N, STAGES, KV_PAGE)),
         ], [4, 1], [240, 24])
     else:
         gl.warp_specialize([
@@ -476,5 +488,5 @@ def mla_split_ws_kernel(
                       sync.index(1), sync.index(2), n_tiles, pid_h, h_q, req, part_idx, n_part, rows_total, out_ptr,
                       oacc_ptr, stride_ob, stride_os, stride_oh, STAGES)),
             (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_row, tok_begin, n_tiles, last_page,
-                            num_blocks, BLOCK_N, STAGES)),
+                            num_blocks, BLOCK_N, STAGES, KV_PAGE)),
         ], [4, 1], [232, 40])

@@ -5,12 +5,13 @@ in ``reference.py``.
 
 Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
 
-* ``tile_scheduler_metadata``: int32 ``[num_sm_parts + b, 8]``, one row per *slot* (each run by
-  ``slot_programs`` programs of the attention kernel): ``(request, split index, 0, ...)``;
-  request ``-1`` marks an unused slot. A request's pages are cut into ``n`` even splits, ``n``
-  chosen so that the batch's splits fill at most ``num_sm_parts`` busy slots with the shortest
-  longest slot (one wave on the GPU whatever the mix of lengths); ``num_sm_parts + b`` bounds
-  the slot count (a static shape: no host sync).
+* ``tile_scheduler_metadata``: int32 ``[SLOT_WAVES * num_sm_parts + b, 8]``
+  (:func:`metadata_slots`), one row per *slot* (each run by ``slot_programs`` programs of the
+  attention kernel, per head tile): ``(request, split index, 0, ...)``; request ``-1`` marks an
+  unused slot. Every request's pages are cut into even splits of at most one chunk size, the
+  chunk that minimizes the expected busiest SM (``configs.schedule_cost``): one wave of at most
+  ``num_sm_parts`` splits where that balances the batch, else smaller chunks in several waves,
+  which the GPU hands to SMs as they free. The row count is a static shape (no host sync).
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
@@ -58,12 +59,12 @@ def wgmma_usable(device: torch.device) -> bool:
     return gluon_hopper(device) and _kernels().get("wgmma") is not None
 
 
-def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None, page_size: int = PAGE_SIZE) -> str:
+def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU and pages of 64 tokens (its TMA boxes), as does ``seesaw`` (pinned only: measured
-    slower); elsewhere the ``tl`` kernel of the same orientation (``standard``) runs."""
-    fits = q is not None and _wgmma_fits(q) and page_size == PAGE_SIZE
+    GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the
+    same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
+    fits = q is not None and _wgmma_fits(q)
     chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, chip)
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
@@ -100,40 +101,52 @@ def _kernels():
 # ---------------------------------------------------------------------------------- metadata
 
 
+def metadata_slots(num_parts: int, batch: int) -> int:
+    """Rows of the metadata (slots) for ``batch`` requests over ``num_parts`` parts: a static shape."""
+    return configs.SLOT_WAVES * num_parts + batch
+
+
 def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
+    num_slots = metadata_slots(num_parts, batch)
     pages = (cache_seqlens.long().clamp_min(0) + PAGE_SIZE - 1) // PAGE_SIZE
+    split_cost = configs.SPLIT_COST_PAGES
 
     def slots(chunk):
         return ((pages + chunk - 1) // chunk).clamp_min(1).sum()
+
+    def cost2(n_slots, chunk):      # the kernel's _schedule_cost2
+        longest = chunk + split_cost
+        spread = (2 * (total + split_cost * n_slots) + num_parts - 1) // num_parts + longest
+        return torch.where(n_slots <= num_parts, 2 * longest, torch.maximum(2 * longest, spread))
 
     room = max(num_parts - batch, 1)
     total = pages.sum()
     hi = ((total + room - 1) // room).clamp_min(1)
     lo = ((total + num_parts - 1) // num_parts).clamp_min(1).minimum(hi)
     balanced = lo
-    for _ in range(40):      # the kernel's bisections, a fixed number of steps (no host sync)
+    for _ in range(40):      # the kernel's bisection, a fixed number of steps (no host sync)
         mid = (lo + hi) // 2
         fits = slots(mid) <= num_parts
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
-    a, b = balanced, hi
-    for _ in range(40):
-        active = a < b
-        mid = (a + b) // 2
-        enough = mid * num_parts >= total + configs.SPLIT_COST_PAGES * slots(mid)
-        b, a = torch.where(active & enough, mid, b), torch.where(active & ~enough, mid + 1, a)
-    left = (b - 1).maximum(balanced)
-    cost_left = (total + configs.SPLIT_COST_PAGES * slots(left) + num_parts - 1) // num_parts
-    hi = torch.where(hi > 2 * balanced, torch.where(cost_left < b, left, b), hi)
-    splits = ((pages + hi - 1) // hi).clamp_min(1)
+    chunk = hi
+    best = cost2(slots(chunk), chunk)
+    cand = (3 * balanced + 1) // 2
+    for _ in range(configs.SCHEDULE_CANDIDATES):
+        n_slots = slots(cand)
+        cost = cost2(n_slots, cand)
+        better = (cost < best) & (n_slots <= num_slots)
+        chunk, best = torch.where(better, cand, chunk), torch.where(better, cost, best)
+        cand = (cand * 2 // 3).clamp_min(1)
+    splits = ((pages + chunk - 1) // chunk).clamp_min(1)
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
-    slot = torch.arange(num_parts + batch, device=dev)
+    slot = torch.arange(num_slots, device=dev)
     req = torch.searchsorted(cu[1:], slot, right=True)
     valid = req < batch
     first = cu[req.clamp_max(max(batch - 1, 0))] if batch else slot
-    meta = torch.zeros(num_parts + batch, 8, dtype=torch.long, device=dev)
+    meta = torch.zeros(num_slots, 8, dtype=torch.long, device=dev)
     meta[:, 0] = torch.where(valid, req, -1)
     meta[:, 1] = (slot - first) * valid
     return meta.to(torch.int32), cu.to(torch.int32)
@@ -141,7 +154,7 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
 
 def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts):
     batch = cache_seqlens.shape[0]
-    return (cache_seqlens.new_empty(num_sm_parts + batch, 8), cache_seqlens.new_empty(batch + 1))
+    return (cache_seqlens.new_empty(metadata_slots(num_sm_parts, batch), 8), cache_seqlens.new_empty(batch + 1))
 
 
 def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int,
@@ -149,7 +162,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     batch = cache_seqlens.shape[0]
     if batch == 0 or choose_backend(cache_seqlens.device) != "triton":
         return _metadata_torch(cache_seqlens, num_sm_parts)
-    num_slots = num_sm_parts + batch
+    num_slots = metadata_slots(num_sm_parts, batch)
     meta = torch.empty(num_slots, 8, dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
@@ -158,7 +171,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
                                   dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
-                                       num_warps=4))
+                                       CANDIDATES=configs.SCHEDULE_CANDIDATES, num_warps=4))
     return meta, num_splits
 
 
@@ -189,7 +202,8 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
 
     Returns
     -------
-    tile_scheduler_metadata : [num_sm_parts + b, 8] int32 (format in this module's docstring).
+    tile_scheduler_metadata : [SLOT_WAVES * num_sm_parts + b, 8] int32 (format in this module's
+        docstring).
     num_splits : [b + 1] int32, cumulative split counts.
 
     The shapes depend on ``b`` and the SM count only, so a decode step that calls this then
@@ -233,7 +247,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     max_blocks = block_table.shape[1]
     page = k_cache.shape[1]
     call = _Call()
-    call.variant = variant or choose_variant(rows, max_blocks, q, page)
+    call.variant = variant or choose_variant(rows, max_blocks, q)
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
@@ -249,10 +263,10 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if call.variant in configs.GLUON_VARIANTS:
-        call.grid = (num_slots, -(-rows // 64), 1)
-        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * PAGE_SIZE, scale * LOG2E,
+        call.grid = (-(-rows // 64), num_slots, 1)     # head tiles fastest (kernels_gluon)
+        call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
-        call.meta = dict(CAUSAL=causal, **cfg)
+        call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)
     else:
         call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
@@ -291,11 +305,13 @@ LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = s
 
 
 def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
-    """TMA descriptors of the cache as ``[num_blocks * 64, 576]`` rows: columns 0..511 in
-    ``[block_n, 512]`` boxes, columns 512..575 in ``[block_n, 64]`` boxes (cached per cache
-    address and shape by ``_launch.descriptor``)."""
-    rows = k_cache.shape[0] * PAGE_SIZE
-    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [block_n, cols], gluon=True,
+    """TMA descriptors of the cache as ``[num_blocks * page, 576]`` rows: columns 0..511 in
+    ``[box, 512]`` boxes, columns 512..575 in ``[box, 64]`` boxes, ``box = min(page, block_n)``
+    rows (a tile spans ``block_n / page`` pages where pages are shorter; cached per cache address
+    and shape by ``_launch.descriptor``)."""
+    page = k_cache.shape[1]
+    rows, box = k_cache.shape[0] * page, min(page, block_n)
+    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [box, cols], gluon=True,
                                     offset=offset)
                  for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
 
@@ -397,7 +413,7 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
         raise ValueError(f"block_table: expected at least one page per request, got shape {tuple(block_table.shape)}")
     _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
     _checks.check_tensor("tile_scheduler_metadata", meta, dtypes=(torch.int32,), ndim=2)
-    _checks.check_shape("tile_scheduler_metadata", meta, (None, 8), "[num_sm_parts + b, 8]")
+    _checks.check_shape("tile_scheduler_metadata", meta, (None, 8), "[slots, 8] (get_mla_metadata's)")
     if meta.shape[0] <= batch:
         raise ValueError(f"tile_scheduler_metadata: expected more than b = {batch} rows (from get_mla_metadata "
                          f"on the same batch), got {meta.shape[0]}")
@@ -555,11 +571,11 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")
     max_blocks = block_table.shape[1]
-    variant = choose_variant(rows, max_blocks, q, page)
+    variant = choose_variant(rows, max_blocks, q)
     cfg = configs.launch_config(variant, rows, max_blocks)[0]
     source = "forced" if forced else "measured rule (configs.default_variant: rows per KV head, length, chip)"
     if forced and forced != variant:
-        source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU, pages of 64)"
+        source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"
     return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))
 
 

@@ -60,9 +60,10 @@ WGMMA_FROM_ROWS = 1
 SPLIT_COST_PAGES = 4
 # The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
 # per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
-# sizes are tried besides the one-wave chunk (1.5x the balanced share, then 2/3 of it each step).
+# sizes are tried besides the one-wave chunk: 1.5x, 1x, 3/4, 1/2, 3/8, 1/4, 3/16, 1/8 of the
+# balanced share.
 SLOT_WAVES = 4
-SCHEDULE_CANDIDATES = 10
+SCHEDULE_CANDIDATES = 8
 
 
 def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float:
@@ -72,9 +73,9 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
     One wave (``slots <= parts``): the longest split, ``chunk + cost``. More: the programs of a
     launch are handed to SMs as they free, which is list scheduling, bounded below by the mean
     ``(total + cost slots) / parts`` and above by the mean plus one split; the estimate is the
-    middle of the two (it matches a simulation of the hand-out within 10 % on the uneven batches
-    of ``tests/test_mla.py``). The metadata kernel computes it in integers (``_schedule_cost2``:
-    twice this, rounded up)."""
+    middle of the two. On the uneven batches of ``tests/test_mla.py`` and the benchmark's serving
+    mixes it is within 4 % of a simulation of that hand-out (``tools/mla_schedule_sim.py``). The
+    metadata kernel computes it in integers (``_schedule_cost2``: twice this, rounded up)."""
     longest = chunk + SPLIT_COST_PAGES
     if slots <= parts:
         return float(longest)

@@ -45,6 +45,11 @@ def _splits(pages, in_batch, chunk):
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _schedule_cost2(total, slots, chunk, num_parts, SPLIT_COST: tl.constexpr):
     """Twice the expected busiest part, in pages, of ``slots`` splits of at most ``chunk`` pages
     over ``num_parts`` parts, each split costing SPLIT_COST pages more (``configs.schedule_cost``
@@ -81,39 +86,52 @@ def mla_metadata_kernel(
         lo = tl.where(fits, lo, mid + 1)
     chunk = hi
     best = _schedule_cost2(total, tl.sum(_splits(pages, in_batch, chunk), axis=0), chunk, num_parts, SPLIT_COST)
-    # Candidates 2..: several waves of smaller chunks, from 1.5x the balanced share down by 2/3
-    # each step. One wave cannot balance a batch of about num_parts requests or more, or a few
-    # long requests among short ones; smaller chunks let the parts that finish early take more
-    # splits, at SPLIT_COST pages per split. Kept where the expected busiest part is shorter and
-    # the splits fit in the metadata's rows.
-    cand = (3 * balanced + 1) // 2
-    for _ in range(CANDIDATES):
+    # Candidates 2..: several waves of smaller chunks, 1.5x, 1x, 3/4, 1/2, 3/8, ... of the
+    # balanced share. One wave cannot balance a batch of about num_parts requests or more, or a
+    # few long requests among short ones; smaller chunks let the parts that finish early take
+    # more splits, at SPLIT_COST pages per split. Kept where the expected busiest part is shorter
+    # and the splits fit in the metadata's rows.
+    for k in range(CANDIDATES):
+        cand = tl.maximum((balanced * (3 - k % 2)) >> (k // 2 + 1), 1)
         slots = tl.sum(_splits(pages, in_batch, cand), axis=0)
         cost = _schedule_cost2(total, slots, cand, num_parts, SPLIT_COST)
         better = (cost < best) & (slots <= num_slots)
         chunk = tl.where(better, cand, chunk)
         best = tl.where(better, cost, best)
-        cand = tl.maximum(cand * 2 // 3, 1)
     splits = _splits(pages, in_batch, chunk)
     cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
     cu_begin = cu_end - splits
+    used = tl.sum(splits, axis=0)
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
-    tl.store(num_splits_ptr + batch, tl.sum(splits, axis=0))
-    # Each slot p belongs to the request i with cu_begin[i] <= p < cu_end[i] and runs its split
-    # p - cu_begin[i]; found by counting, gathers done as masked sums over the batch axis
-    # (registers cannot be indexed).
+    tl.store(num_splits_ptr + batch, used)
+    # Slot p belongs to the request i with cu_begin[i] <= p < cu_end[i] and runs its split
+    # p - cu_begin[i]. Requests own consecutive slots, at least one each, so: mark every slot
+    # "none" (-1), write (i, cu_begin[i]) into the first slot of each request, then a running
+    # maximum over the slots carries each mark to the request's other slots. The metadata rows
+    # are the scratch; the barriers order the writes of one thread before the reads of another.
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        owns = (cu_begin[None, :] <= offs_p[:, None]) & (offs_p[:, None] < cu_end[None, :])   # [P, B]
-        req = tl.sum(tl.where(owns, offs_b[None, :], 0), axis=1)
-        first = tl.sum(tl.where(owns, cu_begin[None, :], 0), axis=1)
-        valid = tl.sum(owns.to(tl.int32), axis=1) > 0
         row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
+        for c in range(0, 8):
+            tl.store(row + c, tl.where(c < 2, -1, 0), mask=in_range)
+    tl.debug_barrier()
+    tl.store(meta_ptr + cu_begin * 8, offs_b, mask=in_batch)
+    tl.store(meta_ptr + cu_begin * 8 + 1, cu_begin, mask=in_batch)
+    tl.debug_barrier()
+    req_before = -1                              # the running maxima of the slots before this block
+    first_before = -1
+    for p0 in range(0, num_slots, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        row = meta_ptr + offs_p * 8
+        in_range = offs_p < num_slots
+        req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_before)
+        first = tl.maximum(tl.associative_scan(tl.load(row + 1, mask=in_range, other=-1), 0, _max), first_before)
+        req_before = tl.max(req, axis=0)
+        first_before = tl.max(first, axis=0)
+        valid = offs_p < used
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
         tl.store(row + 1, tl.where(valid, offs_p - first, 0), mask=in_range)
-        for c in range(2, 8):
-            tl.store(row + c, 0, mask=in_range)
 
 
 @triton.jit

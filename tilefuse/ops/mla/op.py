@@ -132,13 +132,12 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
         hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
     chunk = hi
     best = cost2(slots(chunk), chunk)
-    cand = (3 * balanced + 1) // 2
-    for _ in range(configs.SCHEDULE_CANDIDATES):
+    for k in range(configs.SCHEDULE_CANDIDATES):
+        cand = ((balanced * (3 - k % 2)) >> (k // 2 + 1)).clamp_min(1)
         n_slots = slots(cand)
         cost = cost2(n_slots, cand)
         better = (cost < best) & (n_slots <= num_slots)
         chunk, best = torch.where(better, cand, chunk), torch.where(better, cost, best)
-        cand = (cand * 2 // 3).clamp_min(1)
     splits = ((pages + chunk - 1) // chunk).clamp_min(1)
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
@@ -166,7 +165,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     meta = torch.empty(num_slots, 8, dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
-    block_p = max(16, min(256, 8192 // block_b))
+    block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),

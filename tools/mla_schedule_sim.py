@@ -16,6 +16,7 @@ import heapq
 
 import torch
 
+from tilefuse.bench.mla import serving_mixes
 from tilefuse.ops.mla import configs, op
 
 
@@ -38,15 +39,10 @@ def list_schedule(items: list[int], parts: int) -> float:
 
 
 def mixes() -> list[tuple[str, list[int], int]]:
-    gen = torch.Generator().manual_seed(1)
-    mixed96 = torch.randint(1, 20000, (96,), generator=gen).tolist()
-    mixed96[0] = 70000
-    one_long = [131072] + torch.randint(1, 2000, (255,), generator=gen).tolist()
-    zipf = (20000 / torch.arange(1, 129, dtype=torch.float64) ** 1.1).long().clamp_min(1).tolist()
-    return [("96 uniform 1-20000, one 70000", mixed96, 132), ("same, 2 head tiles", mixed96, 66),
-            ("one 131072, 255 of 1-2000", one_long, 132), ("Zipf, 128 requests", zipf, 132),
-            ("1, 300, 70000", [1, 300, 70000], 132), ("32 x 32768", [32768] * 32, 132),
-            ("16 x 4096", [4096] * 16, 132), ("128 x 1024", [1024] * 128, 132)]
+    """(label, lengths, parts): the benchmark's serving mixes (one head tile: the SM count; two
+    tiles: half) and three equal-length batches."""
+    out = [(label, lens, 132 if s_q * h_q <= 64 else 66) for _, h_q, s_q, lens, label in serving_mixes()]
+    return out + [("32 x 32768", [32768] * 32, 132), ("16 x 4096", [4096] * 16, 132), ("128 x 1024", [1024] * 128, 132)]
 
 
 def main() -> None:

@@ -237,23 +237,28 @@ def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]
     return out
 
 
-def serving_cases(device, dtype) -> list[Case]:
-    """Length mixes a server sees, where one long request shares the batch with short ones (the
-    split schedule's hard case), Zipf-distributed lengths, and 96 query rows per KV head (24
-    heads x 4 tokens)."""
+def serving_mixes() -> list[tuple[int, int, int, list[int], str]]:
+    """``(batch, h_q, s_q, lengths, label)`` of the length mixes a server sees: one long request
+    sharing the batch with short ones (the split schedule's hard case), Zipf-distributed lengths,
+    and 96 query rows per KV head (24 heads x 4 tokens)."""
     gen = torch.Generator().manual_seed(1)
     mixed96 = torch.randint(1, 20000, (96,), generator=gen).tolist()
     mixed96[0] = 70000
     one_long = [131072] + torch.randint(1, 2000, (255,), generator=gen).tolist()
     zipf = (20000 / torch.arange(1, 129, dtype=torch.float64) ** 1.1).long().clamp_min(1).tolist()
-    specs = [(3, 8, 4, [1, 300, 70000], "1,300,70000"), (4, 24, 4, [1, 300, 70000, 4097], "1,300,70000,4097"),
-             (3, 24, 1, [70000, 4097, 300], "70000,4097,300"), (96, 8, 4, mixed96, "uniform 1-20000, one 70000"),
-             (96, 24, 1, mixed96, "uniform 1-20000, one 70000"), (96, 24, 4, mixed96, "uniform 1-20000, one 70000"),
-             (64, 16, 2, [8192] * 64, "8192 each"), (32, 128, 1, [32768] * 32, "32768 each"),
-             (256, 16, 1, one_long, "one 131072, 255 uniform 1-2000"), (128, 16, 2, zipf, "Zipf 20000 / i^1.1"),
-             (128, 64, 1, zipf, "Zipf 20000 / i^1.1")]
+    uniform = "uniform 1-20000, one 70000"
+    return [(3, 8, 4, [1, 300, 70000], "1,300,70000"), (4, 24, 4, [1, 300, 70000, 4097], "1,300,70000,4097"),
+            (3, 24, 1, [70000, 4097, 300], "70000,4097,300"), (96, 8, 4, mixed96, uniform),
+            (96, 24, 1, mixed96, uniform), (96, 24, 4, mixed96, uniform),
+            (64, 16, 2, [8192] * 64, "8192 each"), (32, 128, 1, [32768] * 32, "32768 each"),
+            (256, 16, 1, one_long, "one 131072, 255 uniform 1-2000"), (128, 16, 2, zipf, "Zipf 20000 / i^1.1"),
+            (128, 64, 1, zipf, "Zipf 20000 / i^1.1")]
+
+
+def serving_cases(device, dtype) -> list[Case]:
+    """The cases of :func:`serving_mixes`."""
     return [mla_case(b, h, sq, lens, device, dtype, mixed=True, naive=False, label=label)
-            for b, h, sq, lens, label in specs]
+            for b, h, sq, lens, label in serving_mixes()]
 
 
 # ----------------------------------------------------------------------------- summary

@@ -1,0 +1,91 @@
+"""Measure the MLA schedule's split cost on a GPU: the attention call's time under the schedules
+that each value of ``configs.SPLIT_COST_PAGES`` picks, on the benchmark's length mixes.
+
+    python3 tools/mla_split_cost_sweep.py [OUT.json]
+
+For every mix and every candidate split cost, the metadata (``op._metadata_torch``, the metadata
+kernel's mirror) with that cost; each distinct schedule (chunk, slots) is timed once as CUDA-graph
+replays of ``flash_mla_with_kvcache`` alone (cold L2), the default schedule twice (the noise).
+The summary gives, per split cost, the geomean over the mixes of its time over the best schedule
+found for that mix. Writes ``bench/results/sweeps/mla-split-cost-<gpu>.json`` by default. Needs
+a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import tilefuse
+from tilefuse.bench.harness import Timer
+from tilefuse.bench.mla import serving_mixes
+from tilefuse.ops.mla import configs, op
+from tilefuse.testing.mla import paged_cache
+
+COSTS = (1, 2, 4, 6, 8, 12, 16, 24)
+
+
+def mixes() -> list[tuple[str, int, int, list[int]]]:
+    """(label, h_q, s_q, lengths): the benchmark's serving mixes and three equal-length batches."""
+    out = [(label, h_q, s_q, lens) for _, h_q, s_q, lens, label in serving_mixes()]
+    out += [("16 x 4096", 16, 1, [4096] * 16), ("64 x 16384", 16, 1, [16384] * 64), ("64 x 4096, 128 heads", 128, 1,
+                                                                                      [4096] * 64)]
+    return out
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    timer = Timer(device, rep_ms=30.0)
+    default_cost = configs.SPLIT_COST_PAGES
+    rows_out = []
+    for label, h_q, s_q, lens in mixes():
+        k_cache, block_table = paged_cache(lens, torch.bfloat16, device, nan_tail=False)
+        q = torch.randn(len(lens), s_q, h_q, 576, device=device, dtype=torch.bfloat16)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+        parts = op.default_num_sm_parts(device, s_q * h_q)
+        times: dict[tuple, float] = {}
+        entry = {"mix": label, "batch": len(lens), "h_q": h_q, "s_q": s_q, "parts": parts, "costs": {}}
+        for cost in COSTS:
+            configs.SPLIT_COST_PAGES = cost
+            meta, splits = op._metadata_torch(seqlens, parts)
+            configs.SPLIT_COST_PAGES = default_cost
+            counts = (splits[1:] - splits[:-1]).tolist()
+            pages = [(n + 63) // 64 for n in lens]
+            key = (max(-(-p // n) for p, n in zip(pages, counts)), sum(counts))
+            repeats = 2 if cost == default_cost else 1
+            if key not in times or cost == default_cost:
+                call = lambda: tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512,  # noqa: E731
+                                                               meta, splits, causal=True)
+                samples = [timer.graph_us(call) for _ in range(repeats)]
+                times[key] = min(samples) if key not in times else min(times[key], *samples)
+                if cost == default_cost:
+                    entry["default_samples_us"] = samples
+            entry["costs"][str(cost)] = {"chunk": key[0], "slots": key[1], "graph_us": times[key]}
+        best = min(times.values())
+        for v in entry["costs"].values():
+            v["x_best"] = v["graph_us"] / best
+        rows_out.append(entry)
+        print(label, h_q, s_q, {c: (v["chunk"], v["slots"], round(v["graph_us"], 1)) for c, v in entry["costs"].items()},
+              flush=True)
+        del k_cache, block_table
+        torch.cuda.empty_cache()
+    summary = {str(c): math.exp(sum(math.log(r["costs"][str(c)]["x_best"]) for r in rows_out) / len(rows_out))
+               for c in COSTS}
+    print("geomean time over each mix's best schedule, per split cost:", {c: round(v, 3) for c, v in summary.items()})
+    gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(f"bench/results/sweeps/mla-split-cost-{gpu}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
+    path.write_text(json.dumps({"machine": machine, "costs": list(COSTS), "default": default_cost, "rows": rows_out,
+                                "geomean_x_best": summary}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

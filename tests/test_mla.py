@@ -253,12 +253,12 @@ def _uneven_batches():
 @pytest.mark.parametrize("lens,parts", _uneven_batches())
 def test_mla_metadata_balances_uneven_batches(interpret, lens, parts):
     """Where one wave of splits cannot balance the batch (about num_parts requests or more, a few
-    long ones among short ones), the schedule cuts finer and its expected busiest part stays
-    within the split costs of the balanced share (one page per split: SPLIT_COST_PAGES split
-    costs spread over the parts, plus half a chunk)."""
+    long ones among short ones: one wave leaves the busiest part 2-40x the balanced share here),
+    the schedule cuts finer: its expected busiest part stays within twice the balanced share plus
+    two split costs."""
     pages, slots, cost = _check_schedule_choice(lens, parts)
     balanced = sum(pages) / parts
-    assert cost <= 1.3 * balanced + 2 * configs.SPLIT_COST_PAGES + 8
+    assert cost <= 2 * balanced + 2 * configs.SPLIT_COST_PAGES
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -52,12 +52,15 @@ LONG_CONTEXT_PAGES = 256
 # tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
-# The metadata's fixed cost of one split, in 64-token pages of KV: a split program also reads the
-# query tile (64 rows x 576: one page's bytes), writes its partial output (64 x 512 fp32: two
-# pages' worth) and the combine reads it back (two more), about 4-5 pages of traffic for a 64-row
-# tile (FlashMLA's scheduler counts 5 blocks); a program's start (the first tile's latency) is
-# about one more page at one SM's share of the bandwidth.
-SPLIT_COST_PAGES = 4
+# The metadata's fixed cost of one split, in 64-token pages of KV at one SM's share of the
+# bandwidth: a split program reads its query tile, fills its TMA pipeline, writes a partial that
+# the combine reads back (about 4-5 pages of traffic for a 64-row tile by the roofline; FlashMLA's
+# scheduler counts 5 blocks). Measured (tools/mla_split_cost_sweep.py, H200,
+# bench/results/sweeps/mla-split-cost-h200.json): over the benchmark's serving mixes the schedules
+# that 6-8 pick are within 1.2-1.4 % of each mix's best (geomean), those of 4 within 5.6 %, of 16
+# within 2.3 %; one long request among 255 short ones and the Zipf mixes want fewer, longer splits
+# than the roofline count says.
+SPLIT_COST_PAGES = 8
 # The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
 # per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
 # sizes are tried besides the one-wave chunk: 1.5x, 1x, 3/4, 1/2, 3/8, 1/4, 3/16, 1/8 of the
@@ -73,8 +76,8 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
     One wave (``slots <= parts``): the longest split, ``chunk + cost``. More: the programs of a
     launch are handed to SMs as they free, which is list scheduling, bounded below by the mean
     ``(total + cost slots) / parts`` and above by the mean plus one split; the estimate is the
-    middle of the two. On the uneven batches of ``tests/test_mla.py`` and the benchmark's serving
-    mixes it is within 4 % of a simulation of that hand-out (``tools/mla_schedule_sim.py``). The
+    middle of the two. On the benchmark's serving mixes it is within 14 % of a simulation of that
+    hand-out, never below it (``tools/mla_schedule_sim.py``). The
     metadata kernel computes it in integers (``_schedule_cost2``: twice this, rounded up)."""
     longest = chunk + SPLIT_COST_PAGES
     if slots <= parts:

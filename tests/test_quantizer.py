@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tilefuse.ops.vq.reference import dequantize
-from tilefuse.quantizer import kmeans_vq, quantize, relative_output_error, rtn
+from tilefuse.quantizer import finetune, kmeans_vq, quantize, relative_output_error, rtn
 
 
 def _weight(n, k):
@@ -229,3 +229,61 @@ def test_quantize_on_gpu_matches_cpu_quality():
     assert out[0].is_cuda and out[0].dtype == torch.uint8
     gpu = _err(w, tuple(t.cpu() for t in out), gram)
     assert gpu < 1.05 * cpu
+
+
+# ----------------------------------------------------------------------------- finetune
+def _tiny_block():
+    """A SwiGLU MLP block (hidden 64, intermediate 96) with trained-looking weights, its three
+    layers quantized to 2x8 one by one, and calibration batches with the dense block's outputs."""
+    gen = torch.Generator().manual_seed(3)
+    dense = {name: torch.randn(n, k, generator=gen) * k ** -0.5
+             for name, (n, k) in {"gate": (96, 64), "up": (96, 64), "down": (64, 96)}.items()}
+
+    def forward(w, x):
+        return x + (torch.nn.functional.silu(x @ w["gate"].T) * (x @ w["up"].T)) @ w["down"].T
+
+    inputs = [torch.randn(128, 64, generator=gen) for _ in range(4)]
+    targets = [forward(dense, x) for x in inputs]
+    quantized = {name: quantize(w, iters=2, beam=1, init_iters=4, progress=False) for name, w in dense.items()}
+    return forward, quantized, inputs, targets
+
+
+def test_finetune_lowers_the_block_error_and_keeps_the_format():
+    """Adam on the codebooks and scales lowers the block's output error on the calibration
+    batches (deterministic on the CPU); the codes are untouched, the dtypes and shapes kept, and
+    the tuned format dequantizes to the weights the loss saw."""
+    forward, quantized, inputs, targets = _tiny_block()
+    tuned, info = finetune(forward, quantized, inputs, targets, steps=60, lr=1e-3, progress=False)
+    assert info["error_after"] < 0.9 * info["error_before"]
+    weights = {name: dequantize(*fmt, dtype=torch.float32) for name, fmt in tuned.items()}
+    from tilefuse.quantizer.finetune import relative_error
+    assert relative_error(forward, weights, inputs, targets) == pytest.approx(info["error_after"], rel=1e-5)
+    for name, (codes, books, scales) in tuned.items():
+        assert torch.equal(codes, quantized[name][0])
+        assert books.dtype == quantized[name][1].dtype and books.shape == quantized[name][1].shape
+        assert scales.dtype == quantized[name][2].dtype and scales.shape == quantized[name][2].shape
+    again, info2 = finetune(forward, quantized, inputs, targets, steps=60, lr=1e-3, progress=False)
+    assert info2["error_after"] == info["error_after"]
+    assert all(torch.equal(again[n][1], tuned[n][1]) for n in tuned)
+
+
+def test_finetune_never_returns_a_worse_state():
+    """A learning rate that diverges leaves the given codebooks and scales in place."""
+    forward, quantized, inputs, targets = _tiny_block()
+    tuned, info = finetune(forward, quantized, inputs, targets, steps=5, lr=50.0, progress=False)
+    assert info["error_after"] == info["error_before"]
+    assert all(torch.equal(tuned[n][1], quantized[n][1]) and torch.equal(tuned[n][2], quantized[n][2])
+               for n in tuned)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(quantized={}), "quantized: expected a non-empty dict"),
+    (dict(targets=[]), "inputs, targets: expected the same"),
+    (dict(steps=-1), "steps: expected an int >= 0"),
+    (dict(lr=0.0), "lr: expected a float > 0"),
+])
+def test_finetune_clear_errors(kwargs, match):
+    forward, quantized, inputs, targets = _tiny_block()
+    args = dict(quantized=quantized, inputs=inputs, targets=targets) | kwargs
+    with pytest.raises(ValueError, match=match):
+        finetune(forward, args.pop("quantized"), args.pop("inputs"), args.pop("targets"), **args)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tilefuse.ops.vq.reference import dequantize  # noqa: E402
-from tilefuse.quantizer import kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
+from tilefuse.quantizer import finetune, kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
 
 PROJ = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 INPUT_OF = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "o_in",
@@ -114,6 +114,10 @@ class SmolLM:
     def block(self, i, x, weights, grams=None):
         """Block i on hidden states x: [T, dim]. With ``grams`` (a dict), adds X^T X (float64) of
         every linear layer's input to it. ``weights[f"blk.{i}.{proj}"]`` are the weights [N, K]."""
+        return self.block_grad(i, x, weights, grams)
+
+    def block_grad(self, i, x, weights, grams=None):
+        """:meth:`block`, differentiable in the weights (for the fine-tuning)."""
         def lin(h, proj):
             return h @ weights[f"blk.{i}.{proj}"].T
 
@@ -189,6 +193,10 @@ def make_quantizer(method, args):
         "vq2x8": lambda w, g: vq(w, g, False),
         "vq2x8_calib": lambda w, g: vq(w, g, True),
         "vq2x8_calib_seq": lambda w, g: vq(w, g, True),     # same, fed by SmolTask.quantize_sequential
+        # sequential, each block's codebooks and scales then tuned (SmolTask.quantize_sequential)
+        "vq2x8_calib_seq_ft": lambda w, g: quantize(w, g.float(), iters=args.iters, beam=args.beam,
+                                                    init_iters=args.init_iters, feedback=args.feedback, seed=0,
+                                                    progress=False),
     }[method]
 
 
@@ -223,12 +231,15 @@ class SmolTask:
     def score(self, weights):
         return {"ppl": math.exp(run_windows(self.model, self.eval_ids, weights, self.window))}
 
-    @torch.no_grad()
-    def quantize_sequential(self, fn, layers):
+    def quantize_sequential(self, fn, layers, finetune_steps=0, lr=1e-4):
         """GPTQ/AQLM-style order: block i is calibrated on the inputs that the already-quantized
-        blocks 0..i-1 produce, so it can compensate their errors. Returns {name: W_hat}."""
+        blocks 0..i-1 produce, so it can compensate their errors. With ``finetune_steps``, ``fn``
+        returns the 2x8 format and each block's codebooks and scales are then tuned (Adam,
+        ``tilefuse.quantizer.finetune``) so that the quantized block's outputs match the dense
+        block's on those same inputs (AQLM's block fine-tuning). Returns ({name: W_hat}, info)."""
         m, weights = self.model, dict(self.dense)
         xs = [m.tensors["token_embd.weight"][ids] for ids in self.calib_windows]
+        info = {}
         for i in range(m.layers):
             names = [f"blk.{i}.{p}" for p in PROJ if f"blk.{i}.{p}" in layers]
             if not names:
@@ -236,11 +247,20 @@ class SmolTask:
             grams = {}
             for x in xs:
                 m.block(i, x, weights, grams)
-            for name in names:
-                weights[name] = fn(self.dense[name], grams[self.gram_key(name)])
-            xs = [m.block(i, x, weights) for x in xs]
-            log(f"sequential: block {i + 1}/{m.layers}")
-        return {name: weights[name] for name in layers}
+            out = {name: fn(self.dense[name], grams[self.gram_key(name)]) for name in names}
+            if finetune_steps:
+                targets = [m.block(i, x, self.dense) for x in xs]
+
+                def forward(w, x, i=i):
+                    return m.block_grad(i, x, {**weights, **w})
+                out, info[f"blk.{i}"] = finetune(forward, out, xs, targets, steps=finetune_steps, lr=lr,
+                                                 progress=False)
+            out = {name: dequantize(*w, dtype=torch.float32) if isinstance(w, tuple) else w for name, w in out.items()}
+            weights.update(out)
+            with torch.no_grad():
+                xs = [m.block(i, x, weights) for x in xs]
+            log(f"sequential: block {i + 1}/{m.layers}" + (f", tuned {info[f'blk.{i}']}" if finetune_steps else ""))
+        return {name: weights[name] for name in layers}, info
 
 
 MINI_PROJ = {"query": ("attention.self.query", "attn_in"), "key": ("attention.self.key", "attn_in"),
@@ -331,6 +351,9 @@ def main():
     ap.add_argument("--beam", type=int, default=1)
     ap.add_argument("--init-iters", type=int, default=10)
     ap.add_argument("--layers", type=int, default=None, help="quantize only the first L blocks (quick runs)")
+    ap.add_argument("--ft-steps", type=int, default=26, help="Adam steps per block of the _ft methods (one "
+                    "calibration window each)")
+    ap.add_argument("--ft-lr", type=float, default=1e-4, help="Adam's learning rate of the _ft methods")
     ap.add_argument("--table", metavar="JSON", help="only print the tables of an existing result file")
     args = ap.parse_args()
     if args.table:
@@ -361,11 +384,15 @@ def main():
     for method in args.methods.split(","):
         fn, t0 = make_quantizer(method, args), time.time()
         weights, per_layer = dict(dense), {}
-        if method.endswith("_seq"):
-            weights.update(task.quantize_sequential(fn, layers))
+        sequential = "_seq" in method
+        tuning = None
+        if sequential:
+            steps = args.ft_steps if method.endswith("_ft") else 0
+            quantized, tuning = task.quantize_sequential(fn, layers, steps, args.ft_lr)
+            weights.update(quantized)
         for j, name in enumerate(layers):
             key = task.gram_key(name)
-            if not method.endswith("_seq"):
+            if not sequential:
                 weights[name] = fn(dense[name], task.calib_grams[key])
             per_layer[name] = round(relative_output_error(dense[name], weights[name], task.eval_grams[key]), 5)
             if j % 35 == 34:
@@ -380,6 +407,10 @@ def main():
             "median_rel_out_err": sorted(errs)[len(errs) // 2], "max_rel_out_err": max(errs),
             "quantize_time_s": round(q_time, 1), "per_layer_rel_out_err": per_layer,
         }
+        if tuning:
+            result["methods"][method]["finetune"] = {"steps": args.ft_steps, "lr": args.ft_lr,
+                                                     "optimizer": "Adam on codebooks and scales, codes fixed",
+                                                     "per_block": tuning}
         log(f"{method}: {score}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
         result["wall_s"] = round(time.time() - started, 1)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -78,7 +78,7 @@ VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool | None = None,
-             **quantize_opts) -> int:
+             finetune: int = 0, finetune_lr: float = 1e-4, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -90,6 +90,13 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
       calibration tokens; then each weight is quantized by ``tilefuse.quantize(weight, X^T X)``.
       Memory: ``4 K^2`` bytes per target layer until it is quantized
       (SmolLM2-135M: 0.5 GB in all; a Llama-3-8B block: 1.2 GB, mostly ``down_proj``).
+    * ``calibration`` and ``finetune=N``: AQLM's order and block fine-tuning. The decoder blocks
+      are quantized one after the other, each on the inputs the already-quantized blocks produce;
+      after a block's projections are quantized, ``N`` Adam steps (one calibration window each,
+      learning rate ``finetune_lr``) tune their codebooks and scales so that the block's outputs
+      match the dense block's on those inputs (:func:`tilefuse.quantizer.finetune`; the codes stay
+      fixed, the result is the same 2x8 format). Slower (a forward and backward of the block per
+      step) and better: see docs/vq_quality.md (``tilefuse.hf.vq_sequential``).
     * neither: each weight is quantized without calibration (plain weight MSE).
     * ``random_codes=True``: random codes, codebook entries ``N(0, 1/2)`` (so ``C0[a] + C1[b]`` has unit
       variance) and per-row scales equal to the dense row's RMS, so the layer's weights and outputs
@@ -109,6 +116,9 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         (with or without ``calibration``: minutes on a real model), off for ``random_codes``
         (fast); ``progress=False`` silences it. :func:`tilefuse.quantize`'s own per-stage lines
         stay off here (one line per layer is enough for a model).
+    finetune : Adam steps of block fine-tuning per decoder block (needs ``calibration``; 0: none,
+        the one-pass calibration above).
+    finetune_lr : Adam's learning rate for ``finetune``.
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -125,6 +135,16 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         progress = not random_codes
     if not isinstance(progress, bool):
         raise ValueError(f"progress: expected True, False or None, got {progress!r}")
+    if not isinstance(finetune, int) or isinstance(finetune, bool) or finetune < 0:
+        raise ValueError(f"finetune: expected an int >= 0 (Adam steps per block), got {finetune!r}")
+    if finetune and not windows:
+        raise ValueError("finetune: expected calibration token ids with finetune > 0 (the block outputs to match "
+                         "come from them), got none")
+    if finetune:
+        from tilefuse.hf.vq_sequential import quantize_sequential
+
+        return quantize_sequential(model, layers, windows, steps=finetune, lr=float(finetune_lr), seed=seed,
+                                   progress=progress, quantize_opts=quantize_opts)[0]
     begin = time.perf_counter()
     if windows:
         if progress:

@@ -45,8 +45,8 @@ def _check_args(quantized, inputs, targets, steps, lr) -> None:
         raise ValueError(f"lr: expected a float > 0, got {lr!r}")
 
 
-def relative_error(forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor],
-                   weights: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
+                   weights: dict[str, torch.Tensor], inputs: Sequence[object],
                    targets: Sequence[torch.Tensor]) -> float:
     """``sqrt(sum ||forward(weights, x) - y||^2 / sum ||y||^2)`` over the batches (no gradients)."""
     err = ref = 0.0
@@ -58,8 +58,8 @@ def relative_error(forward: Callable[[dict[str, torch.Tensor], torch.Tensor], to
     return (err / max(ref, 1e-300)) ** 0.5
 
 
-def finetune(forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor], quantized: dict[str, Format],
-             inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor], *, steps: int = 100, lr: float = 1e-4,
+def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor], quantized: dict[str, Format],
+             inputs: Sequence[object], targets: Sequence[torch.Tensor], *, steps: int = 100, lr: float = 1e-4,
              dense: dict[str, torch.Tensor] | None = None, progress: bool = True) -> tuple[dict[str, Format], dict]:
     """Tune the codebooks and scales of ``quantized`` so that ``forward`` matches ``targets``.
 
@@ -69,7 +69,8 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Te
         ``quantized`` (and of ``dense``) to a dense ``[N, K]`` weight.
     quantized : ``{name: (codes [N, K/8, 2] uint8, codebooks [2, 256, 1, 8], scales [N, 1, 1, 1])}``
         as ``tilefuse.quantize`` returns them.
-    inputs, targets : calibration batches and the dense model's outputs on them (same count).
+    inputs, targets : calibration batches (anything ``forward`` takes: a tensor, or a block's
+        positional and keyword arguments) and the dense model's output tensors on them.
     steps : Adam steps, one batch each, in order (0: nothing tuned, the errors still reported).
     lr : Adam's learning rate (codebook entries and scales are O(1) and O(row RMS)).
     dense : weights ``forward`` also needs that are not tuned (held fixed).

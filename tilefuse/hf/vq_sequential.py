@@ -1,0 +1,156 @@
+"""Block-by-block 2-bit quantization of a Hugging Face model with fine-tuning (``patch_vq(finetune=N)``).
+
+AQLM's order: the decoder blocks are quantized one after the other, each on the inputs that the
+already-quantized blocks before it produce (so it can compensate their errors), and after each
+block's projections are quantized, their codebooks and scales are tuned by Adam so that the
+block's outputs match the dense block's on those inputs (``tilefuse.quantizer.finetune``; the
+codes stay fixed, so the result is the 2x8 format the kernels read). Then the block's Linear
+modules become :class:`tilefuse.nn.VQLinear` and its quantized outputs feed the next block.
+
+The blocks are found as the longest ``nn.ModuleList`` of the model that holds target Linear
+modules (``model.model.layers`` in transformers' decoder models); every call of the first block
+during a forward over the calibration windows is captured with its positional and keyword
+arguments (hidden states, position embeddings, masks), which the later blocks take too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+class _Captured(Exception):
+    """Raised by the first block's hook: the forward has gone as far as it needs to."""
+
+
+def decoder_blocks(model: nn.Module, layers: list[tuple[str, nn.Linear]]) -> tuple[str, nn.ModuleList]:
+    """(name, the ModuleList of decoder blocks): the longest ModuleList holding target Linears."""
+    names = [name for name, _ in layers]
+    found = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) and (found is None or len(mod) > len(found[1])):
+            prefix = f"{name}." if name else ""
+            if any(n.startswith(prefix) for n in names):
+                found = (name, mod)
+    if found is None:
+        raise ValueError("model: finetune needs the target Linear modules inside a list of decoder blocks "
+                         "(an nn.ModuleList such as model.model.layers), found none")
+    return found
+
+
+def _hidden(out) -> torch.Tensor:
+    """A block's output hidden states (transformers' blocks return a tensor or a tuple)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _with_hidden(call: tuple[tuple, dict], hidden: torch.Tensor) -> tuple[tuple, dict]:
+    args, kwargs = call
+    if args:
+        return (hidden, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": hidden}
+
+
+@torch.no_grad()
+def _first_block_calls(model: nn.Module, block: nn.Module, windows: list[torch.Tensor]) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) of every call of ``block`` over one forward per calibration window."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append((args, dict(kwargs)))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    device = next(block.parameters()).device
+    try:
+        for ids in windows:
+            try:
+                model(input_ids=ids.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+    return calls
+
+
+@torch.no_grad()
+def _block_grams(block: nn.Module, targets: dict[str, nn.Linear], calls) -> tuple[list, dict]:
+    """The dense block's outputs on ``calls`` and ``X^T X`` of each target Linear's inputs."""
+    grams = {rel: torch.zeros(mod.in_features, mod.in_features, dtype=torch.float32, device=mod.weight.device)
+             for rel, mod in targets.items()}
+
+    def accumulate(rel):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            grams[rel].addmm_(x.T, x)
+        return hook
+
+    handles = [mod.register_forward_pre_hook(accumulate(rel)) for rel, mod in targets.items()]
+    try:
+        outputs = [_hidden(block(*args, **kwargs)) for args, kwargs in calls]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return outputs, grams
+
+
+def quantize_sequential(model: nn.Module, layers: list[tuple[str, nn.Linear]], windows: list[torch.Tensor], *,
+                        steps: int, lr: float, seed: int, progress: bool, quantize_opts: dict) -> tuple[int, dict]:
+    """Quantize ``layers`` block by block with ``steps`` Adam steps of tuning per block (see the
+    module docstring). Returns (modules replaced, {block name: finetune info})."""
+    from tilefuse.nn.vq import VQLinear
+    from tilefuse.quantizer import finetune, quantize
+
+    list_name, blocks = decoder_blocks(model, layers)
+    prefix = f"{list_name}." if list_name else ""
+    by_block: dict[int, dict[str, nn.Linear]] = {}
+    for name, mod in layers:
+        if name.startswith(prefix):
+            index, _, rel = name[len(prefix):].partition(".")
+            by_block.setdefault(int(index), {})[rel] = mod
+    outside = [name for name, _ in layers if not name.startswith(prefix)]
+    if outside:
+        raise ValueError(f"model: finetune quantizes the decoder blocks of {list_name!r} only; target Linear "
+                         f"modules outside them: {outside[:3]}")
+    begin = time.perf_counter()
+    calls = _first_block_calls(model, blocks[0], windows)
+    if progress:
+        print(f"patch_vq: {len(blocks)} blocks, {len(calls)} calibration window(s); quantizing block by block, "
+              f"{steps} tuning steps each", file=sys.stderr, flush=True)
+    replaced, info = 0, {}
+    for b, block in enumerate(blocks):
+        start = time.perf_counter()
+        targets = by_block.get(b, {})
+        if targets:
+            outputs, grams = _block_grams(block, targets, calls)
+            formats = {rel: quantize(mod.weight.detach(), grams.pop(rel), seed=seed, progress=False, **quantize_opts)
+                       for rel, mod in targets.items()}
+
+            def forward(weights, call, block=block, targets=targets):
+                args, kwargs = call
+                params = {f"{rel}.weight": w.to(targets[rel].weight.dtype) for rel, w in weights.items()}
+                return _hidden(functional_call(block, params, args, kwargs))
+
+            formats, info[f"{prefix}{b}"] = finetune(forward, formats, calls, outputs, steps=steps, lr=lr,
+                                                     progress=False)
+            for rel, mod in targets.items():
+                layer = VQLinear(mod.in_features, mod.out_features, mod.bias is not None,
+                                 dtype=mod.weight.dtype if mod.weight.dtype in (torch.float16, torch.bfloat16)
+                                 else torch.float32, device=mod.weight.device)
+                block.set_submodule(rel, layer.load_quantized(*formats[rel], mod.bias))
+                replaced += 1
+            del formats, outputs
+        with torch.no_grad():
+            calls = [_with_hidden(call, _hidden(block(*call[0], **call[1]))) for call in calls]
+        if progress:
+            now = time.perf_counter()
+            left = (now - begin) * (len(blocks) - b - 1) / (b + 1)
+            tuned = info.get(f"{prefix}{b}")
+            err = (f"block output error {tuned['error_before']:.4f} -> {tuned['error_after']:.4f}; "
+                   if tuned else "")
+            print(f"patch_vq block [{b + 1}/{len(blocks)}] {err}{now - start:.1f} s; {now - begin:.1f} s so far, "
+                  f"about {left:.0f} s left", file=sys.stderr, flush=True)
+    return replaced, info

@@ -255,13 +255,15 @@ def _mla_tl_signature():
 
 
 @pytest.mark.parametrize("kernel,block_h", [("mla_split_standard_kernel", 64), ("mla_split_transposed_kernel", 32)])
-@pytest.mark.parametrize("page", [16, 128])
-def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page):
-    """The tl split kernels (which serve pages other than 64 on Hopper) compile for sm_90a with
-    pages smaller than a KV tile (a page per token) and larger (a page per tile)."""
+@pytest.mark.parametrize("page,fp8", [(16, False), (128, False), (64, True), (16, True)])
+def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page, fp8):
+    """The tl split kernels compile for sm_90a with pages smaller than a KV tile (a page per
+    token) and larger (a page per tile), on 16-bit caches and on the FP8 layout (bytes)."""
     constexprs = dict(CAUSAL=True, BLOCK_H=block_h, BLOCK_N=64, DOT_PREC="tf32", FUSED_COMBINE=False,
-                      SLOT_PROGRAMS=1, KV_PAGE=page)
+                      SLOT_PROGRAMS=1, KV_PAGE=page, KV_FP8=fp8)
     signature = {**_mla_tl_signature(), **{name: CONSTEXPR for name in constexprs}}
+    if fp8:
+        signature["kc_ptr"] = "*u8"
     result = compile_gluon_isolated(f"tilefuse.ops.mla.kernels:{kernel}", signature, constexprs, num_warps=8)
     assert result.shared <= SMEM_LIMIT and result.registers > 0
 

@@ -526,6 +526,24 @@ def _check_gpu(out, lse, inp, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("h_q,s_q,variant", [(16, 1, "standard"), (128, 2, "standard"), (32, 1, "transposed")])
+def test_gpu_fp8_dense_kernel(page, h_q, s_q, variant):
+    """The dense FP8 decode on the tl kernels at real sizes (bf16 q), NaN bytes in unused slots:
+    the fp64 reference on the dequantized cache."""
+    lens = [1, page + 1, 4000, 0, 777]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page, nan_tail=False)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens)
+    packed = packed.cuda()
+    with tilefuse.force(backend="triton", variant=variant):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta,
+                                                   splits, causal=True, is_fp8_kvcache=True)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 32, 128, 256])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (16, 4)])
 @pytest.mark.parametrize("variant", [None, "standard"])
@@ -749,6 +767,53 @@ def test_fp8_cache_decodes_through_its_dequantized_form(interpret):
     inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.float16)
     out, lse = _run(inp, True, 4)
     _check(out, lse, inp, True)
+
+
+def _poison_unused_fp8_slots(packed, block_table, lens):
+    """0xFF in every byte of the FP8 cache's unused slots (NaN as e4m3, as fp32 scales and as
+    bf16): a kernel that reads one of them into a result fails the finiteness check."""
+    page = packed.shape[1]
+    used = torch.zeros(packed.shape[0] * page, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        for t in range(n):
+            used[int(block_table[i, t // page]) * page + t % page] = True
+    flat = packed.view(-1, packed.shape[-1])
+    flat[~used] = 255
+    return packed
+
+
+@pytest.mark.parametrize("lens,s_q,h_q,page,variant,parts", [
+    ([0, 1, 63, 64, 65, 200], 1, 16, 64, "standard", 4),
+    ([130, 70], 2, 16, 16, "standard", 8),
+    ([150, 3], 1, 64, 32, "standard", 6),           # 64 rows: the 64-row tiles, fused combine
+    ([257, 40], 1, 16, 128, "transposed", 3),
+])
+def test_fp8_dense_kernel_reads_the_656_byte_layout(interpret, lens, s_q, h_q, page, variant, parts):
+    """The tl split kernels decode FlashMLA's FP8 layout themselves (is_fp8_kvcache=True with a
+    pinned tl kernel): each tile's e4m3 values times their group's fp32 scale, rounded once to q's
+    dtype, the bf16 RoPE part as is, so the result is the fp64 reference on the cache that
+    mla_dequantize_kv gives (same tolerance as the 16-bit cache); NaN bytes in every unused slot
+    never reach the output; the uint8 and float8_e4m3fn views of the bytes decode alike."""
+    inp = make_case(lens, s_q, h_q, torch.float16, interpret, page_size=page, nan_tail=False)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache), inp.block_table.cpu(), lens)
+    with tilefuse.force(variant=variant):
+        assert op.fp8_kernel_runs(inp.q)
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1, num_sm_parts=parts)
+        out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta,
+                                                   splits, causal=True, is_fp8_kvcache=True)
+        out8, _ = tilefuse.flash_mla_with_kvcache(inp.q, packed.view(torch.float8_e4m3fn), inp.block_table,
+                                                  inp.cache_seqlens, 512, meta, splits, causal=True,
+                                                  is_fp8_kvcache=True)
+    assert torch.equal(out, out8)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.float16)
+    _check(out, lse, inp, True)
+
+
+def test_fp8_dense_kernel_is_off_by_default():
+    """Until it is measured on a GPU the dense FP8 decode runs the reference unless a tl kernel is
+    pinned; a bf16 cache passed without is_fp8_kvcache still needs q's dtype."""
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.float16)
+    assert not configs.FP8_DENSE_KERNEL and not op.fp8_kernel_runs(q)
 
 
 # ----------------------------------------------------------------------------- FP8 and sparse decode

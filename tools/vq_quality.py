@@ -149,10 +149,15 @@ class SmolLM:
     @torch.no_grad()
     def forward(self, ids, weights, grams=None):
         """ids: [T] -> logits [T, vocab]."""
+        return self.final_hidden(ids, weights, grams) @ self.tensors["token_embd.weight"].T
+
+    def final_hidden(self, ids, weights, grams=None):
+        """ids: [T] -> the final normed hidden states [T, dim] (the logits' input), differentiable
+        in the weights."""
         x = self.tensors["token_embd.weight"][ids]
         for i in range(self.layers):
-            x = self.block(i, x, weights, grams)
-        return self.rms(x, "output_norm.weight") @ self.tensors["token_embd.weight"].T
+            x = self.block_grad(i, x, weights, grams)
+        return self.rms(x, "output_norm.weight")
 
 
 def run_windows(model, ids, weights, window, grams=None):
@@ -180,6 +185,10 @@ def bits_per_weight(method, n, k):
 
 
 def make_quantizer(method, args):
+    def fmt(w, gram):
+        return quantize(w, gram.float(), iters=args.iters, beam=args.beam, init_iters=args.init_iters,
+                        feedback=args.feedback, seed=0, progress=False)
+
     def vq(w, gram, use_calib):
         out = quantize(w, gram.float() if use_calib else None, iters=args.iters, beam=args.beam,
                        init_iters=args.init_iters, feedback=args.feedback, seed=0, progress=False)
@@ -193,10 +202,10 @@ def make_quantizer(method, args):
         "vq2x8": lambda w, g: vq(w, g, False),
         "vq2x8_calib": lambda w, g: vq(w, g, True),
         "vq2x8_calib_seq": lambda w, g: vq(w, g, True),     # same, fed by SmolTask.quantize_sequential
-        # sequential, each block's codebooks and scales then tuned (SmolTask.quantize_sequential)
-        "vq2x8_calib_seq_ft": lambda w, g: quantize(w, g.float(), iters=args.iters, beam=args.beam,
-                                                    init_iters=args.init_iters, feedback=args.feedback, seed=0,
-                                                    progress=False),
+        # sequential, each block's codebooks and scales then tuned (SmolTask.quantize_sequential);
+        # _e2e: then every layer's codebooks and scales tuned together against the dense model
+        "vq2x8_calib_seq_ft": fmt,
+        "vq2x8_calib_seq_ft_e2e": fmt,
     }[method]
 
 
@@ -239,7 +248,7 @@ class SmolTask:
         block's on those same inputs (AQLM's block fine-tuning). Returns ({name: W_hat}, info)."""
         m, weights = self.model, dict(self.dense)
         xs = [m.tensors["token_embd.weight"][ids] for ids in self.calib_windows]
-        info = {}
+        info, formats = {}, {}
         for i in range(m.layers):
             names = [f"blk.{i}.{p}" for p in PROJ if f"blk.{i}.{p}" in layers]
             if not names:
@@ -255,12 +264,27 @@ class SmolTask:
                     return m.block_grad(i, x, {**weights, **w})
                 out, info[f"blk.{i}"] = finetune(forward, out, xs, targets, steps=finetune_steps, lr=lr,
                                                  progress=False)
+            formats.update({name: w for name, w in out.items() if isinstance(w, tuple)})
             out = {name: dequantize(*w, dtype=torch.float32) if isinstance(w, tuple) else w for name, w in out.items()}
             weights.update(out)
             with torch.no_grad():
                 xs = [m.block(i, x, weights) for x in xs]
             log(f"sequential: block {i + 1}/{m.layers}" + (f", tuned {info[f'blk.{i}']}" if finetune_steps else ""))
-        return {name: weights[name] for name in layers}, info
+        return {name: weights[name] for name in layers}, info, formats
+
+    def finetune_end_to_end(self, formats, steps, lr):
+        """Every layer's codebooks and scales tuned together (Adam, ``tilefuse.quantizer.finetune``)
+        so that the quantized model's final hidden states (the logits' input) match the dense
+        model's on the calibration windows. Returns ({name: W_hat}, info)."""
+        m = self.model
+        with torch.no_grad():
+            targets = [m.final_hidden(ids, self.dense) for ids in self.calib_windows]
+
+        def forward(w, ids):
+            return m.final_hidden(ids, {**self.dense, **w})
+        tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr, progress=True)
+        log(f"end to end: {info}")
+        return {name: dequantize(*f, dtype=torch.float32) for name, f in tuned.items()}, info
 
 
 MINI_PROJ = {"query": ("attention.self.query", "attn_in"), "key": ("attention.self.key", "attn_in"),
@@ -354,6 +378,8 @@ def main():
     ap.add_argument("--ft-steps", type=int, default=26, help="Adam steps per block of the _ft methods (one "
                     "calibration window each)")
     ap.add_argument("--ft-lr", type=float, default=1e-4, help="Adam's learning rate of the _ft methods")
+    ap.add_argument("--e2e-steps", type=int, default=39, help="Adam steps of the _e2e method's whole-model tuning")
+    ap.add_argument("--e2e-lr", type=float, default=1e-4, help="Adam's learning rate of the _e2e tuning")
     ap.add_argument("--table", metavar="JSON", help="only print the tables of an existing result file")
     args = ap.parse_args()
     if args.table:
@@ -387,8 +413,10 @@ def main():
         sequential = "_seq" in method
         tuning = None
         if sequential:
-            steps = args.ft_steps if method.endswith("_ft") else 0
-            quantized, tuning = task.quantize_sequential(fn, layers, steps, args.ft_lr)
+            steps = args.ft_steps if "_ft" in method else 0
+            quantized, tuning, formats = task.quantize_sequential(fn, layers, steps, args.ft_lr)
+            if method.endswith("_e2e"):
+                quantized, tuning["end_to_end"] = task.finetune_end_to_end(formats, args.e2e_steps, args.e2e_lr)
             weights.update(quantized)
         for j, name in enumerate(layers):
             key = task.gram_key(name)
@@ -408,9 +436,13 @@ def main():
             "quantize_time_s": round(q_time, 1), "per_layer_rel_out_err": per_layer,
         }
         if tuning:
-            result["methods"][method]["finetune"] = {"steps": args.ft_steps, "lr": args.ft_lr,
-                                                     "optimizer": "Adam on codebooks and scales, codes fixed",
-                                                     "per_block": tuning}
+            result["methods"][method]["finetune"] = {
+                "steps": args.ft_steps, "lr": args.ft_lr, "optimizer": "Adam on codebooks and scales, codes fixed",
+                "per_block": {k: v for k, v in tuning.items() if k != "end_to_end"}}
+            if "end_to_end" in tuning:
+                result["methods"][method]["finetune"]["end_to_end"] = {
+                    "steps": args.e2e_steps, "lr": args.e2e_lr, **tuning["end_to_end"],
+                    "target": "the dense model's final normed hidden states on the calibration windows"}
         log(f"{method}: {score}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
         result["wall_s"] = round(time.time() - started, 1)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

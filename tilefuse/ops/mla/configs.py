@@ -85,6 +85,11 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
     return max(float(longest), (total_pages + SPLIT_COST_PAGES * slots) / parts + longest / 2)
 
 
+# The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
+# tile as it loads: checked against the reference in the CPU interpreter and compiled for sm_90a,
+# not yet run or timed on a GPU, so off by default (the reference decodes the FP8 cache); a
+# force(variant="standard") runs it.
+FP8_DENSE_KERNEL = False
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
 # ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs

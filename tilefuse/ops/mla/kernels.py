@@ -35,6 +35,8 @@ PAGE = tl.constexpr(PAGE_SIZE)            # tokens per scheduling chunk (FlashML
 D_NOPE = tl.constexpr(HEAD_DIM_V)         # latent part of the 576-wide vector: the K "nope" part and all of V
 D_ROPE = tl.constexpr(HEAD_DIM - HEAD_DIM_V)   # RoPE part, only in K
 LN2 = tl.constexpr(0.6931471805599453)
+FP8_GROUP = tl.constexpr(128)             # the FP8 layout's values per fp32 scale
+FP8_GROUPS = tl.constexpr(HEAD_DIM_V // 128)
 
 
 @triton.jit
@@ -258,13 +260,17 @@ def _page_of(bt_row, token, last_page, num_blocks, KV_PAGE: tl.constexpr):
 
 @triton.jit
 def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page, num_blocks,
-             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr):
-    """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages).
+             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages) -> ``DTYPE``.
 
     With pages of at least BLOCK_N tokens the tile lies in one page, ``page`` (looked up a step
     ahead by the caller); with smaller pages (16, 32) each token's page is looked up here.
     Returns positions, the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
     Positions past ``length`` load as 0: their slots may hold NaN and are never read.
+
+    ``KV_FP8``: the cache rows are FlashMLA's 656-byte FP8 layout (``kc_ptr`` as bytes): 512 e4m3
+    values, 4 fp32 scales (one per 128 values), 64 bf16 RoPE values; the 512 are dequantized in
+    fp32 (value x its group's scale) and rounded once to ``DTYPE``, as ``mla_dequantize_kv`` does.
     """
     pos = start + tl.arange(0, BLOCK_N)
     in_len = pos < length
@@ -273,8 +279,18 @@ def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_pag
     else:
         k_rows = kc_ptr + _page_of(bt_row, pos, last_page, num_blocks, KV_PAGE) * stride_kp \
             + (pos % KV_PAGE) * stride_kt
-    k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0.0)
-    k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None], other=0.0)
+    if KV_FP8:
+        codes = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0)
+        scale_rows = (k_rows + D_NOPE).to(tl.pointer_type(tl.float32))
+        scales = tl.load(scale_rows[:, None] + tl.arange(0, FP8_GROUPS)[None, :], mask=in_len[:, None], other=0.0)
+        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, FP8_GROUPS, FP8_GROUP])
+        k_nope = tl.reshape(values * scales[:, :, None], [BLOCK_N, D_NOPE]).to(DTYPE)
+        rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
+        k_rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None],
+                         other=0.0).to(DTYPE)
+    else:
+        k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0.0)
+        k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None], other=0.0)
     return pos, k_nope, k_rope
 
 
@@ -286,7 +302,7 @@ def mla_split_standard_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
@@ -318,7 +334,7 @@ def mla_split_standard_kernel(
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
-                                       num_blocks, BLOCK_N, KV_PAGE)
+                                       num_blocks, BLOCK_N, KV_PAGE, KV_FP8, q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
         s = tl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
@@ -344,7 +360,7 @@ def mla_split_transposed_kernel(
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr,
+    FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
@@ -377,7 +393,7 @@ def mla_split_transposed_kernel(
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
-                                       num_blocks, BLOCK_N, KV_PAGE)
+                                       num_blocks, BLOCK_N, KV_PAGE, KV_FP8, qt_nope.dtype)
         s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
         s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
         s_t = tl.where(pos[:, None] <= limit[None, :], s_t * qk_scale, float("-inf"))

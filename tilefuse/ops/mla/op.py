@@ -245,8 +245,11 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     rows = s_q * h_q
     max_blocks = block_table.shape[1]
     page = k_cache.shape[1]
+    fp8 = k_cache.shape[-1] == FP8_KV_BYTES
     call = _Call()
     call.variant = variant or choose_variant(rows, max_blocks, q)
+    if fp8 and call.variant not in ("standard", "transposed"):     # the FP8 layout: the tl kernels read it
+        call.variant = "standard"
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
@@ -272,7 +275,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, **cfg)
+                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
     call.combine_grid = None if fused else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
@@ -292,6 +295,8 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
         tensors = (q, kv_nope, kv_rope, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
     else:
         (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
+        if k_cache.dtype == torch.float8_e4m3fn:       # the FP8 layout's bytes, read as bytes
+            k_cache = k_cache.view(torch.uint8)
         tensors = (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
     _kernels()[call.variant].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
     if call.combine_grid is not None:
@@ -334,16 +339,17 @@ def _flash_mla_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Ten
 _plans = PlanCache()
 
 
-def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal) -> _Call:
+def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal,
+               fp8: bool = False) -> _Call:
     key = plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
     try:
-        key = key + (head_dim_v, softmax_scale, causal) if key is not None else None
+        key = key + (head_dim_v, softmax_scale, causal, fp8) if key is not None else None
         call = _plans.get(key) if key is not None else None
     except TypeError:       # an unhashable argument: validated (and refused) below
         key = call = None
     if call is not None:
         return call
-    _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits)
+    _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8)
     scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
     if q.shape[0] == 0 or choose_backend(q.device) != "triton":
         call = _Call()
@@ -393,9 +399,10 @@ def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: 
                          f"got {len(seen)}")
 
 
-def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits) -> None:
+def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False) -> None:
     _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
-    _checks.check_tensor("k_cache", k_cache, dtypes=(q.dtype,), ndim=4)
+    width = FP8_KV_BYTES if fp8 else HEAD_DIM
+    _checks.check_tensor("k_cache", k_cache, dtypes=(torch.uint8, torch.float8_e4m3fn) if fp8 else (q.dtype,), ndim=4)
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
     _checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
     batch, s_q, h_q, head_dim = q.shape
@@ -403,8 +410,8 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
         raise ValueError(f"q: expected head dim {HEAD_DIM} (512 latent + 64 RoPE), got {head_dim}")
     if head_dim_v != HEAD_DIM_V:
         raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v!r}")
-    check_page_shape("k_cache", k_cache, HEAD_DIM)
-    _checks.check_shape("k_cache", k_cache, (None, None, 1, HEAD_DIM), f"[num_blocks, page, 1, {HEAD_DIM}]")
+    check_page_shape("k_cache", k_cache, width)
+    _checks.check_shape("k_cache", k_cache, (None, None, 1, width), f"[num_blocks, page, 1, {width}]")
     if k_cache.shape[0] < 1:
         raise ValueError(f"k_cache: expected at least one page, got shape {tuple(k_cache.shape)}")
     _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
@@ -466,9 +473,11 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         extra_topk_length : FlashMLA main's FP8 cache (``k_cache [.., 656]`` bytes: ``mla_quantize_kv``)
         and sparse (top-k) decode (``indices [b, s_q, topk]`` int32 of ``page * page_size +
         offset``, -1 for none; ``topk_length [b]``; ``attn_sink [h_q]`` fp32; a second cache and
-        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. These run
-        the PyTorch reference (``reference.mla_sparse_decode_reference``, or the dense reference
-        over the dequantized pages) on every device: their kernels are not written yet.
+        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. The
+        sparse decode runs the PyTorch reference (``reference.mla_sparse_decode_reference``); the
+        dense FP8 decode runs the ``tl`` split kernels, which dequantize each tile as they load
+        it, where a ``force(variant="standard"|"transposed")`` pins one (or
+        ``configs.FP8_DENSE_KERNEL``: off until measured on a GPU), else the dense reference.
 
     Returns
     -------
@@ -480,7 +489,7 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     if is_fp8_kvcache or indices is not None:
         return _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
                               is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                              topk_length, extra_topk_length)
+                              topk_length, extra_topk_length, tile_scheduler_metadata, num_splits)
     if isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_contiguous():
         cache_seqlens = cache_seqlens.contiguous()
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
@@ -496,9 +505,24 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
+def fp8_kernel_runs(q: torch.Tensor) -> bool:
+    """The dense FP8 decode runs the ``tl`` split kernel (reading the 656-byte layout itself)
+    rather than the reference: where ``configs.FP8_DENSE_KERNEL`` enables it, or a
+    ``force(variant="standard"|"transposed")`` asks for it, on the Triton backend."""
+    return (choose_backend(q.device) == "triton" and q.dtype in _checks.FLOAT16S
+            and (configs.FP8_DENSE_KERNEL or forced_variant("mla") in ("standard", "transposed")))
+
+
 def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
-                   attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length):
-    """FlashMLA main's FP8 and sparse decode, validated, through the PyTorch references."""
+                   attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, meta=None, num_splits=None):
+    """FlashMLA main's FP8 and sparse decode, validated: the dense FP8 decode through the ``tl``
+    split kernel where :func:`fp8_kernel_runs` (with the metadata), everything else through the
+    PyTorch references."""
+    if (is_fp8 and indices is None and meta is not None and num_splits is not None and attn_sink is None
+            and extra_k_cache is None and topk_length is None and isinstance(q, torch.Tensor) and fp8_kernel_runs(q)):
+        call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
+                          causal, fp8=True)
+        return _run(call, q, k_cache, block_table, cache_seqlens, meta, num_splits)
     _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
     batch, s_q, h_q, head_dim = q.shape
     if head_dim != HEAD_DIM or head_dim_v != HEAD_DIM_V:
@@ -563,9 +587,16 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
     problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
+    if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_kernel_runs(q):
+        variant = forced_variant("mla") if forced_variant("mla") in ("standard", "transposed") else "standard"
+        cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
+        return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
+                                "tile as it loads (pinned, or configs.FP8_DENSE_KERNEL)",
+                                (_dispatch.Candidate(variant, cfg, None),))
     if is_fp8_kvcache or indices is not None:
-        return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse decodes have no "
-                                "kernel yet (reference.mla_sparse_decode_reference / mla_decode_reference)")
+        return _dispatch.Choice("mla", problem, "reference", None, "reference: the sparse decode has no kernel yet, "
+                                "and the dense FP8 kernel runs only where a tl kernel is pinned "
+                                "(configs.FP8_DENSE_KERNEL: off until measured on a GPU)")
     if choose_backend(q.device) != "triton" or q.dim() != 4:
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")

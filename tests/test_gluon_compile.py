@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
 
 from tilefuse.ops.mla import configs as mla_configs  # noqa: E402
+from tilefuse.ops.mla import op as mla_op  # noqa: E402
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V  # noqa: E402
 from tilefuse.ops.swiglu import configs as swiglu_configs  # noqa: E402
 from tilefuse.ops.swiglu_fp8 import configs as fp8_configs  # noqa: E402
@@ -266,6 +267,36 @@ def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page, fp8):
         signature["kc_ptr"] = "*u8"
     result = compile_gluon_isolated(f"tilefuse.ops.mla.kernels:{kernel}", signature, constexprs, num_warps=8)
     assert result.shared <= SMEM_LIMIT and result.registers > 0
+
+
+@pytest.mark.parametrize("block_h,fp8", [(16, True), (64, True), (64, False)])
+def test_mla_sparse_kernels_compile(block_h, fp8):
+    """The sparse decode's split kernel (gathered tokens, 16-bit or FP8 cache) and its combine
+    compile for sm_90a without spills."""
+    constexprs = dict(BLOCK_H=block_h, BLOCK_N=mla_op.SPARSE_BLOCK_N, CHUNK=256, HAS_LEN=True, KV_FP8=fp8,
+                      DOT_PREC="tf32")
+    signature = {"q_ptr": "*bf16", "kc_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32", "len_ptr": "*i32",
+                 "oacc_ptr": "*fp32", "lseacc_ptr": "*fp32",
+                 **{name: "i32" for name in ("h_q", "s_q", "topk", "num_tokens", "page", "chunk_base", "num_chunks")},
+                 "qk_scale": "fp32",
+                 **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_kp", "stride_kt",
+                                             "stride_ib", "stride_is")},
+                 **{name: CONSTEXPR for name in constexprs}}
+    # pointers and strides as the launcher specializes them (multiples of 16: 656-byte and
+    # 576-element rows)
+    aligned = [name for name in signature if name.endswith("_ptr") and name != "len_ptr" or name.startswith("stride")]
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_sparse_split_kernel", signature, constexprs,
+                                    num_warps=8 if block_h == 64 else 4, aligned=aligned,
+                                    num_stages=mla_op.SPARSE_STAGES)
+    assert result.shared <= SMEM_LIMIT and result.registers > 0 and result.spilled == 0
+    constexprs = dict(HAS_SINK=True, S_CHUNK=8)
+    signature = {"oacc_ptr": "*fp32", "lseacc_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+                 "lse_ptr": "*fp32", **{name: "i32" for name in ("h_q", "s_q", "num_chunks", "stride_ob", "stride_os",
+                                                                  "stride_oh", "stride_lb", "stride_lh")},
+                 **{name: CONSTEXPR for name in constexprs}}
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_sparse_combine_kernel", signature, constexprs,
+                                    num_warps=4)
+    assert result.registers > 0 and result.spilled == 0
 
 
 def test_mla_metadata_kernel_compiles():

@@ -13,7 +13,7 @@ import torch
 
 import tilefuse
 from tilefuse.ops.mla import configs, op
-from tilefuse.ops.mla.reference import mla_decode_reference
+from tilefuse.ops.mla.reference import mla_decode_reference, mla_sparse_decode_reference
 from tilefuse.testing.compare import assert_close, cos_diff
 from tilefuse.testing.mla import make_case
 
@@ -526,6 +526,34 @@ def _check_gpu(out, lse, inp, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 2), (64, 1), (128, 2)])
+def test_gpu_sparse_kernel(h_q, s_q):
+    """The sparse FP8 decode's tl kernel at DeepSeek-V3.2's size (topk 2048 over 8K-token
+    contexts, topk_length below topk for one request, -1 padding, a sink), bf16 q: the fp64
+    reference."""
+    gen = torch.Generator().manual_seed(h_q)
+    lens = [8192, 3000, 8192, 100]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
+    packed = tilefuse.mla_quantize_kv(inp.k_cache)
+    idx = torch.full((len(lens), s_q, 2048), -1, dtype=torch.int32)
+    table = inp.block_table.cpu()
+    for i, n in enumerate(lens):
+        for t in range(s_q):
+            tokens = torch.randperm(n, generator=gen)[:2048]
+            idx[i, t, :len(tokens)] = table[i, tokens // 64].int() * 64 + (tokens % 64).int()
+    idx, length = idx.cuda(), torch.tensor([2048, 1500, 2048, 2048], dtype=torch.int32, device="cuda")
+    sink = torch.randn(h_q, device="cuda")
+    with tilefuse.force(backend="triton", variant="standard"):
+        out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
+                                                   indices=idx, topk_length=length, attn_sink=sink)
+    ro, rl = mla_sparse_decode_reference(inp.q, packed, idx, topk_length=length, attn_sink=sink,
+                                         compute_dtype=torch.float64)
+    assert torch.isfinite(out).all() and cos_diff(out, ro) < 1e-5
+    assert_close(out, ro, atol=1e-2, rtol=1e-2)
+    assert_close(lse, rl.float(), atol=1e-3, rtol=1e-4, name="lse")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("h_q,s_q,variant", [(16, 1, "standard"), (128, 2, "standard"), (32, 1, "transposed")])
 def test_gpu_fp8_dense_kernel(page, h_q, s_q, variant):
@@ -797,7 +825,7 @@ def test_fp8_dense_kernel_reads_the_656_byte_layout(interpret, lens, s_q, h_q, p
     inp = make_case(lens, s_q, h_q, torch.float16, interpret, page_size=page, nan_tail=False)
     packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache), inp.block_table.cpu(), lens)
     with tilefuse.force(variant=variant):
-        assert op.fp8_kernel_runs(inp.q)
+        assert op.fp8_sparse_kernels_run(inp.q)
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1, num_sm_parts=parts)
         out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta,
                                                    splits, causal=True, is_fp8_kvcache=True)
@@ -813,7 +841,7 @@ def test_fp8_dense_kernel_is_off_by_default():
     """Until it is measured on a GPU the dense FP8 decode runs the reference unless a tl kernel is
     pinned; a bf16 cache passed without is_fp8_kvcache still needs q's dtype."""
     q = torch.zeros(1, 1, 16, 576, dtype=torch.float16)
-    assert not configs.FP8_DENSE_KERNEL and not op.fp8_kernel_runs(q)
+    assert not configs.FP8_DENSE_KERNEL and not op.fp8_sparse_kernels_run(q)
 
 
 # ----------------------------------------------------------------------------- FP8 and sparse decode
@@ -896,6 +924,65 @@ def test_fp8_cache_dense_and_sparse_decode_read_the_dequantized_values():
     assert_close(sl, tilefuse.flash_mla_with_kvcache(inp.q.float(), deq, None, None, 512, None, None,
                                                      indices=idx)[1], atol=1e-4, rtol=1e-4, name="lse")
     assert so.dtype == torch.bfloat16 and so.shape == (2, 2, 16, 512)
+
+
+def _sparse_kernel_case(s_q, h_q, fp8, page, seed):
+    """Random top-k lists over a paged cache with NaN in every unwritten slot (FP8: 0xFF bytes):
+    -1 entries, indices past the cache, repeated tokens, a topk_length per request (one 0), a
+    second cache with its own lists, and a sink per head (one +inf, one -inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    lens = [300, 77, 5]
+    inp = make_case(lens, s_q, h_q, torch.float16, "cpu", page_size=page, nan_tail=not fp8)
+    cache = inp.k_cache
+    if fp8:
+        cache = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache.nan_to_num(0.0)),
+                                         inp.block_table, lens)
+    topk = 150
+    idx = torch.full((3, s_q, topk), -1, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        for t in range(s_q):
+            picked = torch.randint(0, n, (min(n, 120),), generator=gen).tolist()
+            idx[i, t, :len(picked)] = torch.tensor(_slots(inp, i, picked), dtype=torch.int32)
+    idx[0, 0, 130] = cache.shape[0] * page + 7               # outside the cache: attends to nothing
+    length = torch.tensor([140, 0, 150], dtype=torch.int32)
+    extra_lens = [40, 40, 40]
+    extra = make_case(extra_lens, s_q, h_q, torch.float16, "cpu", page_size=page, nan_tail=not fp8)
+    extra_cache = (_poison_unused_fp8_slots(tilefuse.mla_quantize_kv(extra.k_cache.nan_to_num(0.0)),
+                                            extra.block_table, extra_lens) if fp8 else extra.k_cache)
+    extra_idx = torch.stack([torch.tensor([_slots(extra, i, list(range(0, 40, 3)))] * s_q, dtype=torch.int32)
+                             for i in range(3)])
+    sink = torch.randn(h_q, generator=gen)
+    sink[0], sink[-1] = float("inf"), float("-inf")
+    return inp.q, cache, idx, length, extra_cache, extra_idx, sink
+
+
+@pytest.mark.parametrize("s_q,h_q,fp8,page", [(1, 16, False, 64), (2, 16, True, 16), (1, 128, True, 64),
+                                              (1, 3, False, 32)])
+@pytest.mark.parametrize("extra,sink", [(False, False), (True, True)])
+def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, extra, sink):
+    """The sparse tl kernel (pinned) against the fp64 reference, 16-bit and FP8 caches: every
+    index rule (-1, outside the cache, topk_length, 0 length), a second cache in the same softmax,
+    the sink (+inf: output 0), heads from 3 to 128 (two 64-head tiles), 1-2 query tokens; NaN in
+    every unwritten slot never reaches the output."""
+    q, cache, idx, length, extra_cache, extra_idx, sinks = _sparse_kernel_case(s_q, h_q, fp8, page, seed=h_q + s_q)
+    kwargs = dict(is_fp8_kvcache=fp8, indices=idx, topk_length=length)
+    if extra:
+        kwargs.update(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_idx)
+    if sink:
+        kwargs["attn_sink"] = sinks
+    with tilefuse.force(backend="triton", variant="standard"):
+        assert op.fp8_sparse_kernels_run(q)
+        out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
+    ro, rl = mla_sparse_decode_reference(q, cache, idx, topk_length=length, attn_sink=kwargs.get("attn_sink"),
+                                         extra_k_cache=kwargs.get("extra_k_cache"),
+                                         extra_indices=kwargs.get("extra_indices_in_kvcache"),
+                                         compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))          # heads with no token: +inf exactly
+    assert_close(out, ro, atol=4e-3, rtol=4e-3)
+    finite = torch.isfinite(rl)
+    assert_close(lse[finite], rl[finite].float(), atol=2e-3, rtol=1e-4, name="lse")
 
 
 @pytest.mark.parametrize("kwargs,match", [

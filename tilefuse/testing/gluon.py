@@ -59,8 +59,8 @@ def tensordesc(dtype, block: list[int]) -> str:
                                         gl.NVMMASharedLayout.get_default_for(list(block), element)))
 
 
-def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(), cubin: str | None = None
-                  ) -> Compiled:
+def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned=(), cubin: str | None = None,
+                  num_stages: int | None = None) -> Compiled:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import get_ptxas
@@ -71,7 +71,8 @@ def compile_gluon(fn, signature: dict, constexprs: dict, num_warps: int, aligned
     # a Gluon kernel, or a ``tl`` one (``@triton.jit``: the same compile, Triton's own front end)
     source = GluonASTSource if "gluon" in type(fn).__module__ else triton.compiler.ASTSource
     src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -116,14 +117,17 @@ def first_shared_store_offset(ptx: str) -> int | None:
     return None if base is None else base + int(store.group(2) or 0)
 
 
-def compile_gluon_isolated(kernel: str, signature: dict, constexprs: dict, num_warps: int, aligned=()) -> Compiled:
+def compile_gluon_isolated(kernel: str, signature: dict, constexprs: dict, num_warps: int, aligned=(),
+                           num_stages: int | None = None) -> Compiled:
     """:func:`compile_gluon` of ``kernel`` (``"package.module:function"``) in a child process
-    with ``TRITON_INTERPRET=0``; arguments JSON-serializable.
+    with ``TRITON_INTERPRET=0``; arguments JSON-serializable (``num_stages``: a ``tl`` kernel's
+    pipeline depth as its launch sets it; Triton's default without).
 
     A failure in the child is raised here with the child's own exception (type, message and the
     innermost frames of its traceback), not the tail of its stderr, which Triton's bindings fill
     with ``nanobind: leaked ...`` lines at exit."""
-    spec = dict(kernel=kernel, signature=signature, constexprs=constexprs, num_warps=num_warps, aligned=list(aligned))
+    spec = dict(kernel=kernel, signature=signature, constexprs=constexprs, num_warps=num_warps, aligned=list(aligned),
+                num_stages=num_stages)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     done = subprocess.run([sys.executable, "-m", "tilefuse.testing.gluon"], input=json.dumps(spec), env=env,
                           capture_output=True, text=True)
@@ -147,7 +151,8 @@ def _main() -> None:
     try:
         module, name = spec["kernel"].split(":")
         result = compile_gluon(getattr(importlib.import_module(module), name), spec["signature"],
-                               spec["constexprs"], spec["num_warps"], spec["aligned"])
+                               spec["constexprs"], spec["num_warps"], spec["aligned"],
+                               num_stages=spec.get("num_stages"))
     except Exception as exc:  # reported to the parent as data: its stderr is not a reliable channel
         frames = "".join(traceback.format_tb(exc.__traceback__)[-6:])
         json.dump({"error": f"{frames}{type(exc).__name__}: {exc}"}, sys.stdout)

@@ -86,9 +86,9 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 
 
 # The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
-# tile as it loads: checked against the reference in the CPU interpreter and compiled for sm_90a,
-# not yet run or timed on a GPU, so off by default (the reference decodes the FP8 cache); a
-# force(variant="standard") runs it.
+# tile as it loads, and the sparse decode on its tl kernel: checked against the references in the
+# CPU interpreter and compiled for sm_90a, not yet run or timed on a GPU, so off by default (the
+# references decode); a force(variant="standard") runs them.
 FP8_DENSE_KERNEL = False
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw

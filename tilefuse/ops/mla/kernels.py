@@ -35,6 +35,7 @@ PAGE = tl.constexpr(PAGE_SIZE)            # tokens per scheduling chunk (FlashML
 D_NOPE = tl.constexpr(HEAD_DIM_V)         # latent part of the 576-wide vector: the K "nope" part and all of V
 D_ROPE = tl.constexpr(HEAD_DIM - HEAD_DIM_V)   # RoPE part, only in K
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E_K = tl.constexpr(1.4426950408889634)
 FP8_GROUP = tl.constexpr(128)             # the FP8 layout's values per fp32 scale
 FP8_GROUPS = tl.constexpr(HEAD_DIM_V // 128)
 
@@ -259,38 +260,45 @@ def _page_of(bt_row, token, last_page, num_blocks, KV_PAGE: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page, num_blocks,
-             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
-    """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages) -> ``DTYPE``.
+def _kv_rows(k_rows, ok, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """The cached tokens at ``k_rows`` (one row pointer each): HBM -> registers, in ``DTYPE``.
+    Rows where ``ok`` is false load as 0 (their slots may hold NaN and are never read). Returns
+    the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
 
-    With pages of at least BLOCK_N tokens the tile lies in one page, ``page`` (looked up a step
-    ahead by the caller); with smaller pages (16, 32) each token's page is looked up here.
-    Returns positions, the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
-    Positions past ``length`` load as 0: their slots may hold NaN and are never read.
-
-    ``KV_FP8``: the cache rows are FlashMLA's 656-byte FP8 layout (``kc_ptr`` as bytes): 512 e4m3
+    ``KV_FP8``: the rows are FlashMLA's 656-byte FP8 layout (``k_rows`` as bytes): 512 e4m3
     values, 4 fp32 scales (one per 128 values), 64 bf16 RoPE values; the 512 are dequantized in
     fp32 (value x its group's scale) and rounded once to ``DTYPE``, as ``mla_dequantize_kv`` does.
     """
+    if KV_FP8:
+        codes = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=ok[:, None], other=0)
+        scale_rows = (k_rows + D_NOPE).to(tl.pointer_type(tl.float32))
+        scales = tl.load(scale_rows[:, None] + tl.arange(0, FP8_GROUPS)[None, :], mask=ok[:, None], other=0.0)
+        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32),
+                            [k_rows.shape[0], FP8_GROUPS, FP8_GROUP])
+        k_nope = tl.reshape(values * scales[:, :, None], [k_rows.shape[0], D_NOPE]).to(DTYPE)
+        rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
+        k_rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0).to(DTYPE)
+    else:
+        k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=ok[:, None], other=0.0)
+        k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
+    return k_nope, k_rope
+
+
+@triton.jit
+def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page, num_blocks,
+             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages) -> ``DTYPE``
+    (:func:`_kv_rows`). With pages of at least BLOCK_N tokens the tile lies in one page, ``page``
+    (looked up a step ahead by the caller); with smaller pages (16, 32) each token's page is
+    looked up here. Returns positions, the 512-wide and the RoPE parts; positions past
+    ``length`` load as 0."""
     pos = start + tl.arange(0, BLOCK_N)
-    in_len = pos < length
     if KV_PAGE >= BLOCK_N:
         k_rows = kc_ptr + page * stride_kp + (pos % KV_PAGE) * stride_kt
     else:
         k_rows = kc_ptr + _page_of(bt_row, pos, last_page, num_blocks, KV_PAGE) * stride_kp \
             + (pos % KV_PAGE) * stride_kt
-    if KV_FP8:
-        codes = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0)
-        scale_rows = (k_rows + D_NOPE).to(tl.pointer_type(tl.float32))
-        scales = tl.load(scale_rows[:, None] + tl.arange(0, FP8_GROUPS)[None, :], mask=in_len[:, None], other=0.0)
-        values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BLOCK_N, FP8_GROUPS, FP8_GROUP])
-        k_nope = tl.reshape(values * scales[:, :, None], [BLOCK_N, D_NOPE]).to(DTYPE)
-        rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
-        k_rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None],
-                         other=0.0).to(DTYPE)
-    else:
-        k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=in_len[:, None], other=0.0)
-        k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=in_len[:, None], other=0.0)
+    k_nope, k_rope = _kv_rows(k_rows, pos < length, KV_FP8, DTYPE)
     return pos, k_nope, k_rope
 
 
@@ -459,6 +467,119 @@ def mla_combine_kernel(
                  (acc / t_safe).to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
                  tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
+
+
+@triton.jit
+def mla_sparse_split_kernel(
+    q_ptr, kc_ptr, idx_ptr, len_ptr, oacc_ptr, lseacc_ptr,
+    h_q, s_q, topk, num_tokens, page, chunk_base, num_chunks, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_ib, stride_is,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Sparse (top-k) decode, one part: the BLOCK_H heads of tile ``pid 2`` of one query token
+    (``pid 1`` = request x s_q + token) over the positions ``pid 0 x CHUNK ..`` of its index list
+    (each index ``page * page_size + offset`` names one cached token; -1, an index outside the
+    cache or a position past ``topk_length`` names none). Writes the part's normalised output and
+    log2-sum-exp to the partials at ``chunk_base + pid 0``; ``mla_sparse_combine_kernel`` merges
+    them. Standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512])."""
+    chunk = tl.program_id(0)
+    unit = tl.program_id(1)
+    pid_h = tl.program_id(2)
+    req = unit // s_q
+    tok = unit % s_q
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = rows < h_q
+    offs_v = tl.arange(0, D_NOPE)
+    offs_r = tl.arange(0, D_ROPE)
+    # Q: HBM -> registers once, [BLOCK_H, 512] + [BLOCK_H, 64]; padded heads load as 0.
+    q_rows = q_ptr + req.to(tl.int64) * stride_qb + tok * stride_qs + rows * stride_qh
+    q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    # This part's positions of the index list: [begin, end), the list cut to topk_length.
+    n_valid = topk
+    if HAS_LEN:
+        n_valid = tl.minimum(tl.maximum(tl.load(len_ptr + req), 0), topk)
+    begin = chunk * CHUNK
+    end = tl.minimum(begin + CHUNK, n_valid)
+    idx_row = idx_ptr + req.to(tl.int64) * stride_ib + tok * stride_is
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    for start in tl.range(begin, end, BLOCK_N):
+        # ---- the tile's indices -> cache rows (a bad index reads row 0, masked: never used).
+        pos = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_row + pos, mask=pos < end, other=-1).to(tl.int64)
+        ok = (pos < end) & (idx >= 0) & (idx < num_tokens)
+        slot = tl.where(ok, idx, 0)
+        k_rows = kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt
+        k_nope, k_rope = _kv_rows(k_rows, ok, KV_FP8, q_nope.dtype)
+        # ---- S = Q K^T over the gathered tokens, then the online softmax (unselected: -inf).
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    # ---- registers -> HBM: this part's normalised output and log2-sum-exp (-inf: no token).
+    has_keys = l_i != 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    part = (unit.to(tl.int64) * num_chunks + chunk_base + chunk) * h_q + rows
+    tl.store(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(lseacc_ptr + part, tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+
+
+@triton.jit
+def mla_sparse_combine_kernel(
+    oacc_ptr, lseacc_ptr, sink_ptr, out_ptr, lse_ptr,
+    h_q, s_q, num_chunks,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    HAS_SINK: tl.constexpr, S_CHUNK: tl.constexpr,
+):
+    """One program per (query token, head): merges the token's parts, out = sum_s 2^(lse_s - lse)
+    o_s with lse = log2 sum_s 2^lse_s; with ``attn_sink`` the output is scaled by
+    exp(lse) / (exp(lse) + exp(sink)) (the sink joins the denominator only; the returned lse is
+    the tokens' own). A head with no token gets out = 0 and lse = +inf."""
+    unit = tl.program_id(0)
+    head = tl.program_id(1)
+    req = unit // s_q
+    tok = unit % s_q
+    offs_s = tl.arange(0, S_CHUNK)
+    offs_v = tl.arange(0, D_NOPE)
+    first = unit.to(tl.int64) * num_chunks
+    m = tl.full([S_CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, num_chunks, S_CHUNK):
+        part = (first + s0 + offs_s) * h_q + head
+        m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=s0 + offs_s < num_chunks, other=float("-inf")))
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([S_CHUNK], tl.float32)
+    acc = tl.zeros([D_NOPE], tl.float32)
+    for s0 in range(0, num_chunks, S_CHUNK):
+        part = (first + s0 + offs_s) * h_q + head
+        in_range = s0 + offs_s < num_chunks
+        w = tl.exp2(tl.load(lseacc_ptr + part, mask=in_range, other=float("-inf")) - m_safe)
+        total += w
+        o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=in_range[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    t = tl.sum(total, axis=0)
+    has_keys = t != 0
+    t_safe = tl.where(has_keys, t, 1.0)
+    lse2 = m_safe + tl.log2(t_safe)
+    out = acc / t_safe
+    if HAS_SINK:
+        # exp(lse) / (exp(lse) + exp(sink)) = 1 / (1 + 2^(sink log2(e) - lse2)); sink = +inf: 0
+        sink2 = tl.load(sink_ptr + head) * LOG2E_K
+        out = out / (1.0 + tl.exp2(sink2 - lse2))
+    out = tl.where(has_keys, out, 0.0)
+    tl.store(out_ptr + req.to(tl.int64) * stride_ob + tok * stride_os + head * stride_oh + offs_v,
+             out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + req.to(tl.int64) * stride_lb + head * stride_lh + tok,
+             tl.where(has_keys, lse2 * LN2, float("inf")))
 
 
 @triton.jit

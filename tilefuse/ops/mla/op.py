@@ -92,6 +92,8 @@ def _kernels():
     # None under a Triton without Gluon's Hopper module: the tl kernels serve
     wgmma = _launch.optional_kernel("tilefuse.ops.mla.kernels_gluon", "mla_split_ws_kernel")
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
+                sparse=_launch.Kernel(kernels.mla_sparse_split_kernel),
+                sparse_combine=_launch.Kernel(kernels.mla_sparse_combine_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
                 wgmma=wgmma, seesaw=wgmma,     # one Gluon kernel, the schedule a constexpr
@@ -505,21 +507,75 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
-def fp8_kernel_runs(q: torch.Tensor) -> bool:
-    """The dense FP8 decode runs the ``tl`` split kernel (reading the 656-byte layout itself)
-    rather than the reference: where ``configs.FP8_DENSE_KERNEL`` enables it, or a
-    ``force(variant="standard"|"transposed")`` asks for it, on the Triton backend."""
+def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
+    """The dense FP8 decode runs the ``tl`` split kernels (reading the 656-byte layout
+    themselves) and the sparse decode its ``tl`` kernel, rather than the references: where
+    ``configs.FP8_DENSE_KERNEL`` enables them, or a ``force(variant="standard"|"transposed")``
+    asks for them, on the Triton backend, for a 16-bit q."""
     return (choose_backend(q.device) == "triton" and q.dtype in _checks.FLOAT16S
             and (configs.FP8_DENSE_KERNEL or forced_variant("mla") in ("standard", "transposed")))
+
+
+# The sparse kernel's tiles: 32 gathered tokens; 16 heads (4 warps) up to 16 heads per KV head,
+# else 64 (8 warps). Chosen at sm_90a compile time (tests/test_gluon_compile.py): no spills for
+# either cache; 32-head tiles spilled 540 bytes with the FP8 dequantization. Not yet timed on a GPU.
+SPARSE_BLOCK_N = 32
+SPARSE_STAGES = 2
+
+
+def _sparse_decode(q, scale, sources, attn_sink):
+    """The sparse decode on the ``tl`` kernels: ``sources`` = [(cache, indices, topk_length or
+    None), ...] (the main cache, then the extra one), each cut into parts of whole tiles so that
+    the launches fill the SMs about twice; every part of every source writes a partial of the same
+    softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink)."""
+    batch, s_q, h_q, _ = q.shape
+    units = batch * s_q
+    block_h = 16 if h_q <= 16 else 64
+    tiles = -(-h_q // block_h)
+    want = max(1, -(-2 * num_sms(q.device) // (units * tiles)))
+    plans = []
+    for cache, idx, length in sources:
+        topk = idx.shape[-1]
+        blocks = max(1, -(-topk // SPARSE_BLOCK_N))
+        chunk = SPARSE_BLOCK_N * -(-blocks // min(want, blocks))
+        plans.append((cache, idx, length, topk, chunk, max(1, -(-topk // chunk))))
+    num_chunks = sum(plan[-1] for plan in plans)
+    out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
+    if units == 0:
+        return out, lse
+    parts = units * num_chunks * h_q
+    o_acc, lse_acc = _scratch.workspace(q.device, (parts * HEAD_DIM_V, torch.float32), (parts, torch.float32))
+    base = 0
+    for cache, idx, length, topk, chunk, n in plans:
+        fp8 = cache.shape[-1] == FP8_KV_BYTES
+        if cache.dtype == torch.float8_e4m3fn:
+            cache = cache.view(torch.uint8)
+        scalars = (h_q, s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], base, num_chunks,
+                   scale * LOG2E, *q.stride()[:3], cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
+        meta = dict(BLOCK_H=block_h, BLOCK_N=SPARSE_BLOCK_N, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
+                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if block_h == 64 else 4,
+                    num_stages=SPARSE_STAGES)
+        tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
+        key = ("sparse", scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
+               *(t.data_ptr() % 16 for t in tensors))
+        _kernels()["sparse"].launch(key, (n, units, tiles), q.device.index, tensors, scalars, meta)
+        base += n
+    tensors = (o_acc, lse_acc, attn_sink if attn_sink is not None else lse_acc, out, lse)
+    scalars = (h_q, s_q, num_chunks, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
+    meta = dict(HAS_SINK=attn_sink is not None, S_CHUNK=8, num_warps=4)
+    key = ("sparse_combine", scalars, tuple(meta.items()), q.dtype, *(t.data_ptr() % 16 for t in tensors))
+    _kernels()["sparse_combine"].launch(key, (units, h_q, 1), q.device.index, tensors, scalars, meta)
+    return out, lse
 
 
 def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
                    attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, meta=None, num_splits=None):
     """FlashMLA main's FP8 and sparse decode, validated: the dense FP8 decode through the ``tl``
-    split kernel where :func:`fp8_kernel_runs` (with the metadata), everything else through the
+    split kernel where :func:`fp8_sparse_kernels_run` (with the metadata), everything else through the
     PyTorch references."""
     if (is_fp8 and indices is None and meta is not None and num_splits is not None and attn_sink is None
-            and extra_k_cache is None and topk_length is None and isinstance(q, torch.Tensor) and fp8_kernel_runs(q)):
+            and extra_k_cache is None and topk_length is None and isinstance(q, torch.Tensor) and fp8_sparse_kernels_run(q)):
         call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
                           causal, fp8=True)
         return _run(call, q, k_cache, block_table, cache_seqlens, meta, num_splits)
@@ -571,6 +627,18 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if extra_k_cache is not None:
         check_cache("extra_k_cache", extra_k_cache)
         check_indices("extra_indices_in_kvcache", extra_indices, "extra_topk_length", extra_topk_length)
+    if fp8_sparse_kernels_run(q):
+        _checks.check_same_device(q=q, k_cache=k_cache, indices=indices)
+        sources = [(k_cache, indices.contiguous(), None if topk_length is None else topk_length.contiguous())]
+        if extra_k_cache is not None:
+            _checks.check_same_device(q=q, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices)
+            sources.append((extra_k_cache, extra_indices.contiguous(),
+                            None if extra_topk_length is None else extra_topk_length.contiguous()))
+        for name, cache in (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)):
+            if cache is not None:
+                _checks.check_contiguous(name, cache)
+        _checks.check_contiguous("q", q, last_dim_only=True)
+        return _sparse_decode(q, scale, sources, attn_sink.contiguous() if attn_sink is not None else None)
     return mla_sparse_decode_reference(q, k_cache, indices, scale, topk_length=topk_length, attn_sink=attn_sink,
                                        extra_k_cache=extra_k_cache, extra_indices=extra_indices,
                                        extra_topk_length=extra_topk_length)
@@ -587,7 +655,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
     problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
-    if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_kernel_runs(q):
+    if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         variant = forced_variant("mla") if forced_variant("mla") in ("standard", "transposed") else "standard"
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
         return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "

@@ -973,6 +973,7 @@ def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, ext
         kwargs["attn_sink"] = sinks
     with tilefuse.force(backend="triton", variant="standard"):
         assert op.fp8_sparse_kernels_run(q)
+        assert tilefuse.explain("flash_mla_with_kvcache", q, cache, None, None, 512, **kwargs).variant == "sparse"
         out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
     ro, rl = mla_sparse_decode_reference(q, cache, idx, topk_length=length, attn_sink=kwargs.get("attn_sink"),
                                          extra_k_cache=kwargs.get("extra_k_cache"),

@@ -653,7 +653,8 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     batch, s_q, h_q = q.shape[:3] if q.dim() == 4 else (0, 0, 0)
     rows = s_q * h_q
     page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
-    problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows, "pages": block_table.shape[-1],
+    problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows,
+               "pages": block_table.shape[-1] if block_table is not None else None,
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
     if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         variant = forced_variant("mla") if forced_variant("mla") in ("standard", "transposed") else "standard"
@@ -661,10 +662,14 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
         return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
                                 "tile as it loads (pinned, or configs.FP8_DENSE_KERNEL)",
                                 (_dispatch.Candidate(variant, cfg, None),))
+    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
+        cfg = {"BLOCK_H": 16 if h_q <= 16 else 64, "BLOCK_N": SPARSE_BLOCK_N, "num_stages": SPARSE_STAGES}
+        return _dispatch.Choice("mla", problem, "sparse", cfg, "sparse decode: the tl gather kernel "
+                                "(mla_sparse_split_kernel; pinned, or configs.FP8_DENSE_KERNEL)",
+                                (_dispatch.Candidate("sparse", cfg, None),))
     if is_fp8_kvcache or indices is not None:
-        return _dispatch.Choice("mla", problem, "reference", None, "reference: the sparse decode has no kernel yet, "
-                                "and the dense FP8 kernel runs only where a tl kernel is pinned "
-                                "(configs.FP8_DENSE_KERNEL: off until measured on a GPU)")
+        return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse kernels run only "
+                                "where a tl kernel is pinned (configs.FP8_DENSE_KERNEL: off until measured on a GPU)")
     if choose_backend(q.device) != "triton" or q.dim() != 4:
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")

@@ -303,6 +303,23 @@ def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_pag
 
 
 @triton.jit
+def _attend_tile(q_nope, q_rope, k_nope, k_rope, keep, qk_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+    """One KV tile in the standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N], the 512-wide and
+    RoPE parts), scores outside ``keep`` at -inf, then the online softmax step (rows with no key
+    yet keep m = -inf, p = 0) and O = O alpha + P V. Returns the new (m, l, O)."""
+    s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
+    s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+    s = tl.where(keep, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def mla_split_standard_kernel(
     q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
@@ -343,17 +360,8 @@ def mla_split_standard_kernel(
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
                                        num_blocks, BLOCK_N, KV_PAGE, KV_FP8, q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
-        s = tl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
-        # Online softmax over the KV axis (rows with no key yet keep m = -inf, p = 0).
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, pos[None, :] <= limit[:, None], qk_scale,
+                                     m_i, l_i, acc, DOT_PREC)
         page = next_page
     _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
@@ -420,17 +428,40 @@ def mla_split_transposed_kernel(
 
 
 @triton.jit
+def _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK: tl.constexpr):
+    """Partials ``first .. first + n - 1`` of one query row (each at ``index * rows_total + row``),
+    S_CHUNK at a time (one [S_CHUNK, 512] load each): (sum_s 2^(lse_s - m) o_s, sum_s 2^(lse_s -
+    m), m) with m the largest lse (0 where every lse is -inf). Partials were just written, so they
+    come from L2."""
+    offs_s = tl.arange(0, S_CHUNK)
+    offs_v = tl.arange(0, D_NOPE)
+    m = tl.full([S_CHUNK], float("-inf"), tl.float32)
+    for s0 in range(0, n, S_CHUNK):
+        part = (first + s0 + offs_s) * rows_total + row
+        m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=s0 + offs_s < n, other=float("-inf")))
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    total = tl.zeros([S_CHUNK], tl.float32)
+    acc = tl.zeros([D_NOPE], tl.float32)
+    for s0 in range(0, n, S_CHUNK):
+        part = (first + s0 + offs_s) * rows_total + row
+        ok = s0 + offs_s < n
+        w = tl.exp2(tl.load(lseacc_ptr + part, mask=ok, other=float("-inf")) - m_safe)
+        total += w
+        o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, axis=0)
+    return acc, tl.sum(total, axis=0), m_safe
+
+
+@triton.jit
 def mla_combine_kernel(
     num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
     h_q, rows_total, num_slots,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
 ):
-    """The unfused combine: one program per (request, query row) merges that row's partials.
-
-    out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s. Partials were just written,
-    so they come from L2; S_CHUNK splits are loaded as one [S_CHUNK, 512] tile (one round trip).
-    """
+    """The unfused combine: one program per (request, query row) merges that row's partials
+    (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s."""
     req = tl.program_id(0)
     row = tl.program_id(1)
     first_slot = tl.load(num_splits_ptr + req)
@@ -441,24 +472,8 @@ def mla_combine_kernel(
     n = tl.where(in_range, next_slot - first_slot, 0) * SLOT_PROGRAMS
     # one partial: the split kernel wrote the result; out-of-range num_splits: nothing was written
     if n > 1:
-        offs_s = tl.arange(0, S_CHUNK)
         offs_v = tl.arange(0, D_NOPE)
-        m = tl.full([S_CHUNK], float("-inf"), tl.float32)
-        for s0 in range(0, n, S_CHUNK):
-            part = (first + s0 + offs_s) * rows_total + row
-            m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=s0 + offs_s < n, other=float("-inf")))
-        m_max = tl.max(m, axis=0)
-        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        total = tl.zeros([S_CHUNK], tl.float32)
-        acc = tl.zeros([D_NOPE], tl.float32)
-        for s0 in range(0, n, S_CHUNK):
-            part = (first + s0 + offs_s) * rows_total + row
-            ok = s0 + offs_s < n
-            w = tl.exp2(tl.load(lseacc_ptr + part, mask=ok, other=float("-inf")) - m_safe)
-            total += w
-            o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * o, axis=0)
-        t = tl.sum(total, axis=0)
+        acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK)
         t_safe = tl.where(t != 0, t, 1.0)
         lse2 = tl.where(t != 0, m_safe + tl.log2(t_safe), float("-inf"))
         tok = row // h_q
@@ -515,16 +530,7 @@ def mla_sparse_split_kernel(
         k_rows = kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt
         k_nope, k_rope = _kv_rows(k_rows, ok, KV_FP8, q_nope.dtype)
         # ---- S = Q K^T over the gathered tokens, then the online softmax (unselected: -inf).
-        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
-        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, ok[None, :], qk_scale, m_i, l_i, acc, DOT_PREC)
     # ---- registers -> HBM: this part's normalised output and log2-sum-exp (-inf: no token).
     has_keys = l_i != 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -548,25 +554,9 @@ def mla_sparse_combine_kernel(
     head = tl.program_id(1)
     req = unit // s_q
     tok = unit % s_q
-    offs_s = tl.arange(0, S_CHUNK)
     offs_v = tl.arange(0, D_NOPE)
-    first = unit.to(tl.int64) * num_chunks
-    m = tl.full([S_CHUNK], float("-inf"), tl.float32)
-    for s0 in range(0, num_chunks, S_CHUNK):
-        part = (first + s0 + offs_s) * h_q + head
-        m = tl.maximum(m, tl.load(lseacc_ptr + part, mask=s0 + offs_s < num_chunks, other=float("-inf")))
-    m_max = tl.max(m, axis=0)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    total = tl.zeros([S_CHUNK], tl.float32)
-    acc = tl.zeros([D_NOPE], tl.float32)
-    for s0 in range(0, num_chunks, S_CHUNK):
-        part = (first + s0 + offs_s) * h_q + head
-        in_range = s0 + offs_s < num_chunks
-        w = tl.exp2(tl.load(lseacc_ptr + part, mask=in_range, other=float("-inf")) - m_safe)
-        total += w
-        o = tl.load(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], mask=in_range[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-    t = tl.sum(total, axis=0)
+    acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, unit.to(tl.int64) * num_chunks, num_chunks, h_q, head,
+                                     S_CHUNK)
     has_keys = t != 0
     t_safe = tl.where(has_keys, t, 1.0)
     lse2 = m_safe + tl.log2(t_safe)

@@ -518,7 +518,8 @@ def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
 
 # The sparse kernel's tiles: 32 gathered tokens; 16 heads (4 warps) up to 16 heads per KV head,
 # else 64 (8 warps). Chosen at sm_90a compile time (tests/test_gluon_compile.py): no spills for
-# either cache; 32-head tiles spilled 540 bytes with the FP8 dequantization. Not yet timed on a GPU.
+# either cache with Triton 3.6 (36-184 bytes with 3.9's ptxas); 32-head tiles spilled 540 bytes
+# with the FP8 dequantization. Not yet timed on a GPU.
 SPARSE_BLOCK_N = 32
 SPARSE_STAGES = 2
 

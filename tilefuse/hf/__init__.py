@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -219,9 +220,11 @@ def _vq_targets(model: nn.Module, targets) -> list[tuple[str, nn.Linear]]:
     return layers
 
 
-@torch.no_grad()
-def _input_grams(model: nn.Module, layers, windows) -> dict[str, torch.Tensor]:
-    """``X^T X`` (fp32 ``[K, K]``, on the layer's device) of every layer's inputs over ``windows``."""
+@contextlib.contextmanager
+def input_grams(layers):
+    """Within the block: ``X^T X`` (fp32 ``[K, K]``, on the layer's device) of every forward's
+    inputs to each of ``layers`` (``(name, nn.Linear)`` pairs), accumulated into the dict it
+    yields (one forward pre-hook per layer, removed on exit)."""
     grams = {name: torch.zeros(mod.in_features, mod.in_features, dtype=torch.float32, device=mod.weight.device)
              for name, mod in layers}
 
@@ -231,14 +234,21 @@ def _input_grams(model: nn.Module, layers, windows) -> dict[str, torch.Tensor]:
             grams[name].addmm_(x.T, x)
         return hook
 
-    device = layers[0][1].weight.device
     handles = [mod.register_forward_pre_hook(accumulate(name)) for name, mod in layers]
     try:
-        for ids in windows:
-            model(input_ids=ids.to(device), use_cache=False)
+        yield grams
     finally:
         for handle in handles:
             handle.remove()
+
+
+@torch.no_grad()
+def _input_grams(model: nn.Module, layers, windows) -> dict[str, torch.Tensor]:
+    """``X^T X`` of every layer's inputs over one forward of ``model`` per window."""
+    device = layers[0][1].weight.device
+    with input_grams(layers) as grams:
+        for ids in windows:
+            model(input_ids=ids.to(device), use_cache=False)
     return grams
 
 

@@ -79,21 +79,10 @@ def _first_block_calls(model: nn.Module, block: nn.Module, windows: list[torch.T
 @torch.no_grad()
 def _block_grams(block: nn.Module, targets: dict[str, nn.Linear], calls) -> tuple[list, dict]:
     """The dense block's outputs on ``calls`` and ``X^T X`` of each target Linear's inputs."""
-    grams = {rel: torch.zeros(mod.in_features, mod.in_features, dtype=torch.float32, device=mod.weight.device)
-             for rel, mod in targets.items()}
+    from tilefuse.hf import input_grams
 
-    def accumulate(rel):
-        def hook(module, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
-            grams[rel].addmm_(x.T, x)
-        return hook
-
-    handles = [mod.register_forward_pre_hook(accumulate(rel)) for rel, mod in targets.items()]
-    try:
+    with input_grams(list(targets.items())) as grams:
         outputs = [_hidden(block(*args, **kwargs)) for args, kwargs in calls]
-    finally:
-        for handle in handles:
-            handle.remove()
     return outputs, grams
 
 

@@ -250,8 +250,8 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     fp8 = k_cache.shape[-1] == FP8_KV_BYTES
     call = _Call()
     call.variant = variant or choose_variant(rows, max_blocks, q)
-    if fp8 and call.variant not in ("standard", "transposed"):     # the FP8 layout: the tl kernels read it
-        call.variant = "standard"
+    if fp8:
+        call.variant = _fp8_variant(call.variant)
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
@@ -297,14 +297,18 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
         tensors = (q, kv_nope, kv_rope, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
     else:
         (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
-        if k_cache.dtype == torch.float8_e4m3fn:       # the FP8 layout's bytes, read as bytes
-            k_cache = k_cache.view(torch.uint8)
-        tensors = (q, k_cache, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
+        tensors = (q, _as_bytes(k_cache), block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
     _kernels()[call.variant].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
     if call.combine_grid is not None:
         _kernels()["combine"].launch(key, call.combine_grid, q.device.index, (num_splits, o_acc, lse_acc, out, lse),
                                      call.combine_scalars, call.combine_meta)
     return out, lse
+
+
+def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
+    """A cache in FlashMLA's float8_e4m3fn view of the FP8 layout as the bytes the kernels read
+    (any other cache as it is)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
@@ -475,11 +479,12 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         extra_topk_length : FlashMLA main's FP8 cache (``k_cache [.., 656]`` bytes: ``mla_quantize_kv``)
         and sparse (top-k) decode (``indices [b, s_q, topk]`` int32 of ``page * page_size +
         offset``, -1 for none; ``topk_length [b]``; ``attn_sink [h_q]`` fp32; a second cache and
-        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. The
-        sparse decode runs the PyTorch reference (``reference.mla_sparse_decode_reference``); the
-        dense FP8 decode runs the ``tl`` split kernels, which dequantize each tile as they load
-        it, where a ``force(variant="standard"|"transposed")`` pins one (or
-        ``configs.FP8_DENSE_KERNEL``: off until measured on a GPU), else the dense reference.
+        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. Where a
+        ``force(variant="standard"|"transposed")`` pins a ``tl`` kernel (or
+        ``configs.FP8_DENSE_KERNEL``: off until measured on a GPU), the dense FP8 decode runs the
+        ``tl`` split kernels, which dequantize each tile as they load it, and the sparse decode
+        its ``tl`` gather kernel; otherwise the PyTorch references
+        (``reference.mla_sparse_decode_reference``, ``mla_decode_reference``).
 
     Returns
     -------
@@ -507,6 +512,17 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
+def _fp8_variant(variant: str) -> str:
+    """The kernel of a dense FP8 decode: the ``tl`` kernel ``variant`` names, else ``standard``
+    (the Gluon kernel's TMA boxes are 16-bit rows)."""
+    return variant if variant in ("standard", "transposed") else "standard"
+
+
+def _sparse_tile(h_q: int) -> tuple[int, int]:
+    """(heads per tile, warps) of the sparse kernel for ``h_q`` heads (SPARSE_BLOCK_N's comment)."""
+    return (16, 4) if h_q <= 16 else (64, 8)
+
+
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
     """The dense FP8 decode runs the ``tl`` split kernels (reading the 656-byte layout
     themselves) and the sparse decode its ``tl`` kernel, rather than the references: where
@@ -531,7 +547,7 @@ def _sparse_decode(q, scale, sources, attn_sink):
     softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink)."""
     batch, s_q, h_q, _ = q.shape
     units = batch * s_q
-    block_h = 16 if h_q <= 16 else 64
+    block_h, num_warps = _sparse_tile(h_q)
     tiles = -(-h_q // block_h)
     want = max(1, -(-2 * num_sms(q.device) // (units * tiles)))
     plans = []
@@ -550,12 +566,11 @@ def _sparse_decode(q, scale, sources, attn_sink):
     base = 0
     for cache, idx, length, topk, chunk, n in plans:
         fp8 = cache.shape[-1] == FP8_KV_BYTES
-        if cache.dtype == torch.float8_e4m3fn:
-            cache = cache.view(torch.uint8)
+        cache = _as_bytes(cache)
         scalars = (h_q, s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], base, num_chunks,
                    scale * LOG2E, *q.stride()[:3], cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
         meta = dict(BLOCK_H=block_h, BLOCK_N=SPARSE_BLOCK_N, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
-                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=8 if block_h == 64 else 4,
+                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
                     num_stages=SPARSE_STAGES)
         tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
         key = ("sparse", scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
@@ -572,9 +587,9 @@ def _sparse_decode(q, scale, sources, attn_sink):
 
 def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
                    attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, meta=None, num_splits=None):
-    """FlashMLA main's FP8 and sparse decode, validated: the dense FP8 decode through the ``tl``
-    split kernel where :func:`fp8_sparse_kernels_run` (with the metadata), everything else through the
-    PyTorch references."""
+    """FlashMLA main's FP8 and sparse decode, validated: where :func:`fp8_sparse_kernels_run`,
+    the dense FP8 decode through the ``tl`` split kernels (with the metadata) and the sparse decode
+    through :func:`_sparse_decode`; otherwise the PyTorch references."""
     if (is_fp8 and indices is None and meta is not None and num_splits is not None and attn_sink is None
             and extra_k_cache is None and topk_length is None and isinstance(q, torch.Tensor) and fp8_sparse_kernels_run(q)):
         call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
@@ -658,13 +673,14 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                "pages": block_table.shape[-1] if block_table is not None else None,
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
     if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        variant = forced_variant("mla") if forced_variant("mla") in ("standard", "transposed") else "standard"
+        variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q))
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
         return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
                                 "tile as it loads (pinned, or configs.FP8_DENSE_KERNEL)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        cfg = {"BLOCK_H": 16 if h_q <= 16 else 64, "BLOCK_N": SPARSE_BLOCK_N, "num_stages": SPARSE_STAGES}
+        block_h, num_warps = _sparse_tile(h_q)
+        cfg = {"BLOCK_H": block_h, "BLOCK_N": SPARSE_BLOCK_N, "num_warps": num_warps, "num_stages": SPARSE_STAGES}
         return _dispatch.Choice("mla", problem, "sparse", cfg, "sparse decode: the tl gather kernel "
                                 "(mla_sparse_split_kernel; pinned, or configs.FP8_DENSE_KERNEL)",
                                 (_dispatch.Candidate("sparse", cfg, None),))

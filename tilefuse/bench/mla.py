@@ -29,6 +29,7 @@ Launch-configuration sweeps live outside the library (``tools/mla_sweep.py``).
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 
 import torch
@@ -192,12 +193,14 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
 def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]:
     """The grid above on a GPU (quick: batch 16/64 x 16/128 heads x 4K/64K, s_q 1), then mixed
     lengths, s_q 3-4 at 16 heads with uneven lengths, batch 128 at 1K, 32 and 64 heads at 16K, the
-    serving mixes (:func:`serving_cases`) and pages of 16, 32 and 128 tokens; tiny cases on a CPU.
+    serving mixes (:func:`serving_cases`), pages of 16, 32 and 128 tokens and the FP8-cache cases
+    (:func:`fp8_cases`); tiny cases on a CPU.
     ``subset`` (an ``--only`` run) changes nothing here."""
     dtype = torch.bfloat16
     if device.type != "cuda":
         # CPU: the reference path on tiny shapes, to check the pipeline anywhere.
-        return [mla_case(2, h, 1, [256, 256], device, torch.float32, naive=True) for h in (16, 128)]
+        return [mla_case(2, h, 1, [256, 256], device, torch.float32, naive=True) for h in (16, 128)] + \
+            fp8_cases(device, quick)
     batches, heads, contexts, sqs = (16, 32, 64), (16, 32, 64, 128), (1024, 4096, 16384, 65536), (1, 2)
     if quick:
         batches, heads, contexts, sqs = (16, 64), (16, 128), (4096, 65536), (1,)
@@ -234,7 +237,7 @@ def cases(device: torch.device, quick: bool, subset: bool = False) -> list[Case]
     # cache pages other than FlashMLA's 64 (vLLM's 16; 32, 128): tilefuse against itself at 64
     for page in (16, 32, 128):
         out.append(mla_case(16, 16, 1, [4096] * 16, device, dtype, naive=False, page=page))
-    return out
+    return out + fp8_cases(device, quick)
 
 
 def serving_mixes() -> list[tuple[int, int, int, list[int], str]]:
@@ -259,6 +262,198 @@ def serving_cases(device, dtype) -> list[Case]:
     """The cases of :func:`serving_mixes`."""
     return [mla_case(b, h, sq, lens, device, dtype, mixed=True, naive=False, label=label)
             for b, h, sq, lens, label in serving_mixes()]
+
+
+# ----------------------------------------------------------------------------- FP8 cache, sparse
+def fp8_paged_cache(seqlens: list[int], device, page: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """A paged cache in FlashMLA's 656-byte FP8 layout (``[num_blocks, page, 1, 656]`` uint8) and
+    its shuffled block table: N(0, 1) latents quantized by ``mla_quantize_kv``, 4096 pages at a
+    time so that no fp32 copy of the whole cache is made."""
+    from tilefuse.ops.mla.kv import mla_quantize_kv
+
+    max_blocks = max([-(-n // page) for n in seqlens] + [1])
+    num_blocks = len(seqlens) * max_blocks
+    packed = torch.empty(num_blocks, page, 1, 656, dtype=torch.uint8, device=device)
+    for first in range(0, num_blocks, 4096):
+        last = min(first + 4096, num_blocks)
+        packed[first:last] = mla_quantize_kv(torch.randn(last - first, page, 1, 576, device=device))
+    block_table = torch.randperm(num_blocks).view(len(seqlens), max_blocks).to(torch.int32).to(device)
+    return packed, block_table
+
+
+def sparse_indices(seqlens: list[int], s_q: int, topk: int, block_table: torch.Tensor, page: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [b, s_q, topk] int32, topk_length [b] int32)``: each query token's top-k as an
+    indexer gives it, ``min(topk, L)`` distinct positions of its request drawn at random (as cache
+    slots ``page * page_size + offset``), then -1; ``topk_length`` = the count of valid ones."""
+    table = block_table.cpu().long()
+    idx = torch.full((len(seqlens), s_q, topk), -1, dtype=torch.int32)
+    for i, n in enumerate(seqlens):
+        k = min(topk, n)
+        if k == 0:
+            continue
+        pos = torch.rand(s_q, n, generator=gen).argsort(-1)[:, :k]
+        idx[i, :, :k] = (table[i, pos // page] * page + pos % page).int()
+    lengths = torch.tensor([min(topk, n) for n in seqlens], dtype=torch.int32)
+    return idx.to(block_table.device), lengths.to(block_table.device)
+
+
+def _sparse_peers() -> dict:
+    """The FlashMLA builds whose ``flash_mla_with_kvcache`` takes ``indices`` (main's sparse FP8 decode)."""
+    import inspect
+
+    return {name: module for name, module in flashmla_peers().items()
+            if "indices" in inspect.signature(module.flash_mla_with_kvcache).parameters}
+
+
+def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk: int = 2048,
+                with_length: bool = False, label: str | None = None) -> Case:
+    """One sparse (top-k) decode step over an FP8 cache, DeepSeek-V3.2's: ``batch`` requests of
+    ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens, each token attending to ``topk``
+    cached tokens (fewer, -1 padded, in a request shorter than ``topk``; ``with_length`` also
+    passes ``topk_length``). Implementations: ``tilefuse`` (the default path), ``tilefuse:sparse``
+    (the tl gather kernel pinned), ``tilefuse:dense-bf16`` (tilefuse's bf16 dense decode of the
+    same number of tokens per request: the work without the gather or the FP8 bytes), and each
+    FlashMLA build with sparse decode, its q padded to 64 heads below 64 as engines pad it
+    (``flashmla@main`` with the schedule precomputed, ``+metadata`` with it made in the step).
+    Roofline bytes: the valid tokens' 656 bytes each, the indices, q and out."""
+    import tilefuse
+
+    valid = [min(topk, n) for n in seqlens]
+    units_tokens = s_q * sum(valid)
+    flops = 2.0 * h_q * units_tokens * (576 + 512)
+    nbytes = units_tokens * 656.0 + batch * s_q * (topk * 4 + h_q * (576 + 512) * 2)
+    params = {"batch": batch, "h_q": h_q, "s_q": s_q, "context": max(seqlens), "topk": topk, "kv": "fp8",
+              "dtype": "bfloat16"}
+    if with_length:
+        params["topk_length"] = True
+    if label:
+        params["lengths"] = label
+
+    def setup():
+        gen = torch.Generator().manual_seed(batch * 1000 + h_q * 10 + s_q)
+        k_cache, block_table = fp8_paged_cache(seqlens, device)
+        idx, lengths = sparse_indices(seqlens, s_q, topk, block_table, 64, gen)
+        length = lengths if with_length else None
+        q = torch.randn(batch, s_q, h_q, 576, device=device, dtype=torch.bfloat16)
+
+        def ours():
+            return tilefuse.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=True,
+                                                   indices=idx, topk_length=length)
+
+        def pinned():
+            with tilefuse.force(variant="standard"):
+                return ours()
+
+        impls = {"tilefuse": ours}
+        if device.type == "cuda" and not tilefuse.ops.mla.op.fp8_sparse_kernels_run(q):
+            impls["tilefuse:sparse"] = pinned
+        dense_cache, dense_table = paged_cache(valid, torch.bfloat16, device, nan_tail=False)
+        dense_lens = torch.tensor(valid, dtype=torch.int32, device=device)
+        impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, dense_cache, dense_table,
+                                                        dense_lens, s_q * h_q)["tilefuse"]
+        if device.type == "cuda":
+            padded = torch.zeros(batch, s_q, max(64, h_q), 576, device=device, dtype=q.dtype)
+            padded[:, :, :h_q] = q
+            for name, module in _sparse_peers().items():
+                sched = module.get_mla_metadata()[0]
+
+                def peer(module=module, sched=sched):
+                    return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
+                                                         sched, None, is_fp8_kvcache=True, indices=idx,
+                                                         topk_length=length)
+
+                def peer_step(module=module):
+                    return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
+                                                         module.get_mla_metadata()[0], None, is_fp8_kvcache=True,
+                                                         indices=idx, topk_length=length)
+
+                peer()   # fills the schedule
+                impls[name] = peer
+                impls[f"{name}+metadata"] = peer_step
+        state.update(q=q, k_cache=k_cache, idx=idx, length=length)
+        return impls
+
+    state: dict = {}
+
+    def extras(impls):
+        """cos_diff of out and lse against the fp64 reference on the dequantized cache."""
+        from tilefuse.ops.mla.reference import mla_sparse_decode_reference
+        from tilefuse.testing.compare import cos_diff
+
+        ro, rl = mla_sparse_decode_reference(state["q"], state["k_cache"], state["idx"], topk_length=state["length"],
+                                             compute_dtype=torch.float64)
+        result = {}
+        for name in ("tilefuse", "tilefuse:sparse"):
+            if name in impls:
+                out, lse = impls[name]()
+                finite = torch.isfinite(rl)
+                result[name] = {"cos_diff_out": cos_diff(out, ro), "cos_diff_lse": cos_diff(lse[finite], rl[finite])}
+        return result
+
+    return Case(params=params, flops=flops, bytes=nbytes, setup=setup, extras=extras if batch <= 16 else None)
+
+
+def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
+    """One dense decode step over an FP8 cache (656 bytes per token): ``tilefuse`` (the default
+    path), ``tilefuse:fp8`` (the tl split kernels pinned, dequantizing each tile as they load it),
+    and the bf16 decode of the dequantized cache (``tilefuse:dense-bf16``, tilefuse's default
+    dense path; each FlashMLA build as ``flashmla@...``): the bytes an FP8 cache saves."""
+    import tilefuse
+
+    seqlens = [ctx] * batch
+    flops, _ = flops_bytes(seqlens, s_q, h_q)
+    nbytes = batch * ctx * 656.0 + batch * s_q * h_q * (576 + 512) * 2
+    params = {"batch": batch, "h_q": h_q, "s_q": s_q, "context": ctx, "kv": "fp8", "dtype": "bfloat16"}
+
+    def setup():
+        from tilefuse.ops.mla.kv import mla_dequantize_kv
+
+        k_cache, block_table = fp8_paged_cache(seqlens, device)
+        q = torch.randn(batch, s_q, h_q, 576, device=device, dtype=torch.bfloat16)
+        lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+        meta, splits = tilefuse.get_mla_metadata(lens, s_q * h_q, 1)
+
+        def ours():
+            return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
+                                                   is_fp8_kvcache=True)
+
+        def pinned():
+            with tilefuse.force(variant="standard"):
+                pinned_meta, pinned_splits = tilefuse.get_mla_metadata(lens, s_q * h_q, 1)
+                return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, pinned_meta,
+                                                       pinned_splits, causal=True, is_fp8_kvcache=True)
+
+        impls = {"tilefuse": ours}
+        if device.type == "cuda" and not tilefuse.ops.mla.op.fp8_sparse_kernels_run(q):
+            impls["tilefuse:fp8"] = pinned
+        bf16 = mla_dequantize_kv(k_cache, torch.bfloat16)
+        impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, bf16, block_table, lens,
+                                                        s_q * h_q)["tilefuse+metadata"]
+        if device.type == "cuda":
+            for name, module in flashmla_peers().items():
+                impls[name] = _attention_impls(module, name, q, bf16, block_table, lens, s_q * h_q)[f"{name}+metadata"]
+        return impls
+
+    return Case(params=params, flops=flops, bytes=nbytes, setup=setup)
+
+
+def fp8_cases(device: torch.device, quick: bool) -> list[Case]:
+    """FP8-cache cases: sparse decode at heads 8-128, s_q 1-2 (4 in the full grid), batch 16 and
+    128 (and 64) over 32K contexts (8K and 128K at 16 heads), one mix with requests shorter than
+    topk and ``topk_length``; dense FP8 decode at 16-128 heads. Tiny cases on a CPU."""
+    if device.type != "cuda":
+        return [sparse_case(2, 16, 1, [300, 100], device, topk=128, with_length=True)]
+    heads, sqs, batches = (8, 16, 32, 64, 128), (1, 2) if quick else (1, 2, 4), (16, 128) if quick else (16, 64, 128)
+    out = [sparse_case(b, h, sq, [32768] * b, device) for b in batches for h in heads for sq in sqs]
+    for ctx in (8192, 131072):
+        out.append(sparse_case(64, 16, 1, [ctx] * 64, device))
+    gen = torch.Generator().manual_seed(2)
+    mixed = torch.randint(100, 32768, (128,), generator=gen).tolist()
+    out.append(sparse_case(128, 16, 1, mixed, device, with_length=True, label="uniform 100-32768"))
+    for b, h, sq, ctx in ((16, 16, 1, 8192), (64, 16, 2, 8192), (16, 128, 1, 8192), (64, 64, 1, 16384)):
+        out.append(fp8_dense_case(b, h, sq, ctx, device))
+    return out
 
 
 # ----------------------------------------------------------------------------- summary
@@ -296,6 +491,8 @@ def summarize(rows: list[dict]) -> dict:
     (cos_diff of out and lse against fp64 under 1e-5, FlashMLA's level being ~2e-6).
     """
     rows = upgrade_rows(rows, LEGACY_IMPLS)
+    fp8_rows = [r for r in rows if r["params"].get("kv") == "fp8"]
+    rows = [r for r in rows if r["params"].get("kv") != "fp8"]
     table = group_rows(rows, ("batch", "h_q", "s_q", "context"))
     cases = []
     for key, impls in table.items():
@@ -343,7 +540,71 @@ def summarize(rows: list[dict]) -> dict:
         "kernels_side_by_side": _orientations(table),
         "h20_roofline_prediction": _h20(table)[:24],
         "accuracy": _accuracy(rows),
+        "fp8_cache": summarize_fp8(fp8_rows),
     }
+
+
+SPARSE_GOALS = ((8, 3.0), (16, 2.0))   # h_q: graph speedup over FlashMLA padded to 64 heads (s_q 1-2, batch >= 16)
+
+
+def summarize_fp8(rows: list[dict]) -> dict:
+    """The FP8-cache cases (:func:`fp8_cases`): per case tilefuse's kernel (the default path, or
+    the pinned kernel while the default is the reference) against the faster sparse FlashMLA build
+    (graph: its ``+metadata`` row, q padded to 64 heads below 64) and against tilefuse's bf16
+    decode of the same tokens; the fraction of the copy bandwidth reached on the bytes read; the
+    goals: >= 3x FlashMLA at 8 heads and >= 2x at 16 (s_q 1-2), cos_diff < 1e-5."""
+    table: dict = {}
+    for row in rows:
+        table.setdefault(json.dumps(row["params"], sort_keys=True), {})[row["impl"]] = row
+    cases, goals = [], {h: [] for h, _ in SPARSE_GOALS}
+    for impls in table.values():
+        params = next(iter(impls.values()))["params"]
+        key = tuple(params.get(k) for k in ("batch", "h_q", "s_q", "context", "topk", "lengths"))
+        ours = next((n for n in ("tilefuse:sparse", "tilefuse:fp8") if n in impls), "tilefuse")
+        peers = [n for n in impls if n.startswith("flashmla") and (impls[n].get("graph_us") or 0) > 0
+                 and (params.get("topk") is None or n.endswith("+metadata"))]
+        peer = min(peers, key=lambda n: impls[n]["graph_us"], default=None)
+        get = lambda impl, k: (impls.get(impl) or {}).get(k)  # noqa: E731
+        entry = {"case": "b{} h{} s{} {}".format(*key[:4]) + (f" topk {key[4]}" if key[4] else " dense")
+                 + (f" ({key[5]})" if key[5] else ""), "params": params, "kernel": ours,
+                 "graph_us": get(ours, "graph_us"), "eager_us": get(ours, "eager_us"),
+                 "default_graph_us": get("tilefuse", "graph_us"), "roofline_frac": get(ours, "roofline_frac"),
+                 "gbps": get(ours, "gbps"), "peer": peer, "peer_graph_us": get(peer, "graph_us"),
+                 "dense_bf16_graph_us": get("tilefuse:dense-bf16", "graph_us"),
+                 "cos_diff_out": get(ours, "cos_diff_out")}
+        entry["speedup_vs_peer"] = ratio(entry["peer_graph_us"], entry["graph_us"])
+        entry["speedup_vs_dense_bf16"] = ratio(entry["dense_bf16_graph_us"], entry["graph_us"])
+        for h, bar in SPARSE_GOALS:
+            if params.get("topk") and params["h_q"] == h and params["s_q"] <= 2 and params["batch"] >= 16:
+                goals[h].append(check(f"sparse h{h}: graph speedup over FlashMLA padded >= {bar:g}",
+                                      entry["speedup_vs_peer"], ">=", bar))
+        cases.append(entry)
+    return {"timing": "graph_us of tilefuse's kernel (the pinned one while the default is the reference) against "
+                      "the faster sparse FlashMLA build's +metadata graph_us (q padded to 64 heads below 64) and "
+                      "tilefuse's bf16 dense decode of the same tokens; roofline on the bytes read",
+            "cases": cases,
+            "goals": [tally(f"sparse h{h}: graph speedup over FlashMLA padded >= {bar:g}", goals[h])
+                      for h, bar in SPARSE_GOALS]}
+
+
+def print_family_extra(summary: dict, file) -> None:
+    """The FP8-cache cases of :func:`summarize_fp8` as a table, then their goals."""
+    fp8 = summary.get("fp8_cache") or {}
+    if not fp8.get("cases"):
+        return
+    f = lambda x, spec=".2f": "-" if x is None else format(x, spec)  # noqa: E731
+    width = max(len(e["case"]) for e in fp8["cases"])
+    print(f"\nmla, FP8 cache: graph us of tilefuse's kernel, its default path, the faster FlashMLA "
+          "(sparse: padded to 64 heads), tilefuse's bf16 dense of the same tokens", file=file)
+    print(f"{'case':<{width}}  {'us':>7} {'default':>8} {'peer':>7} {'bf16':>7} {'x peer':>6} {'x bf16':>6} "
+          f"{'GB/s':>6} {'roof':>5} {'cos_diff':>8}", file=file)
+    for e in fp8["cases"]:
+        print(f"{e['case']:<{width}}  {f(e['graph_us'], '.1f'):>7} {f(e['default_graph_us'], '.1f'):>8} "
+              f"{f(e['peer_graph_us'], '.1f'):>7} {f(e['dense_bf16_graph_us'], '.1f'):>7} "
+              f"{f(e['speedup_vs_peer']):>6} {f(e['speedup_vs_dense_bf16']):>6} {f(e['gbps'], '.0f'):>6} "
+              f"{f(e['roofline_frac']):>5} {f(e['cos_diff_out'], '.1e'):>8}", file=file)
+    for goal in fp8["goals"]:
+        print(f"  {goal['goal']}: met in {goal['met_in']}/{goal['of']} cases", file=file)
 
 
 def _orientations(table: dict) -> dict:

@@ -83,7 +83,8 @@ def _verdict(checks) -> str:
 def print_summary(family: str, summary: dict, file=None) -> None:
     """The summary's cases as a table (speedups = baseline time / tilefuse time), then its goals;
     a CPU run's summary (:func:`pipeline_check`) as its one line; a family module that defines
-    ``print_family_summary(summary, file)`` prints its own."""
+    ``print_family_summary(summary, file)`` prints its own, one that defines
+    ``print_family_extra(summary, file)`` adds its own table after the goals."""
     file = file or sys.stdout
     if "pipeline_check" in summary:
         print(pipeline_line(family, summary["pipeline_check"]), file=file)
@@ -110,6 +111,9 @@ def print_summary(family: str, summary: dict, file=None) -> None:
             measured = f"{_fmt(goal['measured'], '.3f')} (target {goal['target']})"
         state = {True: "ok", False: "FAIL", None: "not measured"}[goal["met"]]
         print(f"  [{state}] {goal['goal']}: {measured}", file=file)
+    extra = getattr(importlib.import_module(f"tilefuse.bench.{family}"), "print_family_extra", None)
+    if extra is not None:   # a second table of the family's own (mla: the FP8-cache cases)
+        extra(summary, file=file)
 
 
 def pipeline_check(cases: list, rows: list[dict]) -> dict:

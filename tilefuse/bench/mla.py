@@ -35,6 +35,7 @@ import sys
 import torch
 
 from tilefuse import _env
+from tilefuse.ops.mla import op as _mla_op
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
                                     tally, upgrade_rows)
 from tilefuse.testing.mla import flops_bytes, paged_cache
@@ -346,7 +347,7 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
                 return ours()
 
         impls = {"tilefuse": ours}
-        if device.type == "cuda" and not tilefuse.ops.mla.op.fp8_sparse_kernels_run(q):
+        if device.type == "cuda" and not _mla_op.fp8_sparse_kernels_run(q):
             impls["tilefuse:sparse"] = pinned
         dense_cache, dense_table = paged_cache(valid, torch.bfloat16, device, nan_tail=False)
         dense_lens = torch.tensor(valid, dtype=torch.int32, device=device)
@@ -425,7 +426,7 @@ def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
                                                        pinned_splits, causal=True, is_fp8_kvcache=True)
 
         impls = {"tilefuse": ours}
-        if device.type == "cuda" and not tilefuse.ops.mla.op.fp8_sparse_kernels_run(q):
+        if device.type == "cuda" and not _mla_op.fp8_sparse_kernels_run(q):
             impls["tilefuse:fp8"] = pinned
         bf16 = mla_dequantize_kv(k_cache, torch.bfloat16)
         impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, bf16, block_table, lens,

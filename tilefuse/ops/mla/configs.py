@@ -90,6 +90,23 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 # CPU interpreter and compiled for sm_90a, not yet run or timed on a GPU, so off by default (the
 # references decode); a force(variant="standard") runs them.
 FP8_DENSE_KERNEL = False
+
+
+# The sparse (top-k) decode's launch, by heads per KV head: the orientation (the transposed one
+# puts the gathered tokens in the MMA's M dimension, so few heads are not padded), heads per tile,
+# tokens per step, warps, pipeline stages, and how many programs per SM the index lists are cut
+# into (each part a partial of the same softmax). Read by op._sparse_decode; tools/mla_sparse_sweep.py
+# measures the alternatives.
+SPARSE_CONFIGS = {
+    16: dict(TRANSPOSED=False, BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, waves=2),
+    128: dict(TRANSPOSED=False, BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, waves=2),
+}
+
+
+def sparse_config(h_q: int) -> dict:
+    """The sparse decode's launch for ``h_q`` heads per KV head (:data:`SPARSE_CONFIGS`: the entry
+    of the smallest head bound >= h_q)."""
+    return dict(SPARSE_CONFIGS[min(bound for bound in SPARSE_CONFIGS if bound >= h_q)])
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
 # ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs

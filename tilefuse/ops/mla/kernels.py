@@ -320,6 +320,23 @@ def _attend_tile(q_nope, q_rope, k_nope, k_rope, keep, qk_scale, m_i, l_i, acc, 
 
 
 @triton.jit
+def _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, keep_t, qk_scale, m_i, l_i, acc_t, DOT_PREC: tl.constexpr):
+    """:func:`_attend_tile` transposed (ETAP): S^T = K Q^T ([BLOCK_N, BLOCK_H], the KV tile as the
+    MMA's M dimension), the online softmax down the KV axis (axis 0), O^T = O^T alpha + V^T P^T
+    ([512, BLOCK_H]). Returns the new (m, l, O^T)."""
+    s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
+    s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
+    s_t = tl.where(keep_t, s_t * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p_t = tl.exp2(s_t - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p_t, axis=0)
+    acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def mla_split_standard_kernel(
     q_ptr, kc_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
@@ -410,17 +427,8 @@ def mla_split_transposed_kernel(
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
         pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
                                        num_blocks, BLOCK_N, KV_PAGE, KV_FP8, qt_nope.dtype)
-        s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
-        s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
-        s_t = tl.where(pos[:, None] <= limit[None, :], s_t * qk_scale, float("-inf"))
-        # Online softmax down the KV axis (axis 0).
-        m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p_t = tl.exp2(s_t - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, axis=0)
-        acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc_t = _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, pos[:, None] <= limit[None, :],
+                                         qk_scale, m_i, l_i, acc_t, DOT_PREC)
         page = next_page
     _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part,
             h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
@@ -490,14 +498,16 @@ def mla_sparse_split_kernel(
     h_q, s_q, topk, num_tokens, page, chunk_base, num_chunks, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_ib, stride_is,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """Sparse (top-k) decode, one part: the BLOCK_H heads of tile ``pid 2`` of one query token
     (``pid 1`` = request x s_q + token) over the positions ``pid 0 x CHUNK ..`` of its index list
     (each index ``page * page_size + offset`` names one cached token; -1, an index outside the
     cache or a position past ``topk_length`` names none). Writes the part's normalised output and
     log2-sum-exp to the partials at ``chunk_base + pid 0``; ``mla_sparse_combine_kernel`` merges
-    them. Standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512])."""
+    them. Standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]);
+    ``TRANSPOSED`` (ETAP, for few heads): S^T = K Q^T ([BLOCK_N, BLOCK_H]), O^T = V^T P^T
+    ([512, BLOCK_H]), the gathered tokens as the MMA's M dimension so no head row is padded to 64."""
     chunk = tl.program_id(0)
     unit = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -507,10 +517,17 @@ def mla_sparse_split_kernel(
     row_ok = rows < h_q
     offs_v = tl.arange(0, D_NOPE)
     offs_r = tl.arange(0, D_ROPE)
-    # Q: HBM -> registers once, [BLOCK_H, 512] + [BLOCK_H, 64]; padded heads load as 0.
+    # Q (Q^T when transposed): HBM -> registers once, [BLOCK_H, 512] + [BLOCK_H, 64]; padded heads
+    # load as 0.
     q_rows = q_ptr + req.to(tl.int64) * stride_qb + tok * stride_qs + rows * stride_qh
-    q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
-    q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+    if TRANSPOSED:
+        q_nope = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)
+        q_rope = tl.load(q_rows[None, :] + D_NOPE + offs_r[:, None], mask=row_ok[None, :], other=0.0)
+        acc = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
+    else:
+        q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+        q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+        acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     # This part's positions of the index list: [begin, end), the list cut to topk_length.
     n_valid = topk
     if HAS_LEN:
@@ -520,7 +537,6 @@ def mla_sparse_split_kernel(
     idx_row = idx_ptr + req.to(tl.int64) * stride_ib + tok * stride_is
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
     for start in tl.range(begin, end, BLOCK_N):
         # ---- the tile's indices -> cache rows (a bad index reads row 0, masked: never used).
         pos = start + tl.arange(0, BLOCK_N)
@@ -530,7 +546,14 @@ def mla_sparse_split_kernel(
         k_rows = kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt
         k_nope, k_rope = _kv_rows(k_rows, ok, KV_FP8, q_nope.dtype)
         # ---- S = Q K^T over the gathered tokens, then the online softmax (unselected: -inf).
-        m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, ok[None, :], qk_scale, m_i, l_i, acc, DOT_PREC)
+        if TRANSPOSED:
+            m_i, l_i, acc = _attend_tile_t(q_nope, q_rope, k_nope, k_rope, ok[:, None], qk_scale, m_i, l_i, acc,
+                                           DOT_PREC)
+        else:
+            m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, ok[None, :], qk_scale, m_i, l_i, acc,
+                                         DOT_PREC)
+    if TRANSPOSED:
+        acc = tl.trans(acc)
     # ---- registers -> HBM: this part's normalised output and log2-sum-exp (-inf: no token).
     has_keys = l_i != 0
     l_safe = tl.where(has_keys, l_i, 1.0)

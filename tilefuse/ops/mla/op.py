@@ -518,11 +518,6 @@ def _fp8_variant(variant: str) -> str:
     return variant if variant in ("standard", "transposed") else "standard"
 
 
-def _sparse_tile(h_q: int) -> tuple[int, int]:
-    """(heads per tile, warps) of the sparse kernel for ``h_q`` heads (SPARSE_BLOCK_N's comment)."""
-    return (16, 4) if h_q <= 16 else (64, 8)
-
-
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
     """The dense FP8 decode runs the ``tl`` split kernels (reading the 656-byte layout
     themselves) and the sparse decode its ``tl`` kernel, rather than the references: where
@@ -532,29 +527,23 @@ def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
             and (configs.FP8_DENSE_KERNEL or forced_variant("mla") in ("standard", "transposed")))
 
 
-# The sparse kernel's tiles: 32 gathered tokens; 16 heads (4 warps) up to 16 heads per KV head,
-# else 64 (8 warps). Chosen at sm_90a compile time (tests/test_gluon_compile.py): no spills for
-# either cache with Triton 3.6 (36-184 bytes with 3.9's ptxas); 32-head tiles spilled 540 bytes
-# with the FP8 dequantization. Not yet timed on a GPU.
-SPARSE_BLOCK_N = 32
-SPARSE_STAGES = 2
-
-
-def _sparse_decode(q, scale, sources, attn_sink):
+def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     """The sparse decode on the ``tl`` kernels: ``sources`` = [(cache, indices, topk_length or
     None), ...] (the main cache, then the extra one), each cut into parts of whole tiles so that
-    the launches fill the SMs about twice; every part of every source writes a partial of the same
-    softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink)."""
+    the launches fill the SMs ``waves`` times; every part of every source writes a partial of the
+    same softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink). ``config``:
+    the launch (``configs.sparse_config(h_q)`` by default)."""
     batch, s_q, h_q, _ = q.shape
+    cfg = dict(config or configs.sparse_config(h_q))
+    waves, block_h, block_n = cfg.pop("waves"), cfg["BLOCK_H"], cfg["BLOCK_N"]
     units = batch * s_q
-    block_h, num_warps = _sparse_tile(h_q)
     tiles = -(-h_q // block_h)
-    want = max(1, -(-2 * num_sms(q.device) // (units * tiles)))
+    want = max(1, -(-waves * num_sms(q.device) // (units * tiles)))
     plans = []
     for cache, idx, length in sources:
         topk = idx.shape[-1]
-        blocks = max(1, -(-topk // SPARSE_BLOCK_N))
-        chunk = SPARSE_BLOCK_N * -(-blocks // min(want, blocks))
+        blocks = max(1, -(-topk // block_n))
+        chunk = block_n * -(-blocks // min(want, blocks))
         plans.append((cache, idx, length, topk, chunk, max(1, -(-topk // chunk))))
     num_chunks = sum(plan[-1] for plan in plans)
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
@@ -569,9 +558,8 @@ def _sparse_decode(q, scale, sources, attn_sink):
         cache = _as_bytes(cache)
         scalars = (h_q, s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], base, num_chunks,
                    scale * LOG2E, *q.stride()[:3], cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
-        meta = dict(BLOCK_H=block_h, BLOCK_N=SPARSE_BLOCK_N, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
-                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-                    num_stages=SPARSE_STAGES)
+        meta = dict(cfg, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
+                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
         key = ("sparse", scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
                *(t.data_ptr() % 16 for t in tensors))
@@ -679,8 +667,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                                 "tile as it loads (pinned, or configs.FP8_DENSE_KERNEL)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        block_h, num_warps = _sparse_tile(h_q)
-        cfg = {"BLOCK_H": block_h, "BLOCK_N": SPARSE_BLOCK_N, "num_warps": num_warps, "num_stages": SPARSE_STAGES}
+        cfg = configs.sparse_config(h_q)
         return _dispatch.Choice("mla", problem, "sparse", cfg, "sparse decode: the tl gather kernel "
                                 "(mla_sparse_split_kernel; pinned, or configs.FP8_DENSE_KERNEL)",
                                 (_dispatch.Candidate("sparse", cfg, None),))

@@ -1,0 +1,89 @@
+"""Measure the sparse (top-k) MLA decode's launch settings on a GPU: every candidate of
+``configs.SPARSE_CONFIGS``'s shape (orientation, heads per tile, tokens per step, warps, stages,
+programs per SM) on DeepSeek-V3.2-sized steps (topk 2048 over 32K-token FP8 caches), timed as
+CUDA-graph replays (cold L2) of the split and combine kernels alone, with FlashMLA main's sparse
+decode (q padded to 64 heads below 64) in the same run where ``TILEFUSE_FLASHMLA`` names a build.
+
+    python3 tools/mla_sparse_sweep.py [OUT_DIR]
+
+Writes ``OUT_DIR/mla-sparse-<gpu>.json`` (default ``bench/results/sweeps``): per case, every
+candidate's time and GB/s on the bytes read, the best per head bound. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sweep_common import require_gpu, sweep_path
+from tilefuse.bench.harness import Timer
+from tilefuse.bench.mla import _sparse_peers, fp8_paged_cache, sparse_indices
+from tilefuse.ops.mla import configs, op
+
+# (batch, h_q, s_q): V3.2 under tensor parallelism 16 / 8 (8, 16 heads), 64 and 128 heads
+CASES = ((128, 16, 1), (16, 8, 1), (16, 16, 2), (128, 64, 1), (16, 128, 2))
+# (TRANSPOSED, BLOCK_H, BLOCK_N, num_warps, num_stages) for up to 16 heads, and for more
+FEW = [(False, 16, n, w, s) for n, w, s in ((16, 4, 2), (16, 4, 4), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 4, 4),
+                                            (64, 4, 2), (32, 8, 2), (64, 8, 2), (64, 8, 3))]
+FEW += [(True, 16, 64, w, s) for w, s in ((8, 2), (8, 3), (4, 2))]
+MANY = [(False, 64, n, 8, s) for n, s in ((16, 3), (32, 2), (32, 3), (64, 2))] + [(False, 32, 32, 4, 2),
+                                                                                  (False, 32, 32, 8, 2)]
+WAVES = (2, 4)
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    require_gpu()
+    device = torch.device("cuda")
+    timer = Timer(device, rep_ms=30.0)
+    peers = _sparse_peers()
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+              "cases": []}
+    for batch, h_q, s_q in CASES:
+        seqlens = [32768] * batch
+        gen = torch.Generator().manual_seed(h_q)
+        cache, table = fp8_paged_cache(seqlens, device)
+        idx, _ = sparse_indices(seqlens, s_q, 2048, table, 64, gen)
+        q = torch.randn(batch, s_q, h_q, 576, device=device, dtype=torch.bfloat16)
+        nbytes = batch * s_q * 2048 * 656
+        entry = {"batch": batch, "h_q": h_q, "s_q": s_q, "topk": 2048, "bytes": nbytes, "default": None,
+                 "candidates": [], "peers": {}}
+        for name, module in peers.items():
+            padded = torch.zeros(batch, s_q, max(64, h_q), 576, device=device, dtype=q.dtype)
+            padded[:, :, :h_q] = q
+            fp8 = cache.view(torch.float8_e4m3fn)
+            entry["peers"][name] = timer.graph_us(lambda: module.flash_mla_with_kvcache(
+                padded, fp8, None, None, 512, module.get_mla_metadata()[0], None, is_fp8_kvcache=True, indices=idx))
+        scale = 576 ** -0.5
+        sources = [(cache, idx, None)]
+        entry["default"] = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None))
+        for transposed, block_h, block_n, warps, stages in (FEW if h_q <= 16 else MANY):
+            for waves in WAVES:
+                cfg = dict(TRANSPOSED=transposed, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+                           num_stages=stages, waves=waves)
+                try:
+                    us = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None, cfg))
+                    entry["candidates"].append({**cfg, "us": round(us, 2), "gbps": round(nbytes / us / 1e3)})
+                except Exception as exc:   # a candidate that does not compile or fit: recorded, skipped
+                    entry["candidates"].append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        timed = [c for c in entry["candidates"] if "us" in c]
+        entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
+        print(f"b{batch} h{h_q} s{s_q}: default {entry['default']:.1f} us, best {entry['best']}, peers "
+              f"{ {k: round(v, 1) for k, v in entry['peers'].items()} }", flush=True)
+        for c in sorted(timed, key=lambda c: c["us"])[:6]:
+            print("   ", c, flush=True)
+        result["cases"].append(entry)
+        del cache, table, idx, q
+        torch.cuda.empty_cache()
+    path = sweep_path("mla-sparse", out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -526,15 +526,11 @@ def _check_gpu(out, lse, inp, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h_q,s_q,transposed", [(8, 1, False), (16, 2, False), (64, 1, False), (128, 2, False),
-                                                (8, 1, True), (16, 2, True)])
-def test_gpu_sparse_kernel(monkeypatch, h_q, s_q, transposed):
+@pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 2), (64, 1), (128, 2)])
+def test_gpu_sparse_kernel(h_q, s_q):
     """The sparse FP8 decode's tl kernel at DeepSeek-V3.2's size (topk 2048 over 8K-token
-    contexts, topk_length below topk for one request, -1 padding, a sink), bf16 q, both
-    orientations up to 16 heads: the fp64 reference."""
-    monkeypatch.setitem(configs.SPARSE_CONFIGS, 16, dict(TRANSPOSED=transposed, BLOCK_H=16,
-                                                         BLOCK_N=64 if transposed else 32,
-                                                         num_warps=8 if transposed else 4, num_stages=2, waves=2))
+    contexts, topk_length below topk for one request, -1 padding, a sink), bf16 q: the fp64
+    reference."""
     gen = torch.Generator().manual_seed(h_q)
     lens = [8192, 3000, 8192, 100]
     inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
@@ -841,11 +837,15 @@ def test_fp8_dense_kernel_reads_the_656_byte_layout(interpret, lens, s_q, h_q, p
     _check(out, lse, inp, True)
 
 
-def test_fp8_dense_kernel_is_off_by_default():
-    """Until it is measured on a GPU the dense FP8 decode runs the reference unless a tl kernel is
-    pinned; a bf16 cache passed without is_fp8_kvcache still needs q's dtype."""
+def test_fp8_and_sparse_kernels_run_by_default_on_the_triton_backend():
+    """The dense FP8 and the sparse decode run their tl kernels wherever the tl kernels run (the
+    Triton backend, a 16-bit q) without anything pinned; elsewhere the references."""
     q = torch.zeros(1, 1, 16, 576, dtype=torch.float16)
-    assert not configs.FP8_DENSE_KERNEL and not op.fp8_sparse_kernels_run(q)
+    assert configs.FP8_SPARSE_KERNELS
+    with tilefuse.force(backend="triton"):
+        assert op.fp8_sparse_kernels_run(q) and not op.fp8_sparse_kernels_run(q.float())
+    with tilefuse.force(backend="reference"):
+        assert not op.fp8_sparse_kernels_run(q)
 
 
 # ----------------------------------------------------------------------------- FP8 and sparse decode
@@ -964,17 +964,11 @@ def _sparse_kernel_case(s_q, h_q, fp8, page, seed):
 @pytest.mark.parametrize("s_q,h_q,fp8,page", [(1, 16, False, 64), (2, 16, True, 16), (1, 128, True, 64),
                                               (1, 3, False, 32)])
 @pytest.mark.parametrize("extra,sink", [(False, False), (True, True)])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_sparse_kernel_against_the_reference(interpret, monkeypatch, s_q, h_q, fp8, page, extra, sink, transposed):
+def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, extra, sink):
     """The sparse tl kernel (pinned) against the fp64 reference, 16-bit and FP8 caches: every
     index rule (-1, outside the cache, topk_length, 0 length), a second cache in the same softmax,
-    the sink (+inf: output 0), heads from 3 to 128 (two 64-head tiles), 1-2 query tokens, both
-    orientations up to 16 heads; NaN in every unwritten slot never reaches the output."""
-    if transposed:
-        if h_q > 16:
-            pytest.skip("the transposed tile is for few heads")
-        monkeypatch.setitem(configs.SPARSE_CONFIGS, 16, dict(TRANSPOSED=True, BLOCK_H=16, BLOCK_N=64, num_warps=8,
-                                                             num_stages=2, waves=2))
+    the sink (+inf: output 0), heads from 3 to 128 (two 64-head tiles), 1-2 query tokens; NaN in
+    every unwritten slot never reaches the output."""
     q, cache, idx, length, extra_cache, extra_idx, sinks = _sparse_kernel_case(s_q, h_q, fp8, page, seed=h_q + s_q)
     kwargs = dict(is_fp8_kvcache=fp8, indices=idx, topk_length=length)
     if extra:

@@ -1,5 +1,5 @@
 """Measure the sparse (top-k) MLA decode's launch settings on a GPU: every candidate of
-``configs.SPARSE_CONFIGS``'s shape (orientation, heads per tile, tokens per step, warps, stages,
+``configs.SPARSE_CONFIGS``'s shape (heads per tile, tokens per step, warps, stages,
 programs per SM) on DeepSeek-V3.2-sized steps (topk 2048 over 32K-token FP8 caches), timed as
 CUDA-graph replays (cold L2) of the split and combine kernels alone, with FlashMLA main's sparse
 decode (q padded to 64 heads below 64) in the same run where ``TILEFUSE_FLASHMLA`` names a build.
@@ -26,12 +26,10 @@ from tilefuse.ops.mla import configs, op
 
 # (batch, h_q, s_q): V3.2 under tensor parallelism 16 / 8 (8, 16 heads), 64 and 128 heads
 CASES = ((128, 16, 1), (16, 8, 1), (16, 16, 2), (128, 64, 1), (16, 128, 2))
-# (TRANSPOSED, BLOCK_H, BLOCK_N, num_warps, num_stages) for up to 16 heads, and for more
-FEW = [(False, 16, n, w, s) for n, w, s in ((16, 4, 2), (16, 4, 4), (32, 4, 1), (32, 4, 2), (32, 4, 3), (32, 4, 4),
-                                            (64, 4, 2), (32, 8, 2), (64, 8, 2), (64, 8, 3))]
-FEW += [(True, 16, 64, w, s) for w, s in ((8, 2), (8, 3), (4, 2))]
-MANY = [(False, 64, n, 8, s) for n, s in ((16, 3), (32, 2), (32, 3), (64, 2))] + [(False, 32, 32, 4, 2),
-                                                                                  (False, 32, 32, 8, 2)]
+# (BLOCK_H, BLOCK_N, num_warps, num_stages) for up to 16 heads, and for more
+FEW = [(16, n, w, s) for n, w, s in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 8, 2),
+                                     (64, 8, 3))]
+MANY = [(64, n, 8, s) for n, s in ((32, 3), (64, 2), (64, 3))] + [(32, 32, 4, 2), (32, 64, 8, 2)]
 WAVES = (2, 4)
 
 
@@ -61,9 +59,9 @@ def main() -> None:
         scale = 576 ** -0.5
         sources = [(cache, idx, None)]
         entry["default"] = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None))
-        for transposed, block_h, block_n, warps, stages in (FEW if h_q <= 16 else MANY):
+        for block_h, block_n, warps, stages in (FEW if h_q <= 16 else MANY):
             for waves in WAVES:
-                cfg = dict(TRANSPOSED=transposed, BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
+                cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps,
                            num_stages=stages, waves=waves)
                 try:
                     us = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None, cfg))

@@ -359,15 +359,16 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
             for name, module in _sparse_peers().items():
                 sched = module.get_mla_metadata()[0]
 
+                # FlashMLA main's Hopper kernel takes no topk_length (it asserts): the -1 padding
+                # past each list's valid entries says the same to it
                 def peer(module=module, sched=sched):
                     return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
-                                                         sched, None, is_fp8_kvcache=True, indices=idx,
-                                                         topk_length=length)
+                                                         sched, None, is_fp8_kvcache=True, indices=idx)
 
                 def peer_step(module=module):
                     return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
                                                          module.get_mla_metadata()[0], None, is_fp8_kvcache=True,
-                                                         indices=idx, topk_length=length)
+                                                         indices=idx)
 
                 peer()   # fills the schedule
                 impls[name] = peer

@@ -86,20 +86,20 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 
 
 # The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
-# tile as it loads, and the sparse decode on its tl kernel: checked against the references in the
-# CPU interpreter and compiled for sm_90a, not yet run or timed on a GPU, so off by default (the
-# references decode); a force(variant="standard") runs them.
-FP8_DENSE_KERNEL = False
+# tile as they load it, and the sparse decode on its tl gather kernel: on wherever the tl kernels
+# run (the Triton backend, a 16-bit q); off, the PyTorch references decode (a switch for
+# debugging). Measured on the H200 against FlashMLA main and the bf16 path in
+# bench/results/mla-h200-fp8.json.
+FP8_SPARSE_KERNELS = True
 
 
-# The sparse (top-k) decode's launch, by heads per KV head: the orientation (the transposed one
-# puts the gathered tokens in the MMA's M dimension, so few heads are not padded), heads per tile,
-# tokens per step, warps, pipeline stages, and how many programs per SM the index lists are cut
-# into (each part a partial of the same softmax). Read by op._sparse_decode; tools/mla_sparse_sweep.py
-# measures the alternatives.
+# The sparse (top-k) decode's launch, by heads per KV head: heads per tile, tokens per step, warps,
+# pipeline stages, and how many programs per SM the index lists are cut into (each part a partial
+# of the same softmax). Read by op._sparse_decode; tools/mla_sparse_sweep.py measures the
+# alternatives (bench/results/sweeps/mla-sparse-h200.json).
 SPARSE_CONFIGS = {
-    16: dict(TRANSPOSED=False, BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, waves=2),
-    128: dict(TRANSPOSED=False, BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, waves=2),
+    16: dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, waves=2),
+    128: dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, waves=2),
 }
 
 

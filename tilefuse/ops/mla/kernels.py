@@ -493,21 +493,62 @@ def mla_combine_kernel(
 
 
 @triton.jit
+def _kv_group(k_rows, ok, g: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """Values ``g * 128 .. g * 128 + 128`` of the cached tokens at ``k_rows``: HBM -> registers as
+    ``DTYPE`` [rows, 128], with their scale [rows] fp32. FP8 layout: the e4m3 codes unscaled
+    (exact in 16 bits) and the group's fp32 scale, which the caller folds into S and P instead of
+    multiplying 512 values per token; 16-bit caches: the values and a scale of 1. Rows where
+    ``ok`` is false load as 0."""
+    offs = g * FP8_GROUP + tl.arange(0, FP8_GROUP)
+    if KV_FP8:
+        codes = tl.load(k_rows[:, None] + offs[None, :], mask=ok[:, None], other=0)
+        values = codes.to(tl.float8e4nv, bitcast=True).to(DTYPE)
+        scale = tl.load((k_rows + D_NOPE).to(tl.pointer_type(tl.float32)) + g, mask=ok, other=0.0)
+    else:
+        values = tl.load(k_rows[:, None] + offs[None, :], mask=ok[:, None], other=0.0)
+        scale = tl.full([k_rows.shape[0]], 1.0, tl.float32)
+    return values, scale
+
+
+@triton.jit
+def _scores_group(s, q_g, v_g, scale_g, KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
+    """S += Q_g K_g^T for one 128-wide group, K_g's per-token scale applied to the columns."""
+    if KV_FP8:
+        return s + tl.dot(q_g, tl.trans(v_g), input_precision=DOT_PREC) * scale_g[None, :]
+    return tl.dot(q_g, tl.trans(v_g), s, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _output_group(acc_g, p, alpha, v_g, scale_g, KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
+    """O_g = O_g alpha + P V_g for one 128-wide group of V, V_g's per-token scale folded into P."""
+    if KV_FP8:
+        p = p * scale_g[None, :]
+    return tl.dot(p.to(v_g.dtype), v_g, acc_g * alpha[:, None], input_precision=DOT_PREC)
+
+
+@triton.jit
+def _store_group(oacc_ptr, part, row_ok, acc_g, l_safe, g: tl.constexpr):
+    offs = g * FP8_GROUP + tl.arange(0, FP8_GROUP)
+    tl.store(oacc_ptr + part[:, None] * D_NOPE + offs[None, :], acc_g / l_safe[:, None], mask=row_ok[:, None])
+
+
+@triton.jit
 def mla_sparse_split_kernel(
     q_ptr, kc_ptr, idx_ptr, len_ptr, oacc_ptr, lseacc_ptr,
     h_q, s_q, topk, num_tokens, page, chunk_base, num_chunks, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_ib, stride_is,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr, TRANSPOSED: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Sparse (top-k) decode, one part: the BLOCK_H heads of tile ``pid 2`` of one query token
     (``pid 1`` = request x s_q + token) over the positions ``pid 0 x CHUNK ..`` of its index list
     (each index ``page * page_size + offset`` names one cached token; -1, an index outside the
     cache or a position past ``topk_length`` names none). Writes the part's normalised output and
     log2-sum-exp to the partials at ``chunk_base + pid 0``; ``mla_sparse_combine_kernel`` merges
-    them. Standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]);
-    ``TRANSPOSED`` (ETAP, for few heads): S^T = K Q^T ([BLOCK_N, BLOCK_H]), O^T = V^T P^T
-    ([512, BLOCK_H]), the gathered tokens as the MMA's M dimension so no head row is padded to 64."""
+    them. S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]), the 512-wide part in the FP8
+    layout's four groups of 128 so that each group's scale multiplies S's and P's columns (BLOCK_N
+    values per group) rather than the 512 values of every token: a gather kernel at few heads is
+    bound by the work per gathered byte, not by the MMAs."""
     chunk = tl.program_id(0)
     unit = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -515,19 +556,15 @@ def mla_sparse_split_kernel(
     tok = unit % s_q
     rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < h_q
-    offs_v = tl.arange(0, D_NOPE)
+    offs_g = tl.arange(0, FP8_GROUP)
     offs_r = tl.arange(0, D_ROPE)
-    # Q (Q^T when transposed): HBM -> registers once, [BLOCK_H, 512] + [BLOCK_H, 64]; padded heads
-    # load as 0.
+    # Q: HBM -> registers once, four [BLOCK_H, 128] groups + [BLOCK_H, 64]; padded heads load as 0.
     q_rows = q_ptr + req.to(tl.int64) * stride_qb + tok * stride_qs + rows * stride_qh
-    if TRANSPOSED:
-        q_nope = tl.load(q_rows[None, :] + offs_v[:, None], mask=row_ok[None, :], other=0.0)
-        q_rope = tl.load(q_rows[None, :] + D_NOPE + offs_r[:, None], mask=row_ok[None, :], other=0.0)
-        acc = tl.zeros([D_NOPE, BLOCK_H], tl.float32)
-    else:
-        q_nope = tl.load(q_rows[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
-        q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-        acc = tl.zeros([BLOCK_H, D_NOPE], tl.float32)
+    q0 = tl.load(q_rows[:, None] + offs_g[None, :], mask=row_ok[:, None], other=0.0)
+    q1 = tl.load(q_rows[:, None] + FP8_GROUP + offs_g[None, :], mask=row_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows[:, None] + 2 * FP8_GROUP + offs_g[None, :], mask=row_ok[:, None], other=0.0)
+    q3 = tl.load(q_rows[:, None] + 3 * FP8_GROUP + offs_g[None, :], mask=row_ok[:, None], other=0.0)
+    q_rope = tl.load(q_rows[:, None] + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
     # This part's positions of the index list: [begin, end), the list cut to topk_length.
     n_valid = topk
     if HAS_LEN:
@@ -537,6 +574,11 @@ def mla_sparse_split_kernel(
     idx_row = idx_ptr + req.to(tl.int64) * stride_ib + tok * stride_is
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, FP8_GROUP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, FP8_GROUP], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, FP8_GROUP], tl.float32)
+    acc3 = tl.zeros([BLOCK_H, FP8_GROUP], tl.float32)
+    rope_at = D_NOPE + 4 * FP8_GROUPS if KV_FP8 else D_NOPE        # bytes (FP8 layout) or elements
     for start in tl.range(begin, end, BLOCK_N):
         # ---- the tile's indices -> cache rows (a bad index reads row 0, masked: never used).
         pos = start + tl.arange(0, BLOCK_N)
@@ -544,21 +586,39 @@ def mla_sparse_split_kernel(
         ok = (pos < end) & (idx >= 0) & (idx < num_tokens)
         slot = tl.where(ok, idx, 0)
         k_rows = kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt
-        k_nope, k_rope = _kv_rows(k_rows, ok, KV_FP8, q_nope.dtype)
-        # ---- S = Q K^T over the gathered tokens, then the online softmax (unselected: -inf).
-        if TRANSPOSED:
-            m_i, l_i, acc = _attend_tile_t(q_nope, q_rope, k_nope, k_rope, ok[:, None], qk_scale, m_i, l_i, acc,
-                                           DOT_PREC)
-        else:
-            m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, ok[None, :], qk_scale, m_i, l_i, acc,
-                                         DOT_PREC)
-    if TRANSPOSED:
-        acc = tl.trans(acc)
+        # ---- HBM -> registers: four groups of 128 (codes and scales) and the RoPE part.
+        v0, sc0 = _kv_group(k_rows, ok, 0, KV_FP8, q0.dtype)
+        v1, sc1 = _kv_group(k_rows, ok, 1, KV_FP8, q0.dtype)
+        v2, sc2 = _kv_group(k_rows, ok, 2, KV_FP8, q0.dtype)
+        v3, sc3 = _kv_group(k_rows, ok, 3, KV_FP8, q0.dtype)
+        rope_rows = (k_rows + rope_at).to(tl.pointer_type(tl.bfloat16)) if KV_FP8 else k_rows + rope_at
+        k_rope = tl.load(rope_rows[:, None] + offs_r[None, :], mask=ok[:, None], other=0.0).to(q0.dtype)
+        # ---- S = Q K^T over the gathered tokens (unselected: -inf), then the online softmax.
+        s = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
+        s = _scores_group(s, q0, v0, sc0, KV_FP8, DOT_PREC)
+        s = _scores_group(s, q1, v1, sc1, KV_FP8, DOT_PREC)
+        s = _scores_group(s, q2, v2, sc2, KV_FP8, DOT_PREC)
+        s = _scores_group(s, q3, v3, sc3, KV_FP8, DOT_PREC)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_i = m_new
+        # ---- O = O alpha + P V, group by group.
+        acc0 = _output_group(acc0, p, alpha, v0, sc0, KV_FP8, DOT_PREC)
+        acc1 = _output_group(acc1, p, alpha, v1, sc1, KV_FP8, DOT_PREC)
+        acc2 = _output_group(acc2, p, alpha, v2, sc2, KV_FP8, DOT_PREC)
+        acc3 = _output_group(acc3, p, alpha, v3, sc3, KV_FP8, DOT_PREC)
     # ---- registers -> HBM: this part's normalised output and log2-sum-exp (-inf: no token).
     has_keys = l_i != 0
     l_safe = tl.where(has_keys, l_i, 1.0)
     part = (unit.to(tl.int64) * num_chunks + chunk_base + chunk) * h_q + rows
-    tl.store(oacc_ptr + part[:, None] * D_NOPE + offs_v[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    _store_group(oacc_ptr, part, row_ok, acc0, l_safe, 0)
+    _store_group(oacc_ptr, part, row_ok, acc1, l_safe, 1)
+    _store_group(oacc_ptr, part, row_ok, acc2, l_safe, 2)
+    _store_group(oacc_ptr, part, row_ok, acc3, l_safe, 3)
     tl.store(lseacc_ptr + part, tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
 
 

@@ -479,11 +479,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         extra_topk_length : FlashMLA main's FP8 cache (``k_cache [.., 656]`` bytes: ``mla_quantize_kv``)
         and sparse (top-k) decode (``indices [b, s_q, topk]`` int32 of ``page * page_size +
         offset``, -1 for none; ``topk_length [b]``; ``attn_sink [h_q]`` fp32; a second cache and
-        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. Where a
-        ``force(variant="standard"|"transposed")`` pins a ``tl`` kernel (or
-        ``configs.FP8_DENSE_KERNEL``: off until measured on a GPU), the dense FP8 decode runs the
-        ``tl`` split kernels, which dequantize each tile as they load it, and the sparse decode
-        its ``tl`` gather kernel; otherwise the PyTorch references
+        its indices); ``block_table`` and ``cache_seqlens`` may be None with ``indices``. On the
+        Triton backend with a 16-bit q (``configs.FP8_SPARSE_KERNELS``), the dense FP8 decode
+        runs the ``tl`` split kernels, which dequantize each tile as they load it, and the sparse
+        decode its ``tl`` gather kernel; otherwise the PyTorch references
         (``reference.mla_sparse_decode_reference``, ``mla_decode_reference``).
 
     Returns
@@ -521,10 +520,10 @@ def _fp8_variant(variant: str) -> str:
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
     """The dense FP8 decode runs the ``tl`` split kernels (reading the 656-byte layout
     themselves) and the sparse decode its ``tl`` kernel, rather than the references: where
-    ``configs.FP8_DENSE_KERNEL`` enables them, or a ``force(variant="standard"|"transposed")``
+    ``configs.FP8_SPARSE_KERNELS`` enables them (the default), or a ``force(variant="standard"|"transposed")``
     asks for them, on the Triton backend, for a 16-bit q."""
     return (choose_backend(q.device) == "triton" and q.dtype in _checks.FLOAT16S
-            and (configs.FP8_DENSE_KERNEL or forced_variant("mla") in ("standard", "transposed")))
+            and (configs.FP8_SPARSE_KERNELS or forced_variant("mla") in ("standard", "transposed")))
 
 
 def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
@@ -664,16 +663,16 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
         variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q))
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
         return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
-                                "tile as it loads (pinned, or configs.FP8_DENSE_KERNEL)",
+                                "tile as it loads (configs.FP8_SPARSE_KERNELS)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         cfg = configs.sparse_config(h_q)
         return _dispatch.Choice("mla", problem, "sparse", cfg, "sparse decode: the tl gather kernel "
-                                "(mla_sparse_split_kernel; pinned, or configs.FP8_DENSE_KERNEL)",
+                                "(mla_sparse_split_kernel; configs.FP8_SPARSE_KERNELS)",
                                 (_dispatch.Candidate("sparse", cfg, None),))
     if is_fp8_kvcache or indices is not None:
         return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse kernels run only "
-                                "where a tl kernel is pinned (configs.FP8_DENSE_KERNEL: off until measured on a GPU)")
+                                "on the Triton backend for a 16-bit q (configs.FP8_SPARSE_KERNELS)")
     if choose_backend(q.device) != "triton" or q.dim() != 4:
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")

@@ -526,13 +526,13 @@ def _check_gpu(out, lse, inp, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h_q,s_q", [(8, 1), (16, 2), (64, 1), (128, 2)])
-def test_gpu_sparse_kernel(h_q, s_q):
+@pytest.mark.parametrize("h_q,s_q,batch", [(8, 1, 4), (16, 2, 4), (64, 1, 4), (128, 2, 4), (16, 1, 160)])
+def test_gpu_sparse_kernel(h_q, s_q, batch):
     """The sparse FP8 decode's tl kernel at DeepSeek-V3.2's size (topk 2048 over 8K-token
     contexts, topk_length below topk for one request, -1 padding, a sink), bf16 q: the fp64
-    reference."""
+    reference. Batch 160 fills the SMs more than twice over: the register-capped launch."""
     gen = torch.Generator().manual_seed(h_q)
-    lens = [8192, 3000, 8192, 100]
+    lens = ([8192, 3000, 8192, 100] * (batch // 4))[:batch]
     inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
     packed = tilefuse.mla_quantize_kv(inp.k_cache)
     idx = torch.full((len(lens), s_q, 2048), -1, dtype=torch.int32)
@@ -541,7 +541,8 @@ def test_gpu_sparse_kernel(h_q, s_q):
         for t in range(s_q):
             tokens = torch.randperm(n, generator=gen)[:2048]
             idx[i, t, :len(tokens)] = table[i, tokens // 64].int() * 64 + (tokens % 64).int()
-    idx, length = idx.cuda(), torch.tensor([2048, 1500, 2048, 2048], dtype=torch.int32, device="cuda")
+    idx, length = idx.cuda(), torch.tensor(([2048, 1500, 2048, 2048] * (batch // 4))[:batch], dtype=torch.int32,
+                                           device="cuda")
     sink = torch.randn(h_q, device="cuda")
     with tilefuse.force(backend="triton", variant="standard"):
         out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, None, None, 512, None, None, is_fp8_kvcache=True,

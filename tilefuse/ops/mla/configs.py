@@ -94,12 +94,16 @@ FP8_SPARSE_KERNELS = True
 
 
 # The sparse (top-k) decode's launch, by heads per KV head: heads per tile, tokens per step, warps,
-# pipeline stages, and how many programs per SM the index lists are cut into (each part a partial
-# of the same softmax). Read by op._sparse_decode; tools/mla_sparse_sweep.py measures the
-# alternatives (bench/results/sweeps/mla-sparse-h200.json).
+# pipeline stages, how many programs per SM the index lists are cut into (each part a partial of
+# the same softmax), and fit_regs: where the grid holds more than two programs per SM, the
+# registers per thread are capped at this so that three fit an SM at once (255 registers fit two;
+# the gather is latency-bound, so occupancy is what pays: 313 -> 216 us at batch 128, 16 heads),
+# while a grid of two per SM keeps the uncapped kernel (the cap's spills cost 10 % there).
+# Read by op._sparse_decode; measured by tools/mla_sparse_sweep.py
+# (bench/results/sweeps/mla-sparse-h200.json).
 SPARSE_CONFIGS = {
-    16: dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3, waves=2),
-    128: dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, waves=2),
+    16: dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, waves=2, fit_regs=168),
+    128: dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, waves=2, fit_regs=None),
 }
 
 

@@ -534,7 +534,7 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     the launch (``configs.sparse_config(h_q)`` by default)."""
     batch, s_q, h_q, _ = q.shape
     cfg = dict(config or configs.sparse_config(h_q))
-    waves, block_h, block_n = cfg.pop("waves"), cfg["BLOCK_H"], cfg["BLOCK_N"]
+    waves, fit_regs, block_h, block_n = cfg.pop("waves"), cfg.pop("fit_regs", None), cfg["BLOCK_H"], cfg["BLOCK_N"]
     units = batch * s_q
     tiles = -(-h_q // block_h)
     want = max(1, -(-waves * num_sms(q.device) // (units * tiles)))
@@ -545,6 +545,8 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
         chunk = block_n * -(-blocks // min(want, blocks))
         plans.append((cache, idx, length, topk, chunk, max(1, -(-topk // chunk))))
     num_chunks = sum(plan[-1] for plan in plans)
+    if fit_regs and units * tiles * num_chunks > 2 * num_sms(q.device):   # configs.SPARSE_CONFIGS: occupancy
+        cfg["maxnreg"] = fit_regs
     out = torch.empty(batch, s_q, h_q, HEAD_DIM_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, h_q, s_q, dtype=torch.float32, device=q.device)
     if units == 0:

@@ -201,6 +201,8 @@ def write_results(family: str, rows: list[dict], head: dict, out_dir: Path, summ
 
 
 def _plot(family: str, summary: dict, path: Path, machine: dict) -> None:
+    if not summary.get("cases"):   # e.g. an --only run of mla's FP8-cache cases: their table is in the JSON only
+        return
     try:
         from tilefuse.bench.plot import plot_family
     except ImportError as exc:

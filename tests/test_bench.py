@@ -126,6 +126,29 @@ def test_mla_summary_judges_against_the_faster_flashmla_build():
     assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [(mla.PEER_GOAL, True), (mla.SHORT_GOAL, False)]
 
 
+def test_mla_fp8_cases_are_summarized_apart_against_the_padded_flashmla():
+    """The FP8-cache rows leave the main table; each sparse case is judged by graph time against
+    the faster sparse FlashMLA build's +metadata row (not its precomputed-schedule row), the 8-
+    and 16-head goals tally only their own heads, and the bf16 dense row gives the second ratio."""
+    params = {"batch": 128, "h_q": 16, "s_q": 1, "context": 32768, "topk": 2048, "kv": "fp8", "dtype": "bfloat16"}
+    p8 = dict(params, h_q=8)
+    rows = mla_rows(with_flashmla=True)
+    for p, ours in ((params, 50.0), (p8, 60.0)):
+        rows += [row("mla", "tilefuse", p, eager=70.0, graph=ours, roofline=0.5),
+                 row("mla", "tilefuse:dense-bf16", p, eager=40.0, graph=25.0),
+                 row("mla", "flashmla@main", p, eager=90.0, graph=80.0),
+                 row("mla", "flashmla@main+metadata", p, eager=130.0, graph=120.0)]
+    s = mla.summarize(rows)
+    assert len(s["cases"]) == 1            # the main table keeps the dense 16-bit case only
+    h16, h8 = sorted(s["fp8_cache"]["cases"], key=lambda e: -e["params"]["h_q"])
+    assert h16["peer"] == "flashmla@main+metadata" and h16["speedup_vs_peer"] == pytest.approx(120 / 50)
+    assert h16["speedup_vs_dense_bf16"] == pytest.approx(25 / 50)
+    goals = {g["goal"]: g for g in s["fp8_cache"]["goals"]}
+    assert goals["sparse h16: graph speedup over FlashMLA padded >= 2"]["met"] is True
+    assert goals["sparse h8: graph speedup over FlashMLA padded >= 3"]["met_in"] == 0    # 120 / 60 = 2x < 3x
+    assert goals["sparse h8: graph speedup over FlashMLA padded >= 3"]["of"] == 1
+
+
 def test_host_goal_with_a_term_missing():
     entry = {"baseline": "cublas_gemm", "eager_us": 25.0, "baseline_eager_us": 20.0, "eager_over_graph": None}
     assert host_goal(entry, 1.3, 1.1)["met"] is True            # under 1.3 x 20 = 26 whatever the graph term

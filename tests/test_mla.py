@@ -849,6 +849,23 @@ def test_fp8_and_sparse_kernels_run_by_default_on_the_triton_backend():
         assert not op.fp8_sparse_kernels_run(q)
 
 
+@pytest.mark.parametrize("h_q,s_q,kernel", [(16, 1, None), (16, 2, "transposed"), (32, 1, "transposed"),
+                                            (64, 1, "standard"), (128, 2, "standard")])
+def test_fp8_dense_decode_takes_the_tl_rule_where_the_gluon_kernel_would_run(monkeypatch, h_q, s_q, kernel):
+    """Where the Gluon kernel is the 16-bit default (Hopper), an FP8 cache takes the tl kernels'
+    own rule instead (the Gluon kernel reads 16-bit rows): transposed at 17-63 query rows, not the
+    padded standard kernel; the small-rows choice at <= 16; standard from 64."""
+    monkeypatch.setattr(op, "_wgmma_fits", lambda q: True)      # as on an H200 with a 16-bit q
+    inp = make_case([100, 50], s_q, h_q, torch.float16, "cpu", page_size=64, nan_tail=False)
+    packed = tilefuse.mla_quantize_kv(inp.k_cache)
+    with tilefuse.force(backend="triton"):
+        assert op.choose_variant(s_q * h_q, inp.block_table.shape[1], inp.q) in configs.GLUON_VARIANTS
+        choice = tilefuse.explain("flash_mla_with_kvcache", inp.q, packed, inp.block_table, inp.cache_seqlens, 512,
+                                  is_fp8_kvcache=True)
+    expected = kernel or configs.SMALL_ROWS_VARIANT[configs.regime(inp.block_table.shape[1])]
+    assert choice.variant == expected
+
+
 # ----------------------------------------------------------------------------- FP8 and sparse decode
 def _slots(inp, i, tokens):
     """Cache slots (page * page_size + offset) of request i's tokens."""

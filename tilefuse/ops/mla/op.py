@@ -251,7 +251,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call = _Call()
     call.variant = variant or choose_variant(rows, max_blocks, q)
     if fp8:
-        call.variant = _fp8_variant(call.variant)
+        call.variant = _fp8_variant(call.variant, rows, max_blocks, q)
     # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
@@ -511,10 +511,16 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
-def _fp8_variant(variant: str) -> str:
-    """The kernel of a dense FP8 decode: the ``tl`` kernel ``variant`` names, else ``standard``
-    (the Gluon kernel's TMA boxes are 16-bit rows)."""
-    return variant if variant in ("standard", "transposed") else "standard"
+def _fp8_variant(variant: str, rows: int, max_blocks: int, q: torch.Tensor) -> str:
+    """The kernel of a dense FP8 decode, a ``tl`` one (the Gluon kernel's TMA boxes are 16-bit
+    rows): ``variant`` where it is one (pinned, or chosen off Hopper), else the ``tl`` kernels' own
+    rule, ``configs.default_variant`` without the Gluon kernel: the unpadded standard kernel at
+    <= 16 rows, transposed at 17-63 (1.2-1.6x the padded standard one on the H200 in
+    mla-h200-quick.json's tl side by side), standard from 64."""
+    if variant in ("standard", "transposed"):
+        return variant
+    chip = configs.ridge(_device_name(q.device)) if q.device.type == "cuda" else None
+    return configs.default_variant(rows, max_blocks, False, chip)
 
 
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:
@@ -662,7 +668,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                "pages": block_table.shape[-1] if block_table is not None else None,
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
     if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q))
+        variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q), rows, block_table.shape[1], q)
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
         return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
                                 "tile as it loads (configs.FP8_SPARSE_KERNELS)",

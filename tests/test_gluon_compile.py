@@ -272,8 +272,8 @@ def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page, fp8):
 @pytest.mark.parametrize("block_h,fp8", [(16, True), (64, True), (64, False)])
 def test_mla_sparse_kernels_compile(block_h, fp8):
     """The sparse decode's split kernel (gathered tokens, 16-bit or FP8 cache) and its combine
-    compile for sm_90a; the split kernel's spills stay small (none with Triton 3.6's ptxas, up to
-    184 bytes with 3.9's), bounded so that growth shows."""
+    compile for sm_90a; the split kernel's spills stay small (at most 16 bytes with Triton 3.6's
+    ptxas, up to 488 with 3.9's CUDA 13 one at 64-head FP8 tiles), bounded so that growth shows."""
     cfg = mla_configs.sparse_config(block_h)
     constexprs = dict(BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], CHUNK=256, HAS_LEN=True, KV_FP8=fp8, DOT_PREC="tf32")
     signature = {"q_ptr": "*bf16", "kc_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32", "len_ptr": "*i32",
@@ -288,7 +288,7 @@ def test_mla_sparse_kernels_compile(block_h, fp8):
     aligned = [name for name in signature if name.endswith("_ptr") and name != "len_ptr" or name.startswith("stride")]
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_sparse_split_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=aligned, num_stages=cfg["num_stages"])
-    assert result.shared <= SMEM_LIMIT and result.registers > 0 and result.spilled <= 256
+    assert result.shared <= SMEM_LIMIT and result.registers > 0 and result.spilled <= 512
     constexprs = dict(HAS_SINK=True, S_CHUNK=8)
     signature = {"oacc_ptr": "*fp32", "lseacc_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
                  "lse_ptr": "*fp32", **{name: "i32" for name in ("h_q", "s_q", "num_chunks", "stride_ob", "stride_os",

@@ -356,23 +356,18 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
         if device.type == "cuda":
             padded = torch.zeros(batch, s_q, max(64, h_q), 576, device=device, dtype=q.dtype)
             padded[:, :, :h_q] = q
+            fp8_view = k_cache.view(torch.float8_e4m3fn)
             for name, module in _sparse_peers().items():
-                sched = module.get_mla_metadata()[0]
-
                 # FlashMLA main's Hopper kernel takes no topk_length (it asserts): the -1 padding
                 # past each list's valid entries says the same to it
-                def peer(module=module, sched=sched):
-                    return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
-                                                         sched, None, is_fp8_kvcache=True, indices=idx)
+                def peer(sched, module=module):
+                    return module.flash_mla_with_kvcache(padded, fp8_view, None, None, 512, sched, None,
+                                                         is_fp8_kvcache=True, indices=idx)
 
-                def peer_step(module=module):
-                    return module.flash_mla_with_kvcache(padded, k_cache.view(torch.float8_e4m3fn), None, None, 512,
-                                                         module.get_mla_metadata()[0], None, is_fp8_kvcache=True,
-                                                         indices=idx)
-
-                peer()   # fills the schedule
-                impls[name] = peer
-                impls[f"{name}+metadata"] = peer_step
+                sched = module.get_mla_metadata()[0]
+                peer(sched)   # fills the schedule
+                impls[name] = lambda peer=peer, sched=sched: peer(sched)
+                impls[f"{name}+metadata"] = lambda peer=peer, module=module: peer(module.get_mla_metadata()[0])
         state.update(q=q, k_cache=k_cache, idx=idx, length=length)
         return impls
 

@@ -89,7 +89,7 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 # tile as they load it, and the sparse decode on its tl gather kernel: on wherever the tl kernels
 # run (the Triton backend, a 16-bit q); off, the PyTorch references decode (a switch for
 # debugging). Measured on the H200 against FlashMLA main and the bf16 path in
-# bench/results/mla-h200-fp8.json.
+# bench/results/mla-h200-fp8-quick.json.
 FP8_SPARSE_KERNELS = True
 
 
@@ -111,6 +111,8 @@ def sparse_config(h_q: int) -> dict:
     """The sparse decode's launch for ``h_q`` heads per KV head (:data:`SPARSE_CONFIGS`: the entry
     of the smallest head bound >= h_q)."""
     return dict(SPARSE_CONFIGS[min(bound for bound in SPARSE_CONFIGS if bound >= h_q)])
+
+
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 # The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
 # ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs

@@ -65,9 +65,13 @@ def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None
     GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the
     same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
     fits = q is not None and _wgmma_fits(q)
-    chip = configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
-    variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, chip)
+    variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, _chip_ridge(q))
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
+
+
+def _chip_ridge(q: torch.Tensor | None) -> float | None:
+    """``configs.ridge`` of q's GPU (None off a GPU: the dispatch's default chip)."""
+    return configs.ridge(_device_name(q.device)) if q is not None and q.device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -519,8 +523,7 @@ def _fp8_variant(variant: str, rows: int, max_blocks: int, q: torch.Tensor) -> s
     mla-h200-quick.json's tl side by side), standard from 64."""
     if variant in ("standard", "transposed"):
         return variant
-    chip = configs.ridge(_device_name(q.device)) if q.device.type == "cuda" else None
-    return configs.default_variant(rows, max_blocks, False, chip)
+    return configs.default_variant(rows, max_blocks, False, _chip_ridge(q))
 
 
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:

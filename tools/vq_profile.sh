@@ -7,14 +7,8 @@
 # Run from the repository root on a machine with a GPU and Nsight Compute (`ncu`); the full report is
 # written to REPORT.txt and its headline metrics are printed.
 set -euo pipefail
-if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    echo "tools/vq_profile.sh: needs a CUDA GPU and torch with CUDA; python3 sees none here" >&2
-    exit 1
-fi
-if ! command -v ncu > /dev/null; then
-    echo "tools/vq_profile.sh: needs Nsight Compute (ncu on PATH)" >&2
-    exit 1
-fi
+source "$(dirname "$0")/profile_common.sh"
+require_gpu_and_ncu tools/vq_profile.sh
 report=${1:-vq-ncu.txt}
 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
   --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats \

@@ -33,7 +33,7 @@ class Family:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("swiglu", ("swiglu", "pack_gate_up"), ("small_m", "large_m", "pingpong", "unfused"), "swiglu",
            "fused SwiGLU gate/up GEMM (bf16) against cuBLAS, PyTorch, torch.compile"),
-    Family("swiglu_fp8", ("swiglu_fp8",), ("tl", "ws", "decode"), "swiglu_fp8",
+    Family("swiglu_fp8", ("swiglu_fp8",), ("tl", "ws", "decode", "unfused"), "swiglu_fp8",
            "FP8 fused SwiGLU against cuBLASLt's torch._scaled_mm (sm_90 GPUs)"),
     Family("mla", ("get_mla_metadata", "flash_mla_with_kvcache", "mla_quantize_kv", "mla_dequantize_kv",
                    "mla_scatter_kv"), ("transposed", "standard", "wgmma", "seesaw"),

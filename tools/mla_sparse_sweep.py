@@ -4,7 +4,7 @@ programs per SM) on DeepSeek-V3.2-sized steps (topk 2048 over 32K-token FP8 cach
 CUDA-graph replays (cold L2) of the split and combine kernels alone, with FlashMLA main's sparse
 decode (q padded to 64 heads below 64) in the same run where ``TILEFUSE_FLASHMLA`` names a build.
 
-    python3 tools/mla_sparse_sweep.py [OUT_DIR] [--max-heads=N]
+    python3 tools/mla_sparse_sweep.py [OUT_DIR] [--max-heads=N] [--min-heads=N]
 
 Writes ``OUT_DIR/mla-sparse-<gpu>.json`` (default ``bench/results/sweeps``): per case, every
 candidate's time and GB/s on the bytes read, the best per head bound. Needs a CUDA GPU.
@@ -25,19 +25,21 @@ from tilefuse.bench.mla import _sparse_peers, fp8_paged_cache, sparse_indices
 from tilefuse.ops.mla import configs, op
 
 # (batch, h_q, s_q): V3.2 under tensor parallelism 16 / 8 (8, 16 heads), 64 and 128 heads
-CASES = ((128, 16, 1), (16, 8, 1), (16, 16, 2), (128, 64, 1), (16, 128, 2))
+CASES = ((128, 16, 1), (16, 8, 1), (16, 16, 2), (128, 64, 1), (16, 128, 2), (128, 128, 1))
 # (BLOCK_H, BLOCK_N, num_warps, num_stages, maxnreg) for up to 16 heads, and for more; maxnreg caps
 # the registers per thread (None: the compiler's choice, 255 here) so that more programs fit an SM
 FEW = [(16, n, w, s, None) for n, w, s in ((16, 4, 3), (32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 8, 3))]
 FEW += [(16, n, 4, s, r) for n, s, r in ((16, 2, 128), (32, 2, 128), (32, 3, 128), (32, 2, 168), (32, 3, 168))]
 MANY = [(64, n, 8, s, None) for n, s in ((32, 3), (64, 2), (64, 3))] + [(32, 32, 4, 2, None), (32, 64, 8, 2, None),
-                                                                        (32, 32, 4, 2, 168)]
+                                                                        (32, 32, 4, 2, 168), (64, 32, 8, 2, 128),
+                                                                        (64, 32, 8, 2, 168)]
 WAVES = (2, 4)
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith("--max-heads=")]
+    args = [a for a in sys.argv[1:] if not a.startswith(("--max-heads=", "--min-heads="))]
     max_heads = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-heads=")), 128)
+    min_heads = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--min-heads=")), 1)
     out_dir = Path(args[0]) if args else None
     require_gpu()
     device = torch.device("cuda")
@@ -45,7 +47,7 @@ def main() -> None:
     peers = _sparse_peers()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "cases": []}
-    for batch, h_q, s_q in [case for case in CASES if case[1] <= max_heads]:
+    for batch, h_q, s_q in [case for case in CASES if min_heads <= case[1] <= max_heads]:
         seqlens = [32768] * batch
         gen = torch.Generator().manual_seed(h_q)
         cache, table = fp8_paged_cache(seqlens, device)

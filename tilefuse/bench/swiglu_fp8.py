@@ -10,6 +10,9 @@ Per case (model shape x M; e4m3 inputs from :func:`tilefuse.testing.swiglu.make_
   warp-specialized kernel pinned (variant ``ws``; sm_90 only);
 * ``tilefuse:tl`` / ``tilefuse:decode`` (M <= 16): the first with the tiled ``tl`` kernel, or the
   split-K decode kernel, pinned (the default at these M is the decode kernel);
+* ``tilefuse:unfused`` / ``tilefuse:unfused_rowwise``: the first and the third with the unfused
+  pipeline pinned (``torch._scaled_mm`` + tilefuse's SiLU·mul pass with the re-quantization: the
+  baseline candidate the cost model weighs; block scales from ``UNFUSED_BLOCK_MIN_M`` rows);
 * ``scaled_mm``: the bare merged GEMM ``torch._scaled_mm(x, W^T)`` with row-wise scales, bf16
   out (cuBLASLt's FP8 GEMM): the floor a fused kernel is judged against;
 * ``scaled_mm_block``: the same GEMM with 1 x 128 / 128 x 128 block scales, where this torch and
@@ -73,6 +76,8 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
             **({"tilefuse:ws": pinned(block), "tilefuse:ws_rowwise": pinned(row)} if ws_usable(device) else {}),
             **({"tilefuse:tl": pinned(block, "tl"), "tilefuse:decode": pinned(block, "decode")}
                if m <= configs.DECODE_MAX_M else {}),
+            **({"tilefuse:unfused": pinned(block, "unfused")} if m >= configs.UNFUSED_BLOCK_MIN_M else {}),
+            "tilefuse:unfused_rowwise": pinned(row, "unfused"),
             "scaled_mm": gemm,
             "scaled_mm_block": lambda: torch._scaled_mm(bx, bw.T, scale_a=bxs_t, scale_b=bws.T,
                                                         out_dtype=torch.bfloat16),
@@ -141,7 +146,8 @@ def summarize(rows: list[dict]) -> dict:
     for (model, m, _), impls in by_case.items():
         entry = compare(f"{model} M={m}", next(iter(impls.values()))["params"], impls, ("tilefuse", "tilefuse"),
                         ("scaled_mm", "scaled_mm"))
-        for name in ("scaled_mm_block", "unfused", "tilefuse:rowwise", "tilefuse:bf16_out", "tilefuse:ws",
+        for name in ("scaled_mm_block", "unfused", "tilefuse:rowwise", "tilefuse:bf16_out", "tilefuse:unfused",
+                     "tilefuse:unfused_rowwise", "tilefuse:ws",
                      "tilefuse:ws_rowwise", "tilefuse:tl", "tilefuse:decode"):
             entry[f"{name}_graph_us"] = (impls.get(name) or {}).get("graph_us")
         unf = entry["unfused_graph_us"] and entry["graph_us"] and entry["unfused_graph_us"] / entry["graph_us"]
@@ -156,9 +162,16 @@ def summarize(rows: list[dict]) -> dict:
     ratios = [1 / e["graph_speedup"] for e in cases if e["graph_speedup"]]
     row_ratios = [e["tilefuse:rowwise_graph_us"] / e["baseline_graph_us"] for e in cases
                   if e["tilefuse:rowwise_graph_us"] and e["baseline_graph_us"]]
+    # the dispatch's pick (block scales, e4m3 out) against the best pinned path of the same call
+    regret = [e["graph_us"] / best for e in cases if e["graph_us"] and (best := min(
+        (e[f"tilefuse:{v}_graph_us"] for v in ("ws", "tl", "decode", "unfused") if e[f"tilefuse:{v}_graph_us"]),
+        default=None))]
     return {
         "timing": "graph_us (CUDA-graph replay, cold L2); eager_us for the host path",
         "cases": cases,
+        "pick_over_best_pinned": {"geomean": geomean(regret), "max": max(regret, default=None),
+                                  "what": "default (block scales, e4m3 out) / the fastest pinned path: ws, tl, "
+                                          "decode, unfused"},
         "goals": [
             check("graph: geomean tilefuse (block scales, e4m3 out) / bare scaled_mm time", geomean(ratios), "<=", 1.0),
             check("graph: geomean tilefuse:rowwise (e4m3 out) / bare scaled_mm time", geomean(row_ratios), "<=", 1.0),

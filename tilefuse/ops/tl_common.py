@@ -7,6 +7,8 @@
 * :func:`split_k_tile`, :func:`load_gate_up_step` and :func:`split_k_gate_up` -- a program's
   output tile and K slice, a K step's loads, and the split-K fix-up of a gate/up tile pair, for
   the SwiGLU decode kernels (bf16 and FP8).
+* :func:`quantize_rows` -- a tile's rows re-quantized to e4m3 with one scale per row (1 x 128
+  output groups), for the FP8 SwiGLU kernels and the SiLU·mul pass of the unfused paths.
 """
 
 import triton
@@ -99,3 +101,16 @@ def split_k_gate_up(acc_g, acc_u, part_ptr, lock_ptr, tile, pid_k, plane, offs, 
             acc_u += tl.load(part_ptr + (2 * s + 1) * plane + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(lock_ptr + tile, 0)
     return last, acc_g, acc_u
+
+
+FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
+
+
+@triton.jit
+def quantize_rows(h):
+    """registers: each row of ``h`` [BM, 128] (one output group) as e4m3 values (still fp32,
+    clamped to +-448 so a rounding overshoot cannot make NaN) and its scale ``amax / 448`` (1 for
+    an all-zero group)."""
+    amax = tl.max(tl.abs(h), axis=1)
+    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+    return tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX), scale

@@ -28,7 +28,8 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import arrive, grouped_tile, load_gate_up_step, split_k_gate_up, split_k_tile
+from tilefuse.ops.tl_common import (arrive, grouped_tile, load_gate_up_step, quantize_rows, split_k_gate_up,
+                                    split_k_tile)
 
 
 @triton.jit
@@ -280,21 +281,23 @@ def swiglu_large_m_kernel(
 @triton.jit
 def silu_mul_kernel(
     # pointers
-    y_ptr, bias_ptr, out_ptr,
+    y_ptr, bias_ptr, out_ptr, os_ptr,
     # sizes
     M, I,
     # strides (unit last stride)
-    stride_ym, stride_om,
+    stride_ym, stride_om, stride_os_m,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PACKED: tl.constexpr, PACK: tl.constexpr, QUANT_OUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """The second half of the unfused path (the baseline the dispatch keeps as a candidate):
+    """The second half of the unfused paths (the baselines the dispatch keeps as candidates):
     ``out[m, n] = silu(y[m, gate n]) * y[m, up n]`` over a GEMM's ``y: [M, 2I]`` (merged: gate n
     at column n, up at I + n; packed: at ``_packed_row(n)`` and PACK further), one
     ``[BLOCK_M, BLOCK_N]`` output tile per program; ``bias`` ([2I], merged order for both
-    layouts) is added here, in fp32, so the GEMM runs without it. A pass at the copy bandwidth: 4
-    bytes read and 2 written per output for 16-bit dtypes."""
+    layouts) is added here, in fp32, so the GEMM runs without it. ``QUANT_OUT`` (the FP8
+    pipeline; BLOCK_N = 128): ``out`` re-quantized to e4m3 with one fp32 scale per row and 128
+    columns, ``os [M, I/128]``, as the fused FP8 kernels' epilogue does. A pass at the copy
+    bandwidth: 4 bytes read and 2 (e4m3: 1) written per output for a 16-bit ``y``."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -308,6 +311,12 @@ def silu_mul_kernel(
     if HAS_BIAS:
         gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + I + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
-    # SiLU * mul in fp32, one rounding (registers -> HBM)
+    # SiLU * mul in fp32, one rounding or one re-quantization (registers -> HBM)
     out = _silu_mul(gate, up)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if QUANT_OUT:
+        q, scale = quantize_rows(out)
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)

@@ -93,26 +93,39 @@ def run_unfused(x2d: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pac
     (``[M, 2I]``, x's dtype), then one pass ``out = silu(y_gate + b_gate) * (y_up + b_up)`` (bias
     and SiLU in fp32, one rounding; y itself is rounded once more than in the fused kernels, as in
     the two-GEMM code this path stands for)."""
+    return silu_mul(torch.nn.functional.linear(x2d, w), out, bias, packed)
+
+
+def silu_mul(y: torch.Tensor, out: torch.Tensor, bias=None, packed: bool = False,
+             out_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The SiLU·mul pass of the unfused paths: ``out [M, I] = silu(y_gate (+ b)) * (y_up (+ b))``
+    from a GEMM's ``y [M, 2I]`` (unit last stride; merged or ``packed`` gate/up columns), in fp32
+    with one rounding to ``out``'s dtype; with ``out_scales [M, I/128]`` fp32 (the FP8 pipeline),
+    ``out`` holds e4m3 codes re-quantized per row and 128 columns (or their fp32 quotients in the
+    interpreter). Returns ``out``."""
     m, inter = out.shape
-    y = torch.nn.functional.linear(x2d, w)
-    grid, scalars, key, meta = _silu_mul_plan(x2d.device, m, inter, y.stride(0), out.stride(0), y.dtype, out.dtype,
-                                              packed, bias is not None)
-    _silu_mul_kernel().launch((key, _launch.aligned(y, bias, out)), grid, x2d.device.index,
-                              (y, bias if bias is not None else y, out), scalars, meta)
+    quant = out_scales is not None
+    grid, scalars, key, meta = _silu_mul_plan(y.device, m, inter, y.stride(0), out.stride(0),
+                                              out_scales.stride(0) if quant else 0, y.dtype, out.dtype, packed,
+                                              bias is not None, quant)
+    _silu_mul_kernel().launch((key, _launch.aligned(y, bias, out, out_scales)), grid, y.device.index,
+                              (y, bias if bias is not None else y, out, out_scales if quant else y), scalars, meta)
     return out
 
 
 @functools.lru_cache(maxsize=1024)
-def _silu_mul_plan(device, m, inter, stride_y, stride_out, y_dtype, out_dtype, packed, has_bias):
+def _silu_mul_plan(device, m, inter, stride_y, stride_out, stride_os, y_dtype, out_dtype, packed, has_bias, quant):
     """The SiLU·mul pass's launch for one size: grid, run-time scalars, the launch key's part that
     depends on the size (what Triton specializes on: dtypes, constexprs, integers equal to 1 or
     multiples of 16; the pointers' alignment is added per call) and the meta-parameters."""
-    # one row per program up to 64 rows (a 16-row block left decode-sized M on a handful of SMs)
-    block_m, block_n = (1, 256) if m <= 64 else (16, 256)
+    # one row per program up to 64 rows (a 16-row block left decode-sized M on a handful of SMs);
+    # an e4m3 output takes one 128-column group per program row
+    block_m, block_n = (1 if m <= 64 else 16), (128 if quant else 256)
     grid = (triton_cdiv(inter, block_n), triton_cdiv(m, block_m), 1)
-    scalars = (m, inter, stride_y, stride_out)
-    key = (device, y_dtype, out_dtype, packed, has_bias, block_m, tuple((v == 1, v % 16 == 0) for v in scalars))
-    meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+    scalars = (m, inter, stride_y, stride_out, stride_os)
+    key = (device, y_dtype, out_dtype, packed, has_bias, quant, block_m, tuple((v == 1, v % 16 == 0) for v in scalars))
+    meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, QUANT_OUT=quant, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=4)
     return grid, scalars, key, meta
 
 

@@ -126,6 +126,68 @@ TUNED: dict[bool, dict[int, Fp8Config | WsConfig]] = {
 WS_MIN_SM_FRACTION = 0.5
 
 
+# ------------------------------------------------------------------------------- cost model
+# The fused kernels against the unfused FP8 pipeline (variant "unfused": cuBLASLt's FP8 GEMM
+# ``torch._scaled_mm`` on the merged weight, bf16 out, then one SiLU·mul pass that re-quantizes an
+# e4m3 output), each predicted from its roofline terms with factors fitted to the graph times of
+# bench/results/swiglu_fp8-h200-quick.json (M = 128 and 4096 on four shapes, 0.5B-72B):
+# * fused (the Gluon / tl tiled kernels above 16 rows): the larger of the bytes at the copy
+#   bandwidth and the FLOPs at ``FUSED_EFF`` x the chip's FP8 rate over whole waves of its output
+#   tiles (``_dispatch.tile_fill``); 0.74 with group / block scales (one promotion per 128-wide K
+#   step), 0.82 with scales constant along K (within 3 % at M = 4096 but 0.5B's 19 tiles a wave);
+# * unfused: ``_dispatch.gemm_us`` (FP8 operands, bf16 out) x ``SCALED_MM_FIT`` (cuBLASLt measured
+#   1.05-1.30x the model, 1.2 typical; its block-scaled GEMM once 1.8x at 72B, M = 128), plus the
+#   pass: a launch and 4 bytes read, 1-2 written per output at the copy bandwidth.
+# The unfused path runs only where predicted faster by a margin (``_dispatch``'s: 3 % at M >= 128,
+# where both are measured; 15 % below): the fused kernels are the measured, tuned incumbent.
+FUSED_EFF = {"grouped": 0.74, "constant": 0.82}
+SCALED_MM_FIT = 1.2
+PASS_LAUNCH_US = 3.0
+UNFUSED_MEASURED_M = 128
+# cuBLASLt's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight blocks) rejects
+# single-token problems (CUBLAS_STATUS_NOT_SUPPORTED at M = 1 on the H200); the unfused path takes
+# block scales from this many rows.
+UNFUSED_BLOCK_MIN_M = 128
+
+
+def unfused_form(m: int, x_kind: str, w_kind: str) -> str | None:
+    """How ``torch._scaled_mm`` takes the call's scales ("block", "row" or "tensor"), or None where
+    it cannot: group / block scales on one side only, or block scales below
+    :data:`UNFUSED_BLOCK_MIN_M` rows. ``x_kind`` / ``w_kind``: "k" (varies along K), "row" or
+    "tensor" (``op._scale_kind``)."""
+    if x_kind == "k" or w_kind == "k":
+        return "block" if x_kind == w_kind == "k" and m >= UNFUSED_BLOCK_MIN_M else None
+    return "tensor" if x_kind == w_kind == "tensor" else "row"
+
+
+def predict_us(variant: str, cfg, m: int, k: int, i: int, quant_out: bool, grouped: bool, chip) -> float:
+    """Predicted graph-replay time (us) of ``x [m, k] x w [2i, k]`` e4m3 on ``chip``
+    (``_dispatch.Chip``): ``variant`` "unfused", or a fused kernel with its tiles ``cfg``
+    (:class:`WsConfig`: [128, block_n] output tiles; :class:`Fp8Config`); ``grouped``: either
+    side's scales vary along K."""
+    from tilefuse import _dispatch
+
+    out_bytes = m * i * (1 if quant_out else 2)
+    if variant == "unfused":
+        gemm = _dispatch.gemm_us(chip, m, 2 * i, k, elem=1, out_elem=2) * SCALED_MM_FIT
+        return gemm + PASS_LAUNCH_US + (4 * m * i + out_bytes) / chip.copy_bytes_per_us
+    block_m = 128 if isinstance(cfg, WsConfig) else cfg.block_m
+    fill = _dispatch.tile_fill(m, i, block_m, cfg.block_n, chip.sms)
+    rate = chip.fp8_flop_per_us * fill * FUSED_EFF["grouped" if grouped else "constant"]
+    compute = chip.ramp_us / 2 + 2.0 * m * 2 * i * k / rate
+    return max(_dispatch.stream_us(chip, m * k + 2 * i * k + out_bytes), compute)
+
+
+def unfused_wins(m: int, k: int, i: int, quant_out: bool, grouped: bool, fused_cfg, chip) -> tuple[bool, float, float]:
+    """(run the unfused path, its predicted time, the fused kernel's) for one problem size."""
+    from tilefuse import _dispatch
+
+    fused = predict_us("fused", fused_cfg, m, k, i, quant_out, grouped, chip)
+    unfused = predict_us("unfused", None, m, k, i, quant_out, grouped, chip)
+    margin = (_dispatch.MARGIN_MEASURED_REGIME if m >= UNFUSED_MEASURED_M else _dispatch.MARGIN_UNMEASURED)
+    return unfused * (1 + margin) < fused, unfused, fused
+
+
 def apply_overrides(entries: list[dict]) -> None:
     for entry in entries:
         cls = {"ws": WsConfig, "decode": DecodeConfig}.get(entry.get("variant"), Fp8Config)

@@ -31,20 +31,9 @@ columns), so the decode kernel splits K as well, over 16-row tiles, as the bf16 
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, split_k_gate_up, split_k_tile
+from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, quantize_rows, split_k_gate_up, split_k_tile
 
-FP8_MAX = tl.constexpr(448.0)   # largest finite e4m3 value
 WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
-
-
-@triton.jit
-def _quantize_rows(h):
-    """registers: each row of ``h`` [BM, 128] (one output group) as e4m3 values (still fp32,
-    clamped to +-448 so a rounding overshoot cannot make NaN) and its scale ``amax / 448`` (1 for
-    an all-zero group)."""
-    amax = tl.max(tl.abs(h), axis=1)
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-    return tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX), scale
 
 
 @triton.jit
@@ -121,7 +110,7 @@ def swiglu_fp8_kernel(
         # Re-quantize each row's 128 columns (one group) to e4m3: scale = amax / 448 (1 for an
         # all-zero group), values h / scale clamped to +-448 (no NaN from a rounding overshoot);
         # the scales go to out_scales[m, n / 128].
-        q, scale = _quantize_rows(h)
+        q, scale = quantize_rows(h)
         out_desc.store([off_m, off_n], q.to(out_desc.dtype))
         offs_m = off_m + tl.arange(0, BLOCK_M)
         tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
@@ -208,7 +197,7 @@ def swiglu_fp8_decode_kernel(
         h = acc_g * tl.sigmoid(acc_g) * acc_u
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         if QUANT_OUT:
-            q, scale = _quantize_rows(h)
+            q, scale = quantize_rows(h)
             tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
             tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
         else:

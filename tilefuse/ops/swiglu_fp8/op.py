@@ -20,7 +20,7 @@ from tilefuse import _checks, _dispatch, _launch, _scratch
 from tilefuse._backend import choose_backend, forced_variant, gluon_hopper, interpreting, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.swiglu_fp8 import configs
-from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, swiglu_fp8_reference
+from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, dequantize, swiglu_fp8_reference
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
@@ -88,7 +88,7 @@ class _Call:
     """What a call with one argument layout runs (validation included), worked out once."""
 
     __slots__ = ("reference", "m", "inter", "hidden", "out_shape", "scale_shape", "config", "x_grouped",
-                 "w_blocked", "quant", "ws_config", "decode_config", "decode")
+                 "w_blocked", "quant", "ws_config", "decode_config", "decode", "unfused", "choice")
 
 
 _plans = PlanCache()
@@ -117,8 +117,12 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
         forced = forced_variant("swiglu_fp8")
         call.config = (chosen if isinstance(chosen, configs.Fp8Config) else
                        configs.heuristic(call.m, call.hidden, call.inter, call.quant))
-        call.ws_config = call.decode_config = call.decode = None
-        if forced == "decode" or (forced is None and call.m <= configs.DECODE_MAX_M):
+        call.ws_config = call.decode_config = call.decode = call.unfused = None
+        form = configs.unfused_form(call.m, x_kind, w_kind) if x.device.type == "cuda" or interpreting() else None
+        call.choice = _unfused_choice(call, chosen, form, x.device)
+        if form is not None and (forced == "unfused" or (forced is None and call.choice[0])):
+            call.unfused = form       # a pin where torch._scaled_mm cannot take the scales runs the default
+        elif forced == "decode" or (forced is None and call.m <= configs.DECODE_MAX_M):
             call.decode_config = configs.decode_config(call.m, call.hidden, call.inter, call.quant)
             if call.m:
                 # the whole launch but the pointers, worked out once: strides of the scales as the
@@ -134,6 +138,24 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
             if call.quant and call.ws_config.block_n != 128:
                 call.ws_config = dataclasses.replace(call.ws_config, block_n=128)   # one e4m3 group per tile row
     return _plans.remember(key, call)
+
+
+def _unfused_choice(call: _Call, chosen, form: str | None, device) -> tuple:
+    """(the unfused FP8 pipeline runs by default, its predicted time, the fused kernel's, the fused
+    kernel's tiles: a ``WsConfig`` or an ``Fp8Config``) for the
+    call's size (``configs.unfused_wins``); never at decode sizes (the split-K decode kernel
+    streams the weight once, the pipeline streams it and then ``y``) nor where ``torch._scaled_mm``
+    does not take the scales (``form`` None)."""
+    from tilefuse import _dispatch
+
+    if call.m <= configs.DECODE_MAX_M:
+        return False, None, None, None
+    fused_cfg = chosen if isinstance(chosen, configs.WsConfig) and ws_usable(device) else (
+        chosen if isinstance(chosen, configs.Fp8Config) else configs.heuristic(call.m, call.hidden, call.inter,
+                                                                               call.quant))
+    wins, unfused, fused = configs.unfused_wins(call.m, call.hidden, call.inter, call.quant,
+                                                call.x_grouped or call.w_blocked, fused_cfg, _dispatch.chip(device))
+    return wins and form is not None, (unfused if form is not None else None), fused, fused_cfg
 
 
 def _validate(x, x_scales, w_gate_up, w_scales, out_dtype) -> tuple[str, str]:
@@ -220,6 +242,37 @@ def launch_ws(x2d, xs, w, ws, out, out_scales, cfg: configs.WsConfig, x_grouped:
              STAGES=cfg.stages, NUM_SMS=grid[0], num_warps=4))
 
 
+def scaled_gemm(x2d, x_scales, w, w_scales, form: str) -> torch.Tensor:
+    """``y [M, 2I] = Xd Wd^T`` in bf16 by cuBLASLt's FP8 GEMM (``torch._scaled_mm``), the first
+    half of the unfused pipeline. ``x2d [M, K]``, ``w [2I, K]`` e4m3 contiguous; the scales as
+    :func:`swiglu_fp8` takes them, in the ``form`` of ``configs.unfused_form``: "block" (1 x 128
+    groups, 128 x 128 blocks), "row" (per token / per channel; a 0-dim side broadcast to its
+    rows) or "tensor". Off CUDA (the interpreter) the same product from the dequantized operands
+    in fp32, rounded to bf16 as cuBLASLt's output is."""
+    m, rows = x2d.shape[0], w.shape[0]
+    if not x2d.is_cuda:
+        xd = dequantize(x2d, x_scales.reshape(m, -1) if x_scales.dim() else x_scales, dtype=torch.float32)
+        return (xd @ dequantize(w, w_scales, weight=True, dtype=torch.float32).T).to(torch.bfloat16)
+    if form == "block":   # cuBLASLt's layouts: the activations' scales M-major, the weights' as [K/128, 2I/128]
+        scale_a, scale_b = x_scales.reshape(m, -1).t().contiguous().t(), w_scales.t()
+    elif form == "row":
+        scale_a = x_scales.reshape(m, 1) if x_scales.dim() else x_scales.reshape(1, 1).expand(m, 1).contiguous()
+        scale_b = w_scales.reshape(1, rows) if w_scales.dim() else w_scales.reshape(1, 1).expand(1, rows).contiguous()
+    else:
+        scale_a, scale_b = x_scales, w_scales
+    return torch._scaled_mm(x2d, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def run_unfused(x2d, x_scales, w, w_scales, out, out_scales, form: str) -> None:
+    """The unfused FP8 pipeline the dispatch keeps as a candidate (variant ``"unfused"``):
+    :func:`scaled_gemm`, then one SiLU·mul pass over ``y`` (fp32, one rounding to ``out``'s dtype,
+    or the 1 x 128 re-quantization into ``out`` / ``out_scales [M, I/128]`` when given). ``y`` is
+    rounded to bf16 once more than in the fused kernels, as in the pipeline this path stands for."""
+    from tilefuse.ops.swiglu.op import silu_mul
+
+    silu_mul(scaled_gemm(x2d, x_scales, w, w_scales, form), out, out_scales=out_scales)
+
+
 @dataclasses.dataclass(frozen=True)
 class _DecodePlan:
     """A decode-kernel launch without its pointers: grid, compiled-kernel key, run-time scalars,
@@ -286,7 +339,10 @@ def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
             x = x.clone()
         if w_gate_up.data_ptr() % 16:
             w_gate_up = w_gate_up.clone()
-        if call.decode is not None:       # decode sizes: no views, the launch worked out in the plan
+        if call.unfused is not None:      # cuBLASLt's FP8 GEMM, then the SiLU·mul pass
+            run_unfused(x.view(m, hidden), x_scales, w_gate_up, w_scales, out.view(m, inter),
+                        scales.view(m, -1) if call.quant else None, call.unfused)
+        elif call.decode is not None:     # decode sizes: no views, the launch worked out in the plan
             _launch_decode_plan(call.decode, x.device, x, w_gate_up, x_scales, w_scales, out,
                                 scales if call.quant else x_scales)
         else:
@@ -356,26 +412,38 @@ def swiglu_fp8(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor,
 def explain(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor, w_scales: torch.Tensor, *,
             out_dtype: torch.dtype = torch.bfloat16, **_) -> _dispatch.Choice:
     """The kernel ``swiglu_fp8(x, x_scales, w_gate_up, w_scales, out_dtype=...)`` runs and why
-    (``tilefuse.explain``): the measured rule (the split-K decode kernel up to
-    ``configs.DECODE_MAX_M`` rows; above, ``configs.TUNED``'s pick per M bucket -- the Gluon
-    warp-specialized kernel where it runs and fills enough SMs, else the ``tl`` kernel). No cost
-    model weighs the unfused FP8 pipeline yet: the fused path measured 0.23-0.79x its time on
-    every shape of ``bench/results/swiglu_fp8-h200-quick.json``."""
+    (``tilefuse.explain``): the split-K decode kernel up to ``configs.DECODE_MAX_M`` rows; above,
+    the fused kernel of ``configs.TUNED``'s M bucket (the Gluon warp-specialized kernel where it
+    runs and fills enough SMs, else the ``tl`` kernel) weighed by the cost model against the
+    unfused FP8 pipeline (``torch._scaled_mm`` + the SiLU·mul pass, ``configs.unfused_wins``),
+    both with their predicted times."""
     call = _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype)
     problem = {"M": call.m, "H": call.hidden, "I": call.inter, "out": str(out_dtype).removeprefix("torch."),
                "device": str(x.device)}
     if call.reference:
         return _dispatch.Choice("swiglu_fp8", problem, "reference", None, "reference")
     forced = forced_variant("swiglu_fp8")
-    if call.decode_config is not None:
+    _, unfused_us, fused_us, fused_cfg = call.choice
+    if call.unfused is not None:
+        variant, config = "unfused", call.unfused
+    elif call.decode_config is not None:
         variant, config = "decode", call.decode_config
     elif call.ws_config is not None:
         variant, config = "ws", call.ws_config
     else:
         variant, config = "tl", call.config
-    source = "forced" if forced else (f"measured rule (decode up to {configs.DECODE_MAX_M} rows, then "
-                                      f"configs.TUNED per M bucket)")
-    if forced and forced != variant:
-        source += f"; {forced} cannot run here (the Gluon kernel needs a Hopper GPU)"
-    return _dispatch.Choice("swiglu_fp8", problem, variant, config, source,
-                            (_dispatch.Candidate(variant, config, None),))
+    if forced:
+        source = "forced" + ("" if forced == variant else
+                             f"; {forced} cannot run here (ws: a Hopper GPU; unfused: scales torch._scaled_mm takes)")
+    elif call.m <= configs.DECODE_MAX_M:
+        source = f"measured rule (the decode kernel up to {configs.DECODE_MAX_M} rows)"
+    else:
+        source = "cost model (configs.TUNED's fused kernel against the unfused pipeline)"
+    fused = (variant, config) if variant != "unfused" else (
+        ("ws" if isinstance(fused_cfg, configs.WsConfig) else "tl"), fused_cfg)
+    candidates = (_dispatch.Candidate(*fused, fused_us),
+                  _dispatch.Candidate("unfused", call.unfused, unfused_us,
+                                      "torch._scaled_mm on [2I, K], bf16 out, + one SiLU*mul pass"
+                                      if unfused_us is not None or call.m <= configs.DECODE_MAX_M else
+                                      "torch._scaled_mm does not take these scales at this M"))
+    return _dispatch.Choice("swiglu_fp8", problem, variant, config, source, candidates)

@@ -1,0 +1,163 @@
+"""Where HF's eager ``generate`` spends a decode step, stock and with each patch: ``torch.profiler``
+(CPU and CUDA activities) over greedy decoding of random-weight models.
+
+    python3 tools/eager_profile.py [OUT_DIR] [--layers 8] [--new 16] [--batches 1,16]
+                                   [--models llama3-8b,deepseek-v3-h16]   # -> OUT_DIR/eager-profile-<gpu>.json
+
+Per model, variant (stock, swiglu, vq2 with random codes on the Llama shape; mla, mla_swiglu on the
+DeepSeek shape) and batch:
+
+* ``ms_per_token``: the model benchmark's eager figure (``bench.hf_decode.generate_eager`` with a
+  CUDA-event clock per token, median over the steps after a warm-up decode), without the profiler;
+* from one more decode under the profiler, per new token: ``kernel_ms`` (the sum of the GPU
+  kernels' durations: what the GPU did), ``launches`` (kernels, memsets and copies), ``host_ms``
+  (the profiled wall time of the decode: the profiler adds its own cost, so compare variants,
+  not absolute values), ``modules``: the host time inside each MLP, attention and tilefuse module
+  class per step (``module_ms``: its forward from entry to exit, launches included, summed over
+  the blocks; marked by forward hooks while profiling), and the ops that cost the most CPU time
+  of their own (``top_self_cpu``).
+
+A step is host-bound when ``ms_per_token`` is well above ``kernel_ms``: there each patch is
+judged by what it adds to or removes from the host's work per step. On a CPU the tiny models run
+(the reference paths; a pipeline check, no GPU figures).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from sweep_common import parse_args, sweep_path, write_json
+
+VARIANTS = {"llama3-8b": ("stock", "swiglu", "vq2"), "deepseek-v3-h16": ("stock", "mla", "mla_swiglu"),
+            "deepseek-v3": ("stock", "mla", "mla_swiglu"),
+            "tiny-llama": ("stock", "swiglu", "vq2"), "tiny-deepseek": ("stock", "mla", "mla_swiglu")}
+PROMPT = 128
+TOP = 15
+
+
+def _marked(module) -> bool:
+    name = type(module).__name__
+    return name.endswith(("MLP", "Attention")) or type(module).__module__.startswith("tilefuse")
+
+
+def mark_modules(model) -> list:
+    """Forward hooks that open a profiler range ``module:<class>`` around each MLP, attention and
+    tilefuse module's forward; returns the handles (remove them after profiling)."""
+    import torch
+
+    handles, open_ranges = [], {}
+
+    def enter(module, args):
+        rf = torch.autograd.profiler.record_function(f"module:{type(module).__name__}")
+        rf.__enter__()
+        open_ranges.setdefault(id(module), []).append(rf)
+
+    def leave(module, args, out):
+        open_ranges[id(module)].pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        if _marked(module):
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def profile_decode(model, prompt, new_tokens: int, cache_factory, device) -> dict:
+    """One eager decode of ``new_tokens`` under torch.profiler; figures per new token."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from tilefuse.bench.hf_decode import generate_eager
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    handles = mark_modules(model)
+    try:
+        with profile(activities=activities) as prof:
+            generate_eager(model, prompt, new_tokens, cache=cache_factory())
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    events = prof.events()
+    device_events = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    kernels = [e for e in device_events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    wall_us = (max(e.time_range.end for e in host) - min(e.time_range.start for e in host)) if host else 0.0
+    self_cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for avg in prof.key_averages():
+        if avg.self_cpu_time_total > 0:
+            self_cpu[avg.key] = [avg.self_cpu_time_total, avg.count]
+    modules = {a.key.removeprefix("module:"): a for a in prof.key_averages() if a.key.startswith("module:")}
+    top = sorted(self_cpu.items(), key=lambda kv: -kv[1][0])[:TOP]
+    per = 1.0 / new_tokens
+    return {
+        "kernel_ms": round(sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                               for e in kernels) / 1e3 * per, 4),
+        "launches": round(len(device_events) * per, 1),
+        "host_ms": round(wall_us / 1e3 * per, 4),
+        "modules": {name: {"module_ms": round(a.cpu_time_total / 1e3 * per, 4), "calls": round(a.count * per, 1)}
+                    for name, a in modules.items()},
+        "top_self_cpu": [{"op": name, "ms": round(us / 1e3 * per, 4), "calls": round(count * per, 1)}
+                         for name, (us, count) in top],
+    }
+
+
+def main() -> None:
+    args = parse_args(__doc__, configs=False, workers=False,
+                      **{"--layers": dict(type=int, default=8, help="decoder blocks (default 8)"),
+                         "--new": dict(type=int, default=16, help="new tokens per decode (default 16)"),
+                         "--batches": dict(default="1,16", help="batch sizes (default 1,16)"),
+                         "--models": dict(default=None, help="models (default: llama3-8b,deepseek-v3-h16 on a "
+                                                             "GPU, the tiny ones on a CPU)")})
+    import torch
+
+    from tilefuse.bench import hf_models
+    from tilefuse.bench.hf_decode import Clock, generate_eager
+    from tilefuse.bench.model import apply_variant, prompts
+    from tilefuse.hf.mla import PagedMLACache, is_patched
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    default = "llama3-8b,deepseek-v3-h16" if device.type == "cuda" else "tiny-llama,tiny-deepseek"
+    wanted = (args.models or default).split(",")
+    loaders = dict(hf_models.subjects(device, dtype, args.layers, None, quick=True))
+    batches = [int(b) for b in args.batches.split(",")]
+    rows = []
+    for name in wanted:
+        subject = loaders[name]()
+        for variant in VARIANTS[name]:
+            model = subject.make()
+            apply_variant(model, variant, None, {})
+            for batch in batches:
+                prompt = prompts(subject, None, batch, PROMPT).to(device)
+
+                def cache():
+                    if not is_patched(model):
+                        return None
+                    return PagedMLACache(model, max_batch=batch, max_tokens=PROMPT + args.new)
+
+                generate_eager(model, prompt, args.new, cache=cache())          # warm-up: every cache length
+                clock = Clock(device, args.new)
+                generate_eager(model, prompt, args.new, clock, cache=cache())
+                steps = clock.intervals_ms()[2:]
+                row = {"model": name, "variant": variant, "batch": batch, "new_tokens": args.new,
+                       "ms_per_token": round(statistics.median(steps), 4),
+                       **profile_decode(model, prompt, args.new, cache, device)}
+                hf_models.log(f"{name} {variant} b{batch}: {row['ms_per_token']} ms/token, kernels "
+                              f"{row['kernel_ms']} ms, {row['launches']} launches, modules "
+                              + ", ".join(f"{k} {v['module_ms']} ms" for k, v in row["modules"].items()))
+                rows.append(row)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    path = (sweep_path("eager-profile", args.out_dir) if device.type == "cuda"
+            else (args.out_dir or Path(".")) / "eager-profile-cpu.json")
+    write_json(path, {"what": __doc__.split("\n\n")[0], "layers": args.layers, "prompt_tokens": PROMPT,
+                      "rows": rows})
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

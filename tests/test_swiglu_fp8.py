@@ -335,8 +335,6 @@ def test_gpu_bench_shapes(model, m, x_scaling, w_scaling, variant):
         pytest.skip("the decode kernel pinned above 128 rows: covered at 37 and 128")
     if variant is None and m > 16:
         pytest.skip("the default above 16 rows is one of the pinned kernels")
-    if variant == "unfused" and x_scaling == "group" and m < configs.UNFUSED_BLOCK_MIN_M:
-        pytest.skip("the unfused pin falls back to the default there")
     h, i = GPU_SHAPES[model]
     if w_scaling == "block" and i % 128:
         pytest.skip("block scaling needs I a multiple of 128")
@@ -443,7 +441,7 @@ def test_explain_names_the_rule_and_the_candidates(interpret):
         assert (choice.family, choice.variant) == ("swiglu_fp8", variant), str(choice)
         assert choice.source.startswith(source) and choice.problem["M"] == m
     assert [c.variant for c in choice.candidates] == ["tl", "unfused"]
-    assert choice.candidates[0].predicted_us > 0 and choice.candidates[1].predicted_us is None   # block scales, M < 128
+    assert choice.candidates[0].predicted_us > 0 and choice.candidates[1].predicted_us is None   # block scales, M = 17
     with tilefuse.force(variant="tl", family="swiglu_fp8"):
         assert tilefuse.explain("swiglu_fp8", *case.args()).source == "forced"
     with tilefuse.force(variant="unfused", family="swiglu_fp8"):
@@ -457,7 +455,7 @@ def test_explain_names_the_rule_and_the_candidates(interpret):
 
 # ---------------------------------------------------------------- the unfused FP8 pipeline
 @pytest.mark.parametrize("m,x_scaling,w_scaling,form", [
-    (130, "group", "block", "block"), (37, "token", "channel", "row"), (37, "tensor", "tensor", "tensor"),
+    (132, "group", "block", "block"), (37, "token", "channel", "row"), (37, "tensor", "tensor", "tensor"),
     (5, "token", "tensor", "row"), (64, "tensor", "channel", "row")])
 @pytest.mark.parametrize("out_dtype", [torch.float32, FP8])
 def test_unfused_pipeline(interpret, m, x_scaling, w_scaling, form, out_dtype):
@@ -468,7 +466,7 @@ def test_unfused_pipeline(interpret, m, x_scaling, w_scaling, form, out_dtype):
     with y's rounding as slack."""
     from tilefuse.ops.swiglu_fp8 import op
 
-    case = make_fp8_case(m, 256, 256, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
+    case = make_fp8_case(m, 512, 256, interpret, x_scaling=x_scaling, w_scaling=w_scaling)
     with tilefuse.force(backend="triton", variant="unfused", family="swiglu_fp8"):
         assert op._plan_call(*case.args(), out_dtype).unfused == form
     ref = reference_fp8_fp64(case)
@@ -520,5 +518,8 @@ def test_unfused_cost_model_picks():
     assert pick(4096, 8192, 29568, True) and pick(4096, 7168, 2048, True)
     assert not pick(4096, 8192, 29568, False)
     assert pick(4096, 8192, 29568, True) == pick(4096, 8192, 29568, True)
-    assert configs.unfused_form(1, "k", "k") is None and configs.unfused_form(4096, "k", "row") is None
-    assert configs.unfused_form(4096, "k", "k") == "block" and configs.unfused_form(1, "row", "tensor") == "row"
+    # cuBLASLt's block-scaled GEMM: M and K/128 multiples of 4 (measured on the H200)
+    assert [configs.unfused_form(m, 4096, "k", "k") for m in (1, 2, 4, 17, 100, 333, 1024)] == \
+        [None, None, "block", None, "block", None, "block"]
+    assert configs.unfused_form(4096, 896, "k", "k") is None and configs.unfused_form(4096, 4096, "k", "row") is None
+    assert configs.unfused_form(1, 896, "row", "tensor") == "row" and configs.unfused_form(3, 8, "tensor", "tensor") == "tensor"

@@ -80,25 +80,29 @@ def profile_decode(model, prompt, new_tokens: int, cache_factory, device) -> dic
     finally:
         for handle in handles:
             handle.remove()
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     events = prof.events()
-    device_events = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
+    # device work: kernels, memsets and copies (not the GPU-side copies of the user annotations)
+    device_events = [e for e in events if e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+                     and not e.name.startswith("module:")]
     kernels = [e for e in device_events if "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    host = [e for e in events if e.device_type == cpu]
     wall_us = (max(e.time_range.end for e in host) - min(e.time_range.start for e in host)) if host else 0.0
-    self_cpu: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for avg in prof.key_averages():
-        if avg.self_cpu_time_total > 0:
-            self_cpu[avg.key] = [avg.self_cpu_time_total, avg.count]
-    modules = {a.key.removeprefix("module:"): a for a in prof.key_averages() if a.key.startswith("module:")}
+    self_cpu = {a.key: (a.self_cpu_time_total, a.count) for a in prof.key_averages()
+                if a.self_cpu_time_total > 0 and not a.key.startswith("module:")}
+    modules: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in host:
+        if e.name.startswith("module:"):
+            modules[e.name.removeprefix("module:")][0] += e.time_range.elapsed_us()
+            modules[e.name.removeprefix("module:")][1] += 1
     top = sorted(self_cpu.items(), key=lambda kv: -kv[1][0])[:TOP]
     per = 1.0 / new_tokens
     return {
-        "kernel_ms": round(sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-                               for e in kernels) / 1e3 * per, 4),
+        "kernel_ms": round(sum(e.time_range.elapsed_us() for e in kernels) / 1e3 * per, 4),
         "launches": round(len(device_events) * per, 1),
         "host_ms": round(wall_us / 1e3 * per, 4),
-        "modules": {name: {"module_ms": round(a.cpu_time_total / 1e3 * per, 4), "calls": round(a.count * per, 1)}
-                    for name, a in modules.items()},
+        "modules": {name: {"module_ms": round(us / 1e3 * per, 4), "calls": round(count * per, 1)}
+                    for name, (us, count) in modules.items()},
         "top_self_cpu": [{"op": name, "ms": round(us / 1e3 * per, 4), "calls": round(count * per, 1)}
                          for name, (us, count) in top],
     }

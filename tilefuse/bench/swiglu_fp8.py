@@ -12,11 +12,12 @@ Per case (model shape x M; e4m3 inputs from :func:`tilefuse.testing.swiglu.make_
   split-K decode kernel, pinned (the default at these M is the decode kernel);
 * ``tilefuse:unfused`` / ``tilefuse:unfused_rowwise``: the first and the third with the unfused
   pipeline pinned (``torch._scaled_mm`` + tilefuse's SiLU·mul pass with the re-quantization: the
-  baseline candidate the cost model weighs; block scales from ``UNFUSED_BLOCK_MIN_M`` rows);
+  baseline candidate the cost model weighs; block scales where ``scaled_mm_block`` runs);
 * ``scaled_mm``: the bare merged GEMM ``torch._scaled_mm(x, W^T)`` with row-wise scales, bf16
   out (cuBLASLt's FP8 GEMM): the floor a fused kernel is judged against;
-* ``scaled_mm_block``: the same GEMM with 1 x 128 / 128 x 128 block scales, where this torch and
-  cuBLASLt take them (an error row otherwise);
+* ``scaled_mm_block``: the same GEMM with 1 x 128 / 128 x 128 block scales, where cuBLASLt takes
+  them (M and K/128 multiples of 4: ``configs.unfused_form``; elsewhere it fails or, at K/128 =
+  7, returns wrong sums);
 * ``unfused``: the pipeline the fused kernel replaces: ``scaled_mm`` + PyTorch SiLU * mul +
   re-quantization of ``h`` to e4m3 in 1 x 128 groups.
 
@@ -63,6 +64,7 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
 
         bx, bxs, bw, bws = block.args()
         bxs_t = bxs.t().contiguous().t()          # cuBLASLt's block scales: M-major activations scales
+        block_ok = configs.unfused_form(m, hidden, "k", "k") == "block"     # M, K/128 multiples of 4
         def pinned(case, variant="ws"):
             def run():
                 with tilefuse.force(variant=variant):
@@ -76,11 +78,11 @@ def _case(model: str, hidden: int, inter: int, m: int, device) -> Case:
             **({"tilefuse:ws": pinned(block), "tilefuse:ws_rowwise": pinned(row)} if ws_usable(device) else {}),
             **({"tilefuse:tl": pinned(block, "tl"), "tilefuse:decode": pinned(block, "decode")}
                if m <= configs.DECODE_MAX_M else {}),
-            **({"tilefuse:unfused": pinned(block, "unfused")} if m >= configs.UNFUSED_BLOCK_MIN_M else {}),
+            **({"tilefuse:unfused": pinned(block, "unfused")} if block_ok else {}),
             "tilefuse:unfused_rowwise": pinned(row, "unfused"),
             "scaled_mm": gemm,
-            "scaled_mm_block": lambda: torch._scaled_mm(bx, bw.T, scale_a=bxs_t, scale_b=bws.T,
-                                                        out_dtype=torch.bfloat16),
+            **({"scaled_mm_block": lambda: torch._scaled_mm(bx, bw.T, scale_a=bxs_t, scale_b=bws.T,
+                                                            out_dtype=torch.bfloat16)} if block_ok else {}),
             "unfused": unfused,
         }
         state.update(gemm=gemm)

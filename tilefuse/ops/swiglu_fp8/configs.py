@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from tilefuse import _env
 
 NUM_SMS_H200 = 132
+GROUP = 128                      # e4m3 scale group / block edge
 # With scales constant along K (per token / per channel / per tensor), the kernel adds its tensor-core
 # sum to the fp32 total every PROMOTE K blocks of 128. Chaining all of K measured outside 1.5x of
 # cuBLASLt's error on the H200 (up to 9.6 % of the e4m3 output codes off the spec's, against
@@ -144,19 +145,22 @@ FUSED_EFF = {"grouped": 0.74, "constant": 0.82}
 SCALED_MM_FIT = 1.2
 PASS_LAUNCH_US = 3.0
 UNFUSED_MEASURED_M = 128
-# cuBLASLt's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight blocks) rejects
-# single-token problems (CUBLAS_STATUS_NOT_SUPPORTED at M = 1 on the H200); the unfused path takes
-# block scales from this many rows.
-UNFUSED_BLOCK_MIN_M = 128
+# cuBLASLt's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight blocks) reads both
+# scale tensors outer-dim-major with 16-byte aligned columns: M and K/128 multiples of 4. On the
+# H200 (torch 2.11) other M fail (CUBLAS_STATUS_NOT_SUPPORTED: 1, 2, 15, 17, 31, 127, 129, 333,
+# 1025) and K/128 = 7 (Qwen2.5-0.5B, K = 896) runs but returns wrong sums; the unfused path takes
+# block scales only where both hold.
+UNFUSED_BLOCK_ALIGN = 4
 
 
-def unfused_form(m: int, x_kind: str, w_kind: str) -> str | None:
+def unfused_form(m: int, k: int, x_kind: str, w_kind: str) -> str | None:
     """How ``torch._scaled_mm`` takes the call's scales ("block", "row" or "tensor"), or None where
-    it cannot: group / block scales on one side only, or block scales below
-    :data:`UNFUSED_BLOCK_MIN_M` rows. ``x_kind`` / ``w_kind``: "k" (varies along K), "row" or
-    "tensor" (``op._scale_kind``)."""
+    it cannot: group / block scales on one side only, or block scales with M or K/128 not a
+    multiple of :data:`UNFUSED_BLOCK_ALIGN`. ``x_kind`` / ``w_kind``: "k" (varies along K),
+    "row" or "tensor" (``op._scale_kind``)."""
     if x_kind == "k" or w_kind == "k":
-        return "block" if x_kind == w_kind == "k" and m >= UNFUSED_BLOCK_MIN_M else None
+        aligned = m % UNFUSED_BLOCK_ALIGN == 0 and (k // GROUP) % UNFUSED_BLOCK_ALIGN == 0
+        return "block" if x_kind == w_kind == "k" and aligned else None
     return "tensor" if x_kind == w_kind == "tensor" else "row"
 
 

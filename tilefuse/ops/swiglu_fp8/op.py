@@ -118,7 +118,7 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
         call.config = (chosen if isinstance(chosen, configs.Fp8Config) else
                        configs.heuristic(call.m, call.hidden, call.inter, call.quant))
         call.ws_config = call.decode_config = call.decode = call.unfused = None
-        form = configs.unfused_form(call.m, x_kind, w_kind) if x.device.type == "cuda" or interpreting() else None
+        form = configs.unfused_form(call.m, call.hidden, x_kind, w_kind) if x.device.type == "cuda" or interpreting() else None
         call.choice = _unfused_choice(call, chosen, form, x.device)
         if form is not None and (forced == "unfused" or (forced is None and call.choice[0])):
             call.unfused = form       # a pin where torch._scaled_mm cannot take the scales runs the default
@@ -445,5 +445,5 @@ def explain(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor, w_
                   _dispatch.Candidate("unfused", call.unfused, unfused_us,
                                       "torch._scaled_mm on [2I, K], bf16 out, + one SiLU*mul pass"
                                       if unfused_us is not None or call.m <= configs.DECODE_MAX_M else
-                                      "torch._scaled_mm does not take these scales at this M"))
+                                      "torch._scaled_mm does not take these scales at this M and K"))
     return _dispatch.Choice("swiglu_fp8", problem, variant, config, source, candidates)

@@ -8,7 +8,8 @@
   output tile and K slice, a K step's loads, and the split-K fix-up of a gate/up tile pair, for
   the SwiGLU decode kernels (bf16 and FP8).
 * :func:`quantize_rows` -- a tile's rows re-quantized to e4m3 with one scale per row (1 x 128
-  output groups), for the FP8 SwiGLU kernels and the SiLU·mul pass of the unfused paths.
+  output groups), and :func:`store_h`, a SwiGLU output tile stored rounded or so re-quantized,
+  for the FP8 SwiGLU kernels and the SiLU·mul pass of the unfused paths.
 """
 
 import triton
@@ -114,3 +115,17 @@ def quantize_rows(h):
     amax = tl.max(tl.abs(h), axis=1)
     scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
     return tl.clamp(h / scale[:, None], -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
+def store_h(h, out_ptr, os_ptr, offs_m, offs_n, stride_om, stride_os_m, group, mask, M, QUANT_OUT: tl.constexpr):
+    """registers -> HBM: an output tile ``h`` [BM, BN] (fp32) at rows ``offs_m`` and columns
+    ``offs_n`` of ``out``, rounded once to its dtype, or (``QUANT_OUT``, BN = 128) re-quantized
+    per row with its scale stored at column ``group`` of ``os [M, I/128]``."""
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if QUANT_OUT:
+        q, scale = quantize_rows(h)
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(os_ptr + offs_m * stride_os_m + group, scale, mask=offs_m < M)
+    else:
+        tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=mask)

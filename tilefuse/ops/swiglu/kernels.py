@@ -28,8 +28,7 @@ Weight layouts (``w: [2I, H]`` row-major, K = H contiguous):
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import (arrive, grouped_tile, load_gate_up_step, quantize_rows, split_k_gate_up,
-                                    split_k_tile)
+from tilefuse.ops.tl_common import arrive, grouped_tile, load_gate_up_step, split_k_gate_up, split_k_tile, store_h
 
 
 @triton.jit
@@ -312,11 +311,4 @@ def silu_mul_kernel(
         gate += tl.load(bias_ptr + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + I + offs_n, mask=offs_n < I, other=0.0).to(tl.float32)[None, :]
     # SiLU * mul in fp32, one rounding or one re-quantization (registers -> HBM)
-    out = _silu_mul(gate, up)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if QUANT_OUT:
-        q, scale = quantize_rows(out)
-        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
-    else:
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    store_h(_silu_mul(gate, up), out_ptr, os_ptr, offs_m, offs_n, stride_om, stride_os_m, pid_n, mask, M, QUANT_OUT)

@@ -31,7 +31,8 @@ columns), so the decode kernel splits K as well, over 16-row tiles, as the bf16 
 import triton
 import triton.language as tl
 
-from tilefuse.ops.tl_common import grouped_tile, load_gate_up_step, quantize_rows, split_k_gate_up, split_k_tile
+from tilefuse.ops.tl_common import (grouped_tile, load_gate_up_step, quantize_rows, split_k_gate_up, split_k_tile,
+                                    store_h)
 
 WBLOCK = tl.constexpr(128)      # weight block edge of block scaling
 
@@ -195,10 +196,4 @@ def swiglu_fp8_decode_kernel(
             acc_g = acc_g * tl.load(ws_ptr + cols * stride_ws_n)[None, :]
             acc_u = acc_u * tl.load(ws_ptr + (I + cols) * stride_ws_n)[None, :]
         h = acc_g * tl.sigmoid(acc_g) * acc_u
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        if QUANT_OUT:
-            q, scale = quantize_rows(h)
-            tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(os_ptr + offs_m * stride_os_m + pid_n, scale, mask=offs_m < M)
-        else:
-            tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=out_mask)
+        store_h(h, out_ptr, os_ptr, offs_m, offs_n, stride_om, stride_os_m, pid_n, out_mask, M, QUANT_OUT)

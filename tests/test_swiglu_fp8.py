@@ -503,9 +503,11 @@ def test_unfused_pipeline_poisoned_output_and_bias_free_pass(interpret):
 def test_unfused_cost_model_picks():
     """The cost model's picks are deterministic and follow the roofline: never at decode sizes or
     where the fused kernel's weight stream is the cost (0.5B, Llama-3-8B at 128 rows); the unfused
-    pipeline where the fused kernel's tiles are wave-quantized or its block-scaled promotion costs
-    more than the extra pass (72B and DeepSeek-V3's expert at 4096 rows, block scales); the fused
-    kernel with scales constant along K at 72B (its 0.82 efficiency)."""
+    pipeline where the fused kernel's block-scaled promotion costs more than the extra pass (72B
+    and DeepSeek-V3's expert at 4096 rows, block scales); the fused kernel with scales constant
+    along K at 72B (its 0.82 efficiency); and not where the fused kernel's time is under the
+    pipeline's eager host cost (7B at 128 rows: predicted faster in graph replay, but an eager
+    call would wait on the host)."""
     from tilefuse import _dispatch
 
     chip = _dispatch.CHIPS["H200"]
@@ -517,6 +519,9 @@ def test_unfused_cost_model_picks():
     assert not pick(128, 4096, 14336, True)
     assert pick(4096, 8192, 29568, True) and pick(4096, 7168, 2048, True)
     assert not pick(4096, 8192, 29568, False)
+    wins, unfused_us, fused_us = configs.unfused_wins(128, 3584, 18944, True, True, configs.choose(128, 3584, 18944, True),
+                                                      chip)
+    assert unfused_us * 1.15 < fused_us < configs.UNFUSED_MIN_US and not wins
     assert pick(4096, 8192, 29568, True) == pick(4096, 8192, 29568, True)
     # cuBLASLt's block-scaled GEMM: M and K/128 multiples of 4 (measured on the H200)
     assert [configs.unfused_form(m, 4096, "k", "k") for m in (1, 2, 4, 17, 100, 333, 1024)] == \

@@ -140,11 +140,17 @@ WS_MIN_SM_FRACTION = 0.5
 #   1.05-1.30x the model, 1.2 typical; its block-scaled GEMM once 1.8x at 72B, M = 128), plus the
 #   pass: a launch and 4 bytes read, 1-2 written per output at the copy bandwidth.
 # The unfused path runs only where predicted faster by a margin (``_dispatch``'s: 3 % at M >= 128,
-# where both are measured; 15 % below): the fused kernels are the measured, tuned incumbent.
+# where both are measured; 15 % below): the fused kernels are the measured, tuned incumbent. And
+# only where the fused kernel's predicted time is at least ``UNFUSED_MIN_US``: an eager call of
+# the pipeline costs the host 120-140 us (``_scaled_mm``'s block-scaled call, the activations'
+# scales transposed for it, the pass; bench/results/swiglu_fp8-h200-quick.json, M = 128: 130 us
+# eager against 62 us in graph replay at 7B, where the fused kernel's eager call took 70 us), so
+# below that an eager caller would wait on the host for what graph replay gains.
 FUSED_EFF = {"grouped": 0.74, "constant": 0.82}
 SCALED_MM_FIT = 1.2
 PASS_LAUNCH_US = 3.0
 UNFUSED_MEASURED_M = 128
+UNFUSED_MIN_US = 150.0
 # cuBLASLt's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight blocks) reads both
 # scale tensors outer-dim-major with 16-byte aligned columns: M and K/128 multiples of 4. On the
 # H200 (torch 2.11) other M fail (CUBLAS_STATUS_NOT_SUPPORTED: 1, 2, 15, 17, 31, 127, 129, 333,
@@ -189,7 +195,7 @@ def unfused_wins(m: int, k: int, i: int, quant_out: bool, grouped: bool, fused_c
     fused = predict_us("fused", fused_cfg, m, k, i, quant_out, grouped, chip)
     unfused = predict_us("unfused", None, m, k, i, quant_out, grouped, chip)
     margin = (_dispatch.MARGIN_MEASURED_REGIME if m >= UNFUSED_MEASURED_M else _dispatch.MARGIN_UNMEASURED)
-    return unfused * (1 + margin) < fused, unfused, fused
+    return unfused * (1 + margin) < fused and fused >= UNFUSED_MIN_US, unfused, fused
 
 
 def apply_overrides(entries: list[dict]) -> None:

@@ -195,6 +195,8 @@ def test_registry_is_the_one_family_list():
     for name, family in _registry.FAMILIES.items():
         module = importlib.import_module(family.op_module)
         assert callable(module.kernel_status) and name in cli.BENCH_HELP
+        # every variant force() accepts has a status line in `tilefuse info`, and no other
+        assert sorted(module.kernel_status(torch.device("cpu"))) == sorted(family.variants), name
         for public in family.public:
             assert getattr(tilefuse, public) is getattr(module, public)
             assert _registry.family_of_op(public) is family

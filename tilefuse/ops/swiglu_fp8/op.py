@@ -27,10 +27,13 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8)
 
 @functools.cache
 def kernel_status(device: torch.device) -> dict[str, str]:
-    """Which FP8 kernels run on ``device`` ("ok" or why not): ``tl``, ``decode`` and the Gluon ``ws``."""
+    """Which FP8 paths run on ``device`` ("ok" or why not): ``tl``, ``decode``, the Gluon ``ws``
+    and the ``unfused`` pipeline (``torch._scaled_mm`` + the ``tl`` SiLU·mul pass)."""
     why = tl_status(device, 9, "TMA, FP8 tensor cores")
     return {"tl": why, "decode": why, "ws": "ok" if ws_usable(device) else
-            "needs an sm_90 GPU (FP8 WGMMA) and Gluon; a pin runs the tl kernel instead"}
+            "needs an sm_90 GPU (FP8 WGMMA) and Gluon; a pin runs the tl kernel instead",
+            "unfused": why if why != "ok" or device.type == "cuda" else
+            "the interpreter computes torch._scaled_mm's product in PyTorch"}
 
 
 @functools.cache

@@ -18,21 +18,18 @@ DeepSeek shape) and batch:
   of their own (``top_self_cpu``).
 
 A step is host-bound when ``ms_per_token`` is well above ``kernel_ms``: there each patch is
-judged by what it adds to or removes from the host's work per step. On a CPU the tiny models run
-(the reference paths; a pipeline check, no GPU figures).
+judged by what it adds to or removes from the host's work per step. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from pathlib import Path
 
 from sweep_common import parse_args, sweep_path, write_json
 
-VARIANTS = {"llama3-8b": ("stock", "swiglu", "vq2"), "deepseek-v3-h16": ("stock", "mla", "mla_swiglu"),
-            "deepseek-v3": ("stock", "mla", "mla_swiglu"),
-            "tiny-llama": ("stock", "swiglu", "vq2"), "tiny-deepseek": ("stock", "mla", "mla_swiglu")}
+VARIANTS = {"llama3-8b": ("stock", "swiglu", "vq2"), "qwen2.5-1.5b": ("stock", "swiglu", "vq2"),
+            "deepseek-v3-h16": ("stock", "mla", "mla_swiglu"), "deepseek-v3": ("stock", "mla", "mla_swiglu")}
 PROMPT = 128
 TOP = 15
 
@@ -113,8 +110,8 @@ def main() -> None:
                       **{"--layers": dict(type=int, default=8, help="decoder blocks (default 8)"),
                          "--new": dict(type=int, default=16, help="new tokens per decode (default 16)"),
                          "--batches": dict(default="1,16", help="batch sizes (default 1,16)"),
-                         "--models": dict(default=None, help="models (default: llama3-8b,deepseek-v3-h16 on a "
-                                                             "GPU, the tiny ones on a CPU)")})
+                         "--models": dict(default="llama3-8b,deepseek-v3-h16",
+                                          help=f"models, of {', '.join(VARIANTS)} (default llama3-8b,deepseek-v3-h16)")})
     import torch
 
     from tilefuse.bench import hf_models
@@ -122,10 +119,8 @@ def main() -> None:
     from tilefuse.bench.model import apply_variant, prompts
     from tilefuse.hf.mla import PagedMLACache, is_patched
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    default = "llama3-8b,deepseek-v3-h16" if device.type == "cuda" else "tiny-llama,tiny-deepseek"
-    wanted = (args.models or default).split(",")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    wanted = args.models.split(",")
     loaders = dict(hf_models.subjects(device, dtype, args.layers, None, quick=True))
     batches = [int(b) for b in args.batches.split(",")]
     rows = []
@@ -154,10 +149,8 @@ def main() -> None:
                               + ", ".join(f"{k} {v['module_ms']} ms" for k, v in row["modules"].items()))
                 rows.append(row)
             del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    path = (sweep_path("eager-profile", args.out_dir) if device.type == "cuda"
-            else (args.out_dir or Path(".")) / "eager-profile-cpu.json")
+            torch.cuda.empty_cache()
+    path = sweep_path("eager-profile", args.out_dir)
     write_json(path, {"what": __doc__.split("\n\n")[0], "layers": args.layers, "prompt_tokens": PROMPT,
                       "rows": rows})
     print(path)

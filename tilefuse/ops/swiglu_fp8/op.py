@@ -145,10 +145,10 @@ def _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype) -> _Call:
 
 def _unfused_choice(call: _Call, chosen, form: str | None, device) -> tuple:
     """(the unfused FP8 pipeline runs by default, its predicted time, the fused kernel's, the fused
-    kernel's tiles: a ``WsConfig`` or an ``Fp8Config``) for the
-    call's size (``configs.unfused_wins``); never at decode sizes (the split-K decode kernel
-    streams the weight once, the pipeline streams it and then ``y``) nor where ``torch._scaled_mm``
-    does not take the scales (``form`` None)."""
+    kernel's tiles: a ``WsConfig`` or an ``Fp8Config``) for the call's size
+    (``configs.unfused_wins``); never at decode sizes (the split-K decode kernel streams the
+    weight once, the pipeline streams it and then ``y``) nor where ``torch._scaled_mm`` does not
+    take the scales (``form`` None)."""
     from tilefuse import _dispatch
 
     if call.m <= configs.DECODE_MAX_M:

@@ -13,9 +13,10 @@ import functools
 from dataclasses import dataclass, replace
 
 from tilefuse import _env
+from tilefuse.ops.swiglu.configs import SILU_MUL_LAUNCH_US
+from tilefuse.ops.swiglu_fp8.reference import GROUP
 
 NUM_SMS_H200 = 132
-GROUP = 128                      # e4m3 scale group / block edge
 # With scales constant along K (per token / per channel / per tensor), the kernel adds its tensor-core
 # sum to the fp32 total every PROMOTE K blocks of 128. Chaining all of K measured outside 1.5x of
 # cuBLASLt's error on the H200 (up to 9.6 % of the e4m3 output codes off the spec's, against
@@ -138,7 +139,8 @@ WS_MIN_SM_FRACTION = 0.5
 #   step), 0.82 with scales constant along K (within 3 % at M = 4096 but 0.5B's 19 tiles a wave);
 # * unfused: ``_dispatch.gemm_us`` (FP8 operands, bf16 out) x ``SCALED_MM_FIT`` (cuBLASLt measured
 #   1.05-1.30x the model, 1.2 typical; its block-scaled GEMM once 1.8x at 72B, M = 128), plus the
-#   pass: a launch and 4 bytes read, 1-2 written per output at the copy bandwidth.
+#   pass: its launch (the bf16 family's `SILU_MUL_LAUNCH_US`) and 4 bytes read, 1-2 written per
+#   output at the copy bandwidth.
 # The unfused path runs only where predicted faster by a margin (``_dispatch``'s: 3 % at M >= 128,
 # where both are measured; 15 % below): the fused kernels are the measured, tuned incumbent. And
 # only where the fused kernel's predicted time is at least ``UNFUSED_MIN_US``: an eager call of
@@ -148,7 +150,6 @@ WS_MIN_SM_FRACTION = 0.5
 # below that an eager caller would wait on the host for what graph replay gains.
 FUSED_EFF = {"grouped": 0.74, "constant": 0.82}
 SCALED_MM_FIT = 1.2
-PASS_LAUNCH_US = 3.0
 UNFUSED_MEASURED_M = 128
 UNFUSED_MIN_US = 150.0
 # cuBLASLt's block-scaled FP8 GEMM (1 x 128 activation groups, 128 x 128 weight blocks) reads both
@@ -180,7 +181,7 @@ def predict_us(variant: str, cfg, m: int, k: int, i: int, quant_out: bool, group
     out_bytes = m * i * (1 if quant_out else 2)
     if variant == "unfused":
         gemm = _dispatch.gemm_us(chip, m, 2 * i, k, elem=1, out_elem=2) * SCALED_MM_FIT
-        return gemm + PASS_LAUNCH_US + (4 * m * i + out_bytes) / chip.copy_bytes_per_us
+        return gemm + SILU_MUL_LAUNCH_US + (4 * m * i + out_bytes) / chip.copy_bytes_per_us
     block_m = 128 if isinstance(cfg, WsConfig) else cfg.block_m
     fill = _dispatch.tile_fill(m, i, block_m, cfg.block_n, chip.sms)
     rate = chip.fp8_flop_per_us * fill * FUSED_EFF["grouped" if grouped else "constant"]

@@ -269,6 +269,29 @@ def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page, fp8):
     assert result.shared <= SMEM_LIMIT and result.registers > 0
 
 
+@pytest.mark.parametrize("h_q", [8, 16, 128])
+def test_mla_sparse_gluon_kernel_compiles(h_q):
+    """The Gluon sparse kernel compiles for sm_90a at each shipped launch (configs.GLUON_SPARSE_CONFIGS)
+    with the largest index list (GLUON_SPARSE_INDEX_BYTES of int32): it fits the SM's shared memory
+    (one program per SM), its gathers are 16-byte cp.async copies bypassing L1 (``.cg``), both
+    products are WGMMAs, and spills stay small (at most 24 bytes measured), bounded so growth shows."""
+    cfg = mla_configs.sparse_config(h_q, gluon=True)
+    tiles = mla_configs.GLUON_SPARSE_INDEX_BYTES // 4 // 64
+    constexprs = dict(BLOCK_H=cfg["BLOCK_H"], CHUNK=64 * tiles, IDX_TILES=tiles, HAS_LEN=True, STAGES=cfg["STAGES"],
+                      NUM_WARPS=cfg["num_warps"])
+    signature = {"q_ptr": "*bf16", "kc_ptr": "*i32", "idx_ptr": "*i32", "len_ptr": "*i32", "oacc_ptr": "*fp32",
+                 "lseacc_ptr": "*fp32",
+                 **{name: "i32" for name in ("h_q", "s_q", "topk", "num_tokens", "chunk_base", "num_chunks")},
+                 "qk_scale": "fp32",
+                 **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_ib", "stride_is")},
+                 **{name: CONSTEXPR for name in constexprs}}
+    aligned = [name for name in signature if name.endswith("_ptr") and name != "len_ptr" or name.startswith("stride")]
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon_sparse:mla_sparse_gluon_kernel", signature,
+                                    constexprs, num_warps=cfg["num_warps"], aligned=aligned)
+    assert result.shared <= SMEM_LIMIT and result.spilled <= 64
+    assert "cp.async.cg.shared.global" in result.ptx and "wgmma.mma_async" in result.ptx
+
+
 @pytest.mark.parametrize("block_h,fp8", [(16, True), (64, True), (64, False)])
 def test_mla_sparse_kernels_compile(block_h, fp8):
     """The sparse decode's split kernel (gathered tokens, 16-bit or FP8 cache) and its combine

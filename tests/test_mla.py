@@ -526,11 +526,13 @@ def _check_gpu(out, lse, inp, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h_q,s_q,batch", [(8, 1, 4), (16, 2, 4), (64, 1, 4), (128, 2, 4), (16, 1, 160)])
-def test_gpu_sparse_kernel(h_q, s_q, batch):
-    """The sparse FP8 decode's tl kernel at DeepSeek-V3.2's size (topk 2048 over 8K-token
-    contexts, topk_length below topk for one request, -1 padding, a sink), bf16 q: the fp64
-    reference. Batch 160 fills the SMs more than twice over: the register-capped launch."""
+@pytest.mark.parametrize("variant", [None, "standard"])
+@pytest.mark.parametrize("h_q,s_q,batch", [(8, 1, 4), (16, 2, 4), (24, 1, 4), (64, 1, 4), (128, 2, 4), (16, 1, 160)])
+def test_gpu_sparse_kernel(h_q, s_q, batch, variant):
+    """The sparse FP8 decode's kernels at DeepSeek-V3.2's size (topk 2048 over 8K-token contexts,
+    topk_length below topk for one request, -1 padding, a sink), bf16 q: the fp64 reference. The
+    default (the Gluon kernel on Hopper) and the tl kernel (pinned by ``variant="standard"``); batch
+    160 fills the SMs more than twice over: the tl kernel's register-capped launch."""
     gen = torch.Generator().manual_seed(h_q)
     lens = ([8192, 3000, 8192, 100] * (batch // 4))[:batch]
     inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
@@ -544,9 +546,12 @@ def test_gpu_sparse_kernel(h_q, s_q, batch):
     idx, length = idx.cuda(), torch.tensor(([2048, 1500, 2048, 2048] * (batch // 4))[:batch], dtype=torch.int32,
                                            device="cuda")
     sink = torch.randn(h_q, device="cuda")
-    with tilefuse.force(backend="triton", variant="standard"):
+    with tilefuse.force(backend="triton", variant=variant):
+        kernel = tilefuse.explain("flash_mla_with_kvcache", inp.q, packed, None, None, 512, is_fp8_kvcache=True,
+                                  indices=idx).config["kernel"]
         out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
                                                    indices=idx, topk_length=length, attn_sink=sink)
+    assert kernel == ("tl" if variant else "gluon")
     ro, rl = mla_sparse_decode_reference(inp.q, packed, idx, topk_length=length, attn_sink=sink,
                                          compute_dtype=torch.float64)
     assert torch.isfinite(out).all() and cos_diff(out, ro) < 1e-5
@@ -1006,6 +1011,54 @@ def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, ext
     assert_close(out, ro, atol=4e-3, rtol=4e-3)
     finite = torch.isfinite(rl)
     assert_close(lse[finite], rl[finite].float(), atol=2e-3, rtol=1e-4, name="lse")
+
+
+@pytest.mark.parametrize("tiles,programs,expect", [
+    (32, 16, 4),      # 16 query tokens: 8 parts each -> 128 programs, one round on 132 SMs
+    (32, 32, 8),      # 32: 4 parts each (5 would make 160 programs, two rounds)
+    (32, 128, 32),    # 128: one part each
+    (32, 1, 1),       # one token: the list spread over 32 SMs
+    (1, 500, 1),      # a single tile
+])
+def test_gluon_sparse_parts_fill_whole_waves(tiles, programs, expect):
+    """The Gluon sparse kernel's part size: the fewest rounds of one program per SM, times the
+    part's tiles plus its fixed cost, the longer part on a tie; capped by the SMEM index list."""
+    assert configs.gluon_sparse_part_tiles(tiles, programs, 132, 32) == expect
+    assert configs.gluon_sparse_part_tiles(64, 128, 132, 32) <= 32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,h_q,page", [(1, 16, 64), (2, 16, 16), (1, 128, 64), (1, 3, 32), (2, 40, 64)])
+@pytest.mark.parametrize("extra,sink", [(False, False), (True, True)])
+@pytest.mark.parametrize("num_warps", [4, 8])
+def test_gpu_sparse_gluon_kernel_edge_cases(s_q, h_q, page, extra, sink, num_warps, monkeypatch):
+    """The Gluon sparse kernel (the FP8 default on Hopper) on every index rule of
+    ``_sparse_kernel_case`` (-1, outside the cache, repeats, topk_length with a 0, a second cache,
+    a +-inf sink, NaN bytes in every unwritten slot), heads 3-128 (40: a partly empty second
+    tile), one warpgroup or two (each half of a tile's heads): the fp64 reference on the
+    dequantized cache, to the 16-bit path's tolerances."""
+    for bound, cfg in list(configs.GLUON_SPARSE_CONFIGS.items()):
+        monkeypatch.setitem(configs.GLUON_SPARSE_CONFIGS, bound,
+                            dict(cfg, num_warps=num_warps, BLOCK_H=max(cfg["BLOCK_H"], 2 * num_warps)))
+    q, cache, idx, length, extra_cache, extra_idx, sinks = (
+        t.cuda() for t in _sparse_kernel_case(s_q, h_q, True, page, seed=7 * h_q + s_q))
+    q = q.to(torch.bfloat16)
+    kwargs = dict(is_fp8_kvcache=True, indices=idx, topk_length=length)
+    if extra:
+        kwargs.update(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_idx)
+    if sink:
+        kwargs["attn_sink"] = sinks
+    assert tilefuse.explain("flash_mla_with_kvcache", q, cache, None, None, 512, **kwargs).config["kernel"] == "gluon"
+    out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
+    ro, rl = mla_sparse_decode_reference(q, cache, idx, topk_length=length, attn_sink=kwargs.get("attn_sink"),
+                                         extra_k_cache=kwargs.get("extra_k_cache"),
+                                         extra_indices=kwargs.get("extra_indices_in_kvcache"),
+                                         compute_dtype=torch.float64)
+    assert torch.isfinite(out).all()
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))
+    assert_close(out, ro, atol=1e-2, rtol=1e-2)
+    finite = torch.isfinite(rl)
+    assert_close(lse[finite], rl[finite].float(), atol=1e-3, rtol=1e-4, name="lse")
 
 
 @pytest.mark.parametrize("kwargs,match", [

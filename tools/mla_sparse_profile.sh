@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Nsight Compute profile of the sparse (top-k) MLA decode's split kernel over an FP8 cache at
-# DeepSeek-V3.2's size (topk 2048, 16 heads; batch 16 and 128, s_q 1): where the time goes (speed
-# of light, warp stall reasons, scheduler, occupancy, memory, instructions).
+# Nsight Compute profile of the sparse (top-k) MLA decode's split kernel (the Gluon gather kernel on
+# Hopper, the tl one elsewhere) over an FP8 cache at DeepSeek-V3.2's size (topk 2048, 16 heads;
+# batch 16 and 128, s_q 1): where the time goes (speed of light, warp stall reasons, scheduler,
+# occupancy, memory, instructions).
 #
 #   bash tools/mla_sparse_profile.sh [REPORT.txt]        # default: mla-sparse-ncu.txt here
 #
@@ -13,7 +14,7 @@ require_gpu_and_ncu tools/mla_sparse_profile.sh
 report=${1:-mla-sparse-ncu.txt}
 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
   --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats \
-  --section SourceCounters -k regex:mla_sparse_split -c 2 python3 -c "
+  --section SourceCounters -k "regex:mla_sparse_(split|gluon)" -c 2 python3 -c "
 import torch, tilefuse
 from tilefuse.bench.mla import fp8_paged_cache, sparse_indices
 for batch in (16, 128):

@@ -1,10 +1,11 @@
 """Measure the sparse (top-k) MLA decode's launch settings on a GPU: every candidate of
-``configs.SPARSE_CONFIGS``'s shape (heads per tile, tokens per step, warps, stages,
+``configs.GLUON_SPARSE_CONFIGS``'s shape (the Gluon kernel: heads per tile, ring slots, waves) and
+of ``configs.SPARSE_CONFIGS``'s (the tl kernel: heads per tile, tokens per step, warps, stages,
 programs per SM) on DeepSeek-V3.2-sized steps (topk 2048 over 32K-token FP8 caches), timed as
 CUDA-graph replays (cold L2) of the split and combine kernels alone, with FlashMLA main's sparse
 decode (q padded to 64 heads below 64) in the same run where ``TILEFUSE_FLASHMLA`` names a build.
 
-    python3 tools/mla_sparse_sweep.py [OUT_DIR] [--max-heads=N] [--min-heads=N]
+    python3 tools/mla_sparse_sweep.py [OUT_DIR] [--max-heads=N] [--min-heads=N] [--kernels=gluon|tl|all]
 
 Writes ``OUT_DIR/mla-sparse-<gpu>.json`` (default ``bench/results/sweeps``): per case, every
 candidate's time and GB/s on the bytes read, the best per head bound. Needs a CUDA GPU.
@@ -34,10 +35,33 @@ MANY = [(64, n, 8, s, None) for n, s in ((32, 3), (64, 2), (64, 3))] + [(32, 32,
                                                                         (32, 32, 4, 2, 168), (64, 32, 8, 2, 128),
                                                                         (64, 32, 8, 2, 168)]
 WAVES = (2, 4)
+# the Gluon kernel (FP8 on Hopper): (BLOCK_H, STAGES, num_warps; 8 warps split the heads in two, so
+# at least 16 per tile); its parts per index list come from configs.gluon_sparse_part_tiles
+GLUON = [(block_h, stages, warps) for block_h in (8, 16, 32) for stages in (2, 3) for warps in (4, 8)
+         if block_h >= 2 * warps and not (block_h == 32 and stages == 3)]
+
+
+def gluon_candidates(h_q: int) -> list[dict]:
+    """The Gluon kernel's launches worth timing at ``h_q`` heads: tiles of 16 heads, or of up to twice
+    the heads (8 heads: tiles of 8 too)."""
+    return [dict(kernel="gluon", BLOCK_H=block_h, STAGES=stages, num_warps=warps)
+            for block_h, stages, warps in GLUON if min(16, h_q) <= block_h <= max(16, 2 * h_q)]
+
+
+def tl_candidates(h_q: int) -> list[dict]:
+    out = []
+    for block_h, block_n, warps, stages, maxnreg in (FEW if h_q <= 16 else MANY):
+        for waves in WAVES:
+            cfg = dict(kernel="tl", BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages, waves=waves)
+            if maxnreg:
+                cfg["maxnreg"] = maxnreg   # always, not only where the grid oversubscribes (fit_regs)
+            out.append(cfg)
+    return out
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if not a.startswith(("--max-heads=", "--min-heads="))]
+    args = [a for a in sys.argv[1:] if not a.startswith(("--max-heads=", "--min-heads=", "--kernels="))]
+    kernels = next((a.split("=")[1] for a in sys.argv[1:] if a.startswith("--kernels=")), "all")
     max_heads = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--max-heads=")), 128)
     min_heads = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--min-heads=")), 1)
     out_dir = Path(args[0]) if args else None
@@ -65,16 +89,14 @@ def main() -> None:
         scale = 576 ** -0.5
         sources = [(cache, idx, None)]
         entry["default"] = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None))
-        for block_h, block_n, warps, stages, maxnreg in (FEW if h_q <= 16 else MANY):
-            for waves in WAVES:
-                cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages, waves=waves)
-                if maxnreg:
-                    cfg["maxnreg"] = maxnreg   # always, not only where the grid oversubscribes (fit_regs)
-                try:
-                    us = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None, cfg))
-                    entry["candidates"].append({**cfg, "us": round(us, 2), "gbps": round(nbytes / us / 1e3)})
-                except Exception as exc:   # a candidate that does not compile or fit: recorded, skipped
-                    entry["candidates"].append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        candidates = ((gluon_candidates(h_q) if kernels in ("gluon", "all") else [])
+                      + (tl_candidates(h_q) if kernels in ("tl", "all") else [configs.sparse_config(h_q)]))
+        for cfg in candidates:
+            try:
+                us = timer.graph_us(lambda: op._sparse_decode(q, scale, sources, None, cfg))
+                entry["candidates"].append({**cfg, "us": round(us, 2), "gbps": round(nbytes / us / 1e3)})
+            except Exception as exc:   # a candidate that does not compile or fit: recorded, skipped
+                entry["candidates"].append({**cfg, "error": f"{type(exc).__name__}: {exc}"[:200]})
         timed = [c for c in entry["candidates"] if "us" in c]
         entry["best"] = min(timed, key=lambda c: c["us"]) if timed else None
         print(f"b{batch} h{h_q} s{s_q}: default {entry['default']:.1f} us, best {entry['best']}, peers "

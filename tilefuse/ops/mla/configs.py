@@ -86,9 +86,9 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 
 
 # The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
-# tile as they load it, and the sparse decode on its tl gather kernel: on wherever the tl kernels
-# run (the Triton backend, a 16-bit q); off, the PyTorch references decode (a switch for
-# debugging). Measured on the H200 against FlashMLA main and the bf16 path in
+# tile as they load it, and the sparse decode on its gather kernels (Gluon for an FP8 cache on
+# Hopper, tl elsewhere): on wherever the tl kernels run (the Triton backend, a 16-bit q); off, the
+# PyTorch references decode (a switch for debugging). Measured on the H200 against FlashMLA main and the bf16 path in
 # bench/results/mla-h200-fp8-quick.json.
 FP8_SPARSE_KERNELS = True
 
@@ -107,10 +107,53 @@ SPARSE_CONFIGS = {
 }
 
 
-def sparse_config(h_q: int) -> dict:
-    """The sparse decode's launch for ``h_q`` heads per KV head (:data:`SPARSE_CONFIGS`: the entry
-    of the smallest head bound >= h_q)."""
-    return dict(SPARSE_CONFIGS[min(bound for bound in SPARSE_CONFIGS if bound >= h_q)])
+# The Gluon sparse kernel (kernels_gluon_sparse.py: FP8 caches on Hopper; cp.async ring of gathered
+# rows, transposed WGMMAs): heads per tile (WGMMA's N), ring slots, warps (8: two warpgroups, each
+# half of the tile's heads), by heads per KV head. Its shared memory (Q, the index list, STAGES raw
+# 41 KB slots, the 72 KB 16-bit K tile) allows one program per SM: 3 slots fit with 8-16 heads per
+# tile, 2 with 32. More heads run as several tiles, each gathering the same rows. Measured by
+# tools/mla_sparse_sweep.py (bench/results/sweeps/mla-sparse-h200.json): 8 warps gain 12-15 % with
+# 32-head tiles and nothing with 16; 16-head tiles of 64-128 heads lose 50-70 % (each tile re-gathers).
+GLUON_SPARSE_CONFIGS = {
+    8: dict(kernel="gluon", BLOCK_H=8, STAGES=2, num_warps=4),
+    16: dict(kernel="gluon", BLOCK_H=16, STAGES=3, num_warps=4),
+    128: dict(kernel="gluon", BLOCK_H=32, STAGES=2, num_warps=8),
+}
+# heads per KV head up to which an FP8 cache takes the Gluon kernel (above: the tl one)
+GLUON_SPARSE_MAX_HEADS = 128
+# a part's index list is copied into SMEM whole (a power-of-two number of 64-entry tiles): at most
+# this many bytes (2048 int32 indices), which fits beside 3 ring slots and a 16-head Q
+GLUON_SPARSE_INDEX_BYTES = 8192
+# A part's fixed cost in tiles of 64 gathered tokens: its ring's prologue (the first tile's copy
+# waited for), its Q load, its partial's write and the combine's read of it.
+GLUON_SPARSE_PART_COST_TILES = 2
+
+
+@functools.lru_cache(maxsize=1024)
+def gluon_sparse_part_tiles(tiles: int, programs_per_part: int, slots: int, max_tiles: int) -> int:
+    """Tiles of 64 index-list positions per part (program) of the Gluon sparse kernel, for lists of
+    ``tiles`` tiles, ``programs_per_part`` programs for each part index (query tokens x head tiles)
+    and ``slots`` programs running at once (one per SM): the count that minimizes the busiest SM's
+    work, whole waves of programs x (tiles per part + the part's fixed cost); a tie takes longer
+    parts (fewer partials). Waves, not an average, because one program per SM runs a part start to
+    end: 160 parts of 7 tiles on 132 SMs take two rounds, 128 of 8 one."""
+    best_cost, best = None, 1
+    for per in range(1, max(1, min(tiles, max_tiles)) + 1):
+        parts = -(-tiles // per)
+        cost = -(-programs_per_part * parts // slots) * (per + GLUON_SPARSE_PART_COST_TILES)
+        if best_cost is None or cost <= best_cost:
+            best_cost, best = cost, per
+    return best
+
+
+def sparse_config(h_q: int, gluon: bool = False) -> dict:
+    """The sparse decode's launch for ``h_q`` heads per KV head: with ``gluon`` (an FP8 cache on a
+    Hopper GPU with Gluon) and ``h_q <= GLUON_SPARSE_MAX_HEADS``, :data:`GLUON_SPARSE_CONFIGS`'s,
+    else :data:`SPARSE_CONFIGS`'s (``kernel="tl"``), the entry of the smallest head bound >= h_q."""
+    table = GLUON_SPARSE_CONFIGS if gluon and h_q <= GLUON_SPARSE_MAX_HEADS else SPARSE_CONFIGS
+    cfg = dict(table[min(bound for bound in table if bound >= h_q)])
+    cfg.setdefault("kernel", "tl")
+    return cfg
 
 
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}

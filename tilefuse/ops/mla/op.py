@@ -31,6 +31,7 @@ import functools
 import math
 
 import torch
+import triton
 
 from tilefuse import _checks, _dispatch, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
@@ -79,6 +80,19 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+def _sparse_gluon_fits(q: torch.Tensor, caches) -> bool:
+    """The Gluon sparse kernel can decode ``q`` over ``caches``: FP8 caches whose rows start at
+    16-byte boundaries (its cp.async copies 16 bytes at a time), a 16-bit q, a Hopper GPU with Gluon."""
+    return (_sparse_gluon_runs(q.device, q.dtype)
+            and all(cache.shape[-1] == FP8_KV_BYTES and cache.data_ptr() % 16 == 0 for cache in caches))
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_gluon_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    return (dtype in (torch.bfloat16, torch.float16) and gluon_hopper(device)
+            and _kernels().get("sparse_gluon") is not None)
+
+
 def _wgmma_fits(q: torch.Tensor) -> bool:
     return q.dtype in (torch.bfloat16, torch.float16) and wgmma_usable(q.device)
 
@@ -97,6 +111,8 @@ def _kernels():
     wgmma = _launch.optional_kernel("tilefuse.ops.mla.kernels_gluon", "mla_split_ws_kernel")
     return dict(metadata=_launch.Kernel(kernels.mla_metadata_kernel),
                 sparse=_launch.Kernel(kernels.mla_sparse_split_kernel),
+                sparse_gluon=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_sparse",
+                                                     "mla_sparse_gluon_kernel"),
                 sparse_combine=_launch.Kernel(kernels.mla_sparse_combine_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
@@ -542,8 +558,16 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     same softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink). ``config``:
     the launch (``configs.sparse_config(h_q)`` by default)."""
     batch, s_q, h_q, _ = q.shape
-    cfg = dict(config or configs.sparse_config(h_q))
-    waves, fit_regs, block_h, block_n = cfg.pop("waves"), cfg.pop("fit_regs", None), cfg["BLOCK_H"], cfg["BLOCK_N"]
+    # force(variant="standard" | "transposed") pins the tl kernels, here the tl gather kernel
+    gluon = (_sparse_gluon_fits(q, [cache for cache, _, _ in sources])
+             and forced_variant("mla") not in ("standard", "transposed"))
+    cfg = dict(config or configs.sparse_config(h_q, gluon=gluon))
+    kernel = cfg.pop("kernel", "tl")
+    if kernel == "gluon" and not gluon:
+        raise ValueError("config: the Gluon sparse kernel needs FP8 caches at 16-byte aligned addresses and a "
+                         "16-bit q on a Hopper GPU with Gluon")
+    block_n = 64 if kernel == "gluon" else cfg["BLOCK_N"]
+    waves, fit_regs, block_h = cfg.pop("waves", 1), cfg.pop("fit_regs", None), cfg["BLOCK_H"]
     units = batch * s_q
     tiles = -(-h_q // block_h)
     want = max(1, -(-waves * num_sms(q.device) // (units * tiles)))
@@ -551,7 +575,12 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     for cache, idx, length in sources:
         topk = idx.shape[-1]
         blocks = max(1, -(-topk // block_n))
-        chunk = block_n * -(-blocks // min(want, blocks))
+        if kernel == "gluon":   # whole waves of one program per SM; the part's index list fits its SMEM
+            chunk = block_n * configs.gluon_sparse_part_tiles(
+                blocks, units * tiles, num_sms(q.device),
+                configs.GLUON_SPARSE_INDEX_BYTES // idx.element_size() // block_n)
+        else:
+            chunk = block_n * -(-blocks // min(want, blocks))
         plans.append((cache, idx, length, topk, chunk, max(1, -(-topk // chunk))))
     num_chunks = sum(plan[-1] for plan in plans)
     if fit_regs and units * tiles * num_chunks > 2 * num_sms(q.device):   # configs.SPARSE_CONFIGS: occupancy
@@ -566,14 +595,24 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     for cache, idx, length, topk, chunk, n in plans:
         fp8 = cache.shape[-1] == FP8_KV_BYTES
         cache = _as_bytes(cache)
-        scalars = (h_q, s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], base, num_chunks,
-                   scale * LOG2E, *q.stride()[:3], cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
-        meta = dict(cfg, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
-                    DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        num_tokens = cache.shape[0] * cache.shape[1]
+        if kernel == "gluon":
+            # the cache as 4-byte words (164 per token), the rows' offsets then provably 16-byte aligned
+            cache = cache.view(torch.int32)
+            scalars = (h_q, s_q, topk, num_tokens, base, num_chunks, scale * LOG2E, *q.stride()[:3], idx.stride(0),
+                       idx.stride(1))
+            meta = dict(cfg, CHUNK=chunk, IDX_TILES=triton.next_power_of_2(chunk // block_n),
+                        HAS_LEN=length is not None, NUM_WARPS=cfg["num_warps"])
+        else:
+            scalars = (h_q, s_q, topk, num_tokens, cache.shape[1], base, num_chunks, scale * LOG2E, *q.stride()[:3],
+                       cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
+            meta = dict(cfg, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
+                        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
-        key = ("sparse", scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
+        key = (kernel, scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
                *(t.data_ptr() % 16 for t in tensors))
-        _kernels()["sparse"].launch(key, (n, units, tiles), q.device.index, tensors, scalars, meta)
+        _kernels()["sparse_gluon" if kernel == "gluon" else "sparse"].launch(key, (n, units, tiles), q.device.index,
+                                                                           tensors, scalars, meta)
         base += n
     tensors = (o_acc, lse_acc, attn_sink if attn_sink is not None else lse_acc, out, lse)
     scalars = (h_q, s_q, num_chunks, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
@@ -677,10 +716,12 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                                 "tile as it loads (configs.FP8_SPARSE_KERNELS)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        cfg = configs.sparse_config(h_q)
-        return _dispatch.Choice("mla", problem, "sparse", cfg, "sparse decode: the tl gather kernel "
-                                "(mla_sparse_split_kernel; configs.FP8_SPARSE_KERNELS)",
-                                (_dispatch.Candidate("sparse", cfg, None),))
+        cfg = configs.sparse_config(h_q, gluon=is_fp8_kvcache and _sparse_gluon_fits(q, [k_cache])
+                                    and forced_variant("mla") not in ("standard", "transposed"))
+        why = ("sparse decode over an FP8 cache on Hopper: the Gluon gather kernel (mla_sparse_gluon_kernel: "
+               "cp.async ring, transposed WGMMAs; configs.GLUON_SPARSE_CONFIGS)" if cfg["kernel"] == "gluon" else
+               "sparse decode: the tl gather kernel (mla_sparse_split_kernel; configs.SPARSE_CONFIGS)")
+        return _dispatch.Choice("mla", problem, "sparse", cfg, why, (_dispatch.Candidate("sparse", cfg, None),))
     if is_fp8_kvcache or indices is not None:
         return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse kernels run only "
                                 "on the Triton backend for a 16-bit q (configs.FP8_SPARSE_KERNELS)")

@@ -11,7 +11,7 @@ flight while the tensor cores work on the current one, and registers hold only t
   scales, RoPE) into ring slot ``tile % STAGES``, one cp.async group per tile. Hopper's TMA has no
   row gather; cp.async moves 16 (scales: 8) bytes per thread per copy. A position that names no
   token (-1, outside the cache, past ``topk_length``) copies nothing and lands as zeros. The
-  indices of the next tile are loaded one tile ahead, so no copy waits on an index load.
+  part's index list is copied into SMEM once at the start, so no gather waits on an index load.
 * **Dequantize** (SMEM -> registers -> SMEM): the slot's codes times their group's scale, rounded
   once to bf16 (``mla_dequantize_kv``'s values), and the RoPE part, into one bf16 K tile in
   WGMMA's swizzled layout; the slot is then free for the copy of a later tile.
@@ -23,8 +23,10 @@ flight while the tensor cores work on the current one, and registers hold only t
   656-byte token is 212 FLOP/B, above the H200's ridge); transposed, the MMAs read each K tile
   from SMEM twice and do 16 / 64 of the padded FLOPs.
 
-One program per (part of the index list, query token, head tile), 4 warps; the partials and
+One program per (part of the index list, query token, head tile) and per SM (the SMEM it holds),
+4 warps, or 8 with the two warpgroups splitting the tile's heads; the partials and
 ``kernels.mla_sparse_combine_kernel`` (sink, several parts, a second cache) are the ``tl`` path's.
+Measured, and why it stops where it does: docs/mla.md ("Sparse decode on Hopper").
 """
 
 from triton.experimental import gluon

@@ -80,10 +80,11 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def _sparse_gluon_fits(q: torch.Tensor, caches) -> bool:
+def _sparse_gluon_fits(q: torch.Tensor, caches, indices) -> bool:
     """The Gluon sparse kernel can decode ``q`` over ``caches``: FP8 caches whose rows start at
-    16-byte boundaries (its cp.async copies 16 bytes at a time), a 16-bit q, a Hopper GPU with Gluon."""
-    return (_sparse_gluon_runs(q.device, q.dtype)
+    16-byte boundaries (its cp.async copies 16 bytes at a time), int32 ``indices`` (FlashMLA's, the
+    ones its GPU tests cover; int64 lists take the tl kernel), a 16-bit q, a Hopper GPU with Gluon."""
+    return (_sparse_gluon_runs(q.device, q.dtype) and all(idx.dtype == torch.int32 for idx in indices)
             and all(cache.shape[-1] == FP8_KV_BYTES and cache.data_ptr() % 16 == 0 for cache in caches))
 
 
@@ -559,7 +560,7 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     the launch (``configs.sparse_config(h_q)`` by default)."""
     batch, s_q, h_q, _ = q.shape
     # force(variant="standard" | "transposed") pins the tl kernels, here the tl gather kernel
-    gluon = (_sparse_gluon_fits(q, [cache for cache, _, _ in sources])
+    gluon = (_sparse_gluon_fits(q, [cache for cache, _, _ in sources], [idx for _, idx, _ in sources])
              and forced_variant("mla") not in ("standard", "transposed"))
     cfg = dict(config or configs.sparse_config(h_q, gluon=gluon))
     kernel = cfg.pop("kernel", "tl")
@@ -716,7 +717,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                                 "tile as it loads (configs.FP8_SPARSE_KERNELS)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        cfg = configs.sparse_config(h_q, gluon=is_fp8_kvcache and _sparse_gluon_fits(q, [k_cache])
+        cfg = configs.sparse_config(h_q, gluon=is_fp8_kvcache and _sparse_gluon_fits(q, [k_cache], [indices])
                                     and forced_variant("mla") not in ("standard", "transposed"))
         why = ("sparse decode over an FP8 cache on Hopper: the Gluon gather kernel (mla_sparse_gluon_kernel: "
                "cp.async ring, transposed WGMMAs; configs.GLUON_SPARSE_CONFIGS)" if cfg["kernel"] == "gluon" else

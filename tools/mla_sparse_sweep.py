@@ -1,5 +1,5 @@
 """Measure the sparse (top-k) MLA decode's launch settings on a GPU: every candidate of
-``configs.GLUON_SPARSE_CONFIGS``'s shape (the Gluon kernel: heads per tile, ring slots, waves) and
+``configs.GLUON_SPARSE_CONFIGS``'s shape (the Gluon kernel: heads per tile, ring slots, warps) and
 of ``configs.SPARSE_CONFIGS``'s (the tl kernel: heads per tile, tokens per step, warps, stages,
 programs per SM) on DeepSeek-V3.2-sized steps (topk 2048 over 32K-token FP8 caches), timed as
 CUDA-graph replays (cold L2) of the split and combine kernels alone, with FlashMLA main's sparse

@@ -88,8 +88,8 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
 # The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
 # tile as they load it, and the sparse decode on its gather kernels (Gluon for an FP8 cache on
 # Hopper, tl elsewhere): on wherever the tl kernels run (the Triton backend, a 16-bit q); off, the
-# PyTorch references decode (a switch for debugging). Measured on the H200 against FlashMLA main and the bf16 path in
-# bench/results/mla-h200-fp8-quick.json.
+# PyTorch references decode (a switch for debugging). Measured on the H200 against FlashMLA main
+# and the bf16 path in bench/results/mla-h200-fp8-quick.json.
 FP8_SPARSE_KERNELS = True
 
 

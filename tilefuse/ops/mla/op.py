@@ -81,11 +81,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def _sparse_gluon_fits(q: torch.Tensor, caches, indices) -> bool:
-    """The Gluon sparse kernel can decode ``q`` over ``caches``: FP8 caches whose rows start at
-    16-byte boundaries (its cp.async copies 16 bytes at a time), int32 ``indices`` (FlashMLA's, the
-    ones its GPU tests cover; int64 lists take the tl kernel), a 16-bit q, a Hopper GPU with Gluon."""
+    """The sparse decode of ``q`` over ``caches`` takes the Gluon gather kernel: FP8 caches whose
+    rows start at 16-byte boundaries (its cp.async copies 16 bytes at a time), int32 ``indices``
+    (FlashMLA's, the ones its GPU tests cover; int64 lists take the tl kernel), a 16-bit q, a Hopper
+    GPU with Gluon, and no ``force(variant="standard" | "transposed")`` (which pins the tl kernels,
+    here the tl gather kernel)."""
     return (_sparse_gluon_runs(q.device, q.dtype) and all(idx.dtype == torch.int32 for idx in indices)
-            and all(cache.shape[-1] == FP8_KV_BYTES and cache.data_ptr() % 16 == 0 for cache in caches))
+            and all(cache.shape[-1] == FP8_KV_BYTES and cache.data_ptr() % 16 == 0 for cache in caches)
+            and forced_variant("mla") not in ("standard", "transposed"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -559,19 +562,16 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     same softmax, ``mla_sparse_combine_kernel`` merges them (and applies the sink). ``config``:
     the launch (``configs.sparse_config(h_q)`` by default)."""
     batch, s_q, h_q, _ = q.shape
-    # force(variant="standard" | "transposed") pins the tl kernels, here the tl gather kernel
-    gluon = (_sparse_gluon_fits(q, [cache for cache, _, _ in sources], [idx for _, idx, _ in sources])
-             and forced_variant("mla") not in ("standard", "transposed"))
+    gluon = _sparse_gluon_fits(q, [cache for cache, _, _ in sources], [idx for _, idx, _ in sources])
     cfg = dict(config or configs.sparse_config(h_q, gluon=gluon))
     kernel = cfg.pop("kernel", "tl")
     if kernel == "gluon" and not gluon:
-        raise ValueError("config: the Gluon sparse kernel needs FP8 caches at 16-byte aligned addresses and a "
-                         "16-bit q on a Hopper GPU with Gluon")
+        raise ValueError("config: the Gluon sparse kernel needs FP8 caches at 16-byte aligned addresses, int32 "
+                         "indices and a 16-bit q on a Hopper GPU with Gluon")
     block_n = 64 if kernel == "gluon" else cfg["BLOCK_N"]
     waves, fit_regs, block_h = cfg.pop("waves", 1), cfg.pop("fit_regs", None), cfg["BLOCK_H"]
     units = batch * s_q
     tiles = -(-h_q // block_h)
-    want = max(1, -(-waves * num_sms(q.device) // (units * tiles)))
     plans = []
     for cache, idx, length in sources:
         topk = idx.shape[-1]
@@ -580,7 +580,8 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
             chunk = block_n * configs.gluon_sparse_part_tiles(
                 blocks, units * tiles, num_sms(q.device),
                 configs.GLUON_SPARSE_INDEX_BYTES // idx.element_size() // block_n)
-        else:
+        else:   # the tl kernel: ``waves`` programs per SM, parts of equal size
+            want = max(1, -(-waves * num_sms(q.device) // (units * tiles)))
             chunk = block_n * -(-blocks // min(want, blocks))
         plans.append((cache, idx, length, topk, chunk, max(1, -(-topk // chunk))))
     num_chunks = sum(plan[-1] for plan in plans)
@@ -717,8 +718,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                                 "tile as it loads (configs.FP8_SPARSE_KERNELS)",
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
-        cfg = configs.sparse_config(h_q, gluon=is_fp8_kvcache and _sparse_gluon_fits(q, [k_cache], [indices])
-                                    and forced_variant("mla") not in ("standard", "transposed"))
+        cfg = configs.sparse_config(h_q, gluon=_sparse_gluon_fits(q, [k_cache], [indices]))
         why = ("sparse decode over an FP8 cache on Hopper: the Gluon gather kernel (mla_sparse_gluon_kernel: "
                "cp.async ring, transposed WGMMAs; configs.GLUON_SPARSE_CONFIGS)" if cfg["kernel"] == "gluon" else
                "sparse decode: the tl gather kernel (mla_sparse_split_kernel; configs.SPARSE_CONFIGS)")

@@ -74,6 +74,18 @@ class LoadedMachine:
             self.prefills += 1
 
 
+class Prefills:
+    """A forward pre-hook that appends ``name`` to ``calls`` at every decode's first step (the prefill)."""
+
+    def __init__(self, name: str, calls: list):
+        self.name, self.calls = name, calls
+
+    def __call__(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[1] > 1:
+            self.calls.append(self.name)
+
+
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_decode_timing_is_of_decode_steps_alone_on_a_loaded_machine(mode):
     """ms_per_token is the median of the decode steps' own times: positive, and untouched by slow
@@ -87,10 +99,39 @@ def test_decode_timing_is_of_decode_steps_alone_on_a_loaded_machine(mode):
     prompt = torch.randint(0, 256, (2, 16))
     row, tokens = bench_model.decode_row(model, subject, "stock", mode, prompt, plan, torch.device("cpu"))
     assert "error" not in row, row
-    assert load.prefills == (2 if mode == "eager" else 1)          # eager: a warm-up decode, then the timed one
-    assert row["timed_steps"] == plan.new_tokens - 1 - plan.skip_tokens and tokens.shape == (2, plan.new_tokens)
+    rounds = plan.eager_rounds if mode == "eager" else 1
+    assert load.prefills == rounds + (mode == "eager")             # eager: a warm-up decode, then the timed ones
+    assert row["timed_steps"] == rounds * (plan.new_tokens - 1 - plan.skip_tokens)
+    assert tokens.shape == (2, plan.new_tokens) and "stock_ms_paired" not in row
     assert 0 < row["ms_per_token"] < 150, row                       # the sleeps were 200-400 ms
     assert row["tokens_per_s"] == pytest.approx(2e3 / row["ms_per_token"], rel=1e-3)
+
+
+def test_eager_rows_time_stock_beside_them():
+    """An eager row with ``paired`` decodes the stock model in alternating rounds with its own and
+    its x_stock comes from those steps: a variant twice as slow as stock reads about 0.5 however the
+    machine's speed drifted between the rows."""
+    stock, slow = tiny(), tiny()
+
+    def delay(module, args, kwargs):   # every decode step of the "variant" sleeps 20 ms
+        time.sleep(0.02)
+
+    slow.register_forward_pre_hook(delay, with_kwargs=True)
+    calls = []
+    for name, model in (("stock", stock), ("slow", slow)):
+        model.register_forward_pre_hook(Prefills(name, calls), with_kwargs=True)
+    subject = hf_models.Subject("tiny", tiny, 256, {})
+    plan = bench_model.Plan(**{**bench_model.CPU_PLAN.__dict__, "eager_rounds": 2})
+    prompt = torch.randint(0, 256, (1, 8))
+    row, tokens = bench_model.decode_row(slow, subject, "slow", "eager", prompt, plan, torch.device("cpu"),
+                                         paired=stock)
+    assert "error" not in row and row["rounds"] == 2 and tokens.shape == (1, plan.new_tokens)
+    assert calls == ["slow", "slow", "stock", "stock", "slow"]     # warm-up, then slow/stock, stock/slow
+    assert row["ms_per_token"] > 20 and row["stock_ms_paired"] < row["ms_per_token"] - 15, row
+    rows = [{"model": "tiny", "variant": "stock", "mode": "eager", "batch": 1, "prompt_tokens": 8,
+             "ms_per_token": 1000.0}, row]
+    bench_model.compare(rows, {})
+    assert row["x_stock"] == round(row["stock_ms_paired"] / row["ms_per_token"], 4) < 0.5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -52,7 +52,8 @@ def test_bench_help_names_every_family_and_the_defaults(capsys):
 
 @pytest.mark.parametrize("option, value", [("--rep-ms", "-5"), ("--rep-ms", "0"), ("--rep-ms", "nan"),
                                            ("--rep-ms", "inf"), ("--layers", "0"), ("--layers", "-2"),
-                                           ("--layers", "1.5"), ("--tag", "@@")])
+                                           ("--layers", "1.5"), ("--tag", "@@"), ("--contexts", "0"),
+                                           ("--contexts", "4096,x"), ("--contexts", "")])
 def test_numeric_options_are_validated(option, value, capsys):
     from tilefuse.cli import main
 
@@ -69,6 +70,8 @@ def test_bench_functions_refuse_bad_numbers(tmp_path):
         runner.main(["vq"], True, tmp_path, rep_ms=-5.0)
     with pytest.raises(ValueError, match="layers"):
         bench_model.main(out_dir=tmp_path, layers=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="contexts"):
+        bench_model.main(out_dir=tmp_path, contexts=(4096, 0), device=torch.device("cpu"))
     with pytest.raises(ValueError, match="layers"):
         tp.run(True, tmp_path, layers=-1)
     assert not list(tmp_path.iterdir())

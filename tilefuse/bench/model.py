@@ -73,6 +73,8 @@ class Plan:
     layers: int | None        # blocks of the random-weight shapes (None: their full count)
     quantize: dict            # tilefuse.quantize options of calibrated vq2
     prefills: tuple[tuple[int, int], ...] = ((1, 512),)   # (batch, tokens) of the prefill rows
+    eager_rounds: int = 3     # timed eager decodes per row, alternating with the stock model's (paired)
+    contexts: tuple[int, ...] | None = None                # decode prompt lengths of every model (--contexts)
 
 
 # prefill rows: 2K and 8K tokens at batch 1, 512 at batch 8 (--quick: 2K at batch 1, 512 at batch 8)
@@ -118,8 +120,16 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 3) if device.type == "cuda" else None
+def peak_gib(device: torch.device, resident_bytes: int = 0) -> float | None:
+    """Peak allocated GiB since :func:`reset_peak`, less ``resident_bytes`` (another model kept beside)."""
+    if device.type != "cuda":
+        return None
+    return round((torch.cuda.max_memory_allocated() - resident_bytes) / 2**30, 3)
+
+
+def model_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def attempt(row: dict, measure: Callable[[], dict]) -> dict:
@@ -132,13 +142,14 @@ def attempt(row: dict, measure: Callable[[], dict]) -> dict:
     return row
 
 
-def prefill_row(model, subject: Subject, variant: str, prompt: torch.Tensor, device: torch.device) -> dict:
+def prefill_row(model, subject: Subject, variant: str, prompt: torch.Tensor, device: torch.device,
+                resident_bytes: int = 0) -> dict:
     """The prefill times of ``prompt`` ``[batch, T]`` (``hf_decode.prefill_times``: CUDA events,
-    wall clock, the kernels' own total) and the peak memory it reached."""
+    wall clock, the kernels' own total) and the peak memory it reached (less ``resident_bytes``)."""
     def measure():
         reset_peak(device)
         times = prefill_times(model, prompt.to(device), device)
-        return {**{k: round(v, 3) for k, v in times.items()}, "peak_mem_gib": peak_gib(device)}
+        return {**{k: round(v, 3) for k, v in times.items()}, "peak_mem_gib": peak_gib(device, resident_bytes)}
 
     row = {"model": subject.name, "variant": variant, "mode": "prefill", "batch": prompt.shape[0],
            "prompt_tokens": prompt.shape[1]}
@@ -164,7 +175,8 @@ def paged_cache(model, prompt: torch.Tensor, plan: Plan):
 
 
 def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
-               device: torch.device, timed: bool = True) -> tuple[dict, torch.Tensor | None]:
+               device: torch.device, timed: bool = True, paired=None,
+               resident_bytes: int = 0) -> tuple[dict, torch.Tensor | None]:
     """One (mode, batch) greedy decode of ``plan.new_tokens`` tokens; returns its row and the
     generated ids ``[batch, new_tokens]`` (None on error).
 
@@ -173,28 +185,55 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
     :class:`Clock` marked after every new token gives ``new_tokens - 1`` intervals (the prefill
     and the first token come before the first mark), of which the first ``plan.skip_tokens`` are
     left out; ``ms_per_token`` is the median of the rest (``timed_steps`` of them), so it is a
-    time of decode steps alone, never a difference of two runs."""
+    time of decode steps alone, never a difference of two runs.
+
+    Eager decoding is host-bound and the host's speed drifts from minute to minute, so an eager
+    row pools ``plan.eager_rounds`` timed decodes; with ``paired`` (the stock model, resident
+    beside this one) each round also decodes the same prompt with it, in alternating order, and
+    ``stock_ms_paired`` is the median of those steps: the eager ``x_stock`` compares decodes that
+    ran side by side, not minutes apart. ``resident_bytes`` (the paired model's weights) is left
+    out of ``peak_mem_gib``."""
     batch = prompt.shape[0]
     prompt = prompt.to(device)
     generated = {}
 
-    def measure():
-        reset_peak(device)
-        clock = Clock(device, plan.new_tokens) if timed else None
+    def timed_decode(which, clock):
         if mode == "eager":
-            if timed:   # warm-up at every cache length the timed decode meets (per-shape kernel choices)
-                generate_eager(model, prompt, plan.new_tokens, cache=paged_cache(model, prompt, plan))
-            tokens = generate_eager(model, prompt, plan.new_tokens, clock, cache=paged_cache(model, prompt, plan))
-        else:
-            decoder = GraphDecoder(model, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
-            tokens = decoder.decode(prompt, plan.new_tokens, clock)
-        generated["tokens"] = tokens.cpu()
-        if clock is None:
+            return generate_eager(which, prompt, plan.new_tokens, clock, cache=paged_cache(which, prompt, plan))
+        decoder = GraphDecoder(which, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
+        return decoder.decode(prompt, plan.new_tokens, clock)
+
+    def measure():
+        if not timed:
+            generated["tokens"] = timed_decode(model, None).cpu()
             return {}
-        steps = clock.intervals_ms()[plan.skip_tokens:]
+        if mode == "eager":   # warm-up at every cache length the timed decode meets (per-shape kernel choices)
+            timed_decode(model, None)
+        rounds = plan.eager_rounds if mode == "eager" else 1
+        steps, stock_steps, peak = [], [], 0.0
+        for r in range(rounds):
+            order = (model, paired) if r % 2 == 0 else (paired, model)
+            for which in order:
+                if which is None:
+                    continue
+                reset_peak(device)
+                clock = Clock(device, plan.new_tokens)
+                tokens = timed_decode(which, clock)
+                intervals = clock.intervals_ms()[plan.skip_tokens:]
+                if which is model:
+                    generated["tokens"] = tokens.cpu()
+                    steps += intervals
+                    peak = max(peak, peak_gib(device, resident_bytes) or 0.0)
+                else:
+                    stock_steps += intervals
         ms = statistics.median(steps)
-        return {"ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1e3 / ms, 1), "timed_steps": len(steps),
-                "peak_mem_gib": peak_gib(device)}
+        out = {"ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1e3 / ms, 1), "timed_steps": len(steps),
+               "peak_mem_gib": peak if device.type == "cuda" else None}
+        if mode == "eager":
+            out["rounds"] = rounds
+        if stock_steps:
+            out["stock_ms_paired"] = round(statistics.median(stock_steps), 4)
+        return out
 
     row = {"model": subject.name, "variant": variant, "mode": mode, "batch": batch,
            "prompt_tokens": prompt.shape[1], "new_tokens": plan.new_tokens}
@@ -220,6 +259,9 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         log(f"{subject.name}: no text, so no perplexity and vq2 gets random codes "
             "(apt-get install bible-kjv, or pass --text FILE)")
     rows, tokens, forced = [], {}, {}
+    # On a GPU the stock model stays resident while the patched ones run, so that each eager row
+    # can time stock decodes alternating with its own (decode_row's ``paired``).
+    stock_model, resident = None, 0
     for variant in variants:
         log(f"{subject.name}: building {variant}")
         model = subject.make()
@@ -233,25 +275,29 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         log(f"{subject.name} {variant}: {info['variants'][variant]}")
         if timed:
             for batch, length in plan.prefills:
-                rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, batch, length), device))
+                rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, batch, length), device,
+                                        resident))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if eval_ids is not None:
             rows.append(perplexity_row(model, subject, variant, eval_ids, plan.window))
             log(f"{subject.name} {variant}: perplexity {rows[-1].get('perplexity', '-')}")
-        contexts = subject.contexts or (plan.prompt_tokens,)
+        contexts = plan.contexts or subject.contexts or (plan.prompt_tokens,)
         for context in contexts:
             for mode in modes:
                 for batch in plan.batches:
                     prompt = prompts(subject, text_ids, batch, context)
+                    paired = stock_model if mode == "eager" else None
                     row, tokens[variant, mode, batch, context] = decode_row(model, subject, variant, mode, prompt,
-                                                                            plan, device, timed)
+                                                                            plan, device, timed, paired, resident)
                     reference = tokens.get(("stock", "eager", batch, context))
                     if (mode == "eager" and reference is not None and "error" not in row
                             and context == contexts[0]):     # one full forward of prompt + tokens: the shortest
                         attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
                     rows.append(row)
                     done = f"{row['ms_per_token']} ms/token" if "ms_per_token" in row else row.get("error", "ran")
+                    if "stock_ms_paired" in row:
+                        done += f" (stock beside it: {row['stock_ms_paired']})"
                     log(f"{subject.name} {variant} {mode} batch {batch} context {context}: {done}")
                     save(rows)
                     if device.type == "cuda":
@@ -259,9 +305,12 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         first = tokens.get((variant, modes[0], plan.batches[0], contexts[0]))
         if subject.decode is not None and first is not None:
             info["variants"][variant]["sample"] = subject.decode(first[0].tolist())
+        if variant == "stock" and timed and device.type == "cuda" and len(variants) > 1:
+            stock_model, resident = model, model_bytes(model)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    del stock_model
     compare(rows, tokens)
     return rows, info
 
@@ -283,7 +332,8 @@ def teacher_forced(model, variant: str, batch: int, prompt: torch.Tensor, refere
 
 
 def compare(rows: list[dict], tokens: dict) -> None:
-    """Fill in each decode row's ``x_stock`` (stock time / this time, same model, mode and batch),
+    """Fill in each decode row's ``x_stock`` (stock time / this time, same model, mode and batch;
+    an eager row timed beside stock uses those paired stock steps, ``stock_ms_paired``),
     ``agreement`` (fraction of generated tokens equal to stock's), ``agreement_prefix`` (mean
     fraction of tokens before the first difference) and, for graph rows, ``agreement_vs_eager``
     (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``.
@@ -295,6 +345,8 @@ def compare(rows: list[dict], tokens: dict) -> None:
         for key in ("ms_per_token", "prefill_ms"):
             if base and row.get(key) and base.get(key):
                 row["x_stock"] = round(base[key] / row[key], 4)
+        if row.get("stock_ms_paired") and row.get("ms_per_token"):
+            row["x_stock"] = round(row["stock_ms_paired"] / row["ms_per_token"], 4)
         if base and row.get("prefill_kernel_ms") and base.get("prefill_kernel_ms"):
             row["x_stock_kernels"] = round(base["prefill_kernel_ms"] / row["prefill_kernel_ms"], 4)
         mine = tokens.get((row["variant"], row["mode"], row["batch"], context))
@@ -480,23 +532,28 @@ def select(models: list[str], only: str | None, variants: dict[str, tuple[str, .
 
 
 GPU_TIMING = ("ms_per_token: median interval between consecutive new tokens (CUDA events), the first skip_tokens "
-              "left out, eager and graph alike; prefill_ms: median of 3 prefills after one warm-up between CUDA "
-              "events, prefill_wall_ms the same by wall clock, prefill_kernel_ms the kernels' own total "
-              "(torch.profiler, one more prefill)")
+              "left out, eager and graph alike; eager rows pool eager_rounds decodes, each beside one of the stock "
+              "model (alternating order), and their x_stock is stock_ms_paired (the median of those stock steps) "
+              "over ms_per_token; prefill_ms: median of 3 prefills after one warm-up between CUDA events, "
+              "prefill_wall_ms the same by wall clock, prefill_kernel_ms the kernels' own total (torch.profiler, "
+              "the median of 3 more prefills)")
 CPU_TIMING = "CPU pipeline check: the tiny model on the ops' reference path, eager decode only; nothing timed"
 
 
 def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
          layers: int | None = None, gguf: str | None = None, text: str | None = None,
-         device: torch.device | None = None) -> int:
+         device: torch.device | None = None, contexts: tuple[int, ...] | None = None) -> int:
     """Run the model benchmark; writes ``model-<gpu>[-quick][-<tag>].json`` and, on a GPU, a PNG beside it.
 
     ``only``: see :func:`select`; an ``only`` run is tagged "only" unless ``tag`` names it.
+    ``layers``: blocks of the random-weight shapes; ``contexts``: decode prompt lengths of every model.
     ``device``: default CUDA when available (a CPU device runs the pipeline check, nothing timed).
     Returns 2 when ``only`` matches nothing; 1 when transformers is missing or a CPU pipeline
     check failed; else 0."""
     if layers is not None and (not isinstance(layers, int) or layers < 1):
         raise ValueError(f"layers: expected a positive number of blocks, got {layers!r}")
+    if contexts is not None and (not contexts or not all(isinstance(c, int) and c >= 1 for c in contexts)):
+        raise ValueError(f"contexts: expected positive prompt lengths, got {contexts!r}")
     if importlib.util.find_spec("transformers") is None:
         print("model: not run: it needs transformers (pip install -e '.[bench]')")
         return 1
@@ -511,6 +568,8 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         log(f"no CUDA GPU: {CPU_TIMING}")
     if layers is not None:
         plan = Plan(**{**plan.__dict__, "layers": layers})
+    if contexts is not None:
+        plan = Plan(**{**plan.__dict__, "contexts": tuple(contexts)})
     dtype = torch.bfloat16
     modes = ["eager", "graph"] if timed else ["eager"]
     catalogue = subjects(device, dtype, plan.layers, gguf, quick)

@@ -134,6 +134,23 @@ def test_eager_rows_time_stock_beside_them():
     assert row["x_stock"] == round(row["stock_ms_paired"] / row["ms_per_token"], 4) < 0.5
 
 
+def test_prefill_times_a_paired_model_beside_its_own():
+    """Prefill rows of a patched model time the stock model's forwards alternating with their own;
+    compare() takes x_stock from those, not from the stock row measured earlier."""
+    stock, slow = tiny(), tiny()
+    slow.register_forward_pre_hook(lambda module, args, kwargs: time.sleep(0.02), with_kwargs=True)
+    calls = []
+    for name, model in (("stock", stock), ("slow", slow)):
+        model.register_forward_pre_hook(Prefills(name, calls), with_kwargs=True)
+    times = hf_decode.prefill_times(slow, torch.randint(0, 256, (1, 8)), torch.device("cpu"), reps=2, paired=stock)
+    assert calls == ["slow", "stock", "stock", "slow", "slow", "stock"]      # warm-up round, then alternating
+    assert times["prefill_ms"] > 20 > times["stock_ms_paired"]
+    rows = [{"model": "m", "variant": "stock", "mode": "prefill", "batch": 1, "prompt_tokens": 8, "prefill_ms": 1e3},
+            {"model": "m", "variant": "slow", "mode": "prefill", "batch": 1, "prompt_tokens": 8, **times}]
+    bench_model.compare(rows, {})
+    assert rows[1]["x_stock"] == round(times["stock_ms_paired"] / times["prefill_ms"], 4) < 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_static_cache_decode_matches_generate(arch, batch):

@@ -98,38 +98,62 @@ class GraphDecoder(Generator):
 
 
 @torch.no_grad()
-def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int = 3) -> dict:
-    """``model(prompt)`` with a fresh dynamic cache, timed three ways (the first call a warm-up):
+def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int = 3, paired=None,
+                  cache=None) -> dict:
+    """``model(prompt)`` with a fresh cache (``cache(model)``'s, for a model that decodes over its
+    own cache such as a ``patch_mla`` model's ``PagedMLACache``; else transformers' dynamic one),
+    timed three ways (the first call a warm-up):
     ``prefill_ms``, the median between CUDA events around the forward (the device's timeline:
     kernels and the gaps where it waits for the host); ``prefill_wall_ms``, the median wall clock
     with a synchronize after the forward; and on a GPU ``prefill_kernel_ms``, the kernels' own time,
     the median over ``reps`` more forwards (``torch.profiler``: the sum of each one's CUDA kernels'
-    durations, what the kernels did whatever the host did)."""
-    events, walls = [], []
-    for _ in range(reps + 1):
-        clock = Clock(device, 2)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        clock.mark()
-        model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-        clock.mark()
-        events.extend(clock.intervals_ms())
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        walls.append((time.perf_counter() - start) * 1e3)
-    out = {"prefill_ms": statistics.median(events[1:]), "prefill_wall_ms": statistics.median(walls[1:])}
+    durations, what the kernels did whatever the host did).
+
+    With ``paired`` (the stock model, resident beside ``model``) every timed forward of ``model``
+    has one of ``paired`` next to it, in alternating order, and its figures come back as
+    ``stock_ms_paired`` and ``stock_kernel_ms_paired``: the GPU's clocks drift by a few percent
+    between runs minutes apart, enough to misjudge two equal sets of kernels."""
+    models = (model,) if paired is None else (model, paired)
+
+    def forward(which):
+        own = None if cache is None else cache(which)
+        extra = {} if own is None else {cache_argument(which): own}
+        which(input_ids=prompt, use_cache=True, logits_to_keep=1, **extra)
+
+    events: dict = {m: [] for m in models}
+    walls: list[float] = []
+    for rep in range(reps + 1):
+        for which in (models if rep % 2 == 0 else models[::-1]):
+            clock = Clock(device, 2)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            clock.mark()
+            forward(which)
+            clock.mark()
+            if rep:                                     # the first round warms up
+                events[which].extend(clock.intervals_ms())
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if rep and which is model:
+                walls.append((time.perf_counter() - start) * 1e3)
+    out = {"prefill_ms": statistics.median(events[model]), "prefill_wall_ms": statistics.median(walls)}
+    if paired is not None:
+        out["stock_ms_paired"] = statistics.median(events[paired])
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        totals = []
-        for _ in range(reps):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-                torch.cuda.synchronize()
-            totals.append(sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0)) for e in prof.events()
-                              if str(getattr(e, "device_type", "")).endswith("CUDA")))
-        out["prefill_kernel_ms"] = statistics.median(totals) / 1e3
+        totals: dict = {m: [] for m in models}
+        for rep in range(reps):
+            for which in (models if rep % 2 == 0 else models[::-1]):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    forward(which)
+                    torch.cuda.synchronize()
+                totals[which].append(sum(getattr(e, "device_time", getattr(e, "cuda_time", 0.0))
+                                         for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")))
+        out["prefill_kernel_ms"] = statistics.median(totals[model]) / 1e3
+        if paired is not None:
+            out["stock_kernel_ms_paired"] = statistics.median(totals[paired]) / 1e3
     return out
 
 

@@ -143,12 +143,14 @@ def attempt(row: dict, measure: Callable[[], dict]) -> dict:
 
 
 def prefill_row(model, subject: Subject, variant: str, prompt: torch.Tensor, device: torch.device,
-                resident_bytes: int = 0) -> dict:
+                paired=None, resident_bytes: int = 0) -> dict:
     """The prefill times of ``prompt`` ``[batch, T]`` (``hf_decode.prefill_times``: CUDA events,
-    wall clock, the kernels' own total) and the peak memory it reached (less ``resident_bytes``)."""
+    wall clock, the kernels' own total; with ``paired``, the stock model's beside them) and the
+    peak memory it reached (less ``resident_bytes``)."""
     def measure():
         reset_peak(device)
-        times = prefill_times(model, prompt.to(device), device)
+        times = prefill_times(model, prompt.to(device), device, paired=paired,
+                              cache=lambda m: paged_cache(m, prompt, 0))
         return {**{k: round(v, 3) for k, v in times.items()}, "peak_mem_gib": peak_gib(device, resident_bytes)}
 
     row = {"model": subject.name, "variant": variant, "mode": "prefill", "batch": prompt.shape[0],
@@ -163,15 +165,16 @@ def perplexity_row(model, subject: Subject, variant: str, eval_ids: torch.Tensor
     return attempt(row, lambda: {"perplexity": round(perplexity(model, eval_ids, window), 4)})
 
 
-def paged_cache(model, prompt: torch.Tensor, plan: Plan):
-    """A ``PagedMLACache`` for a model patched by ``patch_mla`` (its attention decodes only over
-    one; eager ``generate`` gets it as ``past_key_values``), else None (the default cache)."""
+def paged_cache(model, prompt: torch.Tensor, new_tokens: int):
+    """A ``PagedMLACache`` for ``prompt`` and ``new_tokens`` more tokens if ``patch_mla`` patched
+    ``model`` (its attention then runs over one: eager ``generate`` and the prefill rows pass it),
+    else None (transformers' default cache)."""
     from tilefuse.hf.mla import PagedMLACache, is_patched
 
     if not is_patched(model):
         return None
 
-    return PagedMLACache(model, max_batch=prompt.shape[0], max_tokens=prompt.shape[1] + plan.new_tokens)
+    return PagedMLACache(model, max_batch=prompt.shape[0], max_tokens=prompt.shape[1] + new_tokens)
 
 
 def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
@@ -199,7 +202,8 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
 
     def timed_decode(which, clock):
         if mode == "eager":
-            return generate_eager(which, prompt, plan.new_tokens, clock, cache=paged_cache(which, prompt, plan))
+            cache = paged_cache(which, prompt, plan.new_tokens)
+            return generate_eager(which, prompt, plan.new_tokens, clock, cache=cache)
         decoder = GraphDecoder(which, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
         return decoder.decode(prompt, plan.new_tokens, clock)
 
@@ -276,7 +280,7 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         if timed:
             for batch, length in plan.prefills:
                 rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, batch, length), device,
-                                        resident))
+                                        stock_model, resident))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
         if eval_ids is not None:
@@ -333,7 +337,8 @@ def teacher_forced(model, variant: str, batch: int, prompt: torch.Tensor, refere
 
 def compare(rows: list[dict], tokens: dict) -> None:
     """Fill in each decode row's ``x_stock`` (stock time / this time, same model, mode and batch;
-    an eager row timed beside stock uses those paired stock steps, ``stock_ms_paired``),
+    a row timed beside stock uses those paired stock figures, ``stock_ms_paired`` and
+    ``stock_kernel_ms_paired``),
     ``agreement`` (fraction of generated tokens equal to stock's), ``agreement_prefix`` (mean
     fraction of tokens before the first difference) and, for graph rows, ``agreement_vs_eager``
     (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``.
@@ -343,12 +348,12 @@ def compare(rows: list[dict], tokens: dict) -> None:
         context = row.get("prompt_tokens")
         base = stock.get((row["model"], row["mode"], row["batch"], context))
         for key in ("ms_per_token", "prefill_ms"):
-            if base and row.get(key) and base.get(key):
-                row["x_stock"] = round(base[key] / row[key], 4)
-        if row.get("stock_ms_paired") and row.get("ms_per_token"):
-            row["x_stock"] = round(row["stock_ms_paired"] / row["ms_per_token"], 4)
-        if base and row.get("prefill_kernel_ms") and base.get("prefill_kernel_ms"):
-            row["x_stock_kernels"] = round(base["prefill_kernel_ms"] / row["prefill_kernel_ms"], 4)
+            stock_ms = row.get("stock_ms_paired") or (base or {}).get(key)
+            if row.get(key) and stock_ms:
+                row["x_stock"] = round(stock_ms / row[key], 4)
+        stock_kernels = row.get("stock_kernel_ms_paired") or (base or {}).get("prefill_kernel_ms")
+        if row.get("prefill_kernel_ms") and stock_kernels:
+            row["x_stock_kernels"] = round(stock_kernels / row["prefill_kernel_ms"], 4)
         mine = tokens.get((row["variant"], row["mode"], row["batch"], context))
         if mine is None:
             continue
@@ -536,7 +541,8 @@ GPU_TIMING = ("ms_per_token: median interval between consecutive new tokens (CUD
               "model (alternating order), and their x_stock is stock_ms_paired (the median of those stock steps) "
               "over ms_per_token; prefill_ms: median of 3 prefills after one warm-up between CUDA events, "
               "prefill_wall_ms the same by wall clock, prefill_kernel_ms the kernels' own total (torch.profiler, "
-              "the median of 3 more prefills)")
+              "the median of 3 more prefills); a patched model's prefills alternate with the stock model's, and "
+              "its x_stock / x_stock_kernels come from those (stock_ms_paired, stock_kernel_ms_paired)")
 CPU_TIMING = "CPU pipeline check: the tiny model on the ops' reference path, eager decode only; nothing timed"
 
 

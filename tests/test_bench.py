@@ -245,7 +245,7 @@ def test_tools_configs_file_sections(tmp_path):
 
 
 GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
-             "vq_layer_probe.py", "sanitize.py"]
+             "vq_layer_probe.py", "sanitize.py", "sync_probe.py"]
 
 
 def run_tool(tool: str, *args: str, gpu: bool = True):
@@ -270,7 +270,8 @@ def test_tools_help_works_without_a_gpu(tool):
 
 @pytest.mark.parametrize("tool", GPU_TOOLS)
 def test_gpu_tools_say_in_one_line_that_they_need_a_gpu(tool, tmp_path):
-    done = run_tool(tool, str(tmp_path), gpu=False) if tool != "sanitize.py" else run_tool(tool, "--one", gpu=False)
+    args = {"sanitize.py": ("--one",), "sync_probe.py": ()}.get(tool, (str(tmp_path),))
+    done = run_tool(tool, *args, gpu=False)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert done.stderr.startswith(f"tools/{tool}: needs a CUDA GPU")

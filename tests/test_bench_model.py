@@ -107,10 +107,12 @@ def test_decode_timing_is_of_decode_steps_alone_on_a_loaded_machine(mode):
     assert row["tokens_per_s"] == pytest.approx(2e3 / row["ms_per_token"], rel=1e-3)
 
 
-def test_eager_rows_time_stock_beside_them():
-    """An eager row with ``paired`` decodes the stock model in alternating rounds with its own and
-    its x_stock comes from those steps: a variant twice as slow as stock reads about 0.5 however the
-    machine's speed drifted between the rows."""
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_rows_time_stock_beside_them(mode):
+    """A row with ``paired`` decodes the stock model in alternating rounds with its own and its
+    x_stock comes from those rounds: a variant twice as slow as stock reads about 0.5 however the
+    machine's speed drifted between the rows. Graph rows capture once per model (on a CPU the
+    step runs eagerly) and replay every round."""
     stock, slow = tiny(), tiny()
 
     def delay(module, args, kwargs):   # every decode step of the "variant" sleeps 20 ms
@@ -121,14 +123,16 @@ def test_eager_rows_time_stock_beside_them():
     for name, model in (("stock", stock), ("slow", slow)):
         model.register_forward_pre_hook(Prefills(name, calls), with_kwargs=True)
     subject = hf_models.Subject("tiny", tiny, 256, {})
-    plan = bench_model.Plan(**{**bench_model.CPU_PLAN.__dict__, "eager_rounds": 2})
+    plan = bench_model.Plan(**{**bench_model.CPU_PLAN.__dict__, "eager_rounds": 2, "graph_rounds": 2})
     prompt = torch.randint(0, 256, (1, 8))
-    row, tokens = bench_model.decode_row(slow, subject, "slow", "eager", prompt, plan, torch.device("cpu"),
+    row, tokens = bench_model.decode_row(slow, subject, "slow", mode, prompt, plan, torch.device("cpu"),
                                          paired=stock)
     assert "error" not in row and row["rounds"] == 2 and tokens.shape == (1, plan.new_tokens)
-    assert calls == ["slow", "slow", "stock", "stock", "slow"]     # warm-up, then slow/stock, stock/slow
+    warm_up = ["slow"] if mode == "eager" else []
+    assert calls == warm_up + ["slow", "stock", "stock", "slow"]     # (warm-up), then slow/stock, stock/slow
+    assert row["timed_steps"] == 2 * (plan.new_tokens - 1 - plan.skip_tokens)
     assert row["ms_per_token"] > 20 and row["stock_ms_paired"] < row["ms_per_token"] - 15, row
-    rows = [{"model": "tiny", "variant": "stock", "mode": "eager", "batch": 1, "prompt_tokens": 8,
+    rows = [{"model": "tiny", "variant": "stock", "mode": mode, "batch": 1, "prompt_tokens": 8,
              "ms_per_token": 1000.0}, row]
     bench_model.compare(rows, {})
     assert row["x_stock"] == row["x_stock_paired"] < 0.5

@@ -74,6 +74,7 @@ class Plan:
     quantize: dict            # tilefuse.quantize options of calibrated vq2
     prefills: tuple[tuple[int, int], ...] = ((1, 512),)   # (batch, tokens) of the prefill rows
     eager_rounds: int = 6     # timed eager decodes per row, alternating with the stock model's (paired)
+    graph_rounds: int = 3     # the same for graph rows (replays of one capture per model)
     contexts: tuple[int, ...] | None = None                # decode prompt lengths of every model (--contexts)
 
 
@@ -196,17 +197,24 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
     ``stock_ms_paired`` is the median of those steps; ``x_stock_paired``, the median over rounds of
     the stock decode's median step over this one's (a round's two decodes ran seconds apart, on a
     host of about one speed), is the eager ``x_stock``: decodes compared side by side, not minutes
-    apart. ``resident_bytes`` (the paired model's weights) is left
-    out of ``peak_mem_gib``."""
+    apart. Graph rows with ``paired`` alternate ``plan.graph_rounds`` replayed decodes the same way
+    (one capture per model): the GPU's clocks drift by a few percent between rows minutes apart.
+    ``peak_mem_gib`` is the first round's, whose decode runs before the paired model's, less
+    ``resident_bytes`` (the paired model's weights)."""
     batch = prompt.shape[0]
     prompt = prompt.to(device)
     generated = {}
+
+    decoders = {}   # graph mode: one decoder (one capture) per model, replayed every round
 
     def timed_decode(which, clock):
         if mode == "eager":
             cache = paged_cache(which, prompt, plan.new_tokens)
             return generate_eager(which, prompt, plan.new_tokens, clock, cache=cache)
-        decoder = GraphDecoder(which, batch, prompt.shape[1] + plan.new_tokens, capture=device.type == "cuda")
+        decoder = decoders.get(id(which))
+        if decoder is None:
+            decoder = decoders[id(which)] = GraphDecoder(which, batch, prompt.shape[1] + plan.new_tokens,
+                                                         capture=device.type == "cuda")
         return decoder.decode(prompt, plan.new_tokens, clock)
 
     def measure():
@@ -215,7 +223,7 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
             return {}
         if mode == "eager":   # warm-up at every cache length the timed decode meets (per-shape kernel choices)
             timed_decode(model, None)
-        rounds = plan.eager_rounds if mode == "eager" else 1
+        rounds = plan.eager_rounds if mode == "eager" else plan.graph_rounds if paired is not None else 1
         steps, stock_steps, ratios, peak = [], [], [], 0.0
         for r in range(rounds):
             order = (model, paired) if r % 2 == 0 else (paired, model)
@@ -231,7 +239,8 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
                 if which is model:
                     generated["tokens"] = tokens.cpu()
                     steps += intervals
-                    peak = max(peak, peak_gib(device, resident_bytes) or 0.0)
+                    if r == 0:
+                        peak = peak_gib(device, resident_bytes) or 0.0
                 else:
                     stock_steps += intervals
             if len(medians) == 2:
@@ -239,9 +248,9 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
         ms = statistics.median(steps)
         out = {"ms_per_token": round(ms, 4), "tokens_per_s": round(batch * 1e3 / ms, 1), "timed_steps": len(steps),
                "peak_mem_gib": peak if device.type == "cuda" else None}
-        if mode == "eager":
+        if rounds > 1:
             out["rounds"] = rounds
-        if ratios:   # the host's speed drifts between rounds, far less within one: judge round by round
+        if ratios:   # the machine's speed drifts between rounds, far less within one: judge round by round
             out["stock_ms_paired"] = round(statistics.median(stock_steps), 4)
             out["x_stock_paired"] = round(statistics.median(ratios), 4)
         return out
@@ -298,9 +307,9 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
             for mode in modes:
                 for batch in plan.batches:
                     prompt = prompts(subject, text_ids, batch, context)
-                    paired = stock_model if mode == "eager" else None
                     row, tokens[variant, mode, batch, context] = decode_row(model, subject, variant, mode, prompt,
-                                                                            plan, device, timed, paired, resident)
+                                                                            plan, device, timed, stock_model,
+                                                                            resident)
                     reference = tokens.get(("stock", "eager", batch, context))
                     if (mode == "eager" and reference is not None and "error" not in row
                             and context == contexts[0]):     # one full forward of prompt + tokens: the shortest
@@ -544,9 +553,10 @@ def select(models: list[str], only: str | None, variants: dict[str, tuple[str, .
 
 
 GPU_TIMING = ("ms_per_token: median interval between consecutive new tokens (CUDA events), the first skip_tokens "
-              "left out, eager and graph alike; eager rows pool eager_rounds decodes, each beside one of the stock "
-              "model (alternating order), and their x_stock is x_stock_paired, the median over rounds of the "
-              "stock decode's median step over the variant's (stock_ms_paired: the stock steps' median); prefill_ms: median of 3 prefills after one warm-up between CUDA events, "
+              "left out, eager and graph alike; a patched model's rows pool eager_rounds (graph: graph_rounds) "
+              "decodes, each beside one of the resident stock model (alternating order), and their x_stock is "
+              "x_stock_paired, the median over rounds of the stock decode's median step over the variant's "
+              "(stock_ms_paired: the stock steps' median); prefill_ms: median of 3 prefills after one warm-up between CUDA events, "
               "prefill_wall_ms the same by wall clock, prefill_kernel_ms the kernels' own total (torch.profiler, "
               "the median of 3 more prefills); a patched model's prefills alternate with the stock model's, and "
               "its x_stock / x_stock_kernels come from those (stock_ms_paired, stock_kernel_ms_paired)")

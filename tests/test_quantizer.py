@@ -276,8 +276,42 @@ def test_finetune_never_returns_a_worse_state():
                for n in tuned)
 
 
+def test_finetune_tunes_dense_tensors_in_place_under_any_objective():
+    """``tune``: a dense tensor the forward reads (here an RMSNorm-like input scale, started off
+    its dense value) is tuned with the codebooks and written back in place; ``objective``: the
+    loss minimized and reported is the one given (an L1 error here), not the squared error."""
+    forward0, quantized, inputs, targets = _tiny_block()
+    gain = torch.full((64,), 0.5)                                      # the dense model has 1.0
+
+    def forward(w, x):
+        return forward0(w, x * w["gain"])
+
+    calls = []
+
+    def l1(out, target):
+        calls.append(out.shape)
+        return (out - target).abs().mean()
+
+    start = gain.clone()
+    tuned, info = finetune(forward, quantized, inputs, targets, steps=60, lr=1e-2, tune={"gain": gain}, objective=l1,
+                           progress=False)
+    weights = {"gain": gain, **{name: dequantize(*fmt, dtype=torch.float32) for name, fmt in tuned.items()}}
+    from tilefuse.quantizer.finetune import mean_objective
+    assert info["error_after"] < 0.8 * info["error_before"]
+    assert mean_objective(forward, weights, inputs, targets, l1) == pytest.approx(info["error_after"], rel=1e-5)
+    assert (gain - start).abs().mean() > 0.05 and gain.dtype == torch.float32
+    assert len(calls) >= 60 and all(shape == (128, 64) for shape in calls)
+    fixed = torch.full((64,), 0.5)
+    finetune(forward, quantized, inputs, targets, steps=5, lr=50.0, tune={"gain": fixed}, objective=l1,
+             progress=False)
+    assert torch.equal(fixed, torch.full((64,), 0.5))                  # a worse state is not written back
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(quantized={}), "quantized: expected a non-empty dict"),
+    (dict(tune={"gate": torch.ones(3)}), r"tune\['gate'\]: expected a floating-point tensor"),
+    (dict(tune={"gain": torch.ones(3, dtype=torch.int32)}), r"tune\['gain'\]"),
+    (dict(objective="kl"), "objective: expected a callable"),
     (dict(targets=[]), "inputs, targets: expected the same"),
     (dict(steps=-1), "steps: expected an int >= 0"),
     (dict(lr=0.0), "lr: expected a float > 0"),

@@ -98,8 +98,11 @@ class SmolLM:
         self.dim = int(meta["llama.embedding_length"])
         self.head_dim = self.dim // self.heads
 
-    def rms(self, x, name):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.tensors[name]
+    def rms(self, x, name, weights=None):
+        """RMSNorm with the weight ``weights[name]`` where given (the tuned norms), else the model's."""
+        scale = weights.get(name) if weights is not None else None
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (self.tensors[name] if scale is None
+                                                                             else scale)
 
     def rope(self, x):
         # GGUF stores q/k permuted for llama.cpp's "normal" RoPE: rotate adjacent pairs (2i, 2i+1).
@@ -128,7 +131,7 @@ class SmolLM:
                 grams[key] = grams[key] + g if key in grams else g
 
         t = x.shape[0]
-        h = self.rms(x, f"blk.{i}.attn_norm.weight")
+        h = self.rms(x, f"blk.{i}.attn_norm.weight", weights)
         collect(h, "attn_in")
         q = lin(h, "attn_q").view(t, self.heads, self.head_dim).transpose(0, 1)
         k = lin(h, "attn_k").view(t, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -140,7 +143,7 @@ class SmolLM:
         a = a.transpose(0, 1).reshape(t, self.dim)
         collect(a, "o_in")
         x = x + lin(a, "attn_output")
-        h = self.rms(x, f"blk.{i}.ffn_norm.weight")
+        h = self.rms(x, f"blk.{i}.ffn_norm.weight", weights)
         collect(h, "mlp_in")
         m = F.silu(lin(h, "ffn_gate")) * lin(h, "ffn_up")
         collect(m, "down_in")
@@ -157,7 +160,7 @@ class SmolLM:
         x = self.tensors["token_embd.weight"][ids]
         for i in range(self.layers):
             x = self.block_grad(i, x, weights, grams)
-        return self.rms(x, "output_norm.weight")
+        return self.rms(x, "output_norm.weight", weights)
 
 
 def run_windows(model, ids, weights, window, grams=None):
@@ -272,19 +275,31 @@ class SmolTask:
             log(f"sequential: block {i + 1}/{m.layers}" + (f", tuned {info[f'blk.{i}']}" if finetune_steps else ""))
         return {name: weights[name] for name in layers}, info, formats
 
-    def finetune_end_to_end(self, formats, steps, lr):
+    def finetune_end_to_end(self, formats, steps, lr, loss="hidden", norms=False):
         """Every layer's codebooks and scales tuned together (Adam, ``tilefuse.quantizer.finetune``)
-        so that the quantized model's final hidden states (the logits' input) match the dense
-        model's on the calibration windows. Returns ({name: W_hat}, info)."""
+        against the dense model on the calibration windows: ``loss="hidden"``, the relative squared
+        error of the final normed hidden states (the logits' input); ``"kl"``, the KL divergence of
+        the next-token distributions from the dense model's (logits computed from those states, so
+        the dense targets stay [T, dim]). ``norms``: every RMSNorm weight tuned too. Returns
+        ({name: W_hat, and the tuned norms}, info)."""
         m = self.model
         with torch.no_grad():
             targets = [m.final_hidden(ids, self.dense) for ids in self.calib_windows]
+        embed = m.tensors["token_embd.weight"]
+        tuned_norms = ({name: m.tensors[name].clone() for name in m.tensors if name.endswith("norm.weight")}
+                       if norms else {})
 
         def forward(w, ids):
             return m.final_hidden(ids, {**self.dense, **w})
-        tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr, progress=True)
+
+        def kl(out, target):
+            log_p = F.log_softmax(target.float() @ embed.T, dim=-1)
+            log_q = F.log_softmax(out @ embed.T, dim=-1)
+            return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+        tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr,
+                               tune=tuned_norms or None, objective=kl if loss == "kl" else None, progress=True)
         log(f"end to end: {info}")
-        return {name: dequantize(*f, dtype=torch.float32) for name, f in tuned.items()}, info
+        return {**{name: dequantize(*f, dtype=torch.float32) for name, f in tuned.items()}, **tuned_norms}, info
 
 
 MINI_PROJ = {"query": ("attention.self.query", "attn_in"), "key": ("attention.self.key", "attn_in"),
@@ -380,6 +395,10 @@ def main():
     ap.add_argument("--ft-lr", type=float, default=1e-4, help="Adam's learning rate of the _ft methods")
     ap.add_argument("--e2e-steps", type=int, default=39, help="Adam steps of the _e2e method's whole-model tuning")
     ap.add_argument("--e2e-lr", type=float, default=1e-4, help="Adam's learning rate of the _e2e tuning")
+    ap.add_argument("--e2e-loss", choices=("hidden", "kl"), default="hidden",
+                    help="the _e2e objective: the final hidden states' relative squared error, or the KL divergence "
+                         "of the next-token distributions from the dense model's")
+    ap.add_argument("--e2e-norms", action="store_true", help="the _e2e tuning also tunes every RMSNorm weight")
     ap.add_argument("--table", metavar="JSON", help="only print the tables of an existing result file")
     args = ap.parse_args()
     if args.table:
@@ -416,7 +435,8 @@ def main():
             steps = args.ft_steps if "_ft" in method else 0
             quantized, tuning, formats = task.quantize_sequential(fn, layers, steps, args.ft_lr)
             if method.endswith("_e2e"):
-                quantized, tuning["end_to_end"] = task.finetune_end_to_end(formats, args.e2e_steps, args.e2e_lr)
+                quantized, tuning["end_to_end"] = task.finetune_end_to_end(formats, args.e2e_steps, args.e2e_lr,
+                                                                           args.e2e_loss, args.e2e_norms)
             weights.update(quantized)
         for j, name in enumerate(layers):
             key = task.gram_key(name)
@@ -442,7 +462,10 @@ def main():
             if "end_to_end" in tuning:
                 result["methods"][method]["finetune"]["end_to_end"] = {
                     "steps": args.e2e_steps, "lr": args.e2e_lr, **tuning["end_to_end"],
-                    "target": "the dense model's final normed hidden states on the calibration windows"}
+                    "target": "the dense model's final normed hidden states on the calibration windows",
+                    "loss": ("KL divergence of the next-token distributions from the dense model's"
+                             if args.e2e_loss == "kl" else "relative squared error of the final hidden states"),
+                    "tuned": "codebooks, scales" + (" and RMSNorm weights" if args.e2e_norms else "")}
         log(f"{method}: {score}, mean rel out err {sum(errs) / len(errs):.4f}, {q_time:.0f} s")
         result["wall_s"] = round(time.time() - started, 1)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -9,7 +9,11 @@ what the independent fits lost. AQLM does this per transformer block after quant
 a whole model against the dense logits when ``forward`` is the whole model.
 
 The objective is the relative squared error ``sum ||f(W_hat; x) - y||^2 / sum ||y||^2`` over the
-calibration batches, minimized by Adam in float32 with the batches taken in order, one per step.
+calibration batches, minimized by Adam in float32 with the batches taken in order, one per step,
+or any differentiable ``objective(output, target)`` of one batch (for a whole model, the KL
+divergence of its next-token distributions from the dense model's, as AQLM's and PV-tuning's
+end-to-end tuning uses). Dense tensors the forward reads (the RMSNorm weights, say) can be tuned
+with the formats (``tune``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from tilefuse.ops.vq.reference import dequantize
 Format = tuple[torch.Tensor, torch.Tensor, torch.Tensor]       # (codes, codebooks, scales)
 
 
-def _check_args(quantized, inputs, targets, steps, lr) -> None:
+def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None) -> None:
     if not isinstance(quantized, dict) or not quantized:
         raise ValueError("quantized: expected a non-empty dict {name: (codes, codebooks, scales)}")
     for name, fmt in quantized.items():
@@ -43,6 +47,16 @@ def _check_args(quantized, inputs, targets, steps, lr) -> None:
         raise ValueError(f"steps: expected an int >= 0, got {steps!r}")
     if not isinstance(lr, float) or not lr > 0:
         raise ValueError(f"lr: expected a float > 0, got {lr!r}")
+    if tune is not None:
+        if not isinstance(tune, dict):
+            raise ValueError(f"tune: expected a dict {{name: tensor}} or None, got {type(tune).__name__}")
+        for name, t in tune.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point() or name in quantized:
+                raise ValueError(f"tune[{name!r}]: expected a floating-point tensor under a name that is not in "
+                                 f"quantized, got {type(t).__name__}")
+    if objective is not None and not callable(objective):
+        raise ValueError(f"objective: expected a callable (output, target) -> scalar tensor, got "
+                         f"{type(objective).__name__}")
 
 
 def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
@@ -58,10 +72,21 @@ def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Te
     return (err / max(ref, 1e-300)) ** 0.5
 
 
+def mean_objective(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
+                   weights: dict[str, torch.Tensor], inputs: Sequence[object], targets: Sequence[torch.Tensor],
+                   objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
+    """The mean of ``objective(forward(weights, x), y)`` over the batches (no gradients)."""
+    with torch.no_grad():
+        return sum(float(objective(forward(weights, x), y)) for x, y in zip(inputs, targets)) / len(inputs)
+
+
 def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor], quantized: dict[str, Format],
              inputs: Sequence[object], targets: Sequence[torch.Tensor], *, steps: int = 100, lr: float = 1e-4,
-             dense: dict[str, torch.Tensor] | None = None, progress: bool = True) -> tuple[dict[str, Format], dict]:
-    """Tune the codebooks and scales of ``quantized`` so that ``forward`` matches ``targets``.
+             dense: dict[str, torch.Tensor] | None = None, tune: dict[str, torch.Tensor] | None = None,
+             objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+             progress: bool = True) -> tuple[dict[str, Format], dict]:
+    """Tune the codebooks and scales of ``quantized`` (and the tensors of ``tune``) so that
+    ``forward`` matches ``targets``.
 
     Parameters
     ----------
@@ -74,42 +99,65 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     steps : Adam steps, one batch each, in order (0: nothing tuned, the errors still reported).
     lr : Adam's learning rate (codebook entries and scales are O(1) and O(row RMS)).
     dense : weights ``forward`` also needs that are not tuned (held fixed).
+    tune : dense tensors ``forward`` reads that are tuned too (RMSNorm weights, biases), under
+        names not in ``quantized``; ``forward`` gets float32 copies, and the tensors given are
+        overwritten in place with the tuned values (in their dtype) when the tuned state is kept.
+    objective : ``(output, target) -> scalar`` of one batch, differentiable in ``output``; default
+        the batch's relative squared error ``||output - target||^2 / ||target||^2``.
     progress : one line per tenth of the steps to stderr.
 
     Returns
     -------
     ``({name: (codes, codebooks, scales)}, info)``: the codes as given, the tuned codebooks and
     scales in their dtypes; ``info``: ``{"error_before", "error_after", "steps", "seconds"}``
-    (relative output errors over all batches). The state with the lower error is returned, so
+    (the relative output error over all batches, or with ``objective`` its mean over the
+    batches). The state with the lower error is returned (and written to ``tune``'s tensors), so
     tuning never makes the calibration error worse.
     """
-    _check_args(quantized, inputs, targets, steps, lr)
+    _check_args(quantized, inputs, targets, steps, lr, tune, objective)
     start = time.perf_counter()
     fixed = dict(dense or {})
+    extra = {name: t.detach().float().clone().requires_grad_(True) for name, t in (tune or {}).items()}
     codes = {name: fmt[0] for name, fmt in quantized.items()}
     books = {name: fmt[1].detach().float().clone().requires_grad_(True) for name, fmt in quantized.items()}
     scales = {name: fmt[2].detach().float().clone().requires_grad_(True) for name, fmt in quantized.items()}
 
     def weights() -> dict[str, torch.Tensor]:
-        return {**fixed, **{name: dequantize(codes[name], books[name], scales[name], dtype=torch.float32)
-                            for name in quantized}}
+        return {**fixed, **extra, **{name: dequantize(codes[name], books[name], scales[name], dtype=torch.float32)
+                                     for name in quantized}}
 
-    with torch.no_grad():
-        before = relative_error(forward, weights(), inputs, targets)
-    optimizer = torch.optim.Adam([*books.values(), *scales.values()], lr=lr)
     ref = [t.float().pow(2).sum().clamp_min(1e-30) for t in targets]
+
+    def batch_loss(i: int) -> torch.Tensor:
+        out = forward(weights(), inputs[i]).float()
+        if objective is not None:
+            return objective(out, targets[i])
+        return (out - targets[i].float()).pow(2).sum() / ref[i]
+
+    def error() -> float:
+        with torch.no_grad():
+            w = weights()
+        if objective is None:
+            return relative_error(forward, w, inputs, targets)
+        return mean_objective(forward, w, inputs, targets, lambda out, y: objective(out.float(), y))
+
+    before = error()
+    optimizer = torch.optim.Adam([*books.values(), *scales.values(), *extra.values()], lr=lr)
     for step in range(steps):
         i = step % len(inputs)
         optimizer.zero_grad(set_to_none=True)
-        loss = (forward(weights(), inputs[i]).float() - targets[i].float()).pow(2).sum() / ref[i]
+        loss = batch_loss(i)
         loss.backward()
         optimizer.step()
         if progress and (step + 1) % max(1, steps // 10) == 0:
             print(f"tilefuse.finetune step {step + 1}/{steps}: batch loss {loss.item():.5f} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-    with torch.no_grad():
-        after = relative_error(forward, weights(), inputs, targets)
+    after = error()
     keep = after < before
+    if keep:
+        with torch.no_grad():
+            for name, t in (tune or {}).items():
+                t.copy_(extra[name])
     result = {name: (codes[name],
                      (books[name] if keep else quantized[name][1]).detach().to(quantized[name][1].dtype),
                      (scales[name] if keep else quantized[name][2]).detach().to(quantized[name][2].dtype))

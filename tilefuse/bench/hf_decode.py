@@ -97,6 +97,14 @@ class GraphDecoder(Generator):
         return out[:, prompt.shape[1]:]
 
 
+def alternating(first, second, round_index: int) -> list:
+    """The models of one round of a paired measurement, in turn: ``first`` then ``second`` in even
+    rounds, the other way round in odd ones (so a drift of the machine's speed falls on both
+    alike); None (no partner) left out."""
+    order = (first, second) if round_index % 2 == 0 else (second, first)
+    return [m for m in order if m is not None]
+
+
 @torch.no_grad()
 def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int = 3, paired=None,
                   cache=None) -> dict:
@@ -113,17 +121,15 @@ def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int =
     has one of ``paired`` next to it, in alternating order, and its figures come back as
     ``stock_ms_paired`` and ``stock_kernel_ms_paired``: the GPU's clocks drift by a few percent
     between runs minutes apart, enough to misjudge two equal sets of kernels."""
-    models = (model,) if paired is None else (model, paired)
-
     def forward(which):
         own = None if cache is None else cache(which)
         extra = {} if own is None else {cache_argument(which): own}
         which(input_ids=prompt, use_cache=True, logits_to_keep=1, **extra)
 
-    events: dict = {m: [] for m in models}
+    events: dict = {m: [] for m in alternating(model, paired, 0)}
     walls: list[float] = []
     for rep in range(reps + 1):
-        for which in (models if rep % 2 == 0 else models[::-1]):
+        for which in alternating(model, paired, rep):
             clock = Clock(device, 2)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -143,9 +149,9 @@ def prefill_times(model, prompt: torch.Tensor, device: torch.device, reps: int =
     if device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
 
-        totals: dict = {m: [] for m in models}
+        totals: dict = {m: [] for m in alternating(model, paired, 0)}
         for rep in range(reps):
-            for which in (models if rep % 2 == 0 else models[::-1]):
+            for which in alternating(model, paired, rep):
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     forward(which)
                     torch.cuda.synchronize()

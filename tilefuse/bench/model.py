@@ -49,8 +49,8 @@ from typing import Callable
 
 import torch
 
-from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, forced_argmax, generate_eager, perplexity,
-                                      prefill_times, windows)
+from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, alternating, forced_argmax, generate_eager,
+                                      perplexity, prefill_times, windows)
 from tilefuse.bench.hf_models import MLA_VARIANTS, OWN_VARIANTS, Subject, load_texts, log, subjects  # noqa: F401
 
 VARIANTS = ("stock", "swiglu", "vq2")
@@ -226,11 +226,8 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
         rounds = plan.eager_rounds if mode == "eager" else plan.graph_rounds if paired is not None else 1
         steps, stock_steps, ratios, peak = [], [], [], 0.0
         for r in range(rounds):
-            order = (model, paired) if r % 2 == 0 else (paired, model)
             medians = {}
-            for which in order:
-                if which is None:
-                    continue
+            for which in alternating(model, paired, r):
                 reset_peak(device)
                 clock = Clock(device, plan.new_tokens)
                 tokens = timed_decode(which, clock)

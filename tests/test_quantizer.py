@@ -307,11 +307,33 @@ def test_finetune_tunes_dense_tensors_in_place_under_any_objective():
     assert torch.equal(fixed, torch.full((64,), 0.5))                  # a worse state is not written back
 
 
+def test_finetune_callback_sees_the_weights_of_every_step():
+    """``callback(steps_done, weights)`` runs after each step; ``weights()`` is the current dense
+    state (the tuned layers dequantized, the tuned tensors, the fixed ones), so an evaluation at a
+    chosen step scores what the optimizer holds then: the errors seen along the way fall, and the
+    last one is the error the returned state has."""
+    from tilefuse.quantizer.finetune import relative_error
+    forward, quantized, inputs, targets = _tiny_block()
+    seen = []
+
+    def callback(done, weights):
+        w = weights()
+        assert set(w) == set(quantized) and all(not t.requires_grad and t.dtype == torch.float32 for t in w.values())
+        if done % 20 == 0:
+            seen.append((done, relative_error(forward, w, inputs, targets)))
+
+    tuned, info = finetune(forward, quantized, inputs, targets, steps=60, lr=1e-3, progress=False, callback=callback)
+    assert [d for d, _ in seen] == [20, 40, 60]
+    assert seen[-1][1] < seen[0][1] < info["error_before"]
+    assert seen[-1][1] == pytest.approx(info["error_after"], rel=1e-6)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(quantized={}), "quantized: expected a non-empty dict"),
     (dict(tune={"gate": torch.ones(3)}), r"tune\['gate'\]: expected a floating-point tensor"),
     (dict(tune={"gain": torch.ones(3, dtype=torch.int32)}), r"tune\['gain'\]"),
     (dict(objective="kl"), "objective: expected a callable"),
+    (dict(callback=3), "callback: expected a callable"),
     (dict(targets=[]), "inputs, targets: expected the same"),
     (dict(steps=-1), "steps: expected an int >= 0"),
     (dict(lr=0.0), "lr: expected a float > 0"),

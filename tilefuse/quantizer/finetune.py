@@ -29,7 +29,7 @@ from tilefuse.ops.vq.reference import dequantize
 Format = tuple[torch.Tensor, torch.Tensor, torch.Tensor]       # (codes, codebooks, scales)
 
 
-def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None) -> None:
+def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None, callback=None) -> None:
     if not isinstance(quantized, dict) or not quantized:
         raise ValueError("quantized: expected a non-empty dict {name: (codes, codebooks, scales)}")
     for name, fmt in quantized.items():
@@ -57,6 +57,8 @@ def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None
     if objective is not None and not callable(objective):
         raise ValueError(f"objective: expected a callable (output, target) -> scalar tensor, got "
                          f"{type(objective).__name__}")
+    if callback is not None and not callable(callback):
+        raise ValueError(f"callback: expected a callable (steps_done, weights) -> None, got {type(callback).__name__}")
 
 
 def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
@@ -84,7 +86,9 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
              inputs: Sequence[object], targets: Sequence[torch.Tensor], *, steps: int = 100, lr: float = 1e-4,
              dense: dict[str, torch.Tensor] | None = None, tune: dict[str, torch.Tensor] | None = None,
              objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             progress: bool = True) -> tuple[dict[str, Format], dict]:
+             progress: bool = True,
+             callback: Callable[[int, Callable[[], dict[str, torch.Tensor]]], None] | None = None,
+             ) -> tuple[dict[str, Format], dict]:
     """Tune the codebooks and scales of ``quantized`` (and the tensors of ``tune``) so that
     ``forward`` matches ``targets``.
 
@@ -105,6 +109,10 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     objective : ``(output, target) -> scalar`` of one batch, differentiable in ``output``; default
         the batch's relative squared error ``||output - target||^2 / ||target||^2``.
     progress : one line per tenth of the steps to stderr.
+    callback : called after every step as ``callback(steps_done, weights)``; ``weights()`` returns
+        the current dense weights (every name of ``quantized``, ``dense`` and ``tune``, float32, no
+        gradients) for an evaluation at chosen steps (a held-out perplexity, say). Its cost is the
+        caller's: it runs between steps.
 
     Returns
     -------
@@ -114,7 +122,7 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     batches). The state with the lower error is returned (and written to ``tune``'s tensors), so
     tuning never makes the calibration error worse.
     """
-    _check_args(quantized, inputs, targets, steps, lr, tune, objective)
+    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback)
     start = time.perf_counter()
     fixed = dict(dense or {})
     extra = {name: t.detach().float().clone().requires_grad_(True) for name, t in (tune or {}).items()}
@@ -134,9 +142,12 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
             return objective(out, targets[i])
         return (out - targets[i].float()).pow(2).sum() / ref[i]
 
-    def error() -> float:
+    def snapshot() -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            w = weights()
+            return weights()
+
+    def error() -> float:
+        w = snapshot()
         if objective is None:
             return relative_error(forward, w, inputs, targets)
         return mean_objective(forward, w, inputs, targets, lambda out, y: objective(out.float(), y))
@@ -149,6 +160,8 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
         loss = batch_loss(i)
         loss.backward()
         optimizer.step()
+        if callback is not None:
+            callback(step + 1, snapshot)
         if progress and (step + 1) % max(1, steps // 10) == 0:
             print(f"tilefuse.finetune step {step + 1}/{steps}: batch loss {loss.item():.5f} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)

@@ -843,10 +843,10 @@ def test_fp8_dense_kernel_reads_the_656_byte_layout(interpret, lens, s_q, h_q, p
     _check(out, lse, inp, True)
 
 
-def test_fp8_and_sparse_kernels_run_by_default_on_the_triton_backend():
+def test_fp8_and_sparse_kernels_run_by_default_on_the_triton_backend(interpret):
     """The dense FP8 and the sparse decode run their tl kernels wherever the tl kernels run (the
     Triton backend, a 16-bit q) without anything pinned; elsewhere the references."""
-    q = torch.zeros(1, 1, 16, 576, dtype=torch.float16)
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.float16, device=interpret)
     assert configs.FP8_SPARSE_KERNELS
     with tilefuse.force(backend="triton"):
         assert op.fp8_sparse_kernels_run(q) and not op.fp8_sparse_kernels_run(q.float())
@@ -953,10 +953,11 @@ def test_fp8_cache_dense_and_sparse_decode_read_the_dequantized_values():
     assert so.dtype == torch.bfloat16 and so.shape == (2, 2, 16, 512)
 
 
-def _sparse_kernel_case(s_q, h_q, fp8, page, seed):
+def _sparse_kernel_case(s_q, h_q, fp8, page, seed, device="cpu"):
     """Random top-k lists over a paged cache with NaN in every unwritten slot (FP8: 0xFF bytes):
     -1 entries, indices past the cache, repeated tokens, a topk_length per request (one 0), a
-    second cache with its own lists, and a sink per head (one +inf, one -inf)."""
+    second cache with its own lists, and a sink per head (one +inf, one -inf); built on the CPU,
+    returned on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     lens = [300, 77, 5]
@@ -981,7 +982,7 @@ def _sparse_kernel_case(s_q, h_q, fp8, page, seed):
                              for i in range(3)])
     sink = torch.randn(h_q, generator=gen)
     sink[0], sink[-1] = float("inf"), float("-inf")
-    return inp.q, cache, idx, length, extra_cache, extra_idx, sink
+    return tuple(t.to(device) for t in (inp.q, cache, idx, length, extra_cache, extra_idx, sink))
 
 
 @pytest.mark.parametrize("s_q,h_q,fp8,page", [(1, 16, False, 64), (2, 16, True, 16), (1, 128, True, 64),
@@ -992,7 +993,8 @@ def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, ext
     index rule (-1, outside the cache, topk_length, 0 length), a second cache in the same softmax,
     the sink (+inf: output 0), heads from 3 to 128 (two 64-head tiles), 1-2 query tokens; NaN in
     every unwritten slot never reaches the output."""
-    q, cache, idx, length, extra_cache, extra_idx, sinks = _sparse_kernel_case(s_q, h_q, fp8, page, seed=h_q + s_q)
+    q, cache, idx, length, extra_cache, extra_idx, sinks = _sparse_kernel_case(s_q, h_q, fp8, page,
+                                                                               seed=h_q + s_q, device=interpret)
     kwargs = dict(is_fp8_kvcache=fp8, indices=idx, topk_length=length)
     if extra:
         kwargs.update(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_idx)
@@ -1041,7 +1043,7 @@ def test_gpu_sparse_gluon_kernel_edge_cases(s_q, h_q, page, extra, sink, num_war
         monkeypatch.setitem(configs.GLUON_SPARSE_CONFIGS, bound,
                             dict(cfg, num_warps=num_warps, BLOCK_H=max(cfg["BLOCK_H"], 2 * num_warps)))
     q, cache, idx, length, extra_cache, extra_idx, sinks = (
-        t.cuda() for t in _sparse_kernel_case(s_q, h_q, True, page, seed=7 * h_q + s_q))
+        _sparse_kernel_case(s_q, h_q, True, page, seed=7 * h_q + s_q, device="cuda"))
     q = q.to(torch.bfloat16)
     kwargs = dict(is_fp8_kvcache=True, indices=idx, topk_length=length)
     if extra:

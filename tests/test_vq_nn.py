@@ -136,3 +136,86 @@ def test_fp32_layer_and_inputs_run_the_reference():
     x = torch.randn(3, 64)
     expect = x.double() @ dequantize(codes, books.double(), scales.double(), dtype=torch.float64).T
     assert torch.allclose(layer(x).double(), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_layer_never_binds_and_copies_without_a_binding():
+    """The bound decode launch is a CUDA shortcut: a CPU layer (the reference path) makes none, and
+    a layer's pickled or copied state never carries one (its pointers belong to the original)."""
+    import copy
+    import pickle
+
+    layer = VQLinear(64, 24, dtype=torch.float32)
+    layer.load_quantized(*make_weight(24, 64, torch.float32, "cpu"))
+    y = layer(torch.randn(1, 64))
+    assert layer._bound is None and y.shape == (1, 24)
+    layer._bound = object()                      # stands for a binding: neither copy may keep it
+    assert copy.deepcopy(layer)._bound is None and pickle.loads(pickle.dumps(layer))._bound is None
+    assert layer._bound is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,m", [(4096, 4096, 1), (1024, 14336, 2), (6144, 1024, 4), (4096, 4096, 8),
+                                   (14336, 4096, 16)])
+def test_gpu_bound_decode_is_the_op_and_follows_the_layer(n, k, m):
+    """A VQLinear's decode-size calls after the first take its bound launch (the host-cost
+    shortcut) where ``vq_matmul`` runs a one-launch decode kernel (resident table: 1-4 tokens; MMA:
+    up to 16): the same result as ``vq_matmul`` on fresh inputs (to the split-K atomics' summation
+    order); weights loaded in place are read (same pointers); new buffers (``.to``), a strided or
+    misaligned input, ``force()``, gradients and CUDA-graph capture each leave it or rebind, and
+    stay correct. The shapes cover one K slice and split K (the scratch partials)."""
+    from tilefuse._launch import capture_graph
+    from tilefuse.ops.vq.op import vq_matmul
+
+    torch.manual_seed(n + k + m)
+    layer = VQLinear(k, n, bias=True, dtype=torch.float16, device="cuda")
+    layer.load_quantized(*make_weight(n, k, torch.float16, "cuda"), torch.randn(n, device="cuda").half())
+
+    def op(x):
+        return vq_matmul(x, layer.codes, layer.codebooks, layer.scales, layer.bias)
+
+    def fresh():
+        return torch.randn(m, k, device="cuda", dtype=torch.float16)
+
+    def same(a, b):      # split K adds fp32 partials atomically: the order (and the last bit) varies
+        return torch.allclose(a.float(), b.float(), atol=4e-3, rtol=4e-3)
+
+    x = fresh()
+    variant = tilefuse.explain("vq_matmul", x, layer.codes, layer.codebooks, layer.scales, layer.bias).variant
+    assert same(layer(x), op(x))
+    assert (layer._bound is not None) == (variant in ("decode", "mma")), variant
+    if layer._bound is None:
+        return
+    bound = layer._bound
+    for _ in range(3):
+        x = fresh()
+        assert bound.accepts(x, layer.codes, layer.codebooks, layer.scales, layer.bias)
+        assert same(layer(x), op(x))
+    layer.load_quantized(*make_weight(n, k, torch.float16, "cuda"), torch.randn(n, device="cuda").half())
+    x = fresh()
+    assert layer._bound is bound and same(layer(x), op(x))           # in place: same binding, new values
+    wide = torch.randn(m, k + 8, device="cuda", dtype=torch.float16)[:, 1:k + 1]   # strided, misaligned
+    assert same(layer(wide), op(wide.contiguous()))
+    odd = torch.randn(m * k + 1, device="cuda", dtype=torch.float16)[1:].view(m, k)  # contiguous, 2-byte aligned
+    assert not bound.accepts(odd, layer.codes, layer.codebooks, layer.scales, layer.bias)
+    assert same(layer(odd), op(odd))
+    with tilefuse.force(variant="dequant"):
+        assert not bound.accepts(x, layer.codes, layer.codebooks, layer.scales, layer.bias)
+        torch.testing.assert_close(layer(x).float(), op(x).float(), atol=2e-2, rtol=2e-2)
+    xg = x.clone().requires_grad_(True)
+    yg = layer(xg)
+    yg.float().sum().backward()
+    assert yg.grad_fn is not None and xg.grad is not None and torch.isfinite(xg.grad).all()
+    # capture: the replay reads the input buffer and writes its own output
+    static = fresh()
+    graph, out = capture_graph(lambda: layer(static))
+    for _ in range(2):
+        static.copy_(fresh())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same(out, op(static))
+    old = layer._bound
+    layer.to(torch.bfloat16)                                                  # new buffers
+    xb = x.bfloat16()
+    assert not old.accepts(xb, layer.codes, layer.codebooks, layer.scales, layer.bias)
+    assert same(layer(xb), op(xb)) and layer._bound is not old and layer._bound.dtype == torch.bfloat16
+

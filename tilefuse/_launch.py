@@ -104,6 +104,18 @@ class Kernel:
         launch, head, descriptors = _launcher(compiled, args)
         self._compiled[key] = (launch, head, tuple(meta[n] for n in names), descriptors)
 
+    def compiled(self, key) -> tuple | None:
+        """``(launch, head, tail)`` of the kernel compiled for plan ``key``, for a caller that
+        marshals the arguments itself (a layer that binds its weights' pointers once): the launch is
+        ``launch(gx, gy, gz, raw_stream, *head, *pointers, *scalars, *tail)`` with the kernel's run-time
+        arguments as :meth:`launch` orders them, tensors as raw pointers. None until a launch with
+        ``key`` went through :meth:`launch`, for kernels that take TMA descriptors, in the
+        interpreter, and while a launch hook is installed (the caller then takes :meth:`launch`)."""
+        entry = self._compiled.get(key)
+        if entry is None or entry[3] or _hooks_installed():
+            return None
+        return entry[0], entry[1], entry[2]
+
     def cache_clear(self) -> None:
         self._compiled.clear()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tilefuse.ops.vq.op import vq_matmul
+from tilefuse.ops.vq.op import bind_decode, vq_matmul
 
 
 class VQLinear(nn.Module):
@@ -39,6 +39,7 @@ class VQLinear(nn.Module):
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"dtype: expected float16, bfloat16 or float32, got {dtype}")
         self.in_features, self.out_features = in_features, out_features
+        self._bound = None          # ops.vq.op.BoundDecode of the last decode-size call, or None
         self.register_buffer("codes", torch.zeros(out_features, in_features // 8, 2, dtype=codes_dtype, device=device))
         self.register_buffer("codebooks", torch.zeros(2, 256, 1, 8, dtype=dtype, device=device))
         self.register_buffer("scales", torch.ones(out_features, 1, 1, 1, dtype=dtype, device=device))
@@ -48,7 +49,20 @@ class VQLinear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return vq_matmul(x, self.codes, self.codebooks, self.scales, self.bias)
+        # decode sizes: the launch bound to this layer's weights and the last input layout (a
+        # host-cost shortcut with the same kernel and result; anything else takes vq_matmul)
+        bound = getattr(self, "_bound", None)
+        if bound is not None and bound.accepts(x, self.codes, self.codebooks, self.scales, self.bias):
+            return bound(x)
+        out = vq_matmul(x, self.codes, self.codebooks, self.scales, self.bias)
+        if x.is_cuda and not torch.compiler.is_compiling():
+            bound = bind_decode(x, self.codes, self.codebooks, self.scales, self.bias)
+            if bound is not None:       # a prefill call keeps the decode binding
+                self._bound = bound
+        return out
+
+    def __getstate__(self):
+        return {**self.__dict__, "_bound": None}     # pickles and copies rebind on their first call
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, calib: torch.Tensor | None = None, *,

@@ -40,7 +40,7 @@ import torch
 
 from tilefuse import _checks, _dispatch, _env, _launch, _scratch
 from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
-from tilefuse._backend import check_interpretable, choose_backend, forced_variant, interpreting, num_sms
+from tilefuse._backend import check_interpretable, choose_backend, forced_state, forced_variant, interpreting, num_sms
 from tilefuse._library import PlanCache, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.vq import configs
 from tilefuse.ops.vq.reference import dequantize, vq_matmul_reference
@@ -157,6 +157,92 @@ def _launch_resident(call: _Call, x, codes, codebooks, scales, bias, out):
                               (x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
                               call.scalars, call.meta)
     return out
+
+
+class BoundDecode:
+    """A one-launch decode kernel's launch for one weight and one input layout, everything but the
+    input, the output, the scratch and the stream worked out once: the path ``VQLinear`` takes at
+    decode sizes. An eager decode step calls every projection once per token, and the general
+    path's plan lookup (the layout of five tensors), alignment key and argument marshalling cost
+    more host time than the kernel takes on the GPU; here a call checks that it is the bound case
+    (:meth:`accepts`: the weight tensors and pointers, x's layout, device and alignment, the
+    thread's ``force()`` state, no gradient, not compiling, no launch hook), allocates the output
+    and launches. Made by :func:`bind_decode`; any other call takes :func:`vq_matmul`."""
+
+    __slots__ = ("weights", "pointers", "shape", "dtype", "device", "device_index", "forced", "out_shape",
+                 "scratch", "args", "launch", "x_at", "out_at")
+
+    def accepts(self, x: torch.Tensor, codes, codebooks, scales, bias) -> bool:
+        weights = self.weights
+        if (codes is not weights[0] or codebooks is not weights[1] or scales is not weights[2]
+                or bias is not weights[3] or x.shape != self.shape or x.dtype != self.dtype):
+            return False
+        if (x.get_device() != self.device_index or not x.is_contiguous() or x.data_ptr() % 16
+                or torch.cuda.current_device() != self.device_index or forced_state() != self.forced):
+            return False
+        if torch.compiler.is_compiling() or _launch._hooks_installed():
+            return False
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights[1:])):
+            return False
+        return self.pointers == tuple(t.data_ptr() if t is not None else 0 for t in weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` for an ``x`` that :meth:`accepts`."""
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        args = list(self.args)
+        args[3] = torch._C._cuda_getCurrentRawStream(self.device_index)
+        args[self.x_at] = x.data_ptr()
+        args[self.out_at] = out_ptr = out.data_ptr()
+        if self.scratch:        # split-K partials and counters: this stream's (or this capture's)
+            ws, cnt = _scratch.zeroed(self.device, *self.scratch)
+            args[self.out_at + 1], args[self.out_at + 2] = ws.data_ptr(), cnt.data_ptr()
+        else:
+            args[self.out_at + 1] = args[self.out_at + 2] = out_ptr
+        self.launch(*args)
+        return out
+
+
+def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
+                bias: torch.Tensor | None) -> BoundDecode | None:
+    """A :class:`BoundDecode` for calls like ``vq_matmul(x, codes, codebooks, scales, bias)`` (made
+    after one such call has run: it reuses that call's plan and compiled kernel), or None where
+    that call does not run one of the one-launch decode kernels (the resident table kernel, 1-4
+    tokens; the MMA kernel, up to 16) on a 16-byte-aligned contiguous x with 1-byte codes and
+    contiguous weights (the dequantize and prefill paths, the CPU, the interpreter, wide codes)."""
+    if (not isinstance(codes, torch.Tensor) or codes.dtype not in CODE_DTYPES or not x.is_cuda
+            or not x.is_contiguous() or x.data_ptr() % 16 or x.device.index != torch.cuda.current_device()):
+        return None
+    call = _plans.get(plan_key(x, codes, codebooks, scales, bias))
+    if call is None or call.reference or call.copies or call.m == 0:
+        return None
+    if call.resident:                           # _launch_resident's launch
+        launch_call, kernel, code_view = call, _resident_decode(), _code_words(codes)
+    elif call.prefill is None and call.mma is not None:       # _launch_mma's
+        launch_call, code_view = call.mma, _code_pairs(codes)
+        kernel = _mma_decode() if launch_call.impl == "gluon" else _kernel("kernels", "vq_mma_kernel")
+    else:
+        return None
+    key = (launch_call, 0, code_view.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
+           bias is None or bias.data_ptr() % 16, 0)
+    compiled = kernel.compiled(key)
+    if compiled is None:
+        return None
+    launch, head, tail = compiled
+    bound = BoundDecode()
+    bound.weights = (codes, codebooks, scales, bias)
+    bound.pointers = tuple(t.data_ptr() if t is not None else 0 for t in bound.weights)
+    bound.shape, bound.dtype, bound.device = x.shape, x.dtype, x.device
+    bound.device_index, bound.forced = x.device.index, forced_state()
+    bound.out_shape, bound.scratch = call.out_shape, launch_call.scratch
+    # the launcher's arguments: grid, stream, head, then the kernel's (x, codes, codebooks, scales,
+    # bias or scales, out, ws, cnt, scalars..., constexprs...) as both launchers pass them
+    tensors = [None, code_view.data_ptr(), codebooks.data_ptr(), scales.data_ptr(),
+               (bias if bias is not None else scales).data_ptr(), None, None, None]
+    bound.args = (*launch_call.grid, None, *head, *tensors, *launch_call.scalars, *tail)
+    bound.x_at = 4 + len(head)
+    bound.out_at = bound.x_at + 5
+    bound.launch = launch
+    return bound
 
 
 def launch_decode(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", block_n=None,

@@ -411,3 +411,63 @@ def test_gpu_decode_step_captured_in_cuda_graph():
             graph.replay()
             replayed.append(token.clone())
     assert torch.equal(torch.cat(replayed, 1), torch.cat(eager, 1))
+
+
+def _rows_case(mode, batch, q_len, heads, dtype, device, seed):
+    """The projections of a decode step as ``PagedMLAAttention`` holds them (views of q and kv
+    projections), the model's rotations for ``mode``, distinct cache slots and NaN pages."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch * q_len
+    q = torch.randn(batch, q_len, heads * 192, generator=gen).to(dtype).view(batch, q_len, heads, 192)
+    kv = torch.randn(batch, q_len, 576, generator=gen).to(dtype)
+    c_kv = torch.randn(batch, q_len, 512, generator=gen).to(dtype)
+    q_lat = torch.randn(heads, rows, 512, generator=gen).to(dtype)
+    angles = torch.rand(batch, q_len, 32, generator=gen, dtype=torch.float64) * 40
+    if mode == "complex":
+        rotations = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
+    else:
+        twice = torch.cat((angles, angles), dim=-1)
+        rotations = (twice.cos().to(dtype), twice.sin().to(dtype))
+    slots = torch.randperm(5 * 64, generator=gen)[:rows]
+    pages = torch.full((5, 64, 1, 576), float("nan"), dtype=dtype)
+    out = (q_lat, q[..., 128:], kv[..., 512:], c_kv, rotations, slots, pages)
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else tuple(r.to(device) for r in t) for t in out)
+
+
+@pytest.mark.parametrize("mode", ["pairs", "halves", "complex"])
+@pytest.mark.parametrize("batch,q_len,heads", [(2, 1, 3), (1, 3, 16), (3, 2, 5)])
+def test_decode_rows_kernel_is_the_rotations_and_the_cache_write(interpret, mode, batch, q_len, heads):
+    """``ops.mla.kv.decode_rows`` (one launch per decode step and layer) gives the query and the
+    cache rows that the patched attention's PyTorch ops give: RoPE of DeepSeek-V3 (interleaved
+    pairs or halves, rounded to the 16-bit dtype op by op as PyTorch rounds) and of DeepSeek-V2
+    (complex rotations in fp32), the absorbed 512 values, rows at the slots and nowhere else.
+    Bit-exact in the interpreter (no fused multiply-adds); on a GPU within one 16-bit rounding."""
+    from tilefuse.hf.mla import _decode_rows, _rotate
+
+    q_lat, q_pe, k_pe, c_kv, rotations, slots, pages = _rows_case(mode, batch, q_len, heads, torch.float16,
+                                                                  interpret, seed=batch * 100 + q_len * 10 + heads)
+    expect_pages = pages.clone()
+    rq, rk = _rotate(q_pe, k_pe[:, :, None], rotations, mode == "pairs")
+    expect_pages.view(-1, 576).index_copy_(0, slots, torch.cat((c_kv, rk[:, :, 0]), dim=-1).reshape(-1, 576))
+    expect_q = torch.cat((q_lat.view(heads, batch, q_len, 512).permute(1, 2, 0, 3), rq), dim=-1)
+    q = _decode_rows(q_lat, q_pe, k_pe, c_kv, rotations, mode == "pairs", slots, pages)
+    assert q is not None and q.shape == (batch, q_len, heads, 576)
+    exact = interpret.type == "cpu"
+    tol = dict(atol=0, rtol=0) if exact else dict(atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(q, expect_q, **tol)
+    torch.testing.assert_close(pages, expect_pages, equal_nan=True, **tol)      # untouched rows stay NaN
+
+
+def test_decode_rows_refuses_what_it_cannot_address():
+    """The PyTorch path stays where the kernel would not run: the reference backend, fp32, cos and
+    sin in another dtype than the query (PyTorch would promote)."""
+    from tilefuse import force
+    from tilefuse.hf.mla import _decode_rows
+
+    q_lat, q_pe, k_pe, c_kv, rotations, slots, pages = _rows_case("pairs", 2, 1, 3, torch.float16, "cpu", seed=1)
+    with force(backend="reference"):
+        assert _decode_rows(q_lat, q_pe, k_pe, c_kv, rotations, True, slots, pages) is None
+    cos, sin = rotations
+    assert _decode_rows(q_lat, q_pe, k_pe, c_kv, (cos.float(), sin.float()), True, slots, pages) is None
+    args = [t.float() for t in (q_lat, q_pe, k_pe, c_kv)]
+    assert _decode_rows(*args, (cos.float(), sin.float()), True, slots, pages.float()) is None

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
+from tilefuse.ops.mla.kv import decode_rows
 from tilefuse.ops.mla.op import flash_mla_with_kvcache, get_mla_metadata
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
@@ -314,14 +315,18 @@ class PagedMLACache(Cache):
         self._batch = batch
         return _Step(prefill, batch, q_len, rows.view(-1), lens)
 
-    def write(self, layer_idx: int, plan: _Step, latent: torch.Tensor) -> None:
-        """Write layer ``layer_idx``'s new latents ``[b, s, 576]`` to the slots of ``plan``."""
+    def check_rows(self, layer_idx: int, latent: torch.Tensor) -> None:
+        """The new latents are in the pages' dtype and on their device (ValueError otherwise)."""
         pages = self.latent_pages[layer_idx]
         if latent.dtype != pages.dtype or latent.device != pages.device:
             raise ValueError(f"past_key_values: the cache holds {pages.dtype} on {pages.device}, the model "
                              f"computes {latent.dtype} on {latent.device} (build the cache with the model's "
                              f"dtype= and device=)")
-        pages.view(-1, HEAD_DIM).index_copy_(0, plan.slots, latent.reshape(-1, HEAD_DIM))
+
+    def write(self, layer_idx: int, plan: _Step, latent: torch.Tensor) -> None:
+        """Write layer ``layer_idx``'s new latents ``[b, s, 576]`` to the slots of ``plan``."""
+        self.check_rows(layer_idx, latent)
+        self.latent_pages[layer_idx].view(-1, HEAD_DIM).index_copy_(0, plan.slots, latent.reshape(-1, HEAD_DIM))
 
     def attend(self, layer_idx: int, plan: _Step, q: torch.Tensor, softmax_scale: float) -> torch.Tensor:
         """Causal MLA attention of ``q`` ``[b, s, h, 576]`` (the step's new tokens, already written)
@@ -402,20 +407,26 @@ class PagedMLAAttention:
         w_kv = self.kv_b_proj.weight
         heads = w_kv.shape[0] // (nope + v_dim)
         w_kv = w_kv.view(heads, nope + v_dim, KV_LORA_RANK)            # per head: W_UK rows, then W_UV rows
-        q_nope, q_pe, latent = self._mla_project(hidden_states, position_embeddings, heads)
-        cache.write(self.layer_idx, plan, latent)
+        q_nope, q_pe, c_kv, k_pe = self._mla_inputs(hidden_states, heads)
         rows = batch * q_len
-        q_lat = torch.bmm(q_nope.permute(2, 0, 1, 3).reshape(heads, rows, nope), w_kv[:, :nope])    # [h, b*s, 512]
-        q = torch.cat((q_lat.view(heads, batch, q_len, KV_LORA_RANK).permute(1, 2, 0, 3), q_pe), dim=-1)
+        # W_UK folded into the query: a strided batched GEMM over the heads, no reshaping copy
+        q_lat = torch.bmm(q_nope.reshape(rows, heads, nope).transpose(0, 1), w_kv[:, :nope])        # [h, b*s, 512]
+        cache.check_rows(self.layer_idx, c_kv)
+        q = _decode_rows(q_lat, q_pe, k_pe, c_kv, position_embeddings, self._mla_interleaved, plan.slots,
+                         cache.k_cache(self.layer_idx))
+        if q is None:       # the same in PyTorch ops: RoPE, the cache rows written, the query assembled
+            q_pe, k_pe = _rotate(q_pe, k_pe[:, :, None], position_embeddings, self._mla_interleaved)
+            cache.write(self.layer_idx, plan, torch.cat((c_kv, k_pe[:, :, 0]), dim=-1))
+            q = torch.cat((q_lat.view(heads, batch, q_len, KV_LORA_RANK).permute(1, 2, 0, 3), q_pe), dim=-1)
         out = cache.attend(self.layer_idx, plan, q, self._mla_scale)                                # [b, s, h, 512]
         out = torch.bmm(out.permute(2, 0, 1, 3).reshape(heads, rows, KV_LORA_RANK),
                         w_kv[:, nope:].transpose(1, 2))                                             # [h, b*s, v]
         return self.o_proj(out.permute(1, 0, 2).reshape(batch, q_len, heads * v_dim))
 
-    def _mla_project(self, hidden_states: torch.Tensor, position_embeddings, heads: int):
-        """The query and the new latents, as the model computes them: ``q_nope`` ``[b, s, h, nope]``,
-        RoPE'd ``q_pe`` ``[b, s, h, 64]`` and the cache rows ``[b, s, 576]`` (normalised ``c_kv``,
-        then the RoPE'd ``k_pe``)."""
+    def _mla_inputs(self, hidden_states: torch.Tensor, heads: int):
+        """The projections of the new tokens, as the model computes them, before RoPE: ``q_nope``
+        ``[b, s, h, nope]``, ``q_pe`` ``[b, s, h, 64]``, the normalised ``c_kv`` ``[b, s, 512]`` and
+        ``k_pe`` ``[b, s, 64]`` (views of the projections' outputs)."""
         batch, q_len, _ = hidden_states.shape
         nope, _ = self._mla_dims
         if getattr(self, "q_a_proj", None) is None:
@@ -424,8 +435,21 @@ class PagedMLAAttention:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         q_nope, q_pe = q.view(batch, q_len, heads, nope + ROPE_DIM).split((nope, ROPE_DIM), dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden_states).split((KV_LORA_RANK, ROPE_DIM), dim=-1)
-        q_pe, k_pe = _rotate(q_pe, k_pe[:, :, None], position_embeddings, self._mla_interleaved)
-        return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c_kv), k_pe[:, :, 0]), dim=-1)
+        return q_nope, q_pe, self.kv_a_layernorm(c_kv), k_pe
+
+
+def _decode_rows(q_lat, q_pe, k_pe, c_kv, position_embeddings, interleaved: bool, slots, pages):
+    """``ops.mla.kv.decode_rows`` with the model's rotations as that kernel takes them (the rotation
+    :func:`_rotate` applies), or None where it does not run."""
+    if isinstance(position_embeddings, torch.Tensor):
+        if not position_embeddings.is_complex():
+            return None                  # _rotate raises the error
+        turn = torch.view_as_real(position_embeddings)
+        cos, sin, mode = turn[..., 0], turn[..., 1], "complex"
+    else:
+        cos, sin = position_embeddings
+        mode = "pairs" if interleaved else "halves"
+    return decode_rows(q_lat, q_pe, k_pe, c_kv, cos, sin, mode, slots, pages)
 
 
 def _rotate(q: torch.Tensor, k: torch.Tensor, position_embeddings, interleaved: bool):

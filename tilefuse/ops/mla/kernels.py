@@ -670,3 +670,79 @@ def mla_scatter_rows_kernel(
         offs = tl.arange(0, BLOCK)
         row = tl.load(src_ptr + t.to(tl.int64) * WIDTH + offs, mask=offs < WIDTH)
         tl.store(dst_ptr + slot * WIDTH + offs, row, mask=offs < WIDTH)
+
+
+@triton.jit
+def _rope_pairs(src_ptr, cos_ptr, sin_ptr, cs_step, dst_ptr, MODE: tl.constexpr):
+    """RoPE of the 64 values at ``src_ptr`` into the 64 at ``dst_ptr``, as DeepSeek's PyTorch code
+    computes it: pairs ``(a, b)`` rotated by angle ``j`` (``cos``/``sin`` entries ``cs_step``
+    apart), ``a' = a cos - b sin``, ``b' = b cos' + a sin'``.
+
+    MODE 0 (V3 ``rope_interleave``): pairs ``(x[2j], x[2j+1])``, written de-interleaved (``a'`` to
+    ``j``, ``b'`` to ``32 + j``); 1 (V3 halves): pairs ``(x[j], x[j+32])``, ``cos'``/``sin'`` the
+    entries ``32 + j``; both in the model's 16-bit dtype, each product and sum rounded to it as
+    PyTorch's elementwise ops round. MODE 2 (V2 complex rotations, fp32 ``cos``/``sin``): pairs
+    ``(x[2j], x[2j+1])`` in fp32, written interleaved again, rounded once."""
+    j = tl.arange(0, 32)
+    if MODE == 1:
+        ia, ib, jb = j, j + 32, j + 32          # input pair; the angle entry of b'
+    else:
+        ia, ib, jb = 2 * j, 2 * j + 1, j
+    if MODE == 2:
+        oa, ob = 2 * j, 2 * j + 1
+    else:
+        oa, ob = j, j + 32
+    a_raw = tl.load(src_ptr + ia)
+    dt = a_raw.dtype
+    a = a_raw.to(tl.float32)
+    b = tl.load(src_ptr + ib).to(tl.float32)
+    ca = tl.load(cos_ptr + j * cs_step).to(tl.float32)
+    sa = tl.load(sin_ptr + j * cs_step).to(tl.float32)
+    cb = tl.load(cos_ptr + jb * cs_step).to(tl.float32)
+    sb = tl.load(sin_ptr + jb * cs_step).to(tl.float32)
+    if MODE == 2:
+        out_a = a * ca - b * sa
+        out_b = b * cb + a * sb
+    else:   # every product and sum rounded to the 16-bit dtype (products of two 16-bit values are exact in fp32)
+        out_a = (a * ca).to(dt).to(tl.float32) - (b * sa).to(dt).to(tl.float32)
+        out_b = (b * cb).to(dt).to(tl.float32) + (a * sb).to(dt).to(tl.float32)
+    tl.store(dst_ptr + oa, out_a.to(dst_ptr.dtype.element_ty))
+    tl.store(dst_ptr + ob, out_b.to(dst_ptr.dtype.element_ty))
+
+
+@triton.jit
+def mla_decode_rows_kernel(
+    q_lat_ptr,        # [H, R, 512] the absorbed query (q_nope @ W_UK per head), contiguous
+    q_pe_ptr,         # row r, head h at q_pe_ptr + r * q_row + h * q_head: 64 RoPE inputs
+    k_pe_ptr,         # row r at k_pe_ptr + r * k_row: the 64 RoPE inputs of the new key
+    c_kv_ptr,         # [R, 512] the normalised latents, contiguous
+    cos_ptr, sin_ptr,  # row r at + r * cs_row, entries cs_step apart
+    slot_ptr,         # [R] cache row of each new token
+    q_out_ptr,        # [R, H, 576] the query flash_mla_with_kvcache takes
+    cache_ptr,        # [num_rows, 576] the layer's pages, flat
+    H, q_row, q_head, k_row, cs_row, cs_step, num_rows,
+    MODE: tl.constexpr,
+):
+    """The new tokens of a decode step into the two places the attention reads them, one launch
+    instead of a dozen elementwise ops (an eager step is host-bound). Program ``(r, p)``:
+    ``p < H`` writes query row ``(r, p)`` = its 512 absorbed values then its 64 RoPE'd ones;
+    ``p == H`` writes token r's cache row = its 512 normalised latents then its RoPE'd key (rows
+    outside ``[0, num_rows)`` skipped)."""
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    offs = tl.arange(0, D_NOPE)
+    if p < H:
+        # query: the absorbed 512 from the bmm's head-major output, then RoPE of its 64
+        R = tl.num_programs(0).to(tl.int64)
+        dst = q_out_ptr + (r * H + p) * 576
+        tl.store(dst + offs, tl.load(q_lat_ptr + (p * R + r) * D_NOPE + offs))
+        _rope_pairs(q_pe_ptr + r * q_row + p * q_head, cos_ptr + r * cs_row, sin_ptr + r * cs_row, cs_step,
+                    dst + D_NOPE, MODE)
+    else:
+        # cache row: the normalised latent, then the RoPE'd shared key
+        slot = tl.load(slot_ptr + r).to(tl.int64)
+        if (slot >= 0) & (slot < num_rows):
+            dst = cache_ptr + slot * 576
+            tl.store(dst + offs, tl.load(c_kv_ptr + r * D_NOPE + offs).to(cache_ptr.dtype.element_ty))
+            _rope_pairs(k_pe_ptr + r * k_row, cos_ptr + r * cs_row, sin_ptr + r * cs_row, cs_step, dst + D_NOPE,
+                        MODE)

@@ -148,3 +148,53 @@ def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
         _scatter_op(latent, k_cache, slot_mapping)
     else:
         _scatter(latent, k_cache, slot_mapping)
+
+
+ROPE_MODES = {"pairs": 0, "halves": 1, "complex": 2}
+
+
+def decode_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, c_kv: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mode: str, slots: torch.Tensor, pages: torch.Tensor) -> torch.Tensor | None:
+    """A decode step's new tokens for the absorbed attention, in one launch: the query ``[b, s, h,
+    576]`` it returns (the absorbed ``q_lat`` then the RoPE'd ``q_pe``) and the cache rows it writes
+    (``c_kv`` then the RoPE'd ``k_pe``, row ``slots[i]`` of ``pages`` viewed ``[rows, 576]``).
+
+    q_lat: ``[h, b*s, 512]`` contiguous (the ``bmm`` of ``q_nope`` and ``W_UK``); q_pe: ``[b, s, h,
+    64]``, k_pe: ``[b, s, 64]``, c_kv: ``[b, s, 512]`` (views with unit last stride); cos / sin:
+    ``[b, s, n]`` (``mode`` "pairs": the first 32 of 64 entries, "halves": all 64, both in q's dtype;
+    "complex": 32 fp32 entries, any last stride); slots: ``[b*s]`` int64; pages: a contiguous cache.
+    ``mode`` and the rounding are those of ``tilefuse.hf.mla``'s rotations. Returns None where
+    the kernels do not run (the CPU without the interpreter, the reference backend, a layout the
+    launch cannot address): the caller then runs its PyTorch ops."""
+    batch, q_len, heads, _ = q_pe.shape
+    rows = batch * q_len
+    if (choose_backend(q_pe.device) != "triton" or q_pe.dtype not in (torch.float16, torch.bfloat16)
+            or not pages.is_contiguous() or not q_lat.is_contiguous() or not c_kv.is_contiguous()
+            or (mode != "complex" and (cos.dtype != q_pe.dtype or sin.dtype != q_pe.dtype))
+            or cos.stride() != sin.stride() or slots.dtype != torch.int64):
+        return None
+    strides = []
+    for t in (q_pe, k_pe, cos):            # one row stride must address (request, token) pairs
+        if t.shape[1] > 1 and t.shape[0] > 1 and t.stride(0) != q_len * t.stride(1):
+            return None
+        strides.append(t.stride(1) if q_len > 1 else t.stride(0))
+    if q_pe.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        return None
+    q = torch.empty(batch, q_len, heads, HEAD_DIM, dtype=q_pe.dtype, device=q_pe.device)
+    flat = pages.view(-1, HEAD_DIM)
+    tensors = (q_lat, q_pe, k_pe, c_kv, cos, sin, slots, q, flat)
+    scalars = (heads, strides[0], q_pe.stride(2), strides[1], strides[2], cos.stride(-1), flat.shape[0])
+    # the compiled kernel's key: what Triton specializes on (dtypes, 16-byte alignment, integers
+    # equal to 1 or multiples of 16)
+    key = (q.device, q.dtype, pages.dtype, cos.dtype, mode, _launch.aligned(*tensors),
+           tuple((v == 1, v % 16 == 0) for v in scalars))
+    _rows_kernel().launch(key, (rows, heads + 1, 1), q.device.index, tensors, scalars,
+                          dict(MODE=ROPE_MODES[mode], num_warps=4))
+    return q
+
+
+@functools.cache
+def _rows_kernel():
+    from tilefuse.ops.mla import kernels
+
+    return _launch.Kernel(kernels.mla_decode_rows_kernel)

@@ -213,3 +213,60 @@ def test_finetune_errors_name_the_argument():
         patch_vq(ToyModel(), finetune=5)
     with pytest.raises(ValueError, match="finetune needs the target Linear modules inside a list"):
         patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune=5, progress=False)
+
+
+def test_finetune_e2e_tunes_books_scales_and_norms_against_the_dense_distributions(capsys):
+    """patch_vq(finetune_e2e=N) on a tiny Llama (fp32, reference path): after the quantization,
+    every VQLinear's codebooks and scales (and the RMSNorm weights) are tuned so that the
+    next-token distributions match the dense model's: the mean KL over the calibration windows
+    falls, on held-out tokens too; the codes are untouched; with ``finetune_norms=False`` the norms
+    stay the dense model's. Deterministic on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from tilefuse.hf.vq_sequential import _next_token_kl, head_inputs
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    dense = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        dense.lm_head.weight.mul_(30)      # a random model's next-token distributions are near uniform: sharpen them
+    calib = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    held_out = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(99))]
+    opts = dict(iters=1, init_iters=3, feedback=0, progress=False)
+
+    def held_out_kl(model):
+        with torch.no_grad():
+            return float(_next_token_kl(model(held_out[0]).logits, model.lm_head, head_inputs(dense, held_out)[0]))
+
+    models = {}
+    for e2e, norms in ((0, True), (60, True), (60, False)):
+        model = transformers.LlamaForCausalLM(config).eval()
+        model.load_state_dict(dense.state_dict())
+        with tilefuse.force(backend="reference"):
+            patch_vq(model, calib, finetune_e2e=e2e, finetune_e2e_lr=3e-4, finetune_norms=norms,
+                     **{**opts, "progress": not norms})
+        models[e2e, norms] = model
+    base, tuned, books_only = models[0, True], models[60, True], models[60, False]
+    with tilefuse.force(backend="reference"):
+        kl = {key: held_out_kl(m) for key, m in models.items()}
+    assert kl[60, True] < 0.9 * kl[0, True] and kl[60, False] < kl[0, True]
+    for name, layer in tuned.named_modules():
+        if isinstance(layer, VQLinear):
+            other = base.get_submodule(name)
+            assert torch.equal(layer.codes, other.codes) and not torch.equal(layer.codebooks, other.codebooks)
+    assert not torch.equal(tuned.model.norm.weight, dense.model.norm.weight)
+    assert torch.equal(books_only.model.norm.weight, dense.model.norm.weight)
+    assert all(p.requires_grad for p in tuned.parameters())          # the model's own flags restored
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("patch_vq end to end")]
+    assert len(lines) == 11 and "s left" in lines[0] and "KL" in lines[-1]     # the one run with progress
+
+
+def test_finetune_e2e_errors_name_the_argument():
+    with pytest.raises(ValueError, match="finetune_e2e: expected an int >= 0"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=-1)
+    with pytest.raises(ValueError, match="finetune_e2e_lr: expected a number > 0"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=2, finetune_e2e_lr=0.0)
+    with pytest.raises(ValueError, match="finetune_e2e: expected calibration"):
+        patch_vq(ToyModel(), finetune_e2e=5)
+    with pytest.raises(ValueError, match="get_output_embeddings"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=5, progress=False)

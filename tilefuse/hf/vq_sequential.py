@@ -143,3 +143,116 @@ def quantize_sequential(model: nn.Module, layers: list[tuple[str, nn.Linear]], w
             print(f"patch_vq block [{b + 1}/{len(blocks)}] {err}{now - start:.1f} s; {now - begin:.1f} s so far, "
                   f"about {left:.0f} s left", file=sys.stderr, flush=True)
     return replaced, info
+
+
+# ------------------------------------------------------------------------- end-to-end tuning
+
+
+@torch.no_grad()
+def head_inputs(model: nn.Module, windows: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs of the model's output head (``get_output_embeddings()``: the final normed hidden
+    states) on each calibration window: the dense model's next-token distributions, kept as
+    ``[batch, seq, hidden]`` instead of vocabulary-wide logits."""
+    head = _output_head(model)
+    captured = []
+    handle = head.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
+    device = head.weight.device
+    try:
+        for ids in windows:
+            model(input_ids=ids.to(device), use_cache=False)
+    finally:
+        handle.remove()
+    return captured
+
+
+def _output_head(model: nn.Module) -> nn.Module:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise ValueError("model: finetune_e2e needs a causal LM whose get_output_embeddings() is an nn.Linear "
+                         "(the dense next-token head), found none")
+    return head
+
+
+def _norm_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: weight}`` of every RMSNorm-like module (its class name ends in ``RMSNorm``)."""
+    return {f"{name}.weight" if name else "weight": mod.weight for name, mod in model.named_modules()
+            if type(mod).__name__.endswith("RMSNorm") and isinstance(getattr(mod, "weight", None), torch.Tensor)}
+
+
+def _next_token_kl(logits: torch.Tensor, head: nn.Module, dense_inputs: torch.Tensor) -> torch.Tensor:
+    """KL divergence of the model's next-token distributions from the dense model's, nats per token."""
+    with torch.no_grad():
+        log_p = torch.log_softmax(head(dense_inputs.to(head.weight.dtype)).float(), dim=-1)
+    log_q = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(log_q.flatten(0, -2), log_p.flatten(0, -2), log_target=True,
+                                      reduction="batchmean")
+
+
+def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs: list[torch.Tensor], *,
+                    steps: int, lr: float, norms: bool, progress: bool) -> dict:
+    """Tune every :class:`tilefuse.nn.VQLinear`'s codebooks and scales of ``model`` together (and,
+    with ``norms``, every RMSNorm weight) so that the model's next-token distributions match the
+    dense model's on the calibration windows: Adam on fp32 copies, one window per step, the KL
+    divergence from the dense distributions (``dense_inputs``: :func:`head_inputs` of the dense
+    model) as the loss; the codes stay fixed (the 2x8 format the kernels read). AQLM's and
+    PV-tuning's end-to-end step; ``tools/vq_quality.py --e2e-loss kl --e2e-norms`` measures it.
+
+    The tuned values are written back in the tensors' own dtypes when the mean KL over the windows
+    went down, else nothing changes. Returns ``{"error_before", "error_after", "steps", "seconds"}``
+    (mean KL, nats per token)."""
+    from tilefuse.nn.vq import VQLinear
+
+    begin = time.perf_counter()
+    head = _output_head(model)
+    device = head.weight.device
+    targets = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, VQLinear):
+            targets[f"{name}.codebooks"] = mod.codebooks
+            targets[f"{name}.scales"] = mod.scales
+    if not targets:
+        raise ValueError("model: finetune_e2e tunes VQLinear layers, found none")
+    if norms:
+        targets.update(_norm_weights(model))
+    masters = {name: t.detach().float().clone().requires_grad_(True) for name, t in targets.items()}
+
+    def loss(i: int, grad: bool) -> torch.Tensor:
+        with torch.set_grad_enabled(grad):
+            # the model with the fp32 masters rounded to each tensor's dtype (the rounding passes
+            # the gradient through to the master)
+            overrides = {name: masters[name].to(t.dtype) for name, t in targets.items()}
+            out = functional_call(model, overrides, (), {"input_ids": windows[i].to(device), "use_cache": False})
+            return _next_token_kl(out.logits, head, dense_inputs[i])
+
+    def mean_kl() -> float:
+        return sum(float(loss(i, False)) for i in range(len(windows))) / len(windows)
+
+    frozen = [p for p in model.parameters() if p.requires_grad]     # gradients for the masters only
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        before = mean_kl()
+        optimizer = torch.optim.Adam(list(masters.values()), lr=lr)
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(step % len(windows), True)
+            value.backward()
+            optimizer.step()
+            if progress and (step + 1) % max(1, steps // 10) == 0:
+                now = time.perf_counter() - begin
+                print(f"patch_vq end to end [{step + 1}/{steps}] KL {value.item():.4f} nats/token; {now:.1f} s so "
+                      f"far, about {now * (steps - step - 1) / (step + 1):.0f} s left", file=sys.stderr, flush=True)
+        after = mean_kl() if steps else before
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+    if after < before:
+        with torch.no_grad():
+            for name, t in targets.items():
+                t.copy_(masters[name])
+    info = {"error_before": before, "error_after": min(before, after), "steps": steps,
+            "seconds": round(time.perf_counter() - begin, 2)}
+    if progress:
+        print(f"patch_vq end to end: KL {before:.4f} -> {info['error_after']:.4f} nats/token over {len(windows)} "
+              f"window(s), {info['seconds']:.1f} s", file=sys.stderr, flush=True)
+    return info

@@ -19,7 +19,8 @@ What runs with a :class:`PagedMLACache` (per layer, ``h`` heads, hidden ``[b, s,
 * **Decode** (every later forward, one or a few tokens per request): the absorbed form.
   ``W_UK`` (the K rows of ``kv_b_proj``) folds into the query, ``q_nope @ W_UK -> [b, s, h, 512]``,
   concatenated with the RoPE'd ``q_pe`` into ``[b, s, h, 576]``; the new tokens' latents are
-  written to the pages; attention over the pages by ``flash_mla_with_kvcache`` (causal, the
+  written to the pages (one launch for both RoPEs, the query and the cache rows on the Triton
+  backend: ``ops.mla.kv.decode_rows``); attention over the pages by ``flash_mla_with_kvcache`` (causal, the
   model's softmax scale, DeepSeek-V3's yarn ``mscale`` included); ``W_UV`` (the V rows of
   ``kv_b_proj``) maps the ``[b, s, h, 512]`` output to ``[b, s, h, v_head_dim]``; then ``o_proj``.
   Steps of more than ``512 // h`` tokens run as several calls of that many tokens (the op takes

@@ -153,6 +153,26 @@ def test_cpu_layer_never_binds_and_copies_without_a_binding():
     assert layer._bound is not None
 
 
+def test_compiled_layer_never_reaches_the_binding():
+    """``torch.compile(fullgraph=True)`` traces ``vq_matmul``'s custom op, never the bound launch
+    (whose checks read pointers, which a traced fake tensor has not): a binding that fails when
+    touched stays untouched under compilation, while an eager call does reach it."""
+    from tilefuse.ops.vq.op import vq_matmul
+
+    class Trap:
+        def accepts(self, *args):
+            raise AssertionError("the binding was consulted")
+
+    layer = VQLinear(64, 24, dtype=torch.float32)
+    layer.load_quantized(*make_weight(24, 64, torch.float32, "cpu"))
+    layer._bound = Trap()
+    x = torch.randn(2, 64)
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(out, vq_matmul(x, layer.codes, layer.codebooks, layer.scales, layer.bias))
+    with pytest.raises(AssertionError, match="consulted"):
+        layer(x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,m", [(4096, 4096, 1), (1024, 14336, 2), (6144, 1024, 4), (4096, 4096, 8),
                                    (14336, 4096, 16)])

@@ -51,11 +51,12 @@ class VQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decode sizes: the launch bound to this layer's weights and the last input layout (a
         # host-cost shortcut with the same kernel and result; anything else takes vq_matmul)
-        bound = getattr(self, "_bound", None)
+        compiling = torch.compiler.is_compiling()      # torch.compile traces vq_matmul's custom op only
+        bound = None if compiling else getattr(self, "_bound", None)
         if bound is not None and bound.accepts(x, self.codes, self.codebooks, self.scales, self.bias):
             return bound(x)
         out = vq_matmul(x, self.codes, self.codebooks, self.scales, self.bias)
-        if x.is_cuda and not torch.compiler.is_compiling():
+        if x.is_cuda and not compiling:
             bound = bind_decode(x, self.codes, self.codebooks, self.scales, self.bias)
             if bound is not None:       # a prefill call keeps the decode binding
                 self._bound = bound

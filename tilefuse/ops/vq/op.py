@@ -173,14 +173,14 @@ class BoundDecode:
                  "scratch", "args", "launch", "x_at", "out_at")
 
     def accepts(self, x: torch.Tensor, codes, codebooks, scales, bias) -> bool:
+        if torch.compiler.is_compiling() or _launch._hooks_installed():
+            return False
         weights = self.weights
         if (codes is not weights[0] or codebooks is not weights[1] or scales is not weights[2]
                 or bias is not weights[3] or x.shape != self.shape or x.dtype != self.dtype):
             return False
         if (x.get_device() != self.device_index or not x.is_contiguous() or x.data_ptr() % 16
                 or torch.cuda.current_device() != self.device_index or forced_state() != self.forced):
-            return False
-        if torch.compiler.is_compiling() or _launch._hooks_installed():
             return False
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights[1:])):
             return False

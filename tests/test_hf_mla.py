@@ -460,7 +460,8 @@ def test_decode_rows_kernel_is_the_rotations_and_the_cache_write(interpret, mode
 
 def test_decode_rows_refuses_what_it_cannot_address():
     """The PyTorch path stays where the kernel would not run: the reference backend, fp32, cos and
-    sin in another dtype than the query (PyTorch would promote)."""
+    sin in another dtype than the query (PyTorch would promote), rotations broadcast over the
+    batch (one row stride could not address them)."""
     from tilefuse import force
     from tilefuse.hf.mla import _decode_rows
 
@@ -469,5 +470,7 @@ def test_decode_rows_refuses_what_it_cannot_address():
         assert _decode_rows(q_lat, q_pe, k_pe, c_kv, rotations, True, slots, pages) is None
     cos, sin = rotations
     assert _decode_rows(q_lat, q_pe, k_pe, c_kv, (cos.float(), sin.float()), True, slots, pages) is None
+    shared = (cos[:1], sin[:1])                                        # one row of angles for the batch
+    assert _decode_rows(q_lat, q_pe, k_pe, c_kv, shared, True, slots, pages) is None
     args = [t.float() for t in (q_lat, q_pe, k_pe, c_kv)]
     assert _decode_rows(*args, (cos.float(), sin.float()), True, slots, pages.float()) is None

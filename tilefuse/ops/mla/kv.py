@@ -23,8 +23,8 @@ import torch
 from tilefuse import _checks, _launch
 from tilefuse._backend import choose_backend
 from tilefuse._library import tilefuse_op, use_dispatcher
-from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, check_page_shape, dequantize_kv_reference,
-                                        quantize_kv_reference)
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, check_page_shape,
+                                        dequantize_kv_reference, quantize_kv_reference)
 
 LATENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_CACHE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
@@ -168,6 +168,12 @@ def decode_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, c_k
     launch cannot address): the caller then runs its PyTorch ops."""
     batch, q_len, heads, _ = q_pe.shape
     rows = batch * q_len
+    angles = 32 if mode != "halves" else 64
+    if (tuple(q_lat.shape) != (heads, rows, HEAD_DIM_V) or q_pe.shape[-1] != 64
+            or tuple(k_pe.shape) != (batch, q_len, 64)
+            or tuple(c_kv.shape) != (batch, q_len, HEAD_DIM_V) or tuple(cos.shape[:2]) != (batch, q_len)
+            or cos.shape[-1] < angles or cos.shape != sin.shape or slots.numel() != rows):
+        return None                     # (broadcast rotations, say): the caller's PyTorch ops take it
     if (choose_backend(q_pe.device) != "triton" or q_pe.dtype not in (torch.float16, torch.bfloat16)
             or not pages.is_contiguous() or not q_lat.is_contiguous() or not c_kv.is_contiguous()
             or (mode != "complex" and (cos.dtype != q_pe.dtype or sin.dtype != q_pe.dtype))

@@ -92,9 +92,12 @@ def _scatter(latent, k_cache, slot_mapping) -> None:
         width = rows.shape[1]
         block = 1 << (width - 1).bit_length()
         slots = slot_mapping.contiguous()
-        key = (latent.device, rows.dtype, slots.dtype, width)
+        num_rows = rows.shape[0]
+        # what Triton specializes on: dtypes, the pointers' 16-byte alignment, num_rows == 1 or % 16
+        key = (latent.device, rows.dtype, slots.dtype, width, _launch.aligned(values, slots, rows), num_rows == 1,
+               num_rows % 16 == 0)
         _scatter_kernel().launch(key, (slots.shape[0], 1, 1), latent.device.index, (values, slots, rows),
-                                 (rows.shape[0],), dict(WIDTH=width, BLOCK=block, num_warps=4))
+                                 (num_rows,), dict(WIDTH=width, BLOCK=block, num_warps=4))
     else:
         keep = (slot_mapping >= 0) & (slot_mapping < rows.shape[0])
         rows[slot_mapping[keep].long()] = values[keep]

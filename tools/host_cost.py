@@ -9,7 +9,8 @@ eager ``generate`` pays. Per op, at a decode size (one token; the shapes of Llam
 * ``us_per_call``: wall time of ``--calls`` back-to-back calls over their count, with no
   synchronization inside the loop (the GPU runs behind: each call is far shorter on the GPU than
   on the host), after a warm-up that compiled and planned everything;
-* the PyTorch baseline's the same way (``F.linear`` for a linear layer; the two linears, SiLU
+* the PyTorch baseline's the same way (``F.linear`` for a linear layer, ``nn.Linear`` for a
+  ``VQLinear``, whose calls after the first take its bound launch; the two linears, SiLU
   and mul for the SwiGLU gate/up projection; ``torch._scaled_mm`` row-wise, SiLU and mul for the
   FP8 one, whose own call also re-quantizes its output to e4m3);
 * ``top``: the functions with the most own time in ``cProfile`` over the same calls, which names
@@ -63,6 +64,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     import tilefuse
+    from tilefuse.nn import VQLinear
     from tilefuse.ops.swiglu_fp8.reference import FP8
     from tilefuse.testing.swiglu import make_fp8_case
     from tilefuse.testing.vq import make_weight
@@ -76,6 +78,8 @@ def main() -> None:
     x16 = x.half()
     codes, codebooks, scales = make_weight(h, h, torch.float16, device, codes_dtype=torch.int8)
     w_dense = torch.randn(h, h, device=device, dtype=torch.float16) * 0.02
+    vq_layer = VQLinear(h, h, bias=False, dtype=torch.float16, device=device).load_quantized(codes, codebooks, scales)
+    dense_layer = torch.nn.Linear(h, h, bias=False, device=device, dtype=torch.float16)
     fp8 = make_fp8_case(1, h, i, device, x_scaling="token", w_scaling="channel")
     x8, xs, w8, ws = fp8.args()
     ws_row = ws.reshape(1, -1)
@@ -88,6 +92,7 @@ def main() -> None:
         "swiglu": (lambda: tilefuse.swiglu(x, w), lambda: F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)),
         "swiglu_fp8": (lambda: tilefuse.swiglu_fp8(x8, xs, w8, ws, out_dtype=FP8), scaled_mm_silu),
         "vq_matmul": (lambda: tilefuse.vq_matmul(x16, codes, codebooks, scales), lambda: F.linear(x16, w_dense)),
+        "VQLinear": (lambda: vq_layer(x16), lambda: dense_layer(x16)),      # the bound launch vs nn.Linear
     }
     rows = []
     for name, (ours, theirs) in ops.items():

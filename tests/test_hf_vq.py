@@ -270,3 +270,34 @@ def test_finetune_e2e_errors_name_the_argument():
         patch_vq(ToyModel(), finetune_e2e=5)
     with pytest.raises(ValueError, match="get_output_embeddings"):
         patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=5, progress=False)
+    with pytest.raises(ValueError, match=r"finetune_e2e_held_out: expected an int from 0 to .* \(0\), got 1"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=2, finetune_e2e_held_out=1)
+
+
+def test_finetune_e2e_held_out_windows_pick_the_state():
+    """``tune_end_to_end(held_out=2)``: the last two calibration windows (which did not calibrate
+    the quantization either) are not tuned on; the state kept is the one with the lowest KL on
+    them among the checked steps, and the model holds exactly that state afterwards (its KL on
+    those windows is the reported one)."""
+    transformers = pytest.importorskip("transformers")
+    from tilefuse.hf.vq_sequential import _next_token_kl, head_inputs, tune_end_to_end
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    windows = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    dense = head_inputs(model, windows)
+    with tilefuse.force(backend="reference"):
+        patch_vq(model, windows[:6], iters=1, init_iters=3, feedback=0, progress=False)
+        info = tune_end_to_end(model, windows, dense, steps=30, lr=3e-4, norms=True, progress=False, held_out=2)
+        with torch.no_grad():
+            held = sum(float(_next_token_kl(model(w).logits, model.lm_head, d))
+                       for w, d in zip(windows[6:], dense[6:])) / 2
+    assert info["best_step"] in (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30)
+    assert held == pytest.approx(info["error_after"], rel=1e-4) and info["error_after"] <= info["error_before"]
+    assert info["best_step"] > 0                       # this model's held-out KL does fall
+    with pytest.raises(ValueError, match="held_out: expected 0 to 7"):
+        tune_end_to_end(model, windows, dense, steps=1, lr=3e-4, norms=False, progress=False, held_out=8)

@@ -328,12 +328,47 @@ def test_finetune_callback_sees_the_weights_of_every_step():
     assert seen[-1][1] == pytest.approx(info["error_after"], rel=1e-6)
 
 
+def test_finetune_keeps_the_state_best_on_held_out_batches():
+    """``validation``: the state returned is the one with the lowest error on the given batches
+    among the start and every ``check_every`` steps, not the last one (its error is the minimum of
+    those the callback sees at the checked steps, ``best_step`` names that step). On a batch held
+    out of this tiny block's tuning every checked state is worse than the start (three batches
+    over-fit), so the given state comes back, where the tuning-error rule keeps a tuned one."""
+    from tilefuse.quantizer.finetune import relative_error
+
+    forward, quantized, inputs, targets = _tiny_block()
+
+    def error_of(formats, batches):
+        return relative_error(forward, {n: dequantize(*f, dtype=torch.float32) for n, f in formats.items()}, *batches)
+
+    seen = {}
+
+    def callback(done, weights):
+        if done % 5 == 0:
+            seen[done] = relative_error(forward, weights(), inputs, targets)
+
+    tuned, info = finetune(forward, quantized, inputs, targets, steps=40, lr=1e-2, progress=False,
+                           validation=(inputs, targets), check_every=5, callback=callback)
+    best_step = min(seen, key=seen.get)
+    assert info["best_step"] == best_step and info["error_after"] == pytest.approx(seen[best_step], rel=1e-6)
+    assert error_of(tuned, (inputs, targets)) == pytest.approx(seen[best_step], rel=1e-5)
+    assert seen[best_step] < info["error_before"]
+    held = ([inputs[3]], [targets[3]])
+    kept, info = finetune(forward, quantized, inputs[:3], targets[:3], steps=40, lr=1e-3, progress=False,
+                          validation=held, check_every=5)
+    assert info["best_step"] == 0 and all(torch.equal(kept[n][1], quantized[n][1]) for n in kept)
+    last, _ = finetune(forward, quantized, inputs[:3], targets[:3], steps=40, lr=1e-3, progress=False)
+    assert error_of(last, held) > error_of(kept, held)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(quantized={}), "quantized: expected a non-empty dict"),
     (dict(tune={"gate": torch.ones(3)}), r"tune\['gate'\]: expected a floating-point tensor"),
     (dict(tune={"gain": torch.ones(3, dtype=torch.int32)}), r"tune\['gain'\]"),
     (dict(objective="kl"), "objective: expected a callable"),
     (dict(callback=3), "callback: expected a callable"),
+    (dict(validation=([], [])), "validation: expected"),
+    (dict(check_every=0), "check_every: expected an int >= 1"),
     (dict(targets=[]), "inputs, targets: expected the same"),
     (dict(steps=-1), "steps: expected an int >= 0"),
     (dict(lr=0.0), "lr: expected a float > 0"),

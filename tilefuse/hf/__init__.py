@@ -80,7 +80,7 @@ VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool | None = None,
              finetune: int = 0, finetune_lr: float = 1e-4, finetune_e2e: int = 0, finetune_e2e_lr: float = 3e-4,
-             finetune_norms: bool = True, **quantize_opts) -> int:
+             finetune_norms: bool = True, finetune_e2e_held_out: int = 0, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -129,6 +129,10 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         SmolLM2-135M at 2x8: perplexity 28.1 -> 22.4 with 78 steps (docs/vq_quality.md).
     finetune_e2e_lr : Adam's learning rate for ``finetune_e2e``.
     finetune_norms : with ``finetune_e2e``, the RMSNorm weights are tuned too.
+    finetune_e2e_held_out : calibration windows (the last ones) kept out of the quantization and
+        all tuning, to pick the end-to-end tuning's state: the lowest KL on them among the start and
+        every tenth of the steps (0: the state with the lowest KL on the tuning windows, which keeps
+        falling after the model stops improving on other text).
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -154,6 +158,10 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         raise ValueError(f"finetune_e2e: expected an int >= 0 (Adam steps over the whole model), got {finetune_e2e!r}")
     if not isinstance(finetune_e2e_lr, (int, float)) or isinstance(finetune_e2e_lr, bool) or not finetune_e2e_lr > 0:
         raise ValueError(f"finetune_e2e_lr: expected a number > 0, got {finetune_e2e_lr!r}")
+    if (not isinstance(finetune_e2e_held_out, int) or isinstance(finetune_e2e_held_out, bool)
+            or not 0 <= finetune_e2e_held_out < max(len(windows), 1)):
+        raise ValueError(f"finetune_e2e_held_out: expected an int from 0 to the calibration windows less one "
+                         f"({max(len(windows) - 1, 0)}), got {finetune_e2e_held_out!r}")
     if finetune_e2e and not windows:
         raise ValueError("finetune_e2e: expected calibration token ids with finetune_e2e > 0 (the dense "
                          "next-token distributions to match come from them), got none")
@@ -161,10 +169,11 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         from tilefuse.hf.vq_sequential import head_inputs, tune_end_to_end
 
         dense_inputs = head_inputs(model, windows)           # before any layer is replaced
-        replaced = patch_vq(model, calibration, targets=targets, seed=seed, progress=progress, finetune=finetune,
+        fitted = windows[:len(windows) - finetune_e2e_held_out]  # held-out windows calibrate nothing
+        replaced = patch_vq(model, fitted, targets=targets, seed=seed, progress=progress, finetune=finetune,
                             finetune_lr=finetune_lr, **quantize_opts)
         tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
-                        norms=bool(finetune_norms), progress=progress)
+                        norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out)
         return replaced
     if finetune:
         from tilefuse.hf.vq_sequential import quantize_sequential

@@ -29,7 +29,8 @@ from tilefuse.ops.vq.reference import dequantize
 Format = tuple[torch.Tensor, torch.Tensor, torch.Tensor]       # (codes, codebooks, scales)
 
 
-def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None, callback=None) -> None:
+def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None, callback=None, validation=None,
+                check_every=None) -> None:
     if not isinstance(quantized, dict) or not quantized:
         raise ValueError("quantized: expected a non-empty dict {name: (codes, codebooks, scales)}")
     for name, fmt in quantized.items():
@@ -59,6 +60,12 @@ def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None
                          f"{type(objective).__name__}")
     if callback is not None and not callable(callback):
         raise ValueError(f"callback: expected a callable (steps_done, weights) -> None, got {type(callback).__name__}")
+    if validation is not None and (not isinstance(validation, (tuple, list)) or len(validation) != 2
+                                   or not len(validation[0]) or len(validation[0]) != len(validation[1])):
+        raise ValueError("validation: expected (inputs, targets) with the same non-zero number of batches")
+    if check_every is not None and (not isinstance(check_every, int) or isinstance(check_every, bool)
+                                    or check_every < 1):
+        raise ValueError(f"check_every: expected an int >= 1, got {check_every!r}")
 
 
 def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
@@ -88,7 +95,8 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
              objective: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
              progress: bool = True,
              callback: Callable[[int, Callable[[], dict[str, torch.Tensor]]], None] | None = None,
-             ) -> tuple[dict[str, Format], dict]:
+             validation: tuple[Sequence[object], Sequence[torch.Tensor]] | None = None,
+             check_every: int | None = None) -> tuple[dict[str, Format], dict]:
     """Tune the codebooks and scales of ``quantized`` (and the tensors of ``tune``) so that
     ``forward`` matches ``targets``.
 
@@ -109,6 +117,11 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     objective : ``(output, target) -> scalar`` of one batch, differentiable in ``output``; default
         the batch's relative squared error ``||output - target||^2 / ||target||^2``.
     progress : one line per tenth of the steps to stderr.
+    validation : ``(inputs, targets)`` held out from the tuning: the state kept is the one with the
+        lowest error on them among the start and every ``check_every`` steps (the last step
+        included), instead of the lowest error on the tuning batches (which keeps falling while
+        the model stops improving on other text).
+    check_every : steps between validation checks; default a tenth of ``steps``.
     callback : called after every step as ``callback(steps_done, weights)``; ``weights()`` returns
         the current dense weights (every name of ``quantized``, ``dense`` and ``tune``, float32, no
         gradients) for an evaluation at chosen steps (a held-out perplexity, say). Its cost is the
@@ -119,10 +132,10 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     ``({name: (codes, codebooks, scales)}, info)``: the codes as given, the tuned codebooks and
     scales in their dtypes; ``info``: ``{"error_before", "error_after", "steps", "seconds"}``
     (the relative output error over all batches, or with ``objective`` its mean over the
-    batches). The state with the lower error is returned (and written to ``tune``'s tensors), so
-    tuning never makes the calibration error worse.
+    batches; with ``validation``, over its batches, and ``"best_step"``). The state with the lower
+    error is returned (and written to ``tune``'s tensors), so tuning never makes that error worse.
     """
-    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback)
+    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback, validation, check_every)
     start = time.perf_counter()
     fixed = dict(dense or {})
     extra = {name: t.detach().float().clone().requires_grad_(True) for name, t in (tune or {}).items()}
@@ -146,14 +159,20 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
         with torch.no_grad():
             return weights()
 
+    scored_inputs, scored_targets = validation if validation is not None else (inputs, targets)
+
     def error() -> float:
         w = snapshot()
         if objective is None:
-            return relative_error(forward, w, inputs, targets)
-        return mean_objective(forward, w, inputs, targets, lambda out, y: objective(out.float(), y))
+            return relative_error(forward, w, scored_inputs, scored_targets)
+        return mean_objective(forward, w, scored_inputs, scored_targets, lambda out, y: objective(out.float(), y))
 
+    tensors = {**{("books", n): t for n, t in books.items()}, **{("scales", n): t for n, t in scales.items()},
+               **{("extra", n): t for n, t in extra.items()}}
     before = error()
-    optimizer = torch.optim.Adam([*books.values(), *scales.values(), *extra.values()], lr=lr)
+    best, best_step, kept = before, 0, None          # kept: a copy of the best checked state (validation)
+    every = check_every or max(1, steps // 10)
+    optimizer = torch.optim.Adam(list(tensors.values()), lr=lr)
     for step in range(steps):
         i = step % len(inputs)
         optimizer.zero_grad(set_to_none=True)
@@ -162,11 +181,23 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
         optimizer.step()
         if callback is not None:
             callback(step + 1, snapshot)
+        if validation is not None and ((step + 1) % every == 0 or step + 1 == steps):
+            err = error()
+            if err < best:
+                best, best_step = err, step + 1
+                kept = {key: t.detach().clone() for key, t in tensors.items()}
         if progress and (step + 1) % max(1, steps // 10) == 0:
             print(f"tilefuse.finetune step {step + 1}/{steps}: batch loss {loss.item():.5f} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-    after = error()
-    keep = after < before
+    if validation is not None:
+        keep, after = kept is not None, best
+        if keep:
+            with torch.no_grad():
+                for key, t in tensors.items():
+                    t.copy_(kept[key])
+    else:
+        after = error()
+        keep = after < before
     if keep:
         with torch.no_grad():
             for name, t in (tune or {}).items():
@@ -177,4 +208,6 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
               for name in quantized}
     info = {"error_before": before, "error_after": min(after, before), "steps": steps,
             "seconds": round(time.perf_counter() - start, 2)}
+    if validation is not None:
+        info["best_step"] = best_step
     return result, info

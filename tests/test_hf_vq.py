@@ -215,6 +215,19 @@ def test_finetune_errors_name_the_argument():
         patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune=5, progress=False)
 
 
+def _sharp_tiny_llama(transformers):
+    """(config, a tiny random Llama whose next-token distributions are sharpened (a random model's
+    are near uniform, so their KL says little), 8 calibration windows of [2, 32] token ids)."""
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    windows = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    return config, model, windows
+
+
 def test_finetune_e2e_tunes_books_scales_and_norms_against_the_dense_distributions(capsys):
     """patch_vq(finetune_e2e=N) on a tiny Llama (fp32, reference path): after the quantization,
     every VQLinear's codebooks and scales (and the RMSNorm weights) are tuned so that the
@@ -224,13 +237,7 @@ def test_finetune_e2e_tunes_books_scales_and_norms_against_the_dense_distributio
     transformers = pytest.importorskip("transformers")
     from tilefuse.hf.vq_sequential import _next_token_kl, head_inputs
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    dense = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        dense.lm_head.weight.mul_(30)      # a random model's next-token distributions are near uniform: sharpen them
-    calib = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    config, dense, calib = _sharp_tiny_llama(transformers)
     held_out = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(99))]
     opts = dict(iters=1, init_iters=3, feedback=0, progress=False)
 
@@ -282,13 +289,7 @@ def test_finetune_e2e_held_out_windows_pick_the_state():
     transformers = pytest.importorskip("transformers")
     from tilefuse.hf.vq_sequential import _next_token_kl, head_inputs, tune_end_to_end
 
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)
-    windows = [torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(8)]
+    _, model, windows = _sharp_tiny_llama(transformers)
     dense = head_inputs(model, windows)
     with tilefuse.force(backend="reference"):
         patch_vq(model, windows[:6], iters=1, init_iters=3, feedback=0, progress=False)

@@ -147,12 +147,18 @@ def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool)
     return call
 
 
+def _decode_key(call: _Call, x_align: int, code_view, codebooks, scales, bias, out_align: int) -> tuple:
+    """The compiled-kernel key of a decode launch (resident or MMA): its plan and the 16-byte
+    alignment of each pointer the kernel takes (x's and out's given as ``data_ptr() % 16``)."""
+    return (call, x_align, code_view.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
+            bias is None or bias.data_ptr() % 16, out_align)
+
+
 def _launch_resident(call: _Call, x, codes, codebooks, scales, bias, out):
     """x: M contiguous rows of K (any leading shape); scales: N contiguous; out: M contiguous rows of N."""
     ws, cnt = _scratch.zeroed(x.device, *call.scratch) if call.scratch else (out, out)
     words = _code_words(codes)
-    key = (call, x.data_ptr() % 16, words.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
-           bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
+    key = _decode_key(call, x.data_ptr() % 16, words, codebooks, scales, bias, out.data_ptr() % 16)
     _resident_decode().launch(key, call.grid, x.device.index,
                               (x, words, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
                               call.scalars, call.meta)
@@ -218,13 +224,10 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
     if call.resident:                           # _launch_resident's launch
         launch_call, kernel, code_view = call, _resident_decode(), _code_words(codes)
     elif call.prefill is None and call.mma is not None:       # _launch_mma's
-        launch_call, code_view = call.mma, _code_pairs(codes)
-        kernel = _mma_decode() if launch_call.impl == "gluon" else _kernel("kernels", "vq_mma_kernel")
+        launch_call, kernel, code_view = call.mma, _mma_kernel(call.mma), _code_pairs(codes)
     else:
         return None
-    key = (launch_call, 0, code_view.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
-           bias is None or bias.data_ptr() % 16, 0)
-    compiled = kernel.compiled(key)
+    compiled = kernel.compiled(_decode_key(launch_call, 0, code_view, codebooks, scales, bias, 0))
     if compiled is None:
         return None
     launch, head, tail = compiled
@@ -347,15 +350,18 @@ def _mma_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, impl
     return call
 
 
+def _mma_kernel(call: _Call) -> _launch.Kernel:
+    """The MMA decode's kernel for a plan: the Gluon one, or its ``tl`` twin."""
+    return _mma_decode() if call.impl == "gluon" else _kernel("kernels", "vq_mma_kernel")
+
+
 def _launch_mma(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.Tensor:
     ws, cnt = _scratch.zeroed(x2d.device, *call.scratch) if call.scratch else (out, out)
     codes16 = _code_pairs(codes)
-    key = (call, x2d.data_ptr() % 16, codes16.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16,
-           bias is None or bias.data_ptr() % 16, out.data_ptr() % 16)
-    kernel = _mma_decode() if call.impl == "gluon" else _kernel("kernels", "vq_mma_kernel")
-    kernel.launch(key, call.grid, x2d.device.index,
-                  (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
-                  call.scalars, call.meta)
+    key = _decode_key(call, x2d.data_ptr() % 16, codes16, codebooks, scales, bias, out.data_ptr() % 16)
+    _mma_kernel(call).launch(key, call.grid, x2d.device.index,
+                             (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
+                             call.scalars, call.meta)
     return out
 
 

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from tilefuse.quantizer.finetune import adam_keep_best
+
 
 class _Captured(Exception):
     """Raised by the first block's hook: the forward has gone as far as it needs to."""
@@ -239,29 +241,17 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
     for p in frozen:
         p.requires_grad_(False)
     every = max(1, steps // 10)
+
+    def on_step(done: int, value: torch.Tensor) -> None:
+        if progress and done % every == 0:
+            now = time.perf_counter() - begin
+            print(f"patch_vq end to end [{done}/{steps}] KL {value.item():.4f} nats/token; {now:.1f} s so "
+                  f"far, about {now * (steps - done) / done:.0f} s left", file=sys.stderr, flush=True)
+
     try:
-        before = mean_kl()
-        best, best_step, kept = before, 0, None
-        optimizer = torch.optim.Adam(list(masters.values()), lr=lr)
-        for step in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            value = loss(step % tuned, True)
-            value.backward()
-            optimizer.step()
-            if held_out and ((step + 1) % every == 0 or step + 1 == steps):
-                held = mean_kl()
-                if held < best:
-                    best, best_step = held, step + 1
-                    kept = {name: m.detach().clone() for name, m in masters.items()}
-            if progress and (step + 1) % every == 0:
-                now = time.perf_counter() - begin
-                print(f"patch_vq end to end [{step + 1}/{steps}] KL {value.item():.4f} nats/token; {now:.1f} s so "
-                      f"far, about {now * (steps - step - 1) / (step + 1):.0f} s left", file=sys.stderr, flush=True)
-        if held_out:
-            after, final = best, kept
-        else:
-            after = mean_kl() if steps else before
-            final = masters if after < before else None
+        final, before, after, best_step = adam_keep_best(masters, lambda step: loss(step % tuned, True), steps, lr,
+                                                         mean_kl, validated=bool(held_out), check_every=every,
+                                                         on_step=on_step)
     finally:
         for p in frozen:
             p.requires_grad_(True)
@@ -269,7 +259,7 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
         with torch.no_grad():
             for name, t in targets.items():
                 t.copy_(final[name])
-    info = {"error_before": before, "error_after": min(before, after), "steps": steps,
+    info = {"error_before": before, "error_after": after, "steps": steps,
             "seconds": round(time.perf_counter() - begin, 2)}
     if held_out:
         info["best_step"] = best_step

@@ -89,6 +89,37 @@ def mean_objective(forward: Callable[[dict[str, torch.Tensor], object], torch.Te
         return sum(float(objective(forward(weights, x), y)) for x, y in zip(inputs, targets)) / len(inputs)
 
 
+def adam_keep_best(tensors: dict, step_loss: Callable[[int], torch.Tensor], steps: int, lr: float,
+                   error: Callable[[], float], *, validated: bool, check_every: int,
+                   on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[dict | None, float, float, int]:
+    """Adam on ``tensors`` (fp32 leaves with gradients), ``steps`` steps of ``step_loss(step)``, and
+    which state to keep: with ``validated``, the copy of the state with the lowest ``error()``
+    among the start and every ``check_every`` steps (the last step included), None if the start
+    was best; otherwise ``tensors`` themselves if ``error()`` fell over the tuning, else None.
+    ``on_step(steps_done, loss)`` runs after every step. Returns ``(state to keep or None, error
+    before, error of the kept state or of the start, the step kept)``; the shared loop of
+    :func:`finetune` and ``hf.vq_sequential.tune_end_to_end``."""
+    before = error()
+    best, best_step, kept = before, 0, None
+    optimizer = torch.optim.Adam(list(tensors.values()), lr=lr)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = step_loss(step)
+        loss.backward()
+        optimizer.step()
+        if on_step is not None:
+            on_step(step + 1, loss)
+        if validated and ((step + 1) % check_every == 0 or step + 1 == steps):
+            err = error()
+            if err < best:
+                best, best_step = err, step + 1
+                kept = {key: t.detach().clone() for key, t in tensors.items()}
+    if validated:
+        return kept, before, best, best_step
+    after = error() if steps else before
+    return (tensors if after < before else None), before, min(after, before), steps if after < before else 0
+
+
 def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor], quantized: dict[str, Format],
              inputs: Sequence[object], targets: Sequence[torch.Tensor], *, steps: int = 100, lr: float = 1e-4,
              dense: dict[str, torch.Tensor] | None = None, tune: dict[str, torch.Tensor] | None = None,
@@ -169,44 +200,30 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
 
     tensors = {**{("books", n): t for n, t in books.items()}, **{("scales", n): t for n, t in scales.items()},
                **{("extra", n): t for n, t in extra.items()}}
-    before = error()
-    best, best_step, kept = before, 0, None          # kept: a copy of the best checked state (validation)
     every = check_every or max(1, steps // 10)
-    optimizer = torch.optim.Adam(list(tensors.values()), lr=lr)
-    for step in range(steps):
-        i = step % len(inputs)
-        optimizer.zero_grad(set_to_none=True)
-        loss = batch_loss(i)
-        loss.backward()
-        optimizer.step()
+
+    def on_step(done: int, loss: torch.Tensor) -> None:
         if callback is not None:
-            callback(step + 1, snapshot)
-        if validation is not None and ((step + 1) % every == 0 or step + 1 == steps):
-            err = error()
-            if err < best:
-                best, best_step = err, step + 1
-                kept = {key: t.detach().clone() for key, t in tensors.items()}
-        if progress and (step + 1) % max(1, steps // 10) == 0:
-            print(f"tilefuse.finetune step {step + 1}/{steps}: batch loss {loss.item():.5f} "
+            callback(done, snapshot)
+        if progress and done % max(1, steps // 10) == 0:
+            print(f"tilefuse.finetune step {done}/{steps}: batch loss {loss.item():.5f} "
                   f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-    if validation is not None:
-        keep, after = kept is not None, best
-        if keep:
-            with torch.no_grad():
-                for key, t in tensors.items():
-                    t.copy_(kept[key])
-    else:
-        after = error()
-        keep = after < before
+
+    state, before, after, best_step = adam_keep_best(tensors, lambda step: batch_loss(step % len(inputs)), steps, lr,
+                                                     error, validated=validation is not None, check_every=every,
+                                                     on_step=on_step)
+    keep = state is not None
     if keep:
         with torch.no_grad():
+            for key, t in tensors.items():
+                t.copy_(state[key])
             for name, t in (tune or {}).items():
                 t.copy_(extra[name])
     result = {name: (codes[name],
                      (books[name] if keep else quantized[name][1]).detach().to(quantized[name][1].dtype),
                      (scales[name] if keep else quantized[name][2]).detach().to(quantized[name][2].dtype))
               for name in quantized}
-    info = {"error_before": before, "error_after": min(after, before), "steps": steps,
+    info = {"error_before": before, "error_after": after, "steps": steps,
             "seconds": round(time.perf_counter() - start, 2)}
     if validation is not None:
         info["best_step"] = best_step

@@ -173,14 +173,66 @@ def test_compiled_layer_never_reaches_the_binding():
         layer(x)
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_bound_dequant_passes_the_launcher_what_the_kernel_launch_does(monkeypatch, with_bias):
+    """The bound dequantize path marshals the compiled launcher's arguments itself (grid, stream,
+    head, codes, codebooks, scales, the fresh W buffer, the sizes, tail); checked on the CPU
+    against ``Kernel.launch`` of the same kernel and tensors, both through a recording launcher,
+    and the result is ``x W^T (+ bias)`` of the W buffer the kernel fills."""
+    from tilefuse.ops.vq import op
+
+    n, k = 48, 64
+    codes, codebooks, scales = make_weight(n, k, torch.float32, "cpu")
+    bias = torch.randn(n) if with_bias else None
+    x = torch.randn(1, k)
+    kernel = op._kernel("kernels", "vq_dequant_kernel")
+    key = op._dequant_key(x.dtype, codes, codebooks, scales, n, k, op.DEQUANT_LAUNCH)
+    w_value = dequantize(codes, codebooks, scales, dtype=torch.float32)
+    calls, buffers = [], {}
+
+    def launcher(*args):         # records, and fills the W buffer as the kernel would
+        calls.append(args)
+        w_ptr = args[4 + 1 + 3]
+        if w_ptr in buffers:
+            buffers[w_ptr].copy_(w_value)
+
+    real_empty = torch.empty
+
+    def empty(*shape, **kwargs):      # the bound call's W buffer, found again by its pointer
+        t = real_empty(*shape, **kwargs)
+        buffers[t.data_ptr()] = t
+        return t
+
+    monkeypatch.setitem(kernel._compiled, key, (launcher, ("head",), ("tail",), None))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 77, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    call = op._Call()
+    call.out_shape, call.variant, call.mma, call.prefill = (1, n), "dequant", None, None
+    bound = op._bind_dequant(x, call, codes, codebooks, scales, bias)
+    assert isinstance(bound, op.BoundDequant)
+    monkeypatch.setattr(torch, "empty", empty)
+    y = bound(x)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    w = torch.empty(n, k)
+    kernel.launch(key, op._dequant_grid(n, k, op.DEQUANT_LAUNCH), None, (codes, codebooks, scales, w),
+                  (n, k // 8, k // 4, k), dict(op.DEQUANT_LAUNCH))
+    bound_args, launch_args = calls
+    w_at = 4 + 1 + 3
+    assert bound_args[:3] == launch_args[:3] and bound_args[3] == 77
+    assert bound_args[4:w_at] + bound_args[w_at + 1:] == launch_args[4:w_at] + launch_args[w_at + 1:]
+    expect = x @ w_value.t() + (bias if bias is not None else 0)
+    torch.testing.assert_close(y, expect)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k,m", [(4096, 4096, 1), (1024, 14336, 2), (6144, 1024, 4), (4096, 4096, 8),
-                                   (14336, 4096, 16)])
+                                   (14336, 4096, 16), (256, 1536, 1), (256, 1536, 16)])
 def test_gpu_bound_decode_is_the_op_and_follows_the_layer(n, k, m):
     """A VQLinear's decode-size calls after the first take its bound launch (the host-cost
     shortcut) where ``vq_matmul`` runs a one-launch decode kernel (resident table: 1-4 tokens; MMA:
-    up to 16): the same result as ``vq_matmul`` on fresh inputs (to the split-K atomics' summation
-    order); weights loaded in place are read (same pointers); new buffers (``.to``), a strided or
+    up to 16) or the dequantize path (small layers: 256 x 1536, Qwen2.5-1.5B's key and value
+    projections): the same result as ``vq_matmul`` on fresh inputs (to the split-K atomics'
+    summation order); weights loaded in place are read (same pointers); new buffers (``.to``), a strided or
     misaligned input, ``force()``, gradients and CUDA-graph capture each leave it or rebind, and
     stay correct. The shapes cover one K slice and split K (the scratch partials)."""
     from tilefuse._launch import capture_graph
@@ -202,7 +254,7 @@ def test_gpu_bound_decode_is_the_op_and_follows_the_layer(n, k, m):
     x = fresh()
     variant = tilefuse.explain("vq_matmul", x, layer.codes, layer.codebooks, layer.scales, layer.bias).variant
     assert same(layer(x), op(x))
-    assert (layer._bound is not None) == (variant in ("decode", "mma")), variant
+    assert (layer._bound is not None) == (variant in ("decode", "mma", "dequant")), variant
     if layer._bound is None:
         return
     bound = layer._bound

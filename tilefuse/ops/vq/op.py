@@ -192,6 +192,13 @@ class BoundDecode:
             return False
         return self.pointers == tuple(t.data_ptr() if t is not None else 0 for t in weights)
 
+    def _bind(self, x: torch.Tensor, weights: tuple, out_shape: tuple) -> None:
+        self.weights = weights
+        self.pointers = tuple(t.data_ptr() if t is not None else 0 for t in weights)
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.device_index, self.forced = x.device.index, forced_state()
+        self.out_shape = out_shape
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T (+ bias)`` for an ``x`` that :meth:`accepts`."""
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
@@ -208,19 +215,41 @@ class BoundDecode:
         return out
 
 
+class BoundDequant(BoundDecode):
+    """The dequantize + cuBLAS path bound the same way (where the cost model picks it at decode
+    sizes: small layers, e.g. 256 x 1536 key/value projections): one dequantize launch into a fresh
+    ``[N, K]`` buffer of x's dtype, then ``torch.mm`` / ``torch.addmm`` with the bias."""
+
+    __slots__ = ("w_shape",)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.empty(self.w_shape, dtype=self.dtype, device=self.device)
+        args = list(self.args)
+        args[3] = torch._C._cuda_getCurrentRawStream(self.device_index)
+        args[self.out_at] = w.data_ptr()
+        self.launch(*args)
+        x2d = x.view(-1, self.w_shape[1])
+        bias = self.weights[3]
+        out = torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())
+        return out.view(self.out_shape)
+
+
 def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> BoundDecode | None:
     """A :class:`BoundDecode` for calls like ``vq_matmul(x, codes, codebooks, scales, bias)`` (made
     after one such call has run: it reuses that call's plan and compiled kernel), or None where
     that call does not run one of the one-launch decode kernels (the resident table kernel, 1-4
-    tokens; the MMA kernel, up to 16) on a 16-byte-aligned contiguous x with 1-byte codes and
-    contiguous weights (the dequantize and prefill paths, the CPU, the interpreter, wide codes)."""
+    tokens; the MMA kernel, up to 16) or the dequantize path (:class:`BoundDequant`; a bias in x's
+    dtype) on a 16-byte-aligned contiguous x with 1-byte codes and contiguous weights (the
+    prefill path, the CPU, the interpreter, wide codes)."""
     if (not isinstance(codes, torch.Tensor) or codes.dtype not in CODE_DTYPES or not x.is_cuda
             or not x.is_contiguous() or x.data_ptr() % 16 or x.device.index != torch.cuda.current_device()):
         return None
     call = _plans.get(plan_key(x, codes, codebooks, scales, bias))
     if call is None or call.reference or call.copies or call.m == 0:
         return None
+    if call.variant == "dequant" and call.mma is None and call.prefill is None:
+        return _bind_dequant(x, call, codes, codebooks, scales, bias)
     if call.resident:                           # _launch_resident's launch
         launch_call, kernel, code_view = call, _resident_decode(), _code_words(codes)
     elif call.prefill is None and call.mma is not None:       # _launch_mma's
@@ -232,11 +261,8 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
         return None
     launch, head, tail = compiled
     bound = BoundDecode()
-    bound.weights = (codes, codebooks, scales, bias)
-    bound.pointers = tuple(t.data_ptr() if t is not None else 0 for t in bound.weights)
-    bound.shape, bound.dtype, bound.device = x.shape, x.dtype, x.device
-    bound.device_index, bound.forced = x.device.index, forced_state()
-    bound.out_shape, bound.scratch = call.out_shape, launch_call.scratch
+    bound._bind(x, (codes, codebooks, scales, bias), call.out_shape)
+    bound.scratch = launch_call.scratch
     # the launcher's arguments: grid, stream, head, then the kernel's (x, codes, codebooks, scales,
     # bias or scales, out, ws, cnt, scalars..., constexprs...) as both launchers pass them
     tensors = [None, code_view.data_ptr(), codebooks.data_ptr(), scales.data_ptr(),
@@ -244,6 +270,29 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
     bound.args = (*launch_call.grid, None, *head, *tensors, *launch_call.scalars, *tail)
     bound.x_at = 4 + len(head)
     bound.out_at = bound.x_at + 5
+    bound.launch = launch
+    return bound
+
+
+def _bind_dequant(x, call: _Call, codes, codebooks, scales, bias) -> BoundDequant | None:
+    """:func:`bind_decode` for the dequantize path (``launch_dequant``'s launch, then cuBLAS)."""
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        return None
+    n, k = codes.shape[0], x.shape[-1]
+    compiled = _kernel("kernels", "vq_dequant_kernel").compiled(
+        _dequant_key(x.dtype, codes, codebooks, scales, n, k, DEQUANT_LAUNCH))
+    if compiled is None:
+        return None
+    launch, head, tail = compiled
+    bound = BoundDequant()
+    bound._bind(x, (codes, codebooks, scales, bias), call.out_shape)
+    bound.scratch, bound.w_shape = None, (n, k)
+    # the launcher's arguments: grid, stream, head, then the kernel's (codes, codebooks, scales, w,
+    # n, groups, k // 4, k, constexprs...) as launch_dequant passes them
+    tensors = [codes.data_ptr(), codebooks.data_ptr(), scales.data_ptr(), None]
+    bound.args = (*_dequant_grid(n, k, DEQUANT_LAUNCH), None, *head, *tensors, n, k // 8, k // 4, k, *tail)
+    bound.x_at = None
+    bound.out_at = 4 + len(head) + 3
     bound.launch = launch
     return bound
 
@@ -450,20 +499,32 @@ def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
     return pairs
 
 
-def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = 16, block_g: int = 64,
-                   num_warps: int = 4) -> torch.Tensor:
+DEQUANT_LAUNCH = dict(BLOCK_N=16, BLOCK_G=64, num_warps=4)    # vq_dequant_kernel's tile
+
+
+def _dequant_key(x_dtype, codes, codebooks, scales, n: int, k: int, meta: dict) -> tuple:
+    """The compiled-kernel key of a dequantize launch: dtypes, shape, tile and the pointers' alignment."""
+    return (x_dtype, codebooks.dtype, scales.dtype, codes.device, n, k, meta["BLOCK_N"], meta["BLOCK_G"],
+            meta["num_warps"], codes.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16)
+
+
+def _dequant_grid(n: int, k: int, meta: dict) -> tuple:
+    return (-(-n // meta["BLOCK_N"]), -(-(k // 8) // meta["BLOCK_G"]), 1)
+
+
+def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = DEQUANT_LAUNCH["BLOCK_N"],
+                   block_g: int = DEQUANT_LAUNCH["BLOCK_G"],
+                   num_warps: int = DEQUANT_LAUNCH["num_warps"]) -> torch.Tensor:
     """Dequantize W (one Triton kernel) into a scratch ``[N, K]`` in x's dtype, then cuBLAS.
     x2d: [M, K]; scales: N contiguous; out: [M, N]."""
     m, k = x2d.shape
     n = codes.shape[0]
     w = torch.empty(n, k, dtype=x2d.dtype, device=x2d.device)
-    grid = (-(-n // block_n), -(-(k // 8) // block_g), 1)
-    key = (x2d.dtype, codebooks.dtype, scales.dtype, x2d.device, n, k, block_n, block_g, num_warps,
-           codes.data_ptr() % 16, codebooks.data_ptr() % 16, scales.data_ptr() % 16)
+    meta = dict(BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps)
     codes8 = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)   # AQLM's int8 codes: same bits
     _kernel("kernels", "vq_dequant_kernel").launch(
-        key, grid, x2d.device.index, (codes8, codebooks, scales, w), (n, k // 8, k // 4, k),
-        dict(BLOCK_N=block_n, BLOCK_G=block_g, num_warps=num_warps))
+        _dequant_key(x2d.dtype, codes, codebooks, scales, n, k, meta), _dequant_grid(n, k, meta), x2d.device.index,
+        (codes8, codebooks, scales, w), (n, k // 8, k // 4, k), meta)
     if bias is None:
         torch.mm(x2d, w.t(), out=out)
     else:

@@ -1,5 +1,8 @@
 """tilefuse.hf.patch_vq: swapping a model's projections for 2-bit VQLinear layers."""
 
+import copy
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +10,7 @@ from torch import nn
 import tilefuse
 from tilefuse.hf import VQ_PROJECTIONS, patch_vq
 from tilefuse.nn.vq import VQLinear
+from tilefuse.ops.vq.reference import dequantize
 
 
 class ToyModel(nn.Module):
@@ -144,20 +148,28 @@ def test_real_llama_every_projection(calibrated):
         assert nn.functional.cosine_similarity(before.flatten(), after.flatten(), dim=0) > 0.5
 
 
+def _tiny_2bit_llama(seed: int, tied: bool = False):
+    """(config, a tiny Llama patched by patch_vq with random codes, input ids, its logits on them)."""
+    from tilefuse.bench import hf_models
+
+    config = hf_models.tiny_llama_config(2)
+    config.tie_word_embeddings = tied
+    model = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=seed)
+    patch_vq(model, random_codes=True)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        return config, model, ids, model(input_ids=ids).logits
+
+
 def test_save_and_load_a_2bit_model(tmp_path):
     """save_vq writes the state dict (AQLM's names for the 2-bit layers) and which modules are
     2-bit; load_vq rebuilds them in a fresh model of the same config: the same outputs."""
     transformers = pytest.importorskip("transformers")
 
     from tilefuse.bench import hf_models
-    from tilefuse.hf import load_vq, patch_vq, save_vq
+    from tilefuse.hf import load_vq, save_vq
 
-    config = hf_models.tiny_llama_config(2)
-    model = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=1)
-    patch_vq(model, random_codes=True)
-    ids = torch.randint(0, 256, (2, 9))
-    with torch.no_grad():
-        want = model(input_ids=ids).logits
+    config, model, ids, want = _tiny_2bit_llama(seed=1)
     folder = save_vq(model, tmp_path / "vq")
     assert (folder / "tilefuse_vq.json").exists() and (folder / "model.safetensors").exists()
     keys = set(model.state_dict())
@@ -175,6 +187,83 @@ def test_save_and_load_a_2bit_model(tmp_path):
                                                                    num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="the saved layer is"):
         load_vq(other, folder)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_aqlm_checkpoint_round_trip(tmp_path, tied):
+    """save_aqlm writes a patch_vq model as AQLM's 2x8 checkpoint (config.json with AQLM's
+    quantization_config, int8 codes under AQLM's names, a tied head saved once); load_aqlm
+    builds it again with VQLinear layers: the same logits."""
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    from tilefuse.hf import load_aqlm, save_aqlm
+
+    _, model, ids, want = _tiny_2bit_llama(seed=3, tied=tied)
+    folder = save_aqlm(model, tmp_path / "aqlm")
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert {k: quant[k] for k in ("quant_method", "num_codebooks", "nbits_per_codebook", "in_group_size",
+                                  "out_group_size")} == dict(quant_method="aqlm", num_codebooks=2,
+                                                             nbits_per_codebook=8, in_group_size=8, out_group_size=1)
+    assert "lm_head.weight" in quant["linear_weights_not_to_quantize"]
+    saved = safetensors.load_file(str(folder / "model.safetensors"))
+    assert saved["model.layers.1.mlp.down_proj.codes"].dtype == torch.int8
+    assert ("lm_head.weight" in saved) != tied
+    loaded = load_aqlm(folder, dtype=torch.float32)
+    assert type(loaded.model.layers[0].self_attn.q_proj).__name__ == "VQLinear"
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+
+
+def test_load_aqlm_reads_a_checkpoint_as_aqlm_writes_it(tmp_path):
+    """A checkpoint laid out as AQLM's (int8 codes with negative values, fp16 codebooks and
+    scales, weights in two shards with an index) loads into VQLinear layers whose model equals
+    the dense model with the dequantized weights; other formats are refused by name."""
+    pytest.importorskip("transformers")
+    safetensors = pytest.importorskip("safetensors.torch")
+    from tilefuse.bench import hf_models
+    from tilefuse.hf import load_aqlm
+
+    config = hf_models.tiny_llama_config(2)
+    dense = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=4)
+    state = {key: t.clone() for key, t in dense.state_dict().items()}
+    gen = torch.Generator().manual_seed(5)
+    quantized = [name for name, mod in dense.named_modules() if isinstance(mod, nn.Linear) and name != "lm_head"]
+    for name in quantized:
+        n, k = dense.get_submodule(name).weight.shape
+        codes = torch.randint(-128, 128, (n, k // 8, 2), generator=gen, dtype=torch.int32).to(torch.int8)
+        books = (torch.randn(2, 256, 1, 8, generator=gen) * 0.7).half()
+        scales = (torch.rand(n, 1, 1, 1, generator=gen) * 0.1 + 0.05).half()
+        del state[f"{name}.weight"]
+        state.update({f"{name}.codes": codes, f"{name}.codebooks": books, f"{name}.scales": scales})
+        with torch.no_grad():
+            dense.get_submodule(name).weight.copy_(dequantize(codes, books, scales, dtype=torch.float32))
+    folder = tmp_path / "ckpt"
+    saved = copy.deepcopy(config)
+    saved.quantization_config = {"quant_method": "aqlm", "num_codebooks": 2, "nbits_per_codebook": 8,
+                                 "in_group_size": 8, "out_group_size": 1,
+                                 "linear_weights_not_to_quantize": ["lm_head.weight"]}
+    saved.save_pretrained(folder)
+    keys = sorted(state)
+    shards = {"a.safetensors": keys[: len(keys) // 2], "b.safetensors": keys[len(keys) // 2:]}
+    for file, names in shards.items():
+        safetensors.save_file({key: state[key].contiguous() for key in names}, str(folder / file))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {key: file for file, names in shards.items() for key in names}}))
+    model = load_aqlm(folder, dtype=torch.float32)
+    ids = torch.randint(0, 256, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+    one_by_16 = json.loads((folder / "config.json").read_text())
+    one_by_16["quantization_config"].update(num_codebooks=1, nbits_per_codebook=16)
+    (folder / "config.json").write_text(json.dumps(one_by_16))
+    with pytest.raises(ValueError, match="2x8"):
+        load_aqlm(folder)
+    one_by_16.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(one_by_16))
+    with pytest.raises(ValueError, match="AQLM checkpoint"):
+        load_aqlm(folder)
+    with pytest.raises(ValueError, match="config.json"):
+        load_aqlm(tmp_path / "nothing")
 
 
 def test_finetune_quantizes_block_by_block_and_tracks_the_dense_model_better(capsys):

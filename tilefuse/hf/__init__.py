@@ -28,7 +28,7 @@ from torch import nn
 from tilefuse._lazy import lazy_attribute
 
 _PUBLIC = {"patch_mla": "tilefuse.hf.mla", "PagedMLACache": "tilefuse.hf.mla", "generate": "tilefuse.hf.decode",
-           "Generator": "tilefuse.hf.decode"}
+           "Generator": "tilefuse.hf.decode", "save_aqlm": "tilefuse.hf.aqlm", "load_aqlm": "tilefuse.hf.aqlm"}
 
 
 def __getattr__(name):

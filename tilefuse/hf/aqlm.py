@@ -72,9 +72,10 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     ``quantization_config``, safetensors weights in one file or shards with an index) with a
     :class:`tilefuse.nn.VQLinear` for every layer the checkpoint holds ``codes`` for, load its
     weights (every key must match; a tied output head is tied again) and return it in eval mode
-    on ``device``. ``dtype``: the dense weights' and the codebooks' dtype. The model is built
-    without initialising its weights, then the 2-bit layers replace their dense shells: the
-    dense shells exist for a moment (the dense model's size on ``device`` at the peak)."""
+    on ``device``. ``dtype``: the dense weights' and the codebooks' dtype. The model is built on
+    the CPU without initialising its weights (the dense shells of the 2-bit layers are never
+    written, so they take address space rather than memory), the 2-bit layers replace them, the
+    checkpoint is loaded, then the model moves to ``device``."""
     import transformers
 
     from tilefuse.nn.vq import VQLinear
@@ -95,7 +96,7 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     config = transformers.AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config               # the model is built dense, then patched here
-    with torch.device(device), _no_weight_init():
+    with torch.device("cpu"), _no_weight_init():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name, linear in list(model.named_modules()):
         if f"{name}.codes" not in state:
@@ -105,7 +106,7 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
                              f"in {type(model).__name__}, not an nn.Linear")
         codes = state[f"{name}.codes"]
         model.set_submodule(name, VQLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                           dtype=dtype, codes_dtype=codes.dtype, device=device))
+                                           dtype=dtype, codes_dtype=codes.dtype))
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ()) if getattr(config, "tie_word_embeddings", False) \
         else set()
@@ -115,7 +116,7 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
     if tied:
         model.tie_weights()
-    return model.eval()
+    return model.to(device).eval()
 
 
 def _read_checkpoint(folder: Path) -> dict:

@@ -55,3 +55,20 @@ def test_dtensor_shards_are_refused_by_name(tmp_path):
             tilefuse.swiglu(torch.randn(4, 64), weight)
     finally:
         dist.destroy_process_group()
+
+
+def test_contents_unreadable_tells_real_from_meta_and_fake_tensors():
+    """Real values (plain tensors, parameters, functional wrappers of real tensors) are readable;
+    meta and fake tensors are not; non-tensors are ignored."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    contents_unreadable = _checks.contents_unreadable
+    real = torch.ones(3)
+    with FakeTensorMode():
+        fake = torch.empty(3)
+    assert not contents_unreadable(real, None, 3, torch.nn.Parameter(torch.ones(2)))
+    assert contents_unreadable(real, torch.empty(2, device="meta"))
+    assert contents_unreadable(fake, real)
+    seen = []
+    torch.func.functionalize(lambda x: seen.append(contents_unreadable(x)) or x)(real)
+    assert seen == [False]

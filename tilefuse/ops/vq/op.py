@@ -239,9 +239,9 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
     """A :class:`BoundDecode` for calls like ``vq_matmul(x, codes, codebooks, scales, bias)`` (made
     after one such call has run: it reuses that call's plan and compiled kernel), or None where
     that call does not run one of the one-launch decode kernels (the resident table kernel, 1-4
-    tokens; the MMA kernel, up to 16) or the dequantize path (:class:`BoundDequant`; a bias in x's
-    dtype) on a 16-byte-aligned contiguous x with 1-byte codes and contiguous weights (the
-    prefill path, the CPU, the interpreter, wide codes)."""
+    tokens; the MMA kernel, up to 16) or the dequantize path at up to 16 tokens
+    (:class:`BoundDequant`; a bias in x's dtype) on a 16-byte-aligned contiguous x with 1-byte
+    codes and contiguous weights (the prefill path, the CPU, the interpreter, wide codes)."""
     if (not isinstance(codes, torch.Tensor) or codes.dtype not in CODE_DTYPES or not x.is_cuda
             or not x.is_contiguous() or x.data_ptr() % 16 or x.device.index != torch.cuda.current_device()):
         return None
@@ -249,6 +249,8 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
     if call is None or call.reference or call.copies or call.m == 0:
         return None
     if call.variant == "dequant" and call.mma is None and call.prefill is None:
+        if call.m > configs.MMA_SWITCH_TOKENS:        # a prefill call keeps the layer's decode binding
+            return None
         return _bind_dequant(x, call, codes, codebooks, scales, bias)
     if call.resident:                           # _launch_resident's launch
         launch_call, kernel, code_view = call, _resident_decode(), _code_words(codes)

@@ -36,6 +36,12 @@ def aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def specialized(*values: int) -> tuple[tuple[bool, bool], ...]:
+    """How Triton specializes integer arguments (equal to 1, a multiple of 16), for compiled-kernel
+    keys: two launches that differ here compile to different kernels."""
+    return tuple((v == 1, v % 16 == 0) for v in values)
+
+
 class Kernel:
     """A Triton or Gluon kernel launched through cached compiled handles.
 

@@ -94,8 +94,8 @@ def _scatter(latent, k_cache, slot_mapping) -> None:
         slots = slot_mapping.contiguous()
         num_rows = rows.shape[0]
         # what Triton specializes on: dtypes, the pointers' 16-byte alignment, num_rows == 1 or % 16
-        key = (latent.device, rows.dtype, slots.dtype, width, _launch.aligned(values, slots, rows), num_rows == 1,
-               num_rows % 16 == 0)
+        key = (latent.device, rows.dtype, slots.dtype, width, _launch.aligned(values, slots, rows),
+               _launch.specialized(num_rows))
         _scatter_kernel().launch(key, (slots.shape[0], 1, 1), latent.device.index, (values, slots, rows),
                                  (num_rows,), dict(WIDTH=width, BLOCK=block, num_warps=4))
     else:
@@ -195,8 +195,7 @@ def decode_rows(q_lat: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor, c_k
     scalars = (heads, strides[0], q_pe.stride(2), strides[1], strides[2], cos.stride(-1), flat.shape[0])
     # the compiled kernel's key: what Triton specializes on (dtypes, 16-byte alignment, integers
     # equal to 1 or multiples of 16)
-    key = (q.device, q.dtype, pages.dtype, cos.dtype, mode, _launch.aligned(*tensors),
-           tuple((v == 1, v % 16 == 0) for v in scalars))
+    key = (q.device, q.dtype, pages.dtype, cos.dtype, mode, _launch.aligned(*tensors), _launch.specialized(*scalars))
     _rows_kernel().launch(key, (rows, heads + 1, 1), q.device.index, tensors, scalars,
                           dict(MODE=ROPE_MODES[mode], num_warps=4))
     return q

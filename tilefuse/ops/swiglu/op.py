@@ -123,7 +123,7 @@ def _silu_mul_plan(device, m, inter, stride_y, stride_out, stride_os, y_dtype, o
     block_m, block_n = (1 if m <= 64 else 16), (128 if quant else 256)
     grid = (triton_cdiv(inter, block_n), triton_cdiv(m, block_m), 1)
     scalars = (m, inter, stride_y, stride_out, stride_os)
-    key = (device, y_dtype, out_dtype, packed, has_bias, quant, block_m, tuple((v == 1, v % 16 == 0) for v in scalars))
+    key = (device, y_dtype, out_dtype, packed, has_bias, quant, block_m, _launch.specialized(*scalars))
     meta = dict(HAS_BIAS=has_bias, PACKED=packed, PACK=PACK, QUANT_OUT=quant, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=4)
     return grid, scalars, key, meta

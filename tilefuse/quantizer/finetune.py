@@ -215,8 +215,9 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     keep = state is not None
     if keep:
         with torch.no_grad():
-            for key, t in tensors.items():
-                t.copy_(state[key])
+            if state is not tensors:            # a validated copy (else the tuned tensors are the state)
+                for key, t in tensors.items():
+                    t.copy_(state[key])
             for name, t in (tune or {}).items():
                 t.copy_(extra[name])
     result = {name: (codes[name],

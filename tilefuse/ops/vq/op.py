@@ -228,10 +228,10 @@ class BoundDequant(BoundDecode):
         args[3] = torch._C._cuda_getCurrentRawStream(self.device_index)
         args[self.out_at] = w.data_ptr()
         self.launch(*args)
-        x2d = x.view(-1, self.w_shape[1])
-        bias = self.weights[3]
-        out = torch.mm(x2d, w.t()) if bias is None else torch.addmm(bias, x2d, w.t())
-        return out.view(self.out_shape)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        n, k = self.w_shape
+        _matmul_dequantized(x.view(-1, k), w, self.weights[3], out.view(-1, n))
+        return out
 
 
 def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scales: torch.Tensor,
@@ -527,11 +527,14 @@ def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = D
     _kernel("kernels", "vq_dequant_kernel").launch(
         _dequant_key(x2d.dtype, codes, codebooks, scales, n, k, meta), _dequant_grid(n, k, meta), x2d.device.index,
         (codes8, codebooks, scales, w), (n, k // 8, k // 4, k), meta)
+    return _matmul_dequantized(x2d, w, bias, out)
+
+
+def _matmul_dequantized(x2d, w, bias, out) -> torch.Tensor:
+    """cuBLAS on the dequantized weight: ``out = x2d @ w^T (+ bias)``."""
     if bias is None:
-        torch.mm(x2d, w.t(), out=out)
-    else:
-        torch.addmm(bias.to(x2d.dtype), x2d, w.t(), out=out)
-    return out
+        return torch.mm(x2d, w.t(), out=out)
+    return torch.addmm(bias.to(x2d.dtype), x2d, w.t(), out=out)
 
 
 def choose_variant(m: int, k: int = 0, device: torch.device | None = None, n: int | None = None) -> str:

@@ -3,9 +3,9 @@
 Two launches per decode step, both sized from static shapes so the step can be captured in a
 CUDA graph and replayed with new lengths:
 
-1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into chunks of
-   about equal size, one per *slot*, and write which request and which of its splits each slot
-   runs (``get_mla_metadata``).
+1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into ``num_parts``
+   parts of equal work (pages plus a fixed cost per split), and write the splits this makes, one
+   per *slot* (request, split, page range), and each part's run of slots (``get_mla_metadata``).
 2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (SLOT_PROGRAMS programs per
    slot, one per head tile): attention of the query rows of one request over (a part of) one
    split of its pages. A request with one program writes its final output; otherwise each
@@ -41,100 +41,129 @@ FP8_GROUPS = tl.constexpr(HEAD_DIM_V // 128)
 
 
 @triton.jit
-def _splits(pages, in_batch, chunk):
-    """Splits of each request when cut in chunks of at most ``chunk`` pages (one for an empty
-    request; 0 past the batch)."""
-    return tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
-
-
-@triton.jit
 def _max(a, b):
     return tl.maximum(a, b)
 
 
 @triton.jit
-def _schedule_cost2(total, slots, chunk, num_parts, SPLIT_COST: tl.constexpr):
-    """Twice the expected busiest part, in pages, of ``slots`` splits of at most ``chunk`` pages
-    over ``num_parts`` parts, each split costing SPLIT_COST pages more (``configs.schedule_cost``
-    says why)."""
-    longest = chunk + SPLIT_COST
-    spread = (2 * (total + SPLIT_COST * slots) + num_parts - 1) // num_parts + longest
-    return tl.where(slots <= num_parts, 2 * longest, tl.maximum(2 * longest, spread))
+def _cut(p, total, parts):
+    """Where part ``p`` of ``parts`` begins on the batch's work line of ``total`` units:
+    floor(p total / parts), in 64-bit (p total overflows int32 on long batches)."""
+    return ((p.to(tl.int64) * total) // parts).to(tl.int32)
+
+
+@triton.jit
+def _cdiv_parts(x, parts, total):
+    """ceil(x parts / total) in 64-bit: the first part whose cut lies at or past ``x``."""
+    return ((x.to(tl.int64) * parts + total - 1) // total).to(tl.int32)
 
 
 @triton.jit
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = SMs (or SM groups) to fill
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr, CANDIDATES: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr,
 ):
-    # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
+    # ---- The work line. Request i takes SPLIT_COST = C units (its query tile, partial, combine)
+    # then one unit per 64-token page: [W_i, W_i + C) then pages [a_i, e_i), a_i = W_i + C. The
+    # line's `total` units are cut into `parts` equal parts, part p from cut(p) = floor(p total /
+    # parts) (with at most `total` parts the cuts strictly increase). A cut with at least C pages
+    # of the request on each side splits it there ("inner"); one within C pages of its end (and no
+    # nearer its start) moves to the next request; any other to this request's first split
+    # (configs.cut_kind). The whole batch fits one program (BLOCK_B >= b).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
-    # Candidate 1, one wave: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts slots
-    # (each part runs at most one split). ceil(total / (num_parts - b)) always fits
-    # (sum_i ceil(n_i / c) <= total / c + b) and ceil(total / num_parts) is a lower bound, so a
-    # bisection between the two takes log2(upper - lower) steps (0-6 on the bench shapes).
-    total = tl.sum(pages, axis=0)
-    room = tl.maximum(num_parts - batch, 1)
-    hi = tl.maximum((total + room - 1) // room, 1)
-    lo = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), hi)
-    balanced = lo
-    while lo < hi:
-        mid = (lo + hi) // 2
-        fits = tl.sum(_splits(pages, in_batch, mid), axis=0) <= num_parts
-        hi = tl.where(fits, mid, hi)
-        lo = tl.where(fits, lo, mid + 1)
-    chunk = hi
-    best = _schedule_cost2(total, tl.sum(_splits(pages, in_batch, chunk), axis=0), chunk, num_parts, SPLIT_COST)
-    # Candidates 2..: several waves of smaller chunks, 1.5x, 1x, 3/4, 1/2, 3/8, ... of the
-    # balanced share. One wave cannot balance a batch of about num_parts requests or more, or a
-    # few long requests among short ones; smaller chunks let the parts that finish early take
-    # more splits, at SPLIT_COST pages per split. Kept where the expected busiest part is shorter
-    # and the splits fit in the metadata's rows.
-    for k in range(CANDIDATES):
-        cand = tl.maximum((balanced * (3 - k % 2)) >> (k // 2 + 1), 1)
-        slots = tl.sum(_splits(pages, in_batch, cand), axis=0)
-        cost = _schedule_cost2(total, slots, cand, num_parts, SPLIT_COST)
-        better = (cost < best) & (slots <= num_slots)
-        chunk = tl.where(better, cand, chunk)
-        best = tl.where(better, cost, best)
-    splits = _splits(pages, in_batch, chunk)
-    cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
+    work = tl.where(in_batch, pages + SPLIT_COST, 0)
+    e = tl.cumsum(work, axis=0)                 # end of request i on the line
+    a = e - pages                               # start of its pages
+    total = tl.maximum(tl.sum(work, axis=0), 1)
+    parts = tl.minimum(num_parts, total)
+    # Request i's inner cuts: parts [lo_i, hi_i) (a_i + C <= cut(p) <= e_i - C); the parts that
+    # move to its end: [s_i, r_{i+1}) (cut(p) > e_i - C and 2 cut(p) >= a_i + e_i); those that
+    # begin at its first split: [r_i, min(lo_i, s_i, r_{i+1})), r_i the first with cut(p) >= W_i.
+    lo = _cdiv_parts(a + SPLIT_COST, parts, total)
+    hi = _cdiv_parts(e - SPLIT_COST + 1, parts, total)
+    s = _cdiv_parts(tl.maximum(e - SPLIT_COST + 1, (a + e + 1) // 2), parts, total)
+    r = _cdiv_parts(a - SPLIT_COST, parts, total)
+    r_next = _cdiv_parts(e, parts, total)
+    splits = tl.where(in_batch, 1 + tl.maximum(hi - lo, 0), 0)
+    cu_end = tl.cumsum(splits, axis=0)          # slots of requests 0..i
     cu_begin = cu_end - splits
     used = tl.sum(splits, axis=0)
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
     tl.store(num_splits_ptr + batch, used)
-    # Slot p belongs to the request i with cu_begin[i] <= p < cu_end[i] and runs its split
-    # p - cu_begin[i]. Requests own consecutive slots, at least one each, so: mark every slot
-    # "none" (-1), write (i, cu_begin[i]) into the first slot of each request, then a running
-    # maximum over the slots carries each mark to the request's other slots. The metadata rows
-    # are the scratch; the barriers order the writes of one thread before the reads of another.
+    # ---- Rows to scratch: -1 everywhere (the running maxima below start from it).
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
         for c in range(0, 8):
-            tl.store(row + c, tl.where(c < 2, -1, 0), mask=in_range)
+            tl.store(meta_ptr + offs_p * 8 + c, -1, mask=in_range)
     tl.debug_barrier()
-    tl.store(meta_ptr + cu_begin * 8, offs_b, mask=in_batch)
-    tl.store(meta_ptr + cu_begin * 8 + 1, cu_begin, mask=in_batch)
+    # ---- Each request's first slot gets (i, its first slot, lo_i, a_i, e_i), all nondecreasing
+    # in i, so a running maximum over the slots carries them to the request's other slots. Row p's
+    # column 7 = part p's first slot: row r_i gets request i's first slot, row s_i the next
+    # request's (the parts after each inherit it below).
+    first_row = meta_ptr + cu_begin * 8
+    tl.store(first_row + 0, offs_b, mask=in_batch)
+    tl.store(first_row + 1, cu_begin, mask=in_batch)
+    tl.store(first_row + 2, lo, mask=in_batch)
+    tl.store(first_row + 3, a, mask=in_batch)
+    tl.store(first_row + 4, e, mask=in_batch)
+    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & (r < tl.minimum(tl.minimum(lo, s), r_next)))
+    tl.store(meta_ptr + s * 8 + 7, cu_end, mask=in_batch & (s < r_next))
     tl.debug_barrier()
-    req_before = -1                              # the running maxima of the slots before this block
-    first_before = -1
+    # ---- Per slot: request, split k of n, and its pages [begin, end) = [cut(lo + k - 1),
+    # cut(lo + k)) - a (split 0 from page 0, the last to the request's end). Split k >= 1 starts
+    # part lo + k - 1: that row's column 7 gets the slot.
+    req_c = -1                                  # the running maxima of the rows before this block
+    first_c = -1
+    lo_c = -1
+    a_c = -1
+    e_c = -1
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
-        req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_before)
-        first = tl.maximum(tl.associative_scan(tl.load(row + 1, mask=in_range, other=-1), 0, _max), first_before)
-        req_before = tl.max(req, axis=0)
-        first_before = tl.max(first, axis=0)
+        req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_c)
+        first = tl.maximum(tl.associative_scan(tl.load(row + 1, mask=in_range, other=-1), 0, _max), first_c)
+        lo_s = tl.maximum(tl.associative_scan(tl.load(row + 2, mask=in_range, other=-1), 0, _max), lo_c)
+        a_s = tl.maximum(tl.associative_scan(tl.load(row + 3, mask=in_range, other=-1), 0, _max), a_c)
+        e_s = tl.maximum(tl.associative_scan(tl.load(row + 4, mask=in_range, other=-1), 0, _max), e_c)
+        req_c = tl.max(req, 0)
+        first_c = tl.max(first, 0)
+        lo_c = tl.max(lo_s, 0)
+        a_c = tl.max(a_s, 0)
+        e_c = tl.max(e_s, 0)
         valid = offs_p < used
+        k = offs_p - first
+        req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
+        n = tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1) - tl.load(num_splits_ptr + req_ok,
+                                                                                    mask=in_range, other=0)
+        begin = tl.where(k == 0, 0, _cut(lo_s + k - 1, total, parts) - a_s)
+        end = tl.where(k == n - 1, e_s, _cut(lo_s + k, total, parts)) - a_s
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
-        tl.store(row + 1, tl.where(valid, offs_p - first, 0), mask=in_range)
+        tl.store(row + 1, tl.where(valid, k, 0), mask=in_range)
+        tl.store(row + 2, tl.where(valid, begin, 0), mask=in_range)
+        tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
+        for c in range(4, 7):
+            tl.store(row + c, 0, mask=in_range)
+        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0))
+    tl.debug_barrier()
+    # ---- Part p's first slot: a running maximum down column 7 over parts 0..parts - 1 (each
+    # part either begins a split or inherits the first slot of the request it began in); parts
+    # parts..num_parts begin (and end) at `used`; other rows 0.
+    before = -1
+    for p0 in range(0, num_slots, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        row7 = meta_ptr + offs_p * 8 + 7
+        in_range = offs_p < num_slots
+        start = tl.maximum(tl.associative_scan(tl.load(row7, mask=in_range & (offs_p < parts), other=-1), 0, _max),
+                           before)
+        before = tl.max(start, 0)
+        start = tl.where(offs_p < parts, start, tl.where(offs_p <= num_parts, used, 0))
+        tl.store(row7, start, mask=in_range)
 
 
 @triton.jit
@@ -145,9 +174,10 @@ def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, 
 
     Returns (valid, request, first token, end token, length, partials of the request, its first
     partial, this program's partial). The length comes from ``cache_seqlens`` (clamped to the
-    block table), the split count ``n`` and first slot from ``num_splits``; split ``s`` of ``n``
-    covers pages ``[s per, (s + 1) per)`` with ``per = ceil(pages / n)`` -- the metadata kernel's
-    cut when the lengths are the ones it planned for. A slot whose request or split is out of
+    block table), the split count ``n`` and first slot from ``num_splits``; split ``s`` covers the
+    pages the metadata planned for it (``row[2] .. row[3]``) clamped to the request's pages, split 0
+    from page 0 and split ``n - 1`` to the last page, so a request's splits cover its pages exactly
+    once whatever lengths the metadata was planned for. A slot whose request or split is out of
     range is not valid (the program does nothing). Partials are indexed by (request's first
     slot + split) * SLOT_PROGRAMS + part, so a request's partials are contiguous.
     """
@@ -165,9 +195,8 @@ def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, 
     valid = valid & (split >= 0) & (split < n)
     length = tl.minimum(tl.maximum(tl.load(seqlens_ptr + req), 0), max_tokens)
     pages = (length + PAGE - 1) // PAGE
-    per = (pages + tl.maximum(n, 1) - 1) // tl.maximum(n, 1)
-    begin = tl.minimum(split * per, pages)
-    end = tl.minimum(begin + per, pages)
+    begin = tl.where(split == 0, 0, tl.minimum(tl.maximum(tl.load(row + 2), 0), pages))
+    end = tl.where(split == n - 1, pages, tl.minimum(tl.maximum(tl.load(row + 3), begin), pages))
     part = pid % SLOT_PROGRAMS
     per_part = (end - begin + SLOT_PROGRAMS - 1) // SLOT_PROGRAMS
     part_begin = tl.minimum(begin + part * per_part, end)

@@ -6,18 +6,20 @@ in ``reference.py``.
 Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
 
 * ``tile_scheduler_metadata``: int32 ``[SLOT_WAVES * num_sm_parts + b, 8]``
-  (:func:`metadata_slots`), one row per *slot* (each run by ``slot_programs`` programs of the
-  attention kernel, per head tile): ``(request, split index, 0, ...)``; request ``-1`` marks an
-  unused slot. Every request's pages are cut into even splits of at most one chunk size, the
-  chunk that minimizes the expected busiest SM (``configs.schedule_cost``): one wave of at most
-  ``num_sm_parts`` splits where that balances the batch, else smaller chunks in several waves,
-  which the GPU hands to SMs as they free. The row count is a static shape (no host sync).
+  (:func:`metadata_slots`), one row per *slot*, a split of one request:
+  ``(request, split index, first page, end page, 0, 0, 0, part start)``; request ``-1`` marks an
+  unused slot. The batch's work (each request's 64-token pages plus ``configs.SPLIT_COST_PAGES``
+  per split) is cut into ``num_sm_parts`` equal parts (FlashMLA's scheduling): part ``p`` runs
+  slots ``meta[p, 7] .. meta[p + 1, 7] - 1`` (column 7 of rows ``0 .. num_sm_parts``), a run of
+  whole short requests and pieces of long ones. The Gluon kernel runs one program per part (and
+  head tile) through its run; the ``tl`` kernels one program per slot. The row count is a static
+  shape (no host sync).
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
 The metadata only schedules. Both backends take every length from ``cache_seqlens``; the kernels
-recompute each split's pages from it, so metadata planned for other lengths (same batch) costs
-balance, never correctness, and one metadata serves every layer of a step and any number of
+clamp each split's planned pages to it (split 0 from page 0, the last split to the last page), so
+metadata planned for other lengths (same batch) costs balance, never correctness, and one metadata serves every layer of a step and any number of
 concurrent streams (it is never written by the attention kernels: the fused combine's arrival
 counters live in zeroed scratch, ``tilefuse._scratch``). No contents of the metadata,
 ``num_splits``, ``block_table`` or ``cache_seqlens`` can move a kernel access outside its tensor
@@ -63,8 +65,7 @@ def wgmma_usable(device: torch.device) -> bool:
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the
-    same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
+    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
     fits = q is not None and _wgmma_fits(q)
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, _chip_ridge(q))
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
@@ -120,7 +121,7 @@ def _kernels():
                 sparse_combine=_launch.Kernel(kernels.mla_sparse_combine_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
-                wgmma=wgmma, seesaw=wgmma,     # one Gluon kernel, the schedule a constexpr
+                wgmma=wgmma,
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -133,47 +134,47 @@ def metadata_slots(num_parts: int, batch: int) -> int:
 
 
 def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
+    """The metadata kernel's schedule in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
     num_slots = metadata_slots(num_parts, batch)
+    cost = configs.SPLIT_COST_PAGES
     pages = (cache_seqlens.long().clamp_min(0) + PAGE_SIZE - 1) // PAGE_SIZE
-    split_cost = configs.SPLIT_COST_PAGES
+    e = (pages + cost).cumsum(0)                  # request i: [e_i - pages_i - cost, e_i) on the work line
+    a = e - pages                                 # where its pages begin
+    total = (pages + cost).sum().clamp_min(1)
+    parts = total.clamp_max(num_parts)
 
-    def slots(chunk):
-        return ((pages + chunk - 1) // chunk).clamp_min(1).sum()
+    def cut(p):                                   # where part p begins
+        return p * total // parts
 
-    def cost2(n_slots, chunk):      # the kernel's _schedule_cost2
-        longest = chunk + split_cost
-        spread = (2 * (total + split_cost * n_slots) + num_parts - 1) // num_parts + longest
-        return torch.where(n_slots <= num_parts, 2 * longest, torch.maximum(2 * longest, spread))
-
-    room = max(num_parts - batch, 1)
-    total = pages.sum()
-    hi = ((total + room - 1) // room).clamp_min(1)
-    lo = ((total + num_parts - 1) // num_parts).clamp_min(1).minimum(hi)
-    balanced = lo
-    for _ in range(40):      # the kernel's bisection, a fixed number of steps (no host sync)
-        mid = (lo + hi) // 2
-        fits = slots(mid) <= num_parts
-        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
-    chunk = hi
-    best = cost2(slots(chunk), chunk)
-    for k in range(configs.SCHEDULE_CANDIDATES):
-        cand = ((balanced * (3 - k % 2)) >> (k // 2 + 1)).clamp_min(1)
-        n_slots = slots(cand)
-        cost = cost2(n_slots, cand)
-        better = (cost < best) & (n_slots <= num_slots)
-        chunk, best = torch.where(better, cand, chunk), torch.where(better, cost, best)
-    splits = ((pages + chunk - 1) // chunk).clamp_min(1)
+    lo = ((a + cost) * parts + total - 1) // total          # inner cuts (configs.cut_kind): parts [lo, hi)
+    hi = ((e - cost + 1) * parts + total - 1) // total
+    splits = 1 + (hi - lo).clamp_min(0)
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
-    slot = torch.arange(num_slots, device=dev)
-    req = torch.searchsorted(cu[1:], slot, right=True)
-    valid = req < batch
-    first = cu[req.clamp_max(max(batch - 1, 0))] if batch else slot
+    used = cu[-1]
     meta = torch.zeros(num_slots, 8, dtype=torch.long, device=dev)
-    meta[:, 0] = torch.where(valid, req, -1)
-    meta[:, 1] = (slot - first) * valid
+    slot = torch.arange(num_slots, device=dev)
+    if batch:
+        req = torch.searchsorted(cu[1:], slot, right=True).clamp_max(batch - 1)
+        valid = slot < used
+        k = slot - cu[req]
+        begin = torch.where(k == 0, 0, cut(lo[req] + k - 1) - a[req])
+        end = torch.where(k == splits[req] - 1, e[req], cut(lo[req] + k)) - a[req]
+        meta[:, 0] = torch.where(valid, req, -1)
+        meta[:, 1:4] = torch.stack([k, begin, end], 1) * valid[:, None]
+        # part p's first slot, by where its cut falls in the request it lies in (configs.cut_kind):
+        # the split that begins there, the next request's first, or this one's
+        c = cut(slot)
+        inside = torch.searchsorted(e, c, right=True).clamp_max(batch - 1)
+        ai, ei = a[inside], e[inside]
+        inner = (c - ai >= cost) & (ei - c >= cost)
+        to_end = ~inner & (ei - c < cost) & (ei - c <= c - ai)
+        first = torch.where(inner, cu[inside] + slot - lo[inside] + 1, torch.where(to_end, cu[inside + 1], cu[inside]))
+    else:
+        meta[:, 0] = -1
+        first = torch.zeros_like(slot)
+    meta[:, 7] = torch.where(slot < parts, first, torch.where(slot <= num_parts, used, 0))
     return meta.to(torch.int32), cu.to(torch.int32)
 
 
@@ -192,11 +193,12 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
-    _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
+    _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16,
+                                   configs.SPLIT_COST_PAGES),
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
                                   dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
-                                       CANDIDATES=configs.SCHEDULE_CANDIDATES, num_warps=4))
+                                       num_warps=4))
     return meta, num_splits
 
 
@@ -220,8 +222,9 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
         b <= 8192.
     num_q_tokens_per_head_k : s_q * h_q // h_kv, the query rows of one request (>= 1).
     num_heads_k : h_kv (1 for MLA).
-    num_sm_parts : chunks to cut the batch's pages into (>= 1); default: the SM count divided by
-        the number of 64-row head tiles.
+    num_sm_parts : parts of equal work to cut the batch into (>= 1; the Gluon kernel runs one
+        program per part and head tile); default: the SM count divided by the number of 64-row
+        head tiles.
     check_contents : check that the lengths are >= 0 (reads them: a host sync); default
         ``TILEFUSE_DEBUG``. Skipped while ``torch.compile`` traces and for meta / fake tensors.
 
@@ -291,7 +294,9 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if call.variant in configs.GLUON_VARIANTS:
-        call.grid = (-(-rows // 64), num_slots, 1)     # head tiles fastest (kernels_gluon)
+        # one program per (head tile, part), head tiles fastest (kernels_gluon); the parts are
+        # the rows the metadata was made for (metadata_slots)
+        call.grid = (-(-rows // 64), max(1, (num_slots - batch) // configs.SLOT_WAVES), 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)
@@ -410,23 +415,39 @@ def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int | None, page_siz
 
 def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: torch.Tensor) -> None:
     """The metadata and ``num_splits`` describe a schedule of this batch: every request has at
-    least one split, each split runs on exactly one slot. Reads them back (a host sync)."""
+    least one split, each split runs on exactly one slot, a request's splits cover its pages in
+    order, and the parts' runs of slots (column 7) cover the used slots once. Reads them back (a
+    host sync)."""
     batch = cache_seqlens.shape[0]
     splits = num_splits.tolist()
     if splits[0] != 0 or any(b <= a for a, b in zip(splits, splits[1:])) or splits[-1] > meta.shape[0]:
         raise ValueError(f"num_splits: expected increasing cumulative split counts from 0 to at most "
                          f"{meta.shape[0]} (one per slot), got {splits[:8]}{'...' if batch > 7 else ''}")
-    seen = set()
-    for slot, (req, split) in enumerate(meta[:, :2].tolist()):
+    rows = meta.tolist()
+    pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in cache_seqlens.tolist()]
+    seen = {}
+    for slot, (req, split, begin, end, *_rest) in enumerate(rows):
         if req == -1:
             continue
         if not 0 <= req < batch or not 0 <= split < splits[req + 1] - splits[req] or (req, split) in seen:
             raise ValueError(f"tile_scheduler_metadata: slot {slot} runs request {req} split {split}, which is "
                              f"out of range or taken twice (expected metadata from get_mla_metadata on this batch)")
-        seen.add((req, split))
+        seen[req, split] = (begin, end)
     if len(seen) != splits[-1]:
         raise ValueError(f"tile_scheduler_metadata: expected {splits[-1]} scheduled splits (num_splits), "
                          f"got {len(seen)}")
+    for req in range(batch):
+        n = splits[req + 1] - splits[req]
+        bounds = [seen[req, s] for s in range(n)]
+        if bounds[0][0] != 0 or bounds[-1][1] != pages[req] or any(
+                b[1] != c[0] or b[0] > b[1] for b, c in zip(bounds, bounds[1:] + [(bounds[-1][1], 0)])):
+            raise ValueError(f"tile_scheduler_metadata: request {req}'s splits cover pages {bounds[:4]}, expected "
+                             f"0 to {pages[req]} in order (metadata from get_mla_metadata on these lengths)")
+    parts = (meta.shape[0] - batch) // configs.SLOT_WAVES
+    starts = [row[7] for row in rows[:parts + 1]]
+    if starts[0] != 0 or starts[-1] != splits[-1] or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"tile_scheduler_metadata: expected the parts' first slots (column 7) to rise from 0 to "
+                         f"{splits[-1]}, got {starts[:8]}")
 
 
 def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False) -> None:

@@ -25,11 +25,18 @@ TOL = {torch.float32: (4e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
 
 @pytest.fixture(autouse=True)
 def small_split_cost(request, monkeypatch):
-    """The interpreter's cases are a few pages long, shorter than the schedule's split cost, so
-    the schedule would never split them: their kernels run with a split cost of one page (the
-    attention is the same for any schedule). The schedule's own tests keep the shipped cost."""
+    """The interpreter's cases are a few pages long, shorter than the schedules' split costs, so
+    neither schedule would split them: their kernels run with split costs of one page (the
+    attention is the same for any schedule). The schedules' own tests keep the shipped costs."""
     if "interpret" in request.fixturenames and not request.node.get_closest_marker("shipped_split_cost"):
         monkeypatch.setattr(configs, "SPLIT_COST_PAGES", 1)
+        monkeypatch.setattr(configs, "PART_SPLIT_COST_PAGES", 1)
+
+
+def _force_schedule(monkeypatch, which: str) -> None:
+    """Make the metadata pick one schedule whatever the batch: "parts" or "slots"."""
+    monkeypatch.setattr(configs, "PART_MIN_PAGES", 0)
+    monkeypatch.setattr(configs, "PART_GAIN", 100.0 if which == "parts" else 0.0)
 
 
 @pytest.fixture
@@ -179,40 +186,64 @@ def test_mla_softmax_scale(interpret):
     assert_close(lse, rl, atol=lse_atol, rtol=1e-5, name="lse")
 
 
-def _check_schedule(lens, parts):
-    """Kernel and PyTorch mirror agree and match ``configs.schedule_splits``; every request's
-    splits cover its pages once, in order; the parts' runs of slots cover the used slots once.
-    Returns each part's work (pages + split costs) and the balanced share."""
+def _schedule_of(lens, parts):
+    """Kernel and PyTorch mirror agree; every request's splits cover its pages once, in order, and
+    the programs' runs (column 7) cover the used slots once (``op.check_schedule``). Returns
+    (meta, num_splits, which schedule ran)."""
     seqlens = torch.tensor(lens, dtype=torch.int32)
     meta, splits = tilefuse.get_mla_metadata(seqlens, 16, 1, num_sm_parts=parts)
     meta_ref, splits_ref = op._metadata_torch(seqlens, parts)
     assert torch.equal(meta, meta_ref) and torch.equal(splits, splits_ref)
-    b = len(lens)
-    rows = op.metadata_slots(parts, b)
-    assert meta.shape == (rows, 8) and splits.shape == (b + 1,)
+    assert meta.shape == (op.metadata_slots(parts, len(lens)), 8) and splits.shape == (len(lens) + 1,)
     op.check_schedule(seqlens, meta, splits)
+    used = int(splits[-1])
+    one_each = torch.arange(meta.shape[0]).clamp_max(used).to(meta.dtype)
+    return meta, splits, "slots" if torch.equal(meta[:, 7], one_each) else "parts"
+
+
+def _check_parts(lens, parts):
+    """The parts schedule: each program's run is ``configs.schedule_splits``'s, and every part's
+    work (pages + split costs) is within the balanced share plus two split costs (one for a split
+    that starts the part inside a request, one for the cuts' rounding to whole pages)."""
+    meta, splits, _ = _schedule_of(lens, parts)       # (one split per part reads as "slots" too)
     pages = [(n + 63) // 64 for n in lens]
     runs = configs.schedule_splits(pages, parts)
-    starts = meta[: parts + 1, 7].tolist()
+    starts = meta[:, 7].tolist()
     for p in range(parts):
         got = [(r, begin, end) for r, _, begin, end in meta[starts[p]:starts[p + 1], :4].tolist()]
         assert got == runs[p], p
-    assert splits[-1] <= parts - 1 + b
-    cost = configs.SPLIT_COST_PAGES
-    loads = configs.part_loads(pages, parts)
-    return loads, (sum(pages) + cost * b) / parts
+    assert int(splits[-1]) <= parts - 1 + len(lens)
+    cost = configs.PART_SPLIT_COST_PAGES
+    share = (sum(pages) + cost * len(lens)) / parts
+    assert max(configs.part_loads(pages, parts)) <= share + 2 * cost + 1
 
 
-@pytest.mark.shipped_split_cost
-@pytest.mark.parametrize("lens,parts", [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3),
-                                        ([64 * 7] * 8, 132), ([1] * 40, 8), ([1024] * 64, 132), ([0], 132),
-                                        ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)])
-def test_mla_metadata_schedule(interpret, lens, parts):
-    """The schedule's invariants (``_check_schedule``), and every part's work within the balanced
-    share plus two split costs (one for a split that starts the part inside a request, one for
-    the rounding of the cuts to whole pages)."""
-    loads, share = _check_schedule(lens, parts)
-    assert max(loads) <= share + 2 * configs.SPLIT_COST_PAGES + 1
+def _check_slots(lens, parts):
+    """The slots schedule: even splits of one chunk, one per program; the chunk's expected busiest
+    part no worse than the best one-wave schedule's and within 10 % of the best chunk of all
+    (brute force)."""
+    meta, splits, which = _schedule_of(lens, parts)
+    assert which == "slots"
+    pages = [(n + 63) // 64 for n in lens]
+    counts = (splits[1:] - splits[:-1]).tolist()
+    chunk = max(-(-p // n) for p, n in zip(pages, counts))
+    rows = op.metadata_slots(parts, len(lens))
+    assert min(counts) >= 1 and sum(counts) < rows
+
+    def cost_at(c):
+        n = sum(max(-(-p // c), 1) for p in pages)
+        return configs.schedule_cost(sum(pages), n, c, parts) if n < rows else float("inf")
+
+    cost = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
+    one_wave = next((c for c in range(1, max(pages + [1]) + 1) if sum(max(-(-p // c), 1) for p in pages) <= parts),
+                    max(pages + [1]))
+    assert cost <= cost_at(one_wave)
+    assert cost <= 1.1 * min(cost_at(c) for c in range(1, max(pages + [1]) + 1))
+
+
+SCHEDULE_BATCHES = [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3), ([64 * 7] * 8, 132),
+                    ([1] * 40, 8), ([1024] * 64, 132), ([0], 132),
+                    ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)]
 
 
 def _uneven_batches():
@@ -229,18 +260,44 @@ def _uneven_batches():
 
 
 @pytest.mark.shipped_split_cost
-@pytest.mark.parametrize("lens,parts", _uneven_batches())
-def test_mla_metadata_balances_uneven_batches(interpret, lens, parts):
-    """Whatever the mix of lengths (one long request among short ones, Zipf, zero lengths), the
-    busiest part's work stays within the balanced share plus two split costs."""
-    loads, share = _check_schedule(lens, parts)
-    assert max(loads) <= share + 2 * configs.SPLIT_COST_PAGES + 1
+@pytest.mark.parametrize("which", ["slots", "parts"])
+@pytest.mark.parametrize("lens,parts", SCHEDULE_BATCHES + _uneven_batches())
+def test_mla_metadata_schedules(interpret, monkeypatch, which, lens, parts):
+    """Each schedule forced on even, uneven (one long request among short ones, Zipf, zero
+    lengths) and tiny batches: its invariants (``_check_slots``, ``_check_parts``)."""
+    _force_schedule(monkeypatch, which)
+    (_check_slots if which == "slots" else _check_parts)(lens, parts)
 
 
 @pytest.mark.shipped_split_cost
-def test_mla_metadata_property_random_mixes(interpret):
-    """Property test over random batches: every split of every request covers its pages once
-    (``op.check_schedule``), the kernel equals its PyTorch mirror, and the parts stay balanced."""
+@pytest.mark.parametrize("lens,parts,expect", [
+    ([131072] + [1000] * 255, 132, "parts"),          # one long request among short ones
+    ([70000] + [10000] * 95, 66, "parts"),            # a long one among 96 mid-length ones, 2 head tiles
+    ([4096] * 16, 132, "slots"),                      # even batches
+    ([1024] * 128, 132, "slots"),
+    ([65536] * 64, 66, "slots"),
+    ((20000 / torch.arange(1, 129, dtype=torch.float64) ** 1.1).long().tolist(), 132, "slots"),   # short Zipf
+])
+def test_mla_metadata_picks_the_schedule_by_its_cost_model(interpret, lens, parts, expect):
+    """The shipped pick (``configs.PART_GAIN``, ``PART_MIN_PAGES``): parts where they balance long
+    uneven batches, slots on even or short ones; the estimates it compares agree with the kernel's
+    pick."""
+    _, _, which = _schedule_of(lens, parts)
+    assert which == expect
+    pages = [(n + 63) // 64 for n in lens]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    counts = (op._metadata_torch(seqlens, parts)[1].diff()).tolist() if which == "slots" else None
+    if counts is not None:      # the slots' estimate did not clear the bar
+        chunk = max(-(-p // n) for p, n in zip(pages, counts))
+        slots_cost = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
+        assert slots_cost < configs.PART_MIN_PAGES or configs.parts_cost(pages, parts) > configs.PART_GAIN * slots_cost
+
+
+@pytest.mark.shipped_split_cost
+def test_mla_metadata_property_random_mixes(interpret, monkeypatch):
+    """Property test over random batches, both schedules and the pick: every split of every
+    request covers its pages once (``op.check_schedule``), the kernel equals its PyTorch mirror,
+    the parts stay balanced."""
     gen = torch.Generator().manual_seed(1)
     for trial in range(12):
         b = int(torch.randint(1, 300, (1,), generator=gen))
@@ -253,8 +310,23 @@ def test_mla_metadata_property_random_mixes(interpret):
         else:                # zeros and ones among long requests
             lens = torch.randint(0, 3, (b,), generator=gen) * torch.randint(0, 90000, (b,), generator=gen)
         parts = int(torch.randint(1, 140, (1,), generator=gen))
-        loads, share = _check_schedule(lens.tolist(), parts)
-        assert max(loads) <= share + 2 * configs.SPLIT_COST_PAGES + 1, (trial, b, parts)
+        _schedule_of(lens.tolist(), parts)
+        with monkeypatch.context() as m:
+            _force_schedule(m, "parts")
+            _check_parts(lens.tolist(), parts)
+        with monkeypatch.context() as m:
+            _force_schedule(m, "slots")
+            _schedule_of(lens.tolist(), parts)
+
+
+@pytest.mark.parametrize("which", ["slots", "parts"])
+@pytest.mark.parametrize("lens,s_q,h_q,causal,variant,parts", [CASES[0], CASES[2], CASES[4], CASES[7]])
+def test_mla_interpret_each_schedule(interpret, monkeypatch, which, lens, s_q, h_q, causal, variant, parts):
+    """The kernels' outputs under each schedule forced (the other tests run whichever the pick gives)."""
+    _force_schedule(monkeypatch, which)
+    inp = make_case(lens, s_q, h_q, torch.float16, interpret)
+    out, lse = _run(inp, causal, parts, variant)
+    _check(out, lse, inp, causal)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -1,10 +1,12 @@
-"""The MLA metadata's schedule on the benchmark's length mixes: how evenly it loads the parts.
+"""The MLA metadata's two schedules on the benchmark's length mixes, and the one it picks.
 
-For each length mix: the parts (one head tile: the SM count; two tiles: half), the splits the
-metadata makes (``op._metadata_torch``, the kernel's mirror), the busiest part's work and the
-balanced share (pages plus ``configs.SPLIT_COST_PAGES`` per split, ``configs.part_loads``), and
-the same for the one-split-per-request schedule (each request whole, requests handed to the part
-that frees first) for comparison. Units: 64-token pages of one part. Runs on a CPU in seconds:
+For each length mix: the parts (one head tile: the SM count; two tiles: half), the slots
+schedule's chunk, split count and expected busiest part (``configs.schedule_cost``) beside a
+list-scheduling simulation of its hand-out (programs in slot order, each to the part that frees
+first), the parts schedule's busiest part (``configs.part_loads``) and its cost-model estimate
+(``configs.parts_cost``), and which schedule the metadata picks. Units: 64-token pages of one
+part (an SM, or an SM group at more than 64 query rows), split costs included. Runs on a CPU in
+seconds:
 
     python tools/mla_schedule_sim.py
 """
@@ -19,11 +21,21 @@ from tilefuse.bench.mla import serving_mixes
 from tilefuse.ops.mla import configs, op
 
 
-def whole_requests(pages: list[int], parts: int) -> int:
-    """Busiest part when every request runs whole, in order, on the part that frees first."""
-    free = [0] * parts
+def split_pages(pages: list[int], chunk: int) -> list[int]:
+    """Pages of every split, in slot order, when each request is cut in even splits of <= chunk."""
+    out = []
     for p in pages:
-        heapq.heappush(free, heapq.heappop(free) + p + configs.SPLIT_COST_PAGES)
+        n = max(1, -(-p // chunk))
+        per = -(-p // n) if p else 0
+        out += [max(0, min(per, p - s * per)) for s in range(n)]
+    return out
+
+
+def list_schedule(items: list[int], parts: int) -> float:
+    """Busiest part when items go, in order, to the part that frees first."""
+    free = [0.0] * parts
+    for pages in items:
+        heapq.heappush(free, heapq.heappop(free) + pages + configs.SPLIT_COST_PAGES)
     return max(free)
 
 
@@ -34,13 +46,24 @@ def mixes() -> list[tuple[str, list[int], int]]:
 
 
 def main() -> None:
-    print(f"{'mix':34} {'parts':>5} {'splits':>6} {'busiest':>7} {'share':>7} {'whole requests':>14}")
+    print(f"{'mix':34} {'parts':>5} | {'chunk':>5} {'splits':>6} {'model':>6} {'sim':>6} | {'busiest':>7} "
+          f"{'model':>6} | pick")
     for name, lens, parts in mixes():
-        meta, cu = op._metadata_torch(torch.tensor(lens, dtype=torch.int32), parts)
         pages = [(n + 63) // 64 for n in lens]
-        share = (sum(pages) + configs.SPLIT_COST_PAGES * len(pages)) / parts
-        print(f"{name:34} {parts:5d} {int(cu[-1]):6d} {max(configs.part_loads(pages, parts)):7d} {share:7.1f} "
-              f"{whole_requests(pages, parts):14d}")
+        with_parts = configs.PART_GAIN
+        configs.PART_GAIN = 0.0                     # the slots schedule alone, for its chunk
+        try:
+            _, cu = op._metadata_torch(torch.tensor(lens, dtype=torch.int32), parts)
+        finally:
+            configs.PART_GAIN = with_parts
+        counts = (cu[1:] - cu[:-1]).tolist()
+        chunk = max(-(-p // n) for p, n in zip(pages, counts))
+        model = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
+        sim = list_schedule(split_pages(pages, chunk), parts)
+        pick = "parts" if (model >= configs.PART_MIN_PAGES
+                           and configs.parts_cost(pages, parts) <= configs.PART_GAIN * model) else "slots"
+        print(f"{name:34} {parts:5d} | {chunk:5d} {sum(counts):6d} {model:6.0f} {sim:6.0f} | "
+              f"{max(configs.part_loads(pages, parts)):7d} {configs.parts_cost(pages, parts):6.0f} | {pick}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ where present, override ``"<key>"`` in that context regime.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from tilefuse import _env
@@ -48,70 +49,85 @@ LONG_CONTEXT_PAGES = 256
 # tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
-# The metadata's fixed cost of one split, in 64-token pages of KV at one SM's share of the
-# bandwidth: a split reads its query tile, writes a partial that the combine reads back (about
-# 4-5 pages of traffic for a 64-row tile by the roofline; FlashMLA's scheduler counts 5 blocks)
-# and waits for its first tiles and its query. Measured with one program per split
-# (tools/mla_split_cost_sweep.py, bench/results/sweeps/mla-split-cost-h200.json): 6-8 pages gave
-# schedules within 1.2-1.4 % of each serving mix's best, 4 pages 5.6 %. A cut that would leave
-# less than this much of a request on one side moves to the request's nearer end instead (a
-# piece that small costs more than the imbalance the move makes).
+# Two schedules; the metadata kernel picks one per batch (the cost model below).
+#
+# Slots (one program per split, handed to SMs as they free): every request cut in even splits of
+# at most one chunk, the chunk that minimizes the expected busiest SM (schedule_cost). The fixed
+# cost of one split, in 64-token pages of KV at one SM's share of the bandwidth: its query tile,
+# the pipeline's fill, a partial the combine reads back. Measured (tools/mla_split_cost_sweep.py,
+# H200, bench/results/sweeps/mla-split-cost-h200.json): the schedules that 6-8 pick are within
+# 1.2-1.4 % of each serving mix's best (geomean), those of 4 within 5.6 %.
 SPLIT_COST_PAGES = 8
-# The metadata has SLOT_WAVES * num_sm_parts + b rows; the schedule uses at most
-# num_sm_parts - 1 + b of them (one split per request plus one per cut inside a request).
+# Parts (one program per part, running its splits back to back; FlashMLA's schedule): the batch's
+# work, pages plus PART_SPLIT_COST_PAGES per request, laid on one line and cut into equal parts;
+# the next split's tiles load while the last one's output is written, so no pipeline fill is
+# counted (FlashMLA's scheduler counts 5 blocks per split).
+PART_SPLIT_COST_PAGES = 5
+# The parts schedule runs where its busiest part (the share plus a split cost) is at most
+# PART_GAIN of the slot schedule's expected busiest part and that is at least PART_MIN_PAGES:
+# measured on the H200 (bench/results/sweeps/mla-persistent-c5-h200.json against
+# mla-h200-quick.json), the persistent programs cost a few microseconds more per launch and some
+# per page at 128 heads, so they pay only where they balance long, uneven batches (one 128K
+# request among 255 short ones: 194 -> 158 us; 96 requests of 1-20000 tokens and one of 70000:
+# 355 -> 314 us) and lose on short or evenly split ones (128 x 1K tokens: 60 -> 70 us).
+PART_GAIN = 0.85
+PART_MIN_PAGES = 64
+# The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
+# per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
+# sizes are tried besides the one-wave chunk: 1.5x, 1x, 3/4, 1/2, 3/8, 1/4, 3/16, 1/8 of the
+# balanced share.
 SLOT_WAVES = 4
+SCHEDULE_CANDIDATES = 8
 
 
-def cut_kind(cut: int, a: int, e: int, cost: int = SPLIT_COST_PAGES) -> str:
-    """Where a part that begins at ``cut`` on the work line begins, for the request whose fixed
-    cost and pages span ``[a - cost, e)`` (pages from ``a``): ``"inner"`` (it splits the request
-    there: at least ``cost`` pages on each side), ``"end"`` (at the next request: the cut lies
-    within ``cost`` pages of this one's end and no nearer its start) or ``"start"`` (at this
-    request's first split)."""
-    if cut - a >= cost and e - cut >= cost:
-        return "inner"
-    if e - cut < cost and e - cut <= cut - a:
-        return "end"
-    return "start"
+def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float:
+    """Expected pages of the busiest part when ``slots`` splits of at most ``chunk`` pages
+    (``total_pages`` in all) run on ``parts`` parts, each split costing SPLIT_COST_PAGES more.
+
+    One wave (``slots <= parts``): the longest split, ``chunk + cost``. More: the programs of a
+    launch are handed to SMs as they free, which is list scheduling, bounded below by the mean
+    ``(total + cost slots) / parts`` and above by the mean plus one split; the estimate is the
+    middle of the two. On the benchmark's serving mixes it is within 14 % of a simulation of that
+    hand-out, never below it (``tools/mla_schedule_sim.py``). The
+    metadata kernel computes it in integers (``_schedule_cost2``: twice this, rounded up)."""
+    longest = chunk + SPLIT_COST_PAGES
+    if slots <= parts:
+        return float(longest)
+    return max(float(longest), (total_pages + SPLIT_COST_PAGES * slots) / parts + longest / 2)
 
 
-def schedule_splits(pages: list[int], parts: int, cost: int = SPLIT_COST_PAGES) -> list[list[tuple]]:
-    """The metadata's schedule in plain Python (``kernels.mla_metadata_kernel`` computes it on the
+def parts_cost(pages: list[int], parts: int) -> float:
+    """The parts schedule's busiest part as the cost model counts it: the share of the line plus
+    one split cost (a part that begins inside a request pays for that split too)."""
+    total = max(sum(p + PART_SPLIT_COST_PAGES for p in pages), 1)
+    return total / min(parts, total) + PART_SPLIT_COST_PAGES
+
+
+def schedule_splits(pages: list[int], parts: int, cost: int = PART_SPLIT_COST_PAGES) -> list[list[tuple]]:
+    """The parts schedule in plain Python (``kernels.mla_metadata_kernel`` computes it on the
     device, ``op._metadata_torch`` in PyTorch): for each part, the splits it runs as (request,
     first page, end page). Requests of ``pages`` pages lie end to end on a line, each after
-    ``cost`` units of fixed cost; the line is cut into ``min(parts, total)`` equal parts, and
-    each cut placed by :func:`cut_kind`. For tests and tools."""
+    ``cost`` units of fixed cost; the line is cut into ``min(parts, total)`` equal parts. A cut
+    inside a request's pages splits it there; a split belongs to the part where its pages begin
+    (a request without pages: the part of its last unit of fixed cost). For tests and tools."""
     total = max(sum(p + cost for p in pages), 1)
     n = min(parts, total)
-    cuts = [p * total // n for p in range(n)]
-    splits, first_slot, starts, pos = [], [], [], 0
+    cuts = [p * total // n for p in range(n + 1)]
+    runs: list[list[tuple]] = [[] for _ in range(parts)]
+    pos = 0
     for req, pg in enumerate(pages):
         a, e = pos + cost, pos + cost + pg
-        first_slot.append(len(splits))
-        inner = [c - a for c in cuts if cut_kind(c, a, e, cost) == "inner" and pos <= c < e]
+        inner = [c - a for c in cuts[1:n] if a < c < e]
         bounds = [0, *inner, pg]
-        splits += [(req, bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+        for k in range(len(bounds) - 1):
+            start = a + bounds[k] if pg else e - 1
+            part = min(bisect.bisect_right(cuts, start) - 1, n - 1)
+            runs[part].append((req, bounds[k], bounds[k + 1]))
         pos = e
-    pos = 0
-    bounds_of = {}
-    for req, pg in enumerate(pages):
-        bounds_of[req] = (pos, pos + cost, pos + cost + pg)
-        pos += cost + pg
-    for c in cuts:
-        req = next(r for r, (w, a, e) in bounds_of.items() if w <= c < e)
-        w, a, e = bounds_of[req]
-        kind = cut_kind(c, a, e, cost)
-        if kind == "inner":
-            starts.append(next(i for i, s in enumerate(splits) if s[0] == req and s[1] == c - a))
-        elif kind == "end":
-            starts.append(first_slot[req + 1] if req + 1 < len(pages) else len(splits))
-        else:
-            starts.append(first_slot[req])
-    starts += [len(splits)] * (parts + 1 - len(starts))
-    return [splits[starts[p]:starts[p + 1]] for p in range(parts)]
+    return runs
 
 
-def part_loads(pages: list[int], parts: int, cost: int = SPLIT_COST_PAGES) -> list[int]:
+def part_loads(pages: list[int], parts: int, cost: int = PART_SPLIT_COST_PAGES) -> list[int]:
     """Each part's work in pages under :func:`schedule_splits`, every split counted ``cost`` pages more."""
     return [sum(end - begin + cost for _, begin, end in run) for run in schedule_splits(pages, parts, cost)]
 

@@ -3,9 +3,10 @@
 Two launches per decode step, both sized from static shapes so the step can be captured in a
 CUDA graph and replayed with new lengths:
 
-1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into ``num_parts``
-   parts of equal work (pages plus a fixed cost per split), and write the splits this makes, one
-   per *slot* (request, split, page range), and each part's run of slots (``get_mla_metadata``).
+1. ``mla_metadata_kernel`` (one program): schedule the KV pages of the whole batch (even splits
+   handed to SMs as they free, or ``num_parts`` parts of equal work, whichever the cost model
+   prefers) and write the splits, one per *slot* (request, split, page range), and each Gluon
+   program's run of slots (``get_mla_metadata``).
 2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (SLOT_PROGRAMS programs per
    slot, one per head tile): attention of the query rows of one request over (a part of) one
    split of its pages. A request with one program writes its final output; otherwise each
@@ -46,6 +47,23 @@ def _max(a, b):
 
 
 @triton.jit
+def _splits(pages, in_batch, chunk):
+    """Splits of each request when cut in chunks of at most ``chunk`` pages (one for an empty
+    request; 0 past the batch)."""
+    return tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
+
+
+@triton.jit
+def _schedule_cost2(total, slots, chunk, num_parts, SPLIT_COST: tl.constexpr):
+    """Twice the expected busiest part, in pages, of ``slots`` splits of at most ``chunk`` pages
+    over ``num_parts`` parts, each split costing SPLIT_COST pages more (``configs.schedule_cost``
+    says why)."""
+    longest = chunk + SPLIT_COST
+    spread = (2 * (total + SPLIT_COST * slots) + num_parts - 1) // num_parts + longest
+    return tl.where(slots <= num_parts, 2 * longest, tl.maximum(2 * longest, spread))
+
+
+@triton.jit
 def _cut(p, total, parts):
     """Where part ``p`` of ``parts`` begins on the batch's work line of ``total`` units:
     floor(p total / parts), in 64-bit (p total overflows int32 on long batches)."""
@@ -62,33 +80,54 @@ def _cdiv_parts(x, parts, total):
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = SMs (or SM groups) to fill
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr, CANDIDATES: tl.constexpr,
+    PART_COST: tl.constexpr, PART_MIN2: tl.constexpr, PART_GAIN_PCT: tl.constexpr,
 ):
-    # ---- The work line. Request i takes SPLIT_COST = C units (its query tile, partial, combine)
-    # then one unit per 64-token page: [W_i, W_i + C) then pages [a_i, e_i), a_i = W_i + C. The
-    # line's `total` units are cut into `parts` equal parts, part p from cut(p) = floor(p total /
-    # parts) (with at most `total` parts the cuts strictly increase). A cut with at least C pages
-    # of the request on each side splits it there ("inner"); one within C pages of its end (and no
-    # nearer its start) moves to the next request; any other to this request's first split
-    # (configs.cut_kind). The whole batch fits one program (BLOCK_B >= b).
+    # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
-    work = tl.where(in_batch, pages + SPLIT_COST, 0)
-    e = tl.cumsum(work, axis=0)                 # end of request i on the line
-    a = e - pages                               # start of its pages
-    total = tl.maximum(tl.sum(work, axis=0), 1)
-    parts = tl.minimum(num_parts, total)
-    # Request i's inner cuts: parts [lo_i, hi_i) (a_i + C <= cut(p) <= e_i - C); the parts that
-    # move to its end: [s_i, r_{i+1}) (cut(p) > e_i - C and 2 cut(p) >= a_i + e_i); those that
-    # begin at its first split: [r_i, min(lo_i, s_i, r_{i+1})), r_i the first with cut(p) >= W_i.
-    lo = _cdiv_parts(a + SPLIT_COST, parts, total)
-    hi = _cdiv_parts(e - SPLIT_COST + 1, parts, total)
-    s = _cdiv_parts(tl.maximum(e - SPLIT_COST + 1, (a + e + 1) // 2), parts, total)
-    r = _cdiv_parts(a - SPLIT_COST, parts, total)
-    r_next = _cdiv_parts(e, parts, total)
-    splits = tl.where(in_batch, 1 + tl.maximum(hi - lo, 0), 0)
+    # ---- Schedule 1, slots: even splits of at most `chunk` pages, one program each, handed to SMs
+    # as they free. The smallest chunk with at most num_parts splits (one wave) by bisection between
+    # ceil(total / num_parts) (a lower bound) and ceil(total / (num_parts - b)) (always fits), then
+    # smaller chunks (several waves: 1.5x, 1x, 3/4, 1/2, ... of the balanced share) where the
+    # expected busiest part is shorter and the splits fit below the last metadata row.
+    total = tl.sum(pages, axis=0)
+    room = tl.maximum(num_parts - batch, 1)
+    upper = tl.maximum((total + room - 1) // room, 1)
+    lower = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), upper)
+    balanced = lower
+    while lower < upper:
+        mid = (lower + upper) // 2
+        fits = tl.sum(_splits(pages, in_batch, mid), axis=0) <= num_parts
+        upper = tl.where(fits, mid, upper)
+        lower = tl.where(fits, lower, mid + 1)
+    chunk = upper
+    best = _schedule_cost2(total, tl.sum(_splits(pages, in_batch, chunk), axis=0), chunk, num_parts, SPLIT_COST)
+    for c in range(CANDIDATES):
+        cand = tl.maximum((balanced * (3 - c % 2)) >> (c // 2 + 1), 1)
+        slots = tl.sum(_splits(pages, in_batch, cand), axis=0)
+        cost = _schedule_cost2(total, slots, cand, num_parts, SPLIT_COST)
+        better = (cost < best) & (slots < num_slots)
+        chunk = tl.where(better, cand, chunk)
+        best = tl.where(better, cost, best)
+    # ---- Schedule 2, parts: request i takes PART_COST units then one per page on a line ([W_i,
+    # a_i) then pages [a_i, e_i)); the line's `line` units are cut into `parts` equal parts, part p
+    # from cut(p) = floor(p line / parts) (at most `line` parts: the cuts strictly increase); a cut
+    # inside a request's pages splits it there: request i's cuts are parts [lo_i, hi_i).
+    work = tl.where(in_batch, pages + PART_COST, 0)
+    e = tl.cumsum(work, axis=0)
+    a = e - pages
+    line = tl.maximum(tl.sum(work, axis=0), 1)
+    parts = tl.minimum(num_parts, line)
+    lo = _cdiv_parts(a + 1, parts, line)
+    hi = _cdiv_parts(e, parts, line)
+    # ---- The pick (configs.PART_GAIN): parts where their busiest part (share + a split cost)
+    # is well below the slots' expected busiest, on batches long enough for it to pay.
+    parts_cost2 = 2 * ((line + parts - 1) // parts + PART_COST)
+    use_parts = (best >= PART_MIN2) & (parts_cost2.to(tl.int64) * 100 <= best.to(tl.int64) * PART_GAIN_PCT)
+    splits = tl.where(use_parts, tl.where(in_batch, 1 + tl.maximum(hi - lo, 0), 0), _splits(pages, in_batch, chunk))
     cu_end = tl.cumsum(splits, axis=0)          # slots of requests 0..i
     cu_begin = cu_end - splits
     used = tl.sum(splits, axis=0)
@@ -102,21 +141,22 @@ def mla_metadata_kernel(
             tl.store(meta_ptr + offs_p * 8 + c, -1, mask=in_range)
     tl.debug_barrier()
     # ---- Each request's first slot gets (i, its first slot, lo_i, a_i, e_i), all nondecreasing
-    # in i, so a running maximum over the slots carries them to the request's other slots. Row p's
-    # column 7 = part p's first slot: row r_i gets request i's first slot, row s_i the next
-    # request's (the parts after each inherit it below).
+    # in i, so a running maximum over the slots carries them to the request's other slots. Parts
+    # schedule: row p's column 7 = part p's first slot; the parts that begin in request i's fixed
+    # cost (cut(p) in [W_i, a_i], p in [r_i, min(lo_i, hi_i))) begin at its first split: row r_i
+    # gets it, the others inherit it below.
     first_row = meta_ptr + cu_begin * 8
     tl.store(first_row + 0, offs_b, mask=in_batch)
     tl.store(first_row + 1, cu_begin, mask=in_batch)
     tl.store(first_row + 2, lo, mask=in_batch)
     tl.store(first_row + 3, a, mask=in_batch)
     tl.store(first_row + 4, e, mask=in_batch)
-    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & (r < tl.minimum(tl.minimum(lo, s), r_next)))
-    tl.store(meta_ptr + s * 8 + 7, cu_end, mask=in_batch & (s < r_next))
+    r = _cdiv_parts(a - PART_COST, parts, line)
+    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & use_parts & (r < tl.minimum(lo, hi)))
     tl.debug_barrier()
-    # ---- Per slot: request, split k of n, and its pages [begin, end) = [cut(lo + k - 1),
-    # cut(lo + k)) - a (split 0 from page 0, the last to the request's end). Split k >= 1 starts
-    # part lo + k - 1: that row's column 7 gets the slot.
+    # ---- Per slot: request, split k of n, its pages [begin, end): slots, k per..(k + 1) per
+    # with per = ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page
+    # 0, the last to the request's end), split k >= 1 starting part lo + k - 1 (column 7).
     req_c = -1                                  # the running maxima of the rows before this block
     first_c = -1
     lo_c = -1
@@ -139,21 +179,26 @@ def mla_metadata_kernel(
         valid = offs_p < used
         k = offs_p - first
         req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
-        n = tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1) - tl.load(num_splits_ptr + req_ok,
-                                                                                    mask=in_range, other=0)
-        begin = tl.where(k == 0, 0, _cut(lo_s + k - 1, total, parts) - a_s)
-        end = tl.where(k == n - 1, e_s, _cut(lo_s + k, total, parts)) - a_s
+        n = tl.maximum(tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1)
+                       - tl.load(num_splits_ptr + req_ok, mask=in_range, other=0), 1)
+        pages_s = e_s - a_s
+        per = (pages_s + n - 1) // n
+        begin = tl.where(use_parts, tl.where(k == 0, 0, _cut(lo_s + k - 1, line, parts) - a_s),
+                         tl.minimum(k * per, pages_s))
+        end = tl.where(use_parts, tl.where(k == n - 1, e_s, _cut(lo_s + k, line, parts)) - a_s,
+                       tl.minimum(k * per + per, pages_s))
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
         tl.store(row + 1, tl.where(valid, k, 0), mask=in_range)
         tl.store(row + 2, tl.where(valid, begin, 0), mask=in_range)
         tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
         for c in range(4, 7):
             tl.store(row + c, 0, mask=in_range)
-        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0))
+        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & use_parts)
     tl.debug_barrier()
-    # ---- Part p's first slot: a running maximum down column 7 over parts 0..parts - 1 (each
-    # part either begins a split or inherits the first slot of the request it began in); parts
-    # parts..num_parts begin (and end) at `used`; other rows 0.
+    # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1, 7]
+    # - 1): slots, one slot each (p, or `used` past the last); parts, a running maximum over parts
+    # 0..parts - 1 (each part begins a split or inherits the first slot of the request it began
+    # in), `used` from part `parts` on.
     before = -1
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
@@ -162,7 +207,7 @@ def mla_metadata_kernel(
         start = tl.maximum(tl.associative_scan(tl.load(row7, mask=in_range & (offs_p < parts), other=-1), 0, _max),
                            before)
         before = tl.max(start, 0)
-        start = tl.where(offs_p < parts, start, tl.where(offs_p <= num_parts, used, 0))
+        start = tl.where(use_parts, tl.where(offs_p < parts, start, used), tl.minimum(offs_p, used))
         tl.store(row7, start, mask=in_range)
 
 

@@ -8,9 +8,9 @@ What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same part
   each with its own mbarrier: the copy of the next tile runs while the tensor cores work on the
   current one, with no consumer thread spending registers or issue slots on loads (``tl``'s
   cp.async path waits for every copy at 2 stages, so its loads and MMAs take turns).
-* Persistent over a part (FlashMLA's schedule): the metadata cuts the batch's work into equal
-  parts, each a run of splits (whole short requests, pieces of long ones); a program runs its
-  part's splits one after the other and the producer keeps filling the ring across a split's end,
+* Persistent over a run of splits: under the metadata's parts schedule (FlashMLA's) the batch's
+  work is cut into equal parts, each a run of splits (whole short requests, pieces of long ones);
+  a program runs its run's splits one after the other and the producer keeps filling the ring across a split's end,
   so the next split's first tiles land while the consumers finish the last one's output.
 * Q stays in shared memory for the whole split (64 rows x 576, WGMMA's A operand), reloaded by
   the softmax warpgroup (its only reader) at each split; the scores go straight from the WGMMA
@@ -20,7 +20,8 @@ What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same part
   registers per thread); one warpgroup computes every S and softmax, so no row max or sum crosses
   warpgroups, and its softmax leaves the tensor cores to the other warpgroup's half of P V.
 
-Grid: (64-row head tile, part); split requests write partials that ``kernels.mla_combine_kernel``
+Grid: (64-row head tile, metadata row); program p runs the slots the metadata's column 7 gives
+it (one slot, or a part's run of splits); split requests write partials that ``kernels.mla_combine_kernel``
 merges in a second launch. Rows past ``s_q * h_q`` are computed as zeros and never stored.
 
 Cache slots past a request's length may hold anything (NaN included): a TMA copy moves whole
@@ -327,20 +328,20 @@ def mla_split_ws_kernel(
     and two consumer warpgroups (``num_warps = 4``: the default partition is the softmax
     warpgroup; the PV warpgroup and the producer are worker partitions).
 
-    Grid: (head tiles, parts); part p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1`` (clamped
-    to the metadata). kn_desc / kr_desc: TMA descriptors over the cache as
-    ``[num_blocks * KV_PAGE, 576]`` rows, boxes of ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]``
+    Grid: (head tiles, metadata rows - 1); program p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1``
+    (clamped to the metadata): one slot of the slots schedule, or a part's run. kn_desc /
+    kr_desc: TMA descriptors over the cache as ``[num_blocks * KV_PAGE, 576]`` rows, boxes of ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]``
     (columns 0..511) and ``[., 64]`` (columns 512..575). Scores in the log2 domain
     (``qk_scale = softmax_scale * log2(e)``)."""
     dtype: gl.constexpr = kn_desc.dtype
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    # The head tile is the grid's fastest axis: the tiles of one part start together on
+    # The head tile is the grid's fastest axis: the tiles of one run start together on
     # neighbouring SMs and stream the same KV pages, so the second reads them from L2.
     pid_h = gl.program_id(0)
-    part = gl.program_id(1)
-    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + part * 8 + 7), 0), num_slots)
-    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (part + 1) * 8 + 7), slot_first), num_slots)
+    run = gl.program_id(1)
+    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
+    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
     if slot_first == slot_last:
         return
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], kn_desc.layout)

@@ -7,13 +7,15 @@ Metadata format (ours, not FlashMLA's bytes; the two functions only need to agre
 
 * ``tile_scheduler_metadata``: int32 ``[SLOT_WAVES * num_sm_parts + b, 8]``
   (:func:`metadata_slots`), one row per *slot*, a split of one request:
-  ``(request, split index, first page, end page, 0, 0, 0, part start)``; request ``-1`` marks an
-  unused slot. The batch's work (each request's 64-token pages plus ``configs.SPLIT_COST_PAGES``
-  per split) is cut into ``num_sm_parts`` equal parts (FlashMLA's scheduling): part ``p`` runs
-  slots ``meta[p, 7] .. meta[p + 1, 7] - 1`` (column 7 of rows ``0 .. num_sm_parts``), a run of
-  whole short requests and pieces of long ones. The Gluon kernel runs one program per part (and
-  head tile) through its run; the ``tl`` kernels one program per slot. The row count is a static
-  shape (no host sync).
+  ``(request, split index, first page, end page, 0, 0, 0, run start)``; request ``-1`` marks an
+  unused slot. One of two schedules, picked per batch by a cost model (``configs.PART_GAIN``):
+  *slots*, every request cut in even splits of the chunk that minimizes the expected busiest SM
+  (``configs.schedule_cost``), one program per split, handed to SMs as they free; or *parts*
+  (FlashMLA's), the batch's work (pages plus ``configs.PART_SPLIT_COST_PAGES`` per request) cut
+  into ``num_sm_parts`` equal parts, each a run of whole short requests and pieces of long ones.
+  Column 7: the Gluon kernel's program ``p`` runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1`` (one
+  slot, or a part's run); the ``tl`` kernels run one program per slot either way. The row count is
+  a static shape (no host sync).
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
@@ -137,19 +139,50 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
     """The metadata kernel's schedule in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
     num_slots = metadata_slots(num_parts, batch)
-    cost = configs.SPLIT_COST_PAGES
     pages = (cache_seqlens.long().clamp_min(0) + PAGE_SIZE - 1) // PAGE_SIZE
-    e = (pages + cost).cumsum(0)                  # request i: [e_i - pages_i - cost, e_i) on the work line
-    a = e - pages                                 # where its pages begin
-    total = (pages + cost).sum().clamp_min(1)
-    parts = total.clamp_max(num_parts)
+    split_cost = configs.SPLIT_COST_PAGES
 
-    def cut(p):                                   # where part p begins
-        return p * total // parts
+    # ---- slots: even splits of the chunk that minimizes the expected busiest part
+    def slots(chunk):
+        return ((pages + chunk - 1) // chunk).clamp_min(1).sum()
 
-    lo = ((a + cost) * parts + total - 1) // total          # inner cuts (configs.cut_kind): parts [lo, hi)
-    hi = ((e - cost + 1) * parts + total - 1) // total
-    splits = 1 + (hi - lo).clamp_min(0)
+    def cost2(n_slots, chunk):      # the kernel's _schedule_cost2
+        longest = chunk + split_cost
+        spread = (2 * (total + split_cost * n_slots) + num_parts - 1) // num_parts + longest
+        return torch.where(n_slots <= num_parts, 2 * longest, torch.maximum(2 * longest, spread))
+
+    room = max(num_parts - batch, 1)
+    total = pages.sum()
+    hi = ((total + room - 1) // room).clamp_min(1)
+    lo = ((total + num_parts - 1) // num_parts).clamp_min(1).minimum(hi)
+    balanced = lo
+    for _ in range(40):      # the kernel's bisection, a fixed number of steps (no host sync)
+        mid = (lo + hi) // 2
+        fits = slots(mid) <= num_parts
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid + 1)
+    chunk = hi
+    best = cost2(slots(chunk), chunk)
+    for k in range(configs.SCHEDULE_CANDIDATES):
+        cand = ((balanced * (3 - k % 2)) >> (k // 2 + 1)).clamp_min(1)
+        n_slots = slots(cand)
+        cost = cost2(n_slots, cand)
+        better = (cost < best) & (n_slots < num_slots)
+        chunk, best = torch.where(better, cand, chunk), torch.where(better, cost, best)
+    # ---- parts: the work line cut into equal parts
+    part_cost = configs.PART_SPLIT_COST_PAGES
+    e = (pages + part_cost).cumsum(0)
+    a = e - pages
+    line = (pages + part_cost).sum().clamp_min(1)
+    parts = line.clamp_max(num_parts)
+
+    def cut(p):
+        return p * line // parts
+
+    cut_lo = ((a + 1) * parts + line - 1) // line
+    cut_hi = (e * parts + line - 1) // line
+    parts_cost2 = 2 * ((line + parts - 1) // parts + part_cost)
+    use_parts = (best >= 2 * configs.PART_MIN_PAGES) & (parts_cost2 * 100 <= best * round(configs.PART_GAIN * 100))
+    splits = torch.where(use_parts, 1 + (cut_hi - cut_lo).clamp_min(0), ((pages + chunk - 1) // chunk).clamp_min(1))
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
     used = cu[-1]
@@ -159,22 +192,22 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
         req = torch.searchsorted(cu[1:], slot, right=True).clamp_max(batch - 1)
         valid = slot < used
         k = slot - cu[req]
-        begin = torch.where(k == 0, 0, cut(lo[req] + k - 1) - a[req])
-        end = torch.where(k == splits[req] - 1, e[req], cut(lo[req] + k)) - a[req]
+        n = splits[req]
+        per = (pages[req] + n - 1) // n
+        begin = torch.where(use_parts, torch.where(k == 0, 0, cut(cut_lo[req] + k - 1) - a[req]),
+                            (k * per).minimum(pages[req]))
+        end = torch.where(use_parts, torch.where(k == n - 1, e[req], cut(cut_lo[req] + k)) - a[req],
+                          (k * per + per).minimum(pages[req]))
         meta[:, 0] = torch.where(valid, req, -1)
         meta[:, 1:4] = torch.stack([k, begin, end], 1) * valid[:, None]
-        # part p's first slot, by where its cut falls in the request it lies in (configs.cut_kind):
-        # the split that begins there, the next request's first, or this one's
-        c = cut(slot)
-        inside = torch.searchsorted(e, c, right=True).clamp_max(batch - 1)
-        ai, ei = a[inside], e[inside]
-        inner = (c - ai >= cost) & (ei - c >= cost)
-        to_end = ~inner & (ei - c < cost) & (ei - c <= c - ai)
-        first = torch.where(inner, cu[inside] + slot - lo[inside] + 1, torch.where(to_end, cu[inside + 1], cu[inside]))
+        # part p's first slot: the split that begins at its cut, or the first split of the
+        # request whose fixed cost the cut falls in
+        inside = torch.searchsorted(e, cut(slot), right=True).clamp_max(batch - 1)
+        first = cu[inside] + torch.where(cut(slot) > a[inside], slot - cut_lo[inside] + 1, 0)
     else:
         meta[:, 0] = -1
         first = torch.zeros_like(slot)
-    meta[:, 7] = torch.where(slot < parts, first, torch.where(slot <= num_parts, used, 0))
+    meta[:, 7] = torch.where(use_parts, torch.where(slot < parts, first, used), slot.minimum(used))
     return meta.to(torch.int32), cu.to(torch.int32)
 
 
@@ -193,12 +226,14 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
+    constexprs = dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
+                      CANDIDATES=configs.SCHEDULE_CANDIDATES, PART_COST=configs.PART_SPLIT_COST_PAGES,
+                      PART_MIN2=2 * configs.PART_MIN_PAGES, PART_GAIN_PCT=round(configs.PART_GAIN * 100))
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16,
-                                   configs.SPLIT_COST_PAGES),
+                                   *constexprs.values()),
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
-                                  dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
-                                       num_warps=4))
+                                  dict(constexprs, num_warps=4))
     return meta, num_splits
 
 
@@ -294,9 +329,8 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if call.variant in configs.GLUON_VARIANTS:
-        # one program per (head tile, part), head tiles fastest (kernels_gluon); the parts are
-        # the rows the metadata was made for (metadata_slots)
-        call.grid = (-(-rows // 64), max(1, (num_slots - batch) // configs.SLOT_WAVES), 1)
+        # one program per (head tile, run of slots in column 7), head tiles fastest (kernels_gluon)
+        call.grid = (-(-rows // 64), num_slots - 1, 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)
@@ -443,11 +477,10 @@ def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: 
                 b[1] != c[0] or b[0] > b[1] for b, c in zip(bounds, bounds[1:] + [(bounds[-1][1], 0)])):
             raise ValueError(f"tile_scheduler_metadata: request {req}'s splits cover pages {bounds[:4]}, expected "
                              f"0 to {pages[req]} in order (metadata from get_mla_metadata on these lengths)")
-    parts = (meta.shape[0] - batch) // configs.SLOT_WAVES
-    starts = [row[7] for row in rows[:parts + 1]]
+    starts = [row[7] for row in rows]
     if starts[0] != 0 or starts[-1] != splits[-1] or any(b < a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"tile_scheduler_metadata: expected the parts' first slots (column 7) to rise from 0 to "
-                         f"{splits[-1]}, got {starts[:8]}")
+        raise ValueError(f"tile_scheduler_metadata: expected the programs' first slots (column 7) to rise from 0 "
+                         f"to {splits[-1]}, got {starts[:8]}")
 
 
 def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False) -> None:

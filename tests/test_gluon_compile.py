@@ -317,9 +317,11 @@ def test_mla_sparse_kernels_compile(block_h, fp8):
 
 
 def test_mla_metadata_kernel_compiles():
-    """The metadata kernel (one program: a data-dependent bisection, then the chunk candidates)
-    compiles for sm_90a."""
-    constexprs = dict(BLOCK_B=256, BLOCK_P=32, SPLIT_COST=mla_configs.SPLIT_COST_PAGES)
+    """The metadata kernel (one program: a data-dependent bisection, the chunk candidates, the
+    work line and the pick) compiles for sm_90a."""
+    from tilefuse.ops.mla.op import metadata_constexprs
+
+    constexprs = metadata_constexprs(256, 32)
     signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "batch": "i32",
                  "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_metadata_kernel", signature, constexprs, num_warps=4)

@@ -211,6 +211,13 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
     return meta.to(torch.int32), cu.to(torch.int32)
 
 
+def metadata_constexprs(block_b: int, block_p: int) -> dict:
+    """The metadata kernel's constexprs: its blocks and the schedules' settings from ``configs``."""
+    return dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
+                CANDIDATES=configs.SCHEDULE_CANDIDATES, PART_COST=configs.PART_SPLIT_COST_PAGES,
+                PART_MIN2=2 * configs.PART_MIN_PAGES, PART_GAIN_PCT=round(configs.PART_GAIN * 100))
+
+
 def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts):
     batch = cache_seqlens.shape[0]
     return (cache_seqlens.new_empty(metadata_slots(num_sm_parts, batch), 8), cache_seqlens.new_empty(batch + 1))
@@ -226,9 +233,7 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
-    constexprs = dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
-                      CANDIDATES=configs.SCHEDULE_CANDIDATES, PART_COST=configs.PART_SPLIT_COST_PAGES,
-                      PART_MIN2=2 * configs.PART_MIN_PAGES, PART_GAIN_PCT=round(configs.PART_GAIN * 100))
+    constexprs = metadata_constexprs(block_b, block_p)
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16,
                                    *constexprs.values()),
                                   (1, 1, 1), cache_seqlens.device.index,

@@ -152,7 +152,8 @@ def mla_metadata_kernel(
     tl.store(first_row + 3, a, mask=in_batch)
     tl.store(first_row + 4, e, mask=in_batch)
     r = _cdiv_parts(a - PART_COST, parts, line)
-    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & use_parts & (r < tl.minimum(lo, hi)))
+    # (masks combined by tl.where: Triton 3.9's interpreter turns `tensor & scalar bool` into integers)
+    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=tl.where(use_parts, in_batch & (r < tl.minimum(lo, hi)), False))
     tl.debug_barrier()
     # ---- Per slot: request, split k of n, its pages [begin, end): slots, k per..(k + 1) per
     # with per = ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page
@@ -193,7 +194,7 @@ def mla_metadata_kernel(
         tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
         for c in range(4, 7):
             tl.store(row + c, 0, mask=in_range)
-        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & use_parts)
+        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=tl.where(use_parts, valid & (k > 0), False))
     tl.debug_barrier()
     # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1, 7]
     # - 1): slots, one slot each (p, or `used` past the last); parts, a running maximum over parts

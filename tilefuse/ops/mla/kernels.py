@@ -140,26 +140,27 @@ def mla_metadata_kernel(
         for c in range(0, 8):
             tl.store(meta_ptr + offs_p * 8 + c, -1, mask=in_range)
     tl.debug_barrier()
-    # ---- Each request's first slot gets (i, its first slot, lo_i, a_i, e_i), all nondecreasing
-    # in i, so a running maximum over the slots carries them to the request's other slots. Parts
+    # ---- Each request's first slot gets (i, -, lo_i, a_i, e_i), all nondecreasing in i, so a
+    # running maximum over the slots carries them to the request's other slots. Parts
     # schedule: row p's column 7 = part p's first slot; the parts that begin in request i's fixed
     # cost (cut(p) in [W_i, a_i], p in [r_i, min(lo_i, hi_i))) begin at its first split: row r_i
     # gets it, the others inherit it below.
     first_row = meta_ptr + cu_begin * 8
     tl.store(first_row + 0, offs_b, mask=in_batch)
-    tl.store(first_row + 1, cu_begin, mask=in_batch)
     tl.store(first_row + 2, lo, mask=in_batch)
     tl.store(first_row + 3, a, mask=in_batch)
     tl.store(first_row + 4, e, mask=in_batch)
     r = _cdiv_parts(a - PART_COST, parts, line)
-    # (masks combined by tl.where: Triton 3.9's interpreter turns `tensor & scalar bool` into integers)
-    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=tl.where(use_parts, in_batch & (r < tl.minimum(lo, hi)), False))
+    # (the scalar pick as a boolean vector in masks: Triton 3.9's interpreter turns `tensor &
+    # scalar bool` into integers)
+    parts_b = (offs_b * 0 + use_parts.to(tl.int32)) != 0
+    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & parts_b & (r < tl.minimum(lo, hi)))
     tl.debug_barrier()
-    # ---- Per slot: request, split k of n, its pages [begin, end): slots, k per..(k + 1) per
-    # with per = ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page
-    # 0, the last to the request's end), split k >= 1 starting part lo + k - 1 (column 7).
+    # ---- Per slot: request, lo, a and e (running maxima), its first slot and split count from
+    # num_splits, split k of n, its pages [begin, end): slots, k per..(k + 1) per with per =
+    # ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page 0, the last to
+    # the request's end), split k >= 1 starting part lo + k - 1 (column 7).
     req_c = -1                                  # the running maxima of the rows before this block
-    first_c = -1
     lo_c = -1
     a_c = -1
     e_c = -1
@@ -168,20 +169,18 @@ def mla_metadata_kernel(
         row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
         req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_c)
-        first = tl.maximum(tl.associative_scan(tl.load(row + 1, mask=in_range, other=-1), 0, _max), first_c)
+        req_c = tl.max(req, 0)
+        valid = offs_p < used
+        req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
+        first = tl.load(num_splits_ptr + req_ok, mask=in_range, other=0)
+        n = tl.maximum(tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1) - first, 1)
+        k = offs_p - first
         lo_s = tl.maximum(tl.associative_scan(tl.load(row + 2, mask=in_range, other=-1), 0, _max), lo_c)
         a_s = tl.maximum(tl.associative_scan(tl.load(row + 3, mask=in_range, other=-1), 0, _max), a_c)
         e_s = tl.maximum(tl.associative_scan(tl.load(row + 4, mask=in_range, other=-1), 0, _max), e_c)
-        req_c = tl.max(req, 0)
-        first_c = tl.max(first, 0)
         lo_c = tl.max(lo_s, 0)
         a_c = tl.max(a_s, 0)
         e_c = tl.max(e_s, 0)
-        valid = offs_p < used
-        k = offs_p - first
-        req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
-        n = tl.maximum(tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1)
-                       - tl.load(num_splits_ptr + req_ok, mask=in_range, other=0), 1)
         pages_s = e_s - a_s
         per = (pages_s + n - 1) // n
         begin = tl.where(use_parts, tl.where(k == 0, 0, _cut(lo_s + k - 1, line, parts) - a_s),
@@ -194,7 +193,8 @@ def mla_metadata_kernel(
         tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
         for c in range(4, 7):
             tl.store(row + c, 0, mask=in_range)
-        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=tl.where(use_parts, valid & (k > 0), False))
+        parts_p = (offs_p * 0 + use_parts.to(tl.int32)) != 0
+        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & parts_p)
     tl.debug_barrier()
     # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1, 7]
     # - 1): slots, one slot each (p, or `used` past the last); parts, a running maximum over parts

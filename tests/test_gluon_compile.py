@@ -70,17 +70,14 @@ def test_swiglu_pingpong_oversized_tile_spills():
         swiglu_configs.PingPongConfig(128, 128)
 
 
-@pytest.mark.parametrize("seesaw,ring,one_head,page", [(False, None, False, 64), (True, None, False, 64),
-                                                       (True, (32, 4), False, 64), (True, None, True, 64),
-                                                       (False, None, False, 16), (False, None, False, 128)],
-                         ids=["role-split", "seesaw", "seesaw-32x4", "seesaw-h1", "role-split-page16",
-                              "role-split-page128"])
-def test_mla_split_ws_compiles(seesaw, ring, one_head, page):
+@pytest.mark.parametrize("ring,one_head,page", [(None, False, 64), ((32, 4), False, 64), (None, True, 64),
+                                                (None, False, 16), (None, False, 128)],
+                         ids=["64x2", "32x4", "h1", "page16", "page128"])
+def test_mla_split_ws_compiles(ring, one_head, page):
     """``one_head``: h_q = 1, which the launch specializes into a constant; ``page``: the cache's
     page size (below the tile: boxes of a page each; above: one box inside a page)."""
-    cfg, _, _, _ = mla_configs.launch_config("seesaw" if seesaw else "wgmma", 128, 256)
+    cfg, _, _, _ = mla_configs.launch_config("wgmma", 128, 256)
     block_n, stages = ring or (cfg["BLOCK_N"], cfg["STAGES"])
-    assert cfg["SEESAW"] == seesaw
     dtype = torch.bfloat16
     pointers = ["q_ptr", None, None, "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
                 "oacc_ptr", "lseacc_ptr"]
@@ -95,16 +92,13 @@ def test_mla_split_ws_compiles(seesaw, ring, one_head, page):
     for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
                  "stride_lb", "stride_lh"):
         signature[name] = "i32"
-    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, SEESAW=seesaw, KV_PAGE=page,
-                      num_warps=cfg["num_warps"])
+    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, KV_PAGE=page, num_warps=cfg["num_warps"])
     if one_head:
         constexprs["h_q"] = 1
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
-    # the seesaw consumers spill ~150 bytes (WGMMA descriptors, reloaded around the S issue):
-    # bounded here so that growth shows; the role-split form must not spill at all
-    _check(result, max_spilled=512 if seesaw else 0)
+    _check(result, max_spilled=0)
 
 
 @pytest.mark.parametrize("block_n,quant,scaled_k", [(128, True, True), (128, False, False), (64, False, True)],
@@ -323,10 +317,11 @@ def test_mla_sparse_kernels_compile(block_h, fp8):
 
 
 def test_mla_metadata_kernel_compiles():
-    """The metadata kernel (one program: a data-dependent bisection, then the chunk candidates)
-    compiles for sm_90a."""
-    constexprs = dict(BLOCK_B=256, BLOCK_P=32, SPLIT_COST=mla_configs.SPLIT_COST_PAGES,
-                      CANDIDATES=mla_configs.SCHEDULE_CANDIDATES)
+    """The metadata kernel (one program: a data-dependent bisection, the chunk candidates, the
+    work line and the pick) compiles for sm_90a."""
+    from tilefuse.ops.mla.op import metadata_constexprs
+
+    constexprs = metadata_constexprs(256, 32)
     signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "batch": "i32",
                  "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_metadata_kernel", signature, constexprs, num_warps=4)

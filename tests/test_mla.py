@@ -23,6 +23,22 @@ from tilefuse.testing.mla import make_case
 TOL = {torch.float32: (4e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-4)}
 
 
+@pytest.fixture(autouse=True)
+def small_split_cost(request, monkeypatch):
+    """The interpreter's cases are a few pages long, shorter than the schedules' split costs, so
+    neither schedule would split them: their kernels run with split costs of one page (the
+    attention is the same for any schedule). The schedules' own tests keep the shipped costs."""
+    if "interpret" in request.fixturenames and not request.node.get_closest_marker("shipped_split_cost"):
+        monkeypatch.setattr(configs, "SPLIT_COST_PAGES", 1)
+        monkeypatch.setattr(configs, "PART_SPLIT_COST_PAGES", 1)
+
+
+def _force_schedule(monkeypatch, which: str) -> None:
+    """Make the metadata pick one schedule whatever the batch: "parts" or "slots"."""
+    monkeypatch.setattr(configs, "PART_MIN_PAGES", 0)
+    monkeypatch.setattr(configs, "PART_GAIN", 100.0 if which == "parts" else 0.0)
+
+
 @pytest.fixture
 def mla_configs(monkeypatch):
     """Edit the MLA launch settings for one test (the cached per-shape choice is cleared around it)."""
@@ -59,7 +75,7 @@ CASES = [
     ([100, 190], 2, 128, False, None, 6),
     ([150, 40], 2, 32, True, "transposed", 8),      # 64 rows forced transposed
     ([99], 4, 1, True, None, 8),                    # s_q = 4 (speculative decoding), 1 head
-    ([150, 3, 0], 1, 128, True, "seesaw", 10),      # a Gluon schedule pinned: the tl kernel runs here
+    ([150, 3, 0], 1, 128, True, "wgmma", 10),       # the Gluon kernel pinned: the tl kernel runs here
 ]
 
 
@@ -149,26 +165,6 @@ def test_mla_dispatch_pads_rows_only_where_the_chip_stays_memory_bound(name, sma
     assert configs.default_variant(64, 64, False, chip) == "standard"   # no Gluon: the tl kernels
 
 
-def test_mla_gluon_schedule_switch(monkeypatch, tmp_path):
-    """``gluon_schedule`` in a configs file makes the seesaw the Gluon default; a bad value is
-    refused at import, naming the setting."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    monkeypatch.setattr(configs, "GLUON_SCHEDULE", "seesaw")
-    assert configs.default_variant(128, 64, True) == "seesaw"
-    assert configs.default_variant(128, 64, False) == "standard"
-    path = tmp_path / "configs.json"
-    code = "import tilefuse.ops.mla.configs as c; print(c.GLUON_SCHEDULE)"
-    env = {**os.environ, "TILEFUSE_CONFIGS": str(path)}
-    for value, expect in (("seesaw", "seesaw"), ("bogus", "mla.gluon_schedule must be one of")):
-        path.write_text(json.dumps({"mla": {"gluon_schedule": value}}))
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-        assert expect in done.stdout + done.stderr
-
-
 def test_mla_metadata_reused_across_layers(interpret):
     """One get_mla_metadata per step serves every layer: the combine's counters reset themselves."""
     inp = make_case([300, 5, 0, 170], 2, 16, torch.float16, interpret)
@@ -190,51 +186,64 @@ def test_mla_softmax_scale(interpret):
     assert_close(lse, rl, atol=lse_atol, rtol=1e-5, name="lse")
 
 
-def _schedule_of(lens, splits, parts):
-    """(pages per request, split counts, slots, chunk, the cost model's busiest part)."""
-    pages = [(n + 63) // 64 for n in lens]
-    counts = (splits[1:] - splits[:-1]).tolist()
-    chunk = max(-(-n // k) for n, k in zip(pages, counts))
-    return pages, counts, sum(counts), chunk, configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
-
-
-def _check_schedule_choice(lens, parts):
-    """Kernel and PyTorch mirror agree; every split of every request runs on exactly one slot;
-    the splits fit the metadata's rows; the chosen chunk's expected busiest part is no worse than
-    the best one-wave schedule's and within 10 % of the best chunk of all (brute force)."""
+def _schedule_of(lens, parts):
+    """Kernel and PyTorch mirror agree; every request's splits cover its pages once, in order, and
+    the programs' runs (column 7) cover the used slots once (``op.check_schedule``). Returns
+    (meta, num_splits, which schedule ran)."""
     seqlens = torch.tensor(lens, dtype=torch.int32)
     meta, splits = tilefuse.get_mla_metadata(seqlens, 16, 1, num_sm_parts=parts)
     meta_ref, splits_ref = op._metadata_torch(seqlens, parts)
     assert torch.equal(meta, meta_ref) and torch.equal(splits, splits_ref)
-    b = len(lens)
-    rows = op.metadata_slots(parts, b)
-    assert meta.shape == (rows, 8) and splits.shape == (b + 1,)
-    op.check_schedule(seqlens, meta, splits)          # each (request, split) exactly once
-    assert (meta[:, 2:] == 0).all()
-    pages, counts, slots, chunk, cost = _schedule_of(lens, splits, parts)
-    assert min(counts) >= 1 and slots <= rows
+    assert meta.shape == (op.metadata_slots(parts, len(lens)), 8) and splits.shape == (len(lens) + 1,)
+    op.check_schedule(seqlens, meta, splits)
+    used = int(splits[-1])
+    one_each = torch.arange(meta.shape[0]).clamp_max(used).to(meta.dtype)
+    return meta, splits, "slots" if torch.equal(meta[:, 7], one_each) else "parts"
+
+
+def _check_parts(lens, parts):
+    """The parts schedule: each program's run is ``configs.schedule_splits``'s, and every part's
+    work (pages + split costs) is within the balanced share plus two split costs (one for a split
+    that starts the part inside a request, one for the cuts' rounding to whole pages)."""
+    meta, splits, _ = _schedule_of(lens, parts)       # (one split per part reads as "slots" too)
+    pages = [(n + 63) // 64 for n in lens]
+    runs = configs.schedule_splits(pages, parts)
+    starts = meta[:, 7].tolist()
+    for p in range(parts):
+        got = [(r, begin, end) for r, _, begin, end in meta[starts[p]:starts[p + 1], :4].tolist()]
+        assert got == runs[p], p
+    assert int(splits[-1]) <= parts - 1 + len(lens)
+    cost = configs.PART_SPLIT_COST_PAGES
+    share = (sum(pages) + cost * len(lens)) / parts
+    assert max(configs.part_loads(pages, parts)) <= share + 2 * cost + 1
+
+
+def _check_slots(lens, parts):
+    """The slots schedule: even splits of one chunk, one per program; the chunk's expected busiest
+    part no worse than the best one-wave schedule's and within 10 % of the best chunk of all
+    (brute force)."""
+    meta, splits, which = _schedule_of(lens, parts)
+    assert which == "slots"
+    pages = [(n + 63) // 64 for n in lens]
+    counts = (splits[1:] - splits[:-1]).tolist()
+    chunk = max(-(-p // n) for p, n in zip(pages, counts))
+    rows = op.metadata_slots(parts, len(lens))
+    assert min(counts) >= 1 and sum(counts) < rows
 
     def cost_at(c):
         n = sum(max(-(-p // c), 1) for p in pages)
-        return configs.schedule_cost(sum(pages), n, c, parts) if n <= rows else float("inf")
+        return configs.schedule_cost(sum(pages), n, c, parts) if n < rows else float("inf")
 
+    cost = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
     one_wave = next((c for c in range(1, max(pages + [1]) + 1) if sum(max(-(-p // c), 1) for p in pages) <= parts),
                     max(pages + [1]))
     assert cost <= cost_at(one_wave)
     assert cost <= 1.1 * min(cost_at(c) for c in range(1, max(pages + [1]) + 1))
-    return pages, slots, cost
 
 
-@pytest.mark.parametrize("lens,parts", [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3),
-                                        ([64 * 7] * 8, 132), ([1] * 40, 8), ([1024] * 64, 132),
-                                        ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)])
-def test_mla_metadata_schedule(interpret, lens, parts):
-    """The schedule's invariants (``_check_schedule_choice``), and a batch that one wave balances
-    keeps one wave: at most `parts` slots."""
-    pages, slots, cost = _check_schedule_choice(lens, parts)
-    total = sum(pages)
-    if max(pages + [1]) <= -(-total // parts) and len(lens) <= parts:
-        assert slots <= parts
+SCHEDULE_BATCHES = [([0, 1, 63, 64, 65, 200], 4), ([5000, 64, 0], 16), ([0, 0], 3), ([64 * 7] * 8, 132),
+                    ([1] * 40, 8), ([1024] * 64, 132), ([0], 132),
+                    ([64 * 900, 64 * 30, 64 * 500, 64 * 77, 1, 64 * 200] * 4, 40)]
 
 
 def _uneven_batches():
@@ -250,15 +259,74 @@ def _uneven_batches():
     ]
 
 
-@pytest.mark.parametrize("lens,parts", _uneven_batches())
-def test_mla_metadata_balances_uneven_batches(interpret, lens, parts):
-    """Where one wave of splits cannot balance the batch (about num_parts requests or more, a few
-    long ones among short ones: one wave leaves the busiest part 2-40x the balanced share here),
-    the schedule cuts finer: its expected busiest part stays within twice the balanced share plus
-    two split costs."""
-    pages, slots, cost = _check_schedule_choice(lens, parts)
-    balanced = sum(pages) / parts
-    assert cost <= 2 * balanced + 2 * configs.SPLIT_COST_PAGES
+@pytest.mark.shipped_split_cost
+@pytest.mark.parametrize("which", ["slots", "parts"])
+@pytest.mark.parametrize("lens,parts", SCHEDULE_BATCHES + _uneven_batches())
+def test_mla_metadata_schedules(interpret, monkeypatch, which, lens, parts):
+    """Each schedule forced on even, uneven (one long request among short ones, Zipf, zero
+    lengths) and tiny batches: its invariants (``_check_slots``, ``_check_parts``)."""
+    _force_schedule(monkeypatch, which)
+    (_check_slots if which == "slots" else _check_parts)(lens, parts)
+
+
+@pytest.mark.shipped_split_cost
+@pytest.mark.parametrize("lens,parts,expect", [
+    ([131072] + [1000] * 255, 132, "parts"),          # one long request among short ones
+    ([70000] + [10000] * 95, 66, "parts"),            # a long one among 96 mid-length ones, 2 head tiles
+    ([4096] * 16, 132, "slots"),                      # even batches
+    ([1024] * 128, 132, "slots"),
+    ([65536] * 64, 66, "slots"),
+    ((20000 / torch.arange(1, 129, dtype=torch.float64) ** 1.1).long().tolist(), 132, "slots"),   # short Zipf
+])
+def test_mla_metadata_picks_the_schedule_by_its_cost_model(interpret, lens, parts, expect):
+    """The shipped pick (``configs.PART_GAIN``, ``PART_MIN_PAGES``): parts where they balance long
+    uneven batches, slots on even or short ones; the estimates it compares agree with the kernel's
+    pick."""
+    _, _, which = _schedule_of(lens, parts)
+    assert which == expect
+    pages = [(n + 63) // 64 for n in lens]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    counts = (op._metadata_torch(seqlens, parts)[1].diff()).tolist() if which == "slots" else None
+    if counts is not None:      # the slots' estimate did not clear the bar
+        chunk = max(-(-p // n) for p, n in zip(pages, counts))
+        slots_cost = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
+        assert slots_cost < configs.PART_MIN_PAGES or configs.parts_cost(pages, parts) > configs.PART_GAIN * slots_cost
+
+
+@pytest.mark.shipped_split_cost
+def test_mla_metadata_property_random_mixes(interpret, monkeypatch):
+    """Property test over random batches, both schedules and the pick: every split of every
+    request covers its pages once (``op.check_schedule``), the kernel equals its PyTorch mirror,
+    the parts stay balanced."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(12):
+        b = int(torch.randint(1, 300, (1,), generator=gen))
+        kind = trial % 3
+        if kind == 0:
+            lens = torch.randint(0, 20000, (b,), generator=gen)
+        elif kind == 1:      # Zipf-like: a few long, many short
+            lens = (60000 / torch.arange(1, b + 1, dtype=torch.float64) ** 1.2).long()
+            lens = lens[torch.randperm(b, generator=gen)]
+        else:                # zeros and ones among long requests
+            lens = torch.randint(0, 3, (b,), generator=gen) * torch.randint(0, 90000, (b,), generator=gen)
+        parts = int(torch.randint(1, 140, (1,), generator=gen))
+        _schedule_of(lens.tolist(), parts)
+        with monkeypatch.context() as m:
+            _force_schedule(m, "parts")
+            _check_parts(lens.tolist(), parts)
+        with monkeypatch.context() as m:
+            _force_schedule(m, "slots")
+            _schedule_of(lens.tolist(), parts)
+
+
+@pytest.mark.parametrize("which", ["slots", "parts"])
+@pytest.mark.parametrize("lens,s_q,h_q,causal,variant,parts", [CASES[0], CASES[2], CASES[4], CASES[7]])
+def test_mla_interpret_each_schedule(interpret, monkeypatch, which, lens, s_q, h_q, causal, variant, parts):
+    """The kernels' outputs under each schedule forced (the other tests run whichever the pick gives)."""
+    _force_schedule(monkeypatch, which)
+    inp = make_case(lens, s_q, h_q, torch.float16, interpret)
+    out, lse = _run(inp, causal, parts, variant)
+    _check(out, lse, inp, causal)
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
@@ -593,7 +661,7 @@ def test_gpu_page_sizes(page, h_q, s_q, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2), (16, 3), (16, 4), (32, 1), (64, 1), (128, 2), (1, 4)])
-@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma", "seesaw"])   # the default is one of them
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])   # the default is one of them
 def test_mla_gpu_equal(dtype, h_q, s_q, variant):
     if variant == "transposed" and h_q * s_q >= 64:
         pytest.skip("transposed applies below 64 query rows")
@@ -605,7 +673,7 @@ def test_mla_gpu_equal(dtype, h_q, s_q, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (16, 2, True), (128, 1, True), (128, 2, False)])
-@pytest.mark.parametrize("variant", [None, "wgmma", "seesaw"])
+@pytest.mark.parametrize("variant", [None, "wgmma", "standard"])
 def test_mla_gpu_mixed(dtype, h_q, s_q, causal, variant):
     lens = [0, 1, 63, 64, 65, 1000, 20000, 4097, 0, 333, 70000, 128]
     inp = make_case(lens, s_q, h_q, dtype, "cuda")
@@ -637,7 +705,7 @@ def test_mla_gpu_graph_replay(h_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma", "seesaw"])
+@pytest.mark.parametrize("variant", ["transposed", "standard", "wgmma"])
 def test_mla_gpu_nan_tail_does_not_leak(variant):
     """Every slot past the lengths is NaN (make_case poisons them): outputs must stay finite."""
     inp = make_case([65, 130, 1, 32, 96], 1, 16, torch.bfloat16, "cuda")
@@ -647,8 +715,7 @@ def test_mla_gpu_nan_tail_does_not_leak(variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wgmma", "seesaw"])
-def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel(variant):
+def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
     """A cache view whose base is not 16-byte aligned (TMA cannot address it) still gives the
     right answer (the call falls back to the tl kernel of the same orientation)."""
     inp = make_case([300, 70], 1, 64, torch.bfloat16, "cuda")
@@ -657,7 +724,7 @@ def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel(variant):
     shifted.copy_(inp.k_cache)
     inp.k_cache = shifted
     assert shifted.data_ptr() % 16
-    out, lse = _run_gpu(inp, 1, 64, True, variant)
+    out, lse = _run_gpu(inp, 1, 64, True, "wgmma")
     _check_gpu(out, lse, inp, True)
 
 
@@ -669,9 +736,8 @@ def test_mla_gpu_default_is_wgmma_on_hopper():
     q = torch.empty(1, 1, 128, 576, dtype=torch.bfloat16, device="cuda")
     assert op.choose_variant(128, 64, q) == "wgmma"
     assert op.choose_variant(128, 64, q.float()) == "standard"      # fp32: the tl kernel
-    assert op.kernel_status(torch.device("cuda"))["seesaw"] == "ok"
-    with tilefuse.force(variant="seesaw"):
-        assert op.choose_variant(128, 64, q) == "seesaw"
+    with tilefuse.force(variant="wgmma"):
+        assert op.choose_variant(16, 64, q) == "wgmma"
         assert op.choose_variant(128, 64, q.float()) == "standard"
 
 
@@ -695,12 +761,12 @@ def test_mla_gpu_unfused_combine(monkeypatch, key, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["wgmma", "seesaw"])
 @pytest.mark.parametrize("block_n,stages", [(64, 2), (32, 4)])
 @pytest.mark.parametrize("h_q,s_q", [(16, 2), (128, 1)])
-def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q, variant):
-    """The Gluon kernel's two schedules at both ring shapes, on mixed lengths (0 to 70000: splits
-    of 0, 1, 2 and many tiles, odd and even counts) with NaN past them."""
+def test_mla_gpu_wgmma_ring_shapes(monkeypatch, block_n, stages, h_q, s_q):
+    """The Gluon kernel at both ring shapes, on mixed lengths (0 to 70000: splits of 0, 1, 2 and
+    many tiles, odd and even counts) with NaN past them."""
+    variant = "wgmma"
     configs.launch_config.cache_clear()
     monkeypatch.setitem(configs.CONFIGS, variant, dict(configs.CONFIGS[variant], BLOCK_N=block_n, STAGES=stages))
     inp = make_case([0, 1, 63, 64, 65, 20000, 4097, 333, 70000, 128], s_q, h_q, torch.bfloat16, "cuda")

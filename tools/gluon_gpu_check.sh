@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The Gluon kernels (SwiGLU "pingpong", FP8 SwiGLU "ws", MLA "seesaw" and the role split it is
-# compared with), in one device call: their GPU tests, compute-sanitizer (memcheck, racecheck) on
-# them, then the benches that time them beside the defaults. racecheck reports hazards on the
+# The Gluon kernels (SwiGLU "pingpong", FP8 SwiGLU "ws", MLA "wgmma"), in one device call: their
+# GPU tests, compute-sanitizer (memcheck, racecheck) on them, then the benches that time them beside the defaults. racecheck reports hazards on the
 # warp-specialized kernels' cross-warpgroup hand-offs (docs/mla.md, "Compute-sanitizer"). Logs and JSON go to OUT (default: $OUT, else ./gluon-check).
 #
 #   bash tools/gluon_gpu_check.sh [tests|sanitize|bench|all] ...   # default: all, in that order
@@ -34,7 +33,7 @@ for what in "${@:-all}"; do
     if [ "$what" = tests ] || [ "$what" = all ]; then
         step tests-swiglu python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_swiglu.py -k pingpong
         step tests-fp8 python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_swiglu_fp8.py -k ws
-        step tests-mla python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_mla.py -k "seesaw or wgmma"
+        step tests-mla python3 -m pytest -q -m gpu -n 4 -p no:cacheprovider tests/test_mla.py -k wgmma
     fi
     if [ "$what" = sanitize ] || [ "$what" = all ]; then
         export PYTORCH_NO_CUDA_MEMORY_CACHING=1
@@ -43,13 +42,13 @@ for what in "${@:-all}"; do
         step memcheck-fp8 compute-sanitizer --tool memcheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "swiglu_fp8 ws"
         step memcheck-mla compute-sanitizer --tool memcheck --error-exitcode 1 \
-            python3 tools/sanitize.py --only "mla h128 seesaw" --one
+            python3 tools/sanitize.py --only "mla h128 wgmma" --one
         step racecheck-swiglu compute-sanitizer --tool racecheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "swiglu pingpong"
         step racecheck-fp8 compute-sanitizer --tool racecheck --error-exitcode 1 \
             python3 tools/sanitize.py --only "swiglu_fp8 ws" --one
         step racecheck-mla compute-sanitizer --tool racecheck --error-exitcode 1 \
-            python3 tools/sanitize.py --only "mla h16 seesaw" --one
+            python3 tools/sanitize.py --only "mla h16 wgmma" --one
         unset PYTORCH_NO_CUDA_MEMORY_CACHING
     fi
     if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -4,7 +4,7 @@ that each value of ``configs.SPLIT_COST_PAGES`` picks, on the benchmark's length
     python3 tools/mla_split_cost_sweep.py [OUT.json]
 
 For every mix and every candidate split cost, the metadata (``op._metadata_torch``, the metadata
-kernel's mirror) with that cost; each distinct schedule (chunk, slots) is timed once as CUDA-graph
+kernel's mirror) with that cost; each distinct schedule (its splits and parts) is timed once as CUDA-graph
 replays of ``flash_mla_with_kvcache`` alone (cold L2), the default schedule twice (the noise).
 The summary gives, per split cost, the geomean over the mixes of its time over the best schedule
 found for that mix. Writes ``bench/results/sweeps/mla-split-cost-<gpu>.json`` by default. Needs
@@ -54,9 +54,8 @@ def main() -> None:
             configs.SPLIT_COST_PAGES = cost
             meta, splits = op._metadata_torch(seqlens, parts)
             configs.SPLIT_COST_PAGES = default_cost
-            counts = (splits[1:] - splits[:-1]).tolist()
             pages = [(n + 63) // 64 for n in lens]
-            key = (max(-(-p // n) for p, n in zip(pages, counts)), sum(counts))
+            key = (meta.cpu().numpy().tobytes(), int(splits[-1]))
             repeats = 2 if cost == default_cost else 1
             if key not in times or cost == default_cost:
                 call = lambda: tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512,  # noqa: E731
@@ -65,12 +64,13 @@ def main() -> None:
                 times[key] = min(samples) if key not in times else min(times[key], *samples)
                 if cost == default_cost:
                     entry["default_samples_us"] = samples
-            entry["costs"][str(cost)] = {"chunk": key[0], "slots": key[1], "graph_us": times[key]}
+            entry["costs"][str(cost)] = {"splits": key[1], "busiest_part_pages": max(configs.part_loads(pages, parts, cost)),
+                                         "graph_us": times[key]}
         best = min(times.values())
         for v in entry["costs"].values():
             v["x_best"] = v["graph_us"] / best
         rows_out.append(entry)
-        print(label, h_q, s_q, {c: (v["chunk"], v["slots"], round(v["graph_us"], 1)) for c, v in entry["costs"].items()},
+        print(label, h_q, s_q, {c: (v["splits"], round(v["graph_us"], 1)) for c, v in entry["costs"].items()},
               flush=True)
         del k_cache, block_table
         torch.cuda.empty_cache()

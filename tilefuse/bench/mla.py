@@ -10,8 +10,8 @@ heads with uneven lengths, batch 128 at 1K, and 32/64 heads at 16K. Implementati
   graph;
 * ``tilefuse:transposed`` / ``tilefuse:standard``: ``tilefuse`` with one ``tl`` kernel forced
   (below 64 query rows, where both apply);
-* ``tilefuse:wgmma`` / ``tilefuse:seesaw``: the standard orientation's Gluon kernel forced, with
-  its role-split schedule (the default on Hopper) and its seesaw schedule, at every case;
+* ``tilefuse:wgmma``: the standard orientation's Gluon kernel forced (the default on Hopper), at
+  every case;
 * ``torch_naive``: gather the pages, bmm, softmax, bmm (equal lengths, where it fits in memory);
 * ``flashmla`` / ``flashmla+metadata``: the same two for FlashMLA, where ``flash_mla`` is importable;
   with ``TILEFUSE_FLASHMLA=b31bfe7=DIR,main=DIR`` each named build instead, as ``flashmla@b31bfe7``,
@@ -161,9 +161,8 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
         if device.type == "cuda" and rows < 64:   # every kernel applies: time each
             impls["tilefuse:transposed"] = forced("transposed")
             impls["tilefuse:standard"] = forced("standard")
-        if device.type == "cuda":   # the Gluon kernel's two schedules, at every case
+        if device.type == "cuda":   # the Gluon kernel, at every case
             impls["tilefuse:wgmma"] = forced("wgmma")
-            impls["tilefuse:seesaw"] = forced("seesaw")
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
         if device.type == "cuda" and page == 64:   # peer builds, only where present (never built by tilefuse)
@@ -607,9 +606,9 @@ def print_family_extra(summary: dict, file) -> None:
 def _orientations(table: dict) -> dict:
     """Geomean time ratios of the kernels forced side by side, eager and graph: ``"a/b"`` = a's
     time over b's (below 1: a faster), and in how many cases b is faster. The tl kernels are
-    forced below 64 rows, the Gluon kernel's two schedules (``wgmma``, ``seesaw``) everywhere."""
+    forced below 64 rows, the Gluon kernel (``wgmma``) everywhere."""
     out = {}
-    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed"), ("seesaw", "wgmma")):
+    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed")):
         for mode, key in (("eager", "eager_us"), ("graph", "graph_us")):
             pairs = [((impls.get(f"tilefuse:{a}") or {}).get(key), (impls.get(f"tilefuse:{b}") or {}).get(key))
                      for impls in table.values()]

@@ -13,9 +13,6 @@ Provenance: H200 sweeps of graph-replayed decode steps (the figures and the rule
   consumer warpgroups (``kernels_gluon.py``; ``num_warps`` = 4, the softmax warpgroup's); 64-row
   head tiles at any row count; Q + the ring + P take 226-230 KB of SMEM (BLOCK_N = 64 x 2 stages
   or 32 x 4), one program per SM; partials merged by the combine kernel.
-* ``"seesaw"``: the same kernel with the seesaw schedule (the two consumer warpgroups take the
-  tiles in turn, so one's softmax runs under the other's WGMMAs); same settings. Runs when pinned
-  (``tilefuse.force(variant="seesaw")``): it measured 10-24 % slower than the role split.
 * ``"standard_small"``: the standard orientation below 64 rows; BLOCK_H 0 = next_pow2(rows)
   (mma.sync, no padding), BLOCK_N = 32, 3 stages: 93 KB SMEM, two programs per SM.
 
@@ -28,6 +25,7 @@ where present, override ``"<key>"`` in that context regime.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from tilefuse import _env
@@ -37,9 +35,8 @@ CONFIGS = {
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
     "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
-    "seesaw": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
 }
-GLUON_VARIANTS = ("wgmma", "seesaw")     # the Gluon kernel's two schedules (Hopper, 16-bit q)
+GLUON_VARIANTS = ("wgmma",)     # the Gluon kernel (Hopper, 16-bit q)
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
 # graph. Measured (the tl kernels' full grid, folded into bench/results/mla-h200-quick.json as
@@ -52,15 +49,29 @@ LONG_CONTEXT_PAGES = 256
 # tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
-# The metadata's fixed cost of one split, in 64-token pages of KV at one SM's share of the
-# bandwidth: a split program reads its query tile, fills its TMA pipeline, writes a partial that
-# the combine reads back (about 4-5 pages of traffic for a 64-row tile by the roofline; FlashMLA's
-# scheduler counts 5 blocks). Measured (tools/mla_split_cost_sweep.py, H200,
-# bench/results/sweeps/mla-split-cost-h200.json): over the benchmark's serving mixes the schedules
-# that 6-8 pick are within 1.2-1.4 % of each mix's best (geomean), those of 4 within 5.6 %, of 16
-# within 2.3 %; one long request among 255 short ones and the Zipf mixes want fewer, longer splits
-# than the roofline count says.
+# Two schedules; the metadata kernel picks one per batch (the cost model below).
+#
+# Slots (one program per split, handed to SMs as they free): every request cut in even splits of
+# at most one chunk, the chunk that minimizes the expected busiest SM (schedule_cost). The fixed
+# cost of one split, in 64-token pages of KV at one SM's share of the bandwidth: its query tile,
+# the pipeline's fill, a partial the combine reads back. Measured (tools/mla_split_cost_sweep.py,
+# H200, bench/results/sweeps/mla-split-cost-h200.json): the schedules that 6-8 pick are within
+# 1.2-1.4 % of each serving mix's best (geomean), those of 4 within 5.6 %.
 SPLIT_COST_PAGES = 8
+# Parts (one program per part, running its splits back to back; FlashMLA's schedule): the batch's
+# work, pages plus PART_SPLIT_COST_PAGES per request, laid on one line and cut into equal parts;
+# the next split's tiles load while the last one's output is written, so no pipeline fill is
+# counted (FlashMLA's scheduler counts 5 blocks per split).
+PART_SPLIT_COST_PAGES = 5
+# The parts schedule runs where its busiest part (the share plus a split cost) is at most
+# PART_GAIN of the slot schedule's expected busiest part and that is at least PART_MIN_PAGES:
+# measured on the H200 (bench/results/sweeps/mla-persistent-c5-h200.json against
+# mla-h200-quick.json), the persistent programs cost a few microseconds more per launch and some
+# per page at 128 heads, so they pay only where they balance long, uneven batches (one 128K
+# request among 255 short ones: 194 -> 158 us; 96 requests of 1-20000 tokens and one of 70000:
+# 355 -> 314 us) and lose on short or evenly split ones (128 x 1K tokens: 60 -> 70 us).
+PART_GAIN = 0.85
+PART_MIN_PAGES = 64
 # The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
 # per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
 # sizes are tried besides the one-wave chunk: 1.5x, 1x, 3/4, 1/2, 3/8, 1/4, 3/16, 1/8 of the
@@ -83,6 +94,42 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
     if slots <= parts:
         return float(longest)
     return max(float(longest), (total_pages + SPLIT_COST_PAGES * slots) / parts + longest / 2)
+
+
+def parts_cost(pages: list[int], parts: int) -> float:
+    """The parts schedule's busiest part as the cost model counts it: the share of the line plus
+    one split cost (a part that begins inside a request pays for that split too)."""
+    total = max(sum(p + PART_SPLIT_COST_PAGES for p in pages), 1)
+    return total / min(parts, total) + PART_SPLIT_COST_PAGES
+
+
+def schedule_splits(pages: list[int], parts: int, cost: int = PART_SPLIT_COST_PAGES) -> list[list[tuple]]:
+    """The parts schedule in plain Python (``kernels.mla_metadata_kernel`` computes it on the
+    device, ``op._metadata_torch`` in PyTorch): for each part, the splits it runs as (request,
+    first page, end page). Requests of ``pages`` pages lie end to end on a line, each after
+    ``cost`` units of fixed cost; the line is cut into ``min(parts, total)`` equal parts. A cut
+    inside a request's pages splits it there; a split belongs to the part where its pages begin
+    (a request without pages: the part of its last unit of fixed cost). For tests and tools."""
+    total = max(sum(p + cost for p in pages), 1)
+    n = min(parts, total)
+    cuts = [p * total // n for p in range(n + 1)]
+    runs: list[list[tuple]] = [[] for _ in range(parts)]
+    pos = 0
+    for req, pg in enumerate(pages):
+        a, e = pos + cost, pos + cost + pg
+        inner = [c - a for c in cuts[1:n] if a < c < e]
+        bounds = [0, *inner, pg]
+        for k in range(len(bounds) - 1):
+            start = a + bounds[k] if pg else e - 1
+            part = min(bisect.bisect_right(cuts, start) - 1, n - 1)
+            runs[part].append((req, bounds[k], bounds[k + 1]))
+        pos = e
+    return runs
+
+
+def part_loads(pages: list[int], parts: int, cost: int = PART_SPLIT_COST_PAGES) -> list[int]:
+    """Each part's work in pages under :func:`schedule_splits`, every split counted ``cost`` pages more."""
+    return [sum(end - begin + cost for _, begin, end in run) for run in schedule_splits(pages, parts, cost)]
 
 
 # The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
@@ -157,16 +204,9 @@ def sparse_config(h_q: int, gluon: bool = False) -> dict:
 
 
 SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
-# The Gluon kernel's schedule where it is the default: the role split ("wgmma") or the seesaw
-# ("seesaw", measured 10-24 % slower on the H200, bench/results/mla-h200-quick.json); a configs
-# file's "gluon_schedule" switches it, so that a bench run can time the seesaw as the default.
-GLUON_SCHEDULE = "wgmma"
 
 _overrides = dict(_env.settings.configs.get("mla", {}))
 SMALL_ROWS_VARIANT.update(_overrides.pop("small_rows_variant", {}))
-GLUON_SCHEDULE = _overrides.pop("gluon_schedule", GLUON_SCHEDULE)
-if GLUON_SCHEDULE not in GLUON_VARIANTS:
-    raise ValueError(f"TILEFUSE_CONFIGS: mla.gluon_schedule must be one of {GLUON_VARIANTS}, got {GLUON_SCHEDULE!r}")
 CONFIGS.update(_overrides)
 
 
@@ -193,14 +233,14 @@ def ridge(device_name: str) -> float:
 
 
 def default_variant(rows: int, max_blocks: int, wgmma: bool = False, chip_ridge: float | None = None) -> str:
-    """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): the Gluon kernel
-    (``GLUON_SCHEDULE``) from WGMMA_FROM_ROWS query rows, and below 64 rows only where padding to 64 rows keeps it
+    """With ``wgmma`` (the Gluon kernel runs here: Hopper, 16-bit q): the Gluon kernel from
+    WGMMA_FROM_ROWS query rows, and below 64 rows only where padding to 64 rows keeps it
     memory-bound (``chip_ridge`` >= PADDED_FLOP_PER_BYTE). Otherwise the tl kernels: standard (64-row
     head tiles) from 64 query rows; below, transposed (ETAP), except at <= 16 rows where
     SMALL_ROWS_VARIANT picks per regime (on a low-ridge chip: transposed)."""
     low_ridge = chip_ridge is not None and chip_ridge < PADDED_FLOP_PER_BYTE
     if wgmma and rows >= WGMMA_FROM_ROWS and (rows >= 64 or not low_ridge):
-        return GLUON_SCHEDULE
+        return "wgmma"
     if rows >= 64:
         return "standard"
     if low_ridge:
@@ -217,8 +257,7 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))
     fused = cfg.pop("fused_combine", True)
     per_slot = cfg.pop("slot_programs", 1)
-    if variant in GLUON_VARIANTS:    # 64-row head tiles whatever the row count; one program per slot
-        cfg["SEESAW"] = variant == "seesaw"
+    if variant in GLUON_VARIANTS:    # 64-row head tiles whatever the row count; one program per part
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     block_h = max(16, _next_pow2(min(rows, 64)))
     if variant != "transposed":

@@ -3,9 +3,10 @@
 Two launches per decode step, both sized from static shapes so the step can be captured in a
 CUDA graph and replayed with new lengths:
 
-1. ``mla_metadata_kernel`` (one program): cut the KV pages of the whole batch into chunks of
-   about equal size, one per *slot*, and write which request and which of its splits each slot
-   runs (``get_mla_metadata``).
+1. ``mla_metadata_kernel`` (one program): schedule the KV pages of the whole batch (even splits
+   handed to SMs as they free, or ``num_parts`` parts of equal work, whichever the cost model
+   prefers) and write the splits, one per *slot* (request, split, page range), and each Gluon
+   program's run of slots (``get_mla_metadata``).
 2. ``mla_split_standard_kernel`` / ``mla_split_transposed_kernel`` (SLOT_PROGRAMS programs per
    slot, one per head tile): attention of the query rows of one request over (a part of) one
    split of its pages. A request with one program writes its final output; otherwise each
@@ -41,15 +42,15 @@ FP8_GROUPS = tl.constexpr(HEAD_DIM_V // 128)
 
 
 @triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
 def _splits(pages, in_batch, chunk):
     """Splits of each request when cut in chunks of at most ``chunk`` pages (one for an empty
     request; 0 past the batch)."""
     return tl.where(in_batch, tl.maximum((pages + chunk - 1) // chunk, 1), 0)
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -63,78 +64,152 @@ def _schedule_cost2(total, slots, chunk, num_parts, SPLIT_COST: tl.constexpr):
 
 
 @triton.jit
+def _cut(p, total, parts):
+    """Where part ``p`` of ``parts`` begins on the batch's work line of ``total`` units:
+    floor(p total / parts), in 64-bit (p total overflows int32 on long batches)."""
+    return ((p.to(tl.int64) * total) // parts).to(tl.int32)
+
+
+@triton.jit
+def _cdiv_parts(x, parts, total):
+    """ceil(x parts / total) in 64-bit: the first part whose cut lies at or past ``x``."""
+    return ((x.to(tl.int64) * parts + total - 1) // total).to(tl.int32)
+
+
+@triton.jit
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
     batch, num_parts, num_slots,                # sizes: num_parts = SMs (or SM groups) to fill
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr, CANDIDATES: tl.constexpr,
+    PART_COST: tl.constexpr, PART_MIN2: tl.constexpr, PART_GAIN_PCT: tl.constexpr,
 ):
     # The whole batch's lengths fit in one program's registers (BLOCK_B = next_pow2(b)).
     offs_b = tl.arange(0, BLOCK_B)
     in_batch = offs_b < batch
     lens = tl.maximum(tl.load(seqlens_ptr + offs_b, mask=in_batch, other=0), 0)
     pages = (lens + PAGE - 1) // PAGE
-    # Candidate 1, one wave: the smallest chunk with sum_i ceil(n_i / chunk) <= num_parts slots
-    # (each part runs at most one split). ceil(total / (num_parts - b)) always fits
-    # (sum_i ceil(n_i / c) <= total / c + b) and ceil(total / num_parts) is a lower bound, so a
-    # bisection between the two takes log2(upper - lower) steps (0-6 on the bench shapes).
+    # ---- Schedule 1, slots: even splits of at most `chunk` pages, one program each, handed to SMs
+    # as they free. The smallest chunk with at most num_parts splits (one wave) by bisection between
+    # ceil(total / num_parts) (a lower bound) and ceil(total / (num_parts - b)) (always fits), then
+    # smaller chunks (several waves: 1.5x, 1x, 3/4, 1/2, ... of the balanced share) where the
+    # expected busiest part is shorter and the splits fit below the last metadata row.
     total = tl.sum(pages, axis=0)
     room = tl.maximum(num_parts - batch, 1)
-    hi = tl.maximum((total + room - 1) // room, 1)
-    lo = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), hi)
-    balanced = lo
-    while lo < hi:
-        mid = (lo + hi) // 2
+    upper = tl.maximum((total + room - 1) // room, 1)
+    lower = tl.minimum(tl.maximum((total + num_parts - 1) // num_parts, 1), upper)
+    balanced = lower
+    while lower < upper:
+        mid = (lower + upper) // 2
         fits = tl.sum(_splits(pages, in_batch, mid), axis=0) <= num_parts
-        hi = tl.where(fits, mid, hi)
-        lo = tl.where(fits, lo, mid + 1)
-    chunk = hi
+        upper = tl.where(fits, mid, upper)
+        lower = tl.where(fits, lower, mid + 1)
+    chunk = upper
     best = _schedule_cost2(total, tl.sum(_splits(pages, in_batch, chunk), axis=0), chunk, num_parts, SPLIT_COST)
-    # Candidates 2..: several waves of smaller chunks, 1.5x, 1x, 3/4, 1/2, 3/8, ... of the
-    # balanced share. One wave cannot balance a batch of about num_parts requests or more, or a
-    # few long requests among short ones; smaller chunks let the parts that finish early take
-    # more splits, at SPLIT_COST pages per split. Kept where the expected busiest part is shorter
-    # and the splits fit in the metadata's rows.
-    for k in range(CANDIDATES):
-        cand = tl.maximum((balanced * (3 - k % 2)) >> (k // 2 + 1), 1)
+    for c in range(CANDIDATES):
+        cand = tl.maximum((balanced * (3 - c % 2)) >> (c // 2 + 1), 1)
         slots = tl.sum(_splits(pages, in_batch, cand), axis=0)
         cost = _schedule_cost2(total, slots, cand, num_parts, SPLIT_COST)
-        better = (cost < best) & (slots <= num_slots)
+        better = (cost < best) & (slots < num_slots)
         chunk = tl.where(better, cand, chunk)
         best = tl.where(better, cost, best)
-    splits = _splits(pages, in_batch, chunk)
-    cu_end = tl.cumsum(splits, axis=0)          # inclusive prefix sum: slots of requests 0..i
+    # ---- Schedule 2, parts: request i takes PART_COST units then one per page on a line ([W_i,
+    # a_i) then pages [a_i, e_i)); the line's `line` units are cut into `parts` equal parts, part p
+    # from cut(p) = floor(p line / parts) (at most `line` parts: the cuts strictly increase); a cut
+    # inside a request's pages splits it there: request i's cuts are parts [lo_i, hi_i).
+    work = tl.where(in_batch, pages + PART_COST, 0)
+    e = tl.cumsum(work, axis=0)
+    a = e - pages
+    line = tl.maximum(tl.sum(work, axis=0), 1)
+    parts = tl.minimum(num_parts, line)
+    lo = _cdiv_parts(a + 1, parts, line)
+    hi = _cdiv_parts(e, parts, line)
+    # ---- The pick (configs.PART_GAIN): parts where their busiest part (share + a split cost)
+    # is well below the slots' expected busiest, on batches long enough for it to pay.
+    parts_cost2 = 2 * ((line + parts - 1) // parts + PART_COST)
+    use_parts = (best >= PART_MIN2) & (parts_cost2.to(tl.int64) * 100 <= best.to(tl.int64) * PART_GAIN_PCT)
+    splits = tl.where(use_parts, tl.where(in_batch, 1 + tl.maximum(hi - lo, 0), 0), _splits(pages, in_batch, chunk))
+    cu_end = tl.cumsum(splits, axis=0)          # slots of requests 0..i
     cu_begin = cu_end - splits
     used = tl.sum(splits, axis=0)
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
     tl.store(num_splits_ptr + batch, used)
-    # Slot p belongs to the request i with cu_begin[i] <= p < cu_end[i] and runs its split
-    # p - cu_begin[i]. Requests own consecutive slots, at least one each, so: mark every slot
-    # "none" (-1), write (i, cu_begin[i]) into the first slot of each request, then a running
-    # maximum over the slots carries each mark to the request's other slots. The metadata rows
-    # are the scratch; the barriers order the writes of one thread before the reads of another.
+    # ---- Rows to scratch: -1 everywhere (the running maxima below start from it).
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
-        row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
         for c in range(0, 8):
-            tl.store(row + c, tl.where(c < 2, -1, 0), mask=in_range)
+            tl.store(meta_ptr + offs_p * 8 + c, -1, mask=in_range)
     tl.debug_barrier()
-    tl.store(meta_ptr + cu_begin * 8, offs_b, mask=in_batch)
-    tl.store(meta_ptr + cu_begin * 8 + 1, cu_begin, mask=in_batch)
+    # ---- Each request's first slot gets (i, -, lo_i, a_i, e_i), all nondecreasing in i, so a
+    # running maximum over the slots carries them to the request's other slots. Parts
+    # schedule: row p's column 7 = part p's first slot; the parts that begin in request i's fixed
+    # cost (cut(p) in [W_i, a_i], p in [r_i, min(lo_i, hi_i))) begin at its first split: row r_i
+    # gets it, the others inherit it below.
+    first_row = meta_ptr + cu_begin * 8
+    tl.store(first_row + 0, offs_b, mask=in_batch)
+    tl.store(first_row + 2, lo, mask=in_batch)
+    tl.store(first_row + 3, a, mask=in_batch)
+    tl.store(first_row + 4, e, mask=in_batch)
+    r = _cdiv_parts(a - PART_COST, parts, line)
+    # (the scalar pick as a boolean vector in masks: Triton 3.9's interpreter turns `tensor &
+    # scalar bool` into integers)
+    parts_b = (offs_b * 0 + use_parts.to(tl.int32)) != 0
+    tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & parts_b & (r < tl.minimum(lo, hi)))
     tl.debug_barrier()
-    req_before = -1                              # the running maxima of the slots before this block
-    first_before = -1
+    # ---- Per slot: request, lo, a and e (running maxima), its first slot and split count from
+    # num_splits, split k of n, its pages [begin, end): slots, k per..(k + 1) per with per =
+    # ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page 0, the last to
+    # the request's end), split k >= 1 starting part lo + k - 1 (column 7).
+    req_c = -1                                  # the running maxima of the rows before this block
+    lo_c = -1
+    a_c = -1
+    e_c = -1
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         row = meta_ptr + offs_p * 8
         in_range = offs_p < num_slots
-        req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_before)
-        first = tl.maximum(tl.associative_scan(tl.load(row + 1, mask=in_range, other=-1), 0, _max), first_before)
-        req_before = tl.max(req, axis=0)
-        first_before = tl.max(first, axis=0)
+        req = tl.maximum(tl.associative_scan(tl.load(row, mask=in_range, other=-1), 0, _max), req_c)
+        req_c = tl.max(req, 0)
         valid = offs_p < used
+        req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
+        first = tl.load(num_splits_ptr + req_ok, mask=in_range, other=0)
+        n = tl.maximum(tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1) - first, 1)
+        k = offs_p - first
+        lo_s = tl.maximum(tl.associative_scan(tl.load(row + 2, mask=in_range, other=-1), 0, _max), lo_c)
+        a_s = tl.maximum(tl.associative_scan(tl.load(row + 3, mask=in_range, other=-1), 0, _max), a_c)
+        e_s = tl.maximum(tl.associative_scan(tl.load(row + 4, mask=in_range, other=-1), 0, _max), e_c)
+        lo_c = tl.max(lo_s, 0)
+        a_c = tl.max(a_s, 0)
+        e_c = tl.max(e_s, 0)
+        pages_s = e_s - a_s
+        per = (pages_s + n - 1) // n
+        begin = tl.where(use_parts, tl.where(k == 0, 0, _cut(lo_s + k - 1, line, parts) - a_s),
+                         tl.minimum(k * per, pages_s))
+        end = tl.where(use_parts, tl.where(k == n - 1, e_s, _cut(lo_s + k, line, parts)) - a_s,
+                       tl.minimum(k * per + per, pages_s))
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
-        tl.store(row + 1, tl.where(valid, offs_p - first, 0), mask=in_range)
+        tl.store(row + 1, tl.where(valid, k, 0), mask=in_range)
+        tl.store(row + 2, tl.where(valid, begin, 0), mask=in_range)
+        tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
+        for c in range(4, 7):
+            tl.store(row + c, 0, mask=in_range)
+        parts_p = (offs_p * 0 + use_parts.to(tl.int32)) != 0
+        tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & parts_p)
+    tl.debug_barrier()
+    # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1, 7]
+    # - 1): slots, one slot each (p, or `used` past the last); parts, a running maximum over parts
+    # 0..parts - 1 (each part begins a split or inherits the first slot of the request it began
+    # in), `used` from part `parts` on.
+    before = -1
+    for p0 in range(0, num_slots, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        row7 = meta_ptr + offs_p * 8 + 7
+        in_range = offs_p < num_slots
+        start = tl.maximum(tl.associative_scan(tl.load(row7, mask=in_range & (offs_p < parts), other=-1), 0, _max),
+                           before)
+        before = tl.max(start, 0)
+        start = tl.where(use_parts, tl.where(offs_p < parts, start, used), tl.minimum(offs_p, used))
+        tl.store(row7, start, mask=in_range)
 
 
 @triton.jit
@@ -145,9 +220,10 @@ def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, 
 
     Returns (valid, request, first token, end token, length, partials of the request, its first
     partial, this program's partial). The length comes from ``cache_seqlens`` (clamped to the
-    block table), the split count ``n`` and first slot from ``num_splits``; split ``s`` of ``n``
-    covers pages ``[s per, (s + 1) per)`` with ``per = ceil(pages / n)`` -- the metadata kernel's
-    cut when the lengths are the ones it planned for. A slot whose request or split is out of
+    block table), the split count ``n`` and first slot from ``num_splits``; split ``s`` covers the
+    pages the metadata planned for it (``row[2] .. row[3]``) clamped to the request's pages, split 0
+    from page 0 and split ``n - 1`` to the last page, so a request's splits cover its pages exactly
+    once whatever lengths the metadata was planned for. A slot whose request or split is out of
     range is not valid (the program does nothing). Partials are indexed by (request's first
     slot + split) * SLOT_PROGRAMS + part, so a request's partials are contiguous.
     """
@@ -165,9 +241,8 @@ def _slot_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, 
     valid = valid & (split >= 0) & (split < n)
     length = tl.minimum(tl.maximum(tl.load(seqlens_ptr + req), 0), max_tokens)
     pages = (length + PAGE - 1) // PAGE
-    per = (pages + tl.maximum(n, 1) - 1) // tl.maximum(n, 1)
-    begin = tl.minimum(split * per, pages)
-    end = tl.minimum(begin + per, pages)
+    begin = tl.where(split == 0, 0, tl.minimum(tl.maximum(tl.load(row + 2), 0), pages))
+    end = tl.where(split == n - 1, pages, tl.minimum(tl.maximum(tl.load(row + 3), begin), pages))
     part = pid % SLOT_PROGRAMS
     per_part = (end - begin + SLOT_PROGRAMS - 1) // SLOT_PROGRAMS
     part_begin = tl.minimum(begin + part * per_part, end)

@@ -6,18 +6,22 @@ in ``reference.py``.
 Metadata format (ours, not FlashMLA's bytes; the two functions only need to agree):
 
 * ``tile_scheduler_metadata``: int32 ``[SLOT_WAVES * num_sm_parts + b, 8]``
-  (:func:`metadata_slots`), one row per *slot* (each run by ``slot_programs`` programs of the
-  attention kernel, per head tile): ``(request, split index, 0, ...)``; request ``-1`` marks an
-  unused slot. Every request's pages are cut into even splits of at most one chunk size, the
-  chunk that minimizes the expected busiest SM (``configs.schedule_cost``): one wave of at most
-  ``num_sm_parts`` splits where that balances the batch, else smaller chunks in several waves,
-  which the GPU hands to SMs as they free. The row count is a static shape (no host sync).
+  (:func:`metadata_slots`), one row per *slot*, a split of one request:
+  ``(request, split index, first page, end page, 0, 0, 0, run start)``; request ``-1`` marks an
+  unused slot. One of two schedules, picked per batch by a cost model (``configs.PART_GAIN``):
+  *slots*, every request cut in even splits of the chunk that minimizes the expected busiest SM
+  (``configs.schedule_cost``), one program per split, handed to SMs as they free; or *parts*
+  (FlashMLA's), the batch's work (pages plus ``configs.PART_SPLIT_COST_PAGES`` per request) cut
+  into ``num_sm_parts`` equal parts, each a run of whole short requests and pieces of long ones.
+  Column 7: the Gluon kernel's program ``p`` runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1`` (one
+  slot, or a part's run); the ``tl`` kernels run one program per slot either way. The row count is
+  a static shape (no host sync).
 * ``num_splits``: int32 ``[b + 1]``, cumulative: request ``i`` owns slots
   ``num_splits[i] .. num_splits[i + 1] - 1`` (FlashMLA's meaning).
 
 The metadata only schedules. Both backends take every length from ``cache_seqlens``; the kernels
-recompute each split's pages from it, so metadata planned for other lengths (same batch) costs
-balance, never correctness, and one metadata serves every layer of a step and any number of
+clamp each split's planned pages to it (split 0 from page 0, the last split to the last page), so
+metadata planned for other lengths (same batch) costs balance, never correctness, and one metadata serves every layer of a step and any number of
 concurrent streams (it is never written by the attention kernels: the fused combine's arrival
 counters live in zeroed scratch, ``tilefuse._scratch``). No contents of the metadata,
 ``num_splits``, ``block_table`` or ``cache_seqlens`` can move a kernel access outside its tensor
@@ -63,8 +67,7 @@ def wgmma_usable(device: torch.device) -> bool:
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU, as does ``seesaw`` (pinned only: measured slower); elsewhere the ``tl`` kernel of the
-    same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
+    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
     fits = q is not None and _wgmma_fits(q)
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, _chip_ridge(q))
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant
@@ -120,7 +123,7 @@ def _kernels():
                 sparse_combine=_launch.Kernel(kernels.mla_sparse_combine_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
-                wgmma=wgmma, seesaw=wgmma,     # one Gluon kernel, the schedule a constexpr
+                wgmma=wgmma,
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -133,12 +136,13 @@ def metadata_slots(num_parts: int, batch: int) -> int:
 
 
 def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The metadata kernel's algorithm in PyTorch (the reference backend; no host sync either)."""
+    """The metadata kernel's schedule in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
     num_slots = metadata_slots(num_parts, batch)
     pages = (cache_seqlens.long().clamp_min(0) + PAGE_SIZE - 1) // PAGE_SIZE
     split_cost = configs.SPLIT_COST_PAGES
 
+    # ---- slots: even splits of the chunk that minimizes the expected busiest part
     def slots(chunk):
         return ((pages + chunk - 1) // chunk).clamp_min(1).sum()
 
@@ -162,19 +166,56 @@ def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.
         cand = ((balanced * (3 - k % 2)) >> (k // 2 + 1)).clamp_min(1)
         n_slots = slots(cand)
         cost = cost2(n_slots, cand)
-        better = (cost < best) & (n_slots <= num_slots)
+        better = (cost < best) & (n_slots < num_slots)
         chunk, best = torch.where(better, cand, chunk), torch.where(better, cost, best)
-    splits = ((pages + chunk - 1) // chunk).clamp_min(1)
+    # ---- parts: the work line cut into equal parts
+    part_cost = configs.PART_SPLIT_COST_PAGES
+    e = (pages + part_cost).cumsum(0)
+    a = e - pages
+    line = (pages + part_cost).sum().clamp_min(1)
+    parts = line.clamp_max(num_parts)
+
+    def cut(p):
+        return p * line // parts
+
+    cut_lo = ((a + 1) * parts + line - 1) // line
+    cut_hi = (e * parts + line - 1) // line
+    parts_cost2 = 2 * ((line + parts - 1) // parts + part_cost)
+    use_parts = (best >= 2 * configs.PART_MIN_PAGES) & (parts_cost2 * 100 <= best * round(configs.PART_GAIN * 100))
+    splits = torch.where(use_parts, 1 + (cut_hi - cut_lo).clamp_min(0), ((pages + chunk - 1) // chunk).clamp_min(1))
     cu = torch.zeros(batch + 1, dtype=torch.long, device=dev)
     cu[1:] = splits.cumsum(0)
-    slot = torch.arange(num_slots, device=dev)
-    req = torch.searchsorted(cu[1:], slot, right=True)
-    valid = req < batch
-    first = cu[req.clamp_max(max(batch - 1, 0))] if batch else slot
+    used = cu[-1]
     meta = torch.zeros(num_slots, 8, dtype=torch.long, device=dev)
-    meta[:, 0] = torch.where(valid, req, -1)
-    meta[:, 1] = (slot - first) * valid
+    slot = torch.arange(num_slots, device=dev)
+    if batch:
+        req = torch.searchsorted(cu[1:], slot, right=True).clamp_max(batch - 1)
+        valid = slot < used
+        k = slot - cu[req]
+        n = splits[req]
+        per = (pages[req] + n - 1) // n
+        begin = torch.where(use_parts, torch.where(k == 0, 0, cut(cut_lo[req] + k - 1) - a[req]),
+                            (k * per).minimum(pages[req]))
+        end = torch.where(use_parts, torch.where(k == n - 1, e[req], cut(cut_lo[req] + k)) - a[req],
+                          (k * per + per).minimum(pages[req]))
+        meta[:, 0] = torch.where(valid, req, -1)
+        meta[:, 1:4] = torch.stack([k, begin, end], 1) * valid[:, None]
+        # part p's first slot: the split that begins at its cut, or the first split of the
+        # request whose fixed cost the cut falls in
+        inside = torch.searchsorted(e, cut(slot), right=True).clamp_max(batch - 1)
+        first = cu[inside] + torch.where(cut(slot) > a[inside], slot - cut_lo[inside] + 1, 0)
+    else:
+        meta[:, 0] = -1
+        first = torch.zeros_like(slot)
+    meta[:, 7] = torch.where(use_parts, torch.where(slot < parts, first, used), slot.minimum(used))
     return meta.to(torch.int32), cu.to(torch.int32)
+
+
+def metadata_constexprs(block_b: int, block_p: int) -> dict:
+    """The metadata kernel's constexprs: its blocks and the schedules' settings from ``configs``."""
+    return dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
+                CANDIDATES=configs.SCHEDULE_CANDIDATES, PART_COST=configs.PART_SPLIT_COST_PAGES,
+                PART_MIN2=2 * configs.PART_MIN_PAGES, PART_GAIN_PCT=round(configs.PART_GAIN * 100))
 
 
 def _metadata_fake(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_sm_parts):
@@ -192,11 +233,12 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
-    _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16),
+    constexprs = metadata_constexprs(block_b, block_p)
+    _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16,
+                                   *constexprs.values()),
                                   (1, 1, 1), cache_seqlens.device.index,
                                   (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
-                                  dict(BLOCK_B=block_b, BLOCK_P=block_p, SPLIT_COST=configs.SPLIT_COST_PAGES,
-                                       CANDIDATES=configs.SCHEDULE_CANDIDATES, num_warps=4))
+                                  dict(constexprs, num_warps=4))
     return meta, num_splits
 
 
@@ -220,8 +262,9 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, 
         b <= 8192.
     num_q_tokens_per_head_k : s_q * h_q // h_kv, the query rows of one request (>= 1).
     num_heads_k : h_kv (1 for MLA).
-    num_sm_parts : chunks to cut the batch's pages into (>= 1); default: the SM count divided by
-        the number of 64-row head tiles.
+    num_sm_parts : parts of equal work to cut the batch into (>= 1; the Gluon kernel runs one
+        program per part and head tile); default: the SM count divided by the number of 64-row
+        head tiles.
     check_contents : check that the lengths are >= 0 (reads them: a host sync); default
         ``TILEFUSE_DEBUG``. Skipped while ``torch.compile`` traces and for meta / fake tensors.
 
@@ -291,7 +334,8 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if call.variant in configs.GLUON_VARIANTS:
-        call.grid = (-(-rows // 64), num_slots, 1)     # head tiles fastest (kernels_gluon)
+        # one program per (head tile, run of slots in column 7), head tiles fastest (kernels_gluon)
+        call.grid = (-(-rows // 64), num_slots - 1, 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)
@@ -410,23 +454,38 @@ def _check_lengths(cache_seqlens: torch.Tensor, max_blocks: int | None, page_siz
 
 def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: torch.Tensor) -> None:
     """The metadata and ``num_splits`` describe a schedule of this batch: every request has at
-    least one split, each split runs on exactly one slot. Reads them back (a host sync)."""
+    least one split, each split runs on exactly one slot, a request's splits cover its pages in
+    order, and the parts' runs of slots (column 7) cover the used slots once. Reads them back (a
+    host sync)."""
     batch = cache_seqlens.shape[0]
     splits = num_splits.tolist()
     if splits[0] != 0 or any(b <= a for a, b in zip(splits, splits[1:])) or splits[-1] > meta.shape[0]:
         raise ValueError(f"num_splits: expected increasing cumulative split counts from 0 to at most "
                          f"{meta.shape[0]} (one per slot), got {splits[:8]}{'...' if batch > 7 else ''}")
-    seen = set()
-    for slot, (req, split) in enumerate(meta[:, :2].tolist()):
+    rows = meta.tolist()
+    pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in cache_seqlens.tolist()]
+    seen = {}
+    for slot, (req, split, begin, end, *_rest) in enumerate(rows):
         if req == -1:
             continue
         if not 0 <= req < batch or not 0 <= split < splits[req + 1] - splits[req] or (req, split) in seen:
             raise ValueError(f"tile_scheduler_metadata: slot {slot} runs request {req} split {split}, which is "
                              f"out of range or taken twice (expected metadata from get_mla_metadata on this batch)")
-        seen.add((req, split))
+        seen[req, split] = (begin, end)
     if len(seen) != splits[-1]:
         raise ValueError(f"tile_scheduler_metadata: expected {splits[-1]} scheduled splits (num_splits), "
                          f"got {len(seen)}")
+    for req in range(batch):
+        n = splits[req + 1] - splits[req]
+        bounds = [seen[req, s] for s in range(n)]
+        if bounds[0][0] != 0 or bounds[-1][1] != pages[req] or any(
+                b[1] != c[0] or b[0] > b[1] for b, c in zip(bounds, bounds[1:] + [(bounds[-1][1], 0)])):
+            raise ValueError(f"tile_scheduler_metadata: request {req}'s splits cover pages {bounds[:4]}, expected "
+                             f"0 to {pages[req]} in order (metadata from get_mla_metadata on these lengths)")
+    starts = [row[7] for row in rows]
+    if starts[0] != 0 or starts[-1] != splits[-1] or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"tile_scheduler_metadata: expected the programs' first slots (column 7) to rise from 0 "
+                         f"to {splits[-1]}, got {starts[:8]}")
 
 
 def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False) -> None:

@@ -729,6 +729,28 @@ def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["shifted", "width580", "width584"])
+def test_mla_gpu_q_views(layout):
+    """q views the Gluon kernel's 16-byte copies cannot address (base 2 bytes past alignment; rows
+    580 elements apart) take the tl kernel; rows 584 apart (a multiple of 8: not contiguous, still
+    16-byte aligned) stay on the Gluon kernel. Every one gives the right answer, s_q 2 causal so
+    the (token, head) row strides both matter."""
+    inp = make_case([300, 70, 129], 2, 16, torch.bfloat16, "cuda")
+    b, s_q, h_q, d = inp.q.shape
+    if layout == "shifted":
+        flat = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype, device="cuda")
+        view = flat[1:].view(inp.q.shape)
+    else:
+        width = int(layout[len("width"):])
+        view = torch.empty(b, s_q, h_q, width, dtype=inp.q.dtype, device="cuda")[..., :d]
+    view.copy_(inp.q)
+    inp.q = view
+    assert (view.data_ptr() % 16 != 0) == (layout == "shifted") and not view.is_contiguous()
+    out, lse = _run_gpu(inp, s_q, h_q, True, "wgmma")
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
 def test_mla_gpu_default_is_wgmma_on_hopper():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is Hopper's")

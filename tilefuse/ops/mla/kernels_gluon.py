@@ -32,8 +32,8 @@ tensor cores read them (a masked score alone would still let ``0 * NaN`` into P 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, thread_barrier, tma_load, warpgroup_mma,
-                                       warpgroup_mma_wait)
+from tilefuse.ops.gluon_compat import (cp_async, cp_commit, cp_wait, fence_async_shared, mbarrier, thread_barrier,
+                                       tma_load, warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 PAGE = gl.constexpr(PAGE_SIZE)
@@ -152,16 +152,24 @@ def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, s
 
 @gluon.jit
 def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh):
-    """HBM -> registers -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0), 64
-    columns at a time (16 registers per thread), then made visible to the tensor cores."""
+    """HBM -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0), then made visible to
+    the tensor cores. cp.async copies, 64 columns at a time, all in flight before the one wait:
+    the split start waits for one memory latency, and no registers hold Q on the way. The op
+    passes q with strides in multiples of 8 elements (16 bytes, cp.async's widest copy)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     q_rows = (q_ptr + req * stride_qb + (rows // h_q) * stride_qs + (rows % h_q) * stride_qh)[:, None]
     ok = (rows < rows_total)[:, None]
     cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LOAD))[None, :]
-    for c in gl.static_range(0, D_NOPE, D_ROPE):
-        q_nope.slice(c, D_ROPE, dim=1).store(gl.load(q_rows + c + cols, mask=ok, other=0.0))
-    q_rope.store(gl.load(q_rows + D_NOPE + cols, mask=ok, other=0.0))
+    for c in gl.static_range(0, D_NOPE + D_ROPE, D_ROPE):
+        # each thread's 8 columns: 16 contiguous bytes at a 16-byte aligned address
+        src = gl.max_contiguous(gl.multiple_of(q_rows + c + cols, [1, 16]), [1, 8])
+        if c < D_NOPE:
+            cp_async(q_nope.slice(c, D_ROPE, dim=1), src, mask=ok)
+        else:
+            cp_async(q_rope, src, mask=ok)
+    cp_commit()
+    cp_wait(0)
     fence_async_shared()
     thread_barrier()
 

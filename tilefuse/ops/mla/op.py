@@ -319,7 +319,11 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.variant = variant or choose_variant(rows, max_blocks, q)
     if fp8:
         call.variant = _fp8_variant(call.variant, rows, max_blocks, q)
-    # a cache view that TMA cannot address (base not 16-byte aligned) takes the tl kernel
+    # a cache view that TMA cannot address (base not 16-byte aligned), or a q whose rows the
+    # Gluon kernel's 16-byte copies cannot address (strides not multiples of 8 elements, base not
+    # 16-byte aligned), takes the tl kernel
+    if call.variant in configs.GLUON_VARIANTS and any(stride % 8 for stride in q.stride()[:3]):
+        call.variant = "standard"
     call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
                      if call.variant in configs.GLUON_VARIANTS else None)
     cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
@@ -353,7 +357,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
 
 
 def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta, num_splits):
-    if call.fallback is not None and k_cache.data_ptr() % 16:
+    if call.fallback is not None and (k_cache.data_ptr() % 16 or q.data_ptr() % 16):
         call = call.fallback
     out = torch.empty(call.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(call.lse_shape, dtype=torch.float32, device=q.device)

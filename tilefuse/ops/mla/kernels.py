@@ -193,23 +193,25 @@ def mla_metadata_kernel(
         tl.store(row + 3, tl.where(valid, end, 0), mask=in_range)
         for c in range(4, 7):
             tl.store(row + c, 0, mask=in_range)
+        # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1,
+        # 7] - 1): slots, one slot each (p, or `used` past the last), final here; parts, split k
+        # >= 1 marks the part it starts (the pass below carries the marks)
         parts_p = (offs_p * 0 + use_parts.to(tl.int32)) != 0
+        tl.store(row + 7, tl.minimum(offs_p, used), mask=in_range & ~parts_p)
         tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & parts_p)
-    tl.debug_barrier()
-    # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1, 7]
-    # - 1): slots, one slot each (p, or `used` past the last); parts, a running maximum over parts
-    # 0..parts - 1 (each part begins a split or inherits the first slot of the request it began
-    # in), `used` from part `parts` on.
-    before = -1
-    for p0 in range(0, num_slots, BLOCK_P):
-        offs_p = p0 + tl.arange(0, BLOCK_P)
-        row7 = meta_ptr + offs_p * 8 + 7
-        in_range = offs_p < num_slots
-        start = tl.maximum(tl.associative_scan(tl.load(row7, mask=in_range & (offs_p < parts), other=-1), 0, _max),
-                           before)
-        before = tl.max(start, 0)
-        start = tl.where(use_parts, tl.where(offs_p < parts, start, used), tl.minimum(offs_p, used))
-        tl.store(row7, start, mask=in_range)
+    if use_parts:
+        # ---- Parts: a running maximum over parts 0..parts - 1 (each part begins a split or
+        # inherits the first slot of the request it began in), `used` from part `parts` on.
+        tl.debug_barrier()
+        before = -1
+        for p0 in range(0, num_slots, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            row7 = meta_ptr + offs_p * 8 + 7
+            in_range = offs_p < num_slots
+            start = tl.maximum(tl.associative_scan(tl.load(row7, mask=in_range & (offs_p < parts), other=-1), 0,
+                                                   _max), before)
+            before = tl.max(start, 0)
+            tl.store(row7, tl.where(offs_p < parts, start, used), mask=in_range)
 
 
 @triton.jit

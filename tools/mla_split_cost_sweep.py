@@ -7,7 +7,8 @@ For every mix and every candidate split cost, the metadata (``op._metadata_torch
 kernel's mirror) with that cost; each distinct schedule (its splits and parts) is timed once as CUDA-graph
 replays of ``flash_mla_with_kvcache`` alone (cold L2), the default schedule twice (the noise).
 The summary gives, per split cost, the geomean over the mixes of its time over the best schedule
-found for that mix. Writes ``bench/results/sweeps/mla-split-cost-<gpu>.json`` by default. Needs
+found for that mix; each mix also records both schedules forced (``forced``: slots only, parts
+only), the pick's cost model set aside. Writes ``bench/results/sweeps/mla-split-cost-<gpu>.json`` by default. Needs
 a CUDA GPU.
 """
 
@@ -66,12 +67,22 @@ def main() -> None:
                     entry["default_samples_us"] = samples
             entry["costs"][str(cost)] = {"splits": key[1], "busiest_part_pages": max(configs.part_loads(pages, parts, cost)),
                                          "graph_us": times[key]}
+        # each schedule forced (the pick's cost model set aside): slots only, parts only
+        entry["forced"] = {}
+        for name, gain, min_pages in (("slots", 0.0, configs.PART_MIN_PAGES), ("parts", 1e9, 0)):
+            saved = configs.PART_GAIN, configs.PART_MIN_PAGES
+            configs.PART_GAIN, configs.PART_MIN_PAGES = gain, min_pages
+            meta, splits = op._metadata_torch(seqlens, parts)
+            configs.PART_GAIN, configs.PART_MIN_PAGES = saved
+            call = lambda: tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512,  # noqa: E731
+                                                           meta, splits, causal=True)
+            entry["forced"][name] = {"splits": int(splits[-1]), "graph_us": timer.graph_us(call)}
         best = min(times.values())
         for v in entry["costs"].values():
             v["x_best"] = v["graph_us"] / best
         rows_out.append(entry)
         print(label, h_q, s_q, {c: (v["splits"], round(v["graph_us"], 1)) for c, v in entry["costs"].items()},
-              flush=True)
+              {name: round(v["graph_us"], 1) for name, v in entry["forced"].items()}, flush=True)
         del k_cache, block_table
         torch.cuda.empty_cache()
     summary = {str(c): math.exp(sum(math.log(r["costs"][str(c)]["x_best"]) for r in rows_out) / len(rows_out))

@@ -728,6 +728,19 @@ def test_mla_gpu_wgmma_unaligned_cache_takes_the_tl_kernel():
     _check_gpu(out, lse, inp, True)
 
 
+@pytest.mark.parametrize("width,variant", [(576, "wgmma"), (584, "wgmma"), (580, "standard"), (577, "standard")])
+def test_mla_q_strides_the_gluon_kernel_cannot_copy_take_the_tl_kernel(width, variant):
+    """The plan of a wgmma call keeps the Gluon kernel only for q rows 8-element aligned (its
+    16-byte cp.async copies of Q); other strides plan the tl kernel (no GPU needed: the plan
+    only reads shapes and strides)."""
+    inp = make_case([300, 70], 2, 16, torch.bfloat16, "cpu")
+    q = torch.zeros(2, 2, 16, width, dtype=torch.bfloat16)[..., :576]
+    meta, _ = op._metadata_torch(inp.cache_seqlens, 4)
+    call = op._attention_call(q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "wgmma")
+    assert call.variant == variant
+    assert (call.fallback is not None) == (variant == "wgmma")    # a misaligned base still falls back per call
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["shifted", "width580", "width584"])
 def test_mla_gpu_q_views(layout):

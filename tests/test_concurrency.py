@@ -2,7 +2,8 @@
 
 * Stress: 4 streams driven by 2 threads launch every op with mixed shapes (two VQ layers with the
   same N and different K, SwiGLU split-K configs of different widths, MLA with the fused and the
-  second-launch combine on one shared metadata), >= 10^4 launches, then the same calls as
+  second-launch combine on one shared metadata, and a serving mix on the parts schedule), >= 10^4
+  launches, then the same calls as
   CUDA-graph replays; every output is compared with the single-stream result, which is itself
   checked against the fp64 reference. Split-K state shared between launches made outputs wrong
   (and left the counters dirty for later calls) before scratch was made per stream / per captured
@@ -47,6 +48,13 @@ def _calls():
         ref = mla_cases.reference_fp64(inp, causal=True)[0]
         calls[f"mla h{h_q}"] = (lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
             *inp.args(), 512, meta, splits, causal=True)[0], ref, True)
+    # a serving mix the metadata gives the parts schedule on a 132-SM Hopper (one 70000-token
+    # request among 95 of 1-20000): each Gluon program runs a run of splits
+    lens = [70000] + torch.randint(1, 20000, (95,), generator=torch.Generator().manual_seed(0)).tolist()
+    inp = mla_cases.make_case(lens, 1, 16, DT, "cuda")
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    calls["mla h16 serving mix"] = (lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
+        *inp.args(), 512, meta, splits, causal=True)[0], mla_cases.reference_fp64(inp, causal=True)[0], True)
     return calls
 
 
@@ -95,7 +103,7 @@ def _rerun_alone(calls, expected):
 def test_streams_and_threads_eager(calls):
     calls, expected = calls
     names = list(calls)
-    rounds = 420                                  # 2 threads x 2 streams x 6 calls x 420 = 10080 launches
+    rounds = 420                                  # 2 threads x 2 streams x 7 calls x 420 = 11760 launches
     mismatches = []
 
     def work(index):

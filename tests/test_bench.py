@@ -132,6 +132,19 @@ def test_mla_summary_judges_against_the_faster_flashmla_build():
     assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [(mla.PEER_GOAL, True), (mla.SHORT_GOAL, False)]
 
 
+def test_mla_page_size_cases_are_their_own_cases():
+    """A case at pages of 16 tokens shares batch, heads and context with the 64-token case; it is a
+    case of its own (labelled with its page size), and the 64-token case keeps its own rows."""
+    rows = mla_rows(with_flashmla=True)
+    paged = {**rows[0]["params"], "page": 16}
+    rows += [row("mla", "tilefuse", paged, eager=90.0, graph=80.0, roofline=0.3),
+             row("mla", "tilefuse+metadata", paged, eager=95.0, graph=85.0, roofline=0.3)]
+    cases = {c["case"]: c for c in mla.summarize(rows)["cases"]}
+    assert set(cases) == {"b16 h16 s1 16384", "b16 h16 s1 16384, page 16"}
+    assert cases["b16 h16 s1 16384"]["graph_us"] == 50.0 and cases["b16 h16 s1 16384"]["baseline"] == "flashmla"
+    assert cases["b16 h16 s1 16384, page 16"]["graph_us"] == 85.0 and cases["b16 h16 s1 16384, page 16"]["baseline"] is None
+
+
 def test_mla_fp8_cases_are_summarized_apart_against_the_padded_flashmla():
     """The FP8-cache rows leave the main table; each sparse case is judged by graph time against
     the faster sparse FlashMLA build's +metadata row (not its precomputed-schedule row), the 8-

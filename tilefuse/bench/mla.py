@@ -489,7 +489,10 @@ def summarize(rows: list[dict]) -> dict:
     rows = upgrade_rows(rows, LEGACY_IMPLS)
     fp8_rows = [r for r in rows if r["params"].get("kv") == "fp8"]
     rows = [r for r in rows if r["params"].get("kv") != "fp8"]
-    table = group_rows(rows, ("batch", "h_q", "s_q", "context"))
+    # one case per (batch, h_q, s_q, context, page): the page-size cases share the rest with a
+    # 64-token case and must not replace its rows
+    table = group_rows([{**r, "params": {"page": 64, **r["params"]}} for r in rows],
+                       ("batch", "h_q", "s_q", "context", "page"))
     cases = []
     for key, impls in table.items():
         builds = sorted(name for name in impls if name.startswith("flashmla") and not name.endswith("+metadata"))
@@ -639,12 +642,13 @@ def _h20(table: dict) -> list:
 
 
 def _accuracy(rows: list[dict]) -> dict:
-    acc = [(r["impl"], _label(tuple(r["params"][k] for k in ("batch", "h_q", "s_q", "context"))),
+    acc = [(r["impl"], _label(tuple(r["params"].get(k, 64) for k in ("batch", "h_q", "s_q", "context", "page"))),
             {k: r[k] for k in r if k.startswith(("cos_diff", "rmse"))}) for r in rows if "cos_diff_out" in r]
     return {"pass": bool(acc) and all(a[2]["cos_diff_out"] < 1e-5 and a[2]["cos_diff_lse"] < 1e-5 for a in acc),
             "cases": acc}
 
 
 def _label(key: tuple) -> str:
-    batch, h_q, s_q, context = key
-    return f"b{batch} h{h_q} s{s_q} {context}"
+    """``(batch, h_q, s_q, context, page)`` as ``b16 h16 s1 4096`` (``, page 16`` where not 64)."""
+    batch, h_q, s_q, context, page = key
+    return f"b{batch} h{h_q} s{s_q} {context}" + (f", page {page}" if page != 64 else "")

@@ -391,3 +391,60 @@ def test_finetune_e2e_held_out_windows_pick_the_state():
     assert info["best_step"] > 0                       # this model's held-out KL does fall
     with pytest.raises(ValueError, match="held_out: expected 0 to 7"):
         tune_end_to_end(model, windows, dense, steps=1, lr=3e-4, norms=False, progress=False, held_out=8)
+
+
+def test_code_step_moves_a_fraction_of_the_codes_down_the_kl():
+    """``tune_codes_end_to_end`` (PV-tuning's discrete step) on a tiny quantized Llama (fp32,
+    reference path): the mean KL over the calibration windows falls, at most ``fraction`` of each
+    layer's groups change their codes, the codebooks and scales do not move, and the model holds
+    exactly the reported state. A step far too long (the weights moved by 50 times their norm)
+    raises the KL, so nothing is kept. Deterministic on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    from tilefuse.hf.vq_sequential import _next_token_kl, head_inputs, tune_codes_end_to_end
+
+    _, model, windows = _sharp_tiny_llama(transformers)
+    dense = head_inputs(model, windows)
+    with tilefuse.force(backend="reference"):
+        patch_vq(model, windows, iters=1, init_iters=3, feedback=0, progress=False)
+        layers = {name: m for name, m in model.named_modules() if isinstance(m, VQLinear)}
+        before = {name: [t.clone() for t in (m.codes, m.codebooks, m.scales)] for name, m in layers.items()}
+        info = tune_codes_end_to_end(model, windows, dense, step=0.1, fraction=0.05)
+        with torch.no_grad():
+            kl = sum(float(_next_token_kl(model(w).logits, model.lm_head, d)) for w, d in zip(windows, dense)) / 8
+    assert info["accepted"] and info["error_after"] < info["error_before"]
+    assert kl == pytest.approx(info["error_after"], rel=1e-5)
+    moved = 0
+    for name, m in layers.items():
+        codes, books, scales = before[name]
+        changed = (m.codes != codes).any(-1)
+        assert changed.float().mean() <= 0.05 + 1e-9 and m.codes.dtype == codes.dtype
+        assert torch.equal(m.codebooks, books) and torch.equal(m.scales, scales)
+        moved += int(changed.sum())
+    assert moved > 0 and info["changed"] == pytest.approx(moved / sum(c.numel() // 2 for c, _, _ in before.values()))
+
+    kept = {name: m.codes.clone() for name, m in layers.items()}
+    with tilefuse.force(backend="reference"):
+        wild = tune_codes_end_to_end(model, windows, dense, step=50.0, fraction=1.0)
+    assert not wild["accepted"] and wild["changed"] == 0 and wild["error_after"] == wild["error_before"]
+    assert all(torch.equal(m.codes, kept[name]) for name, m in layers.items())
+
+
+def test_finetune_pv_alternates_code_and_end_to_end_steps(capsys):
+    """patch_vq(finetune_e2e=N, finetune_pv=R): after the end-to-end tuning, R rounds of a code
+    step then N more end-to-end steps (their progress lines in that order); its settings are
+    checked before any work, naming the argument."""
+    transformers = pytest.importorskip("transformers")
+    _, model, windows = _sharp_tiny_llama(transformers)
+    with tilefuse.force(backend="reference"):
+        patch_vq(model, windows, iters=1, init_iters=3, feedback=0, finetune_e2e=10, finetune_pv=2)
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith(("patch_vq code step", "patch_vq end to end:"))]
+    assert [line.split(":")[0] for line in lines] == ["patch_vq end to end", "patch_vq code step"] * 2 + [
+        "patch_vq end to end"]
+    for kwargs, match in (({"finetune_pv": -1}, "finetune_pv: expected an int >= 0"),
+                          ({"finetune_pv": 1}, "finetune_pv: expected finetune_e2e > 0"),
+                          ({"finetune_pv": 1, "finetune_e2e": 2, "finetune_pv_step": 0}, "finetune_pv_step: expected a number > 0"),
+                          ({"finetune_pv": 1, "finetune_e2e": 2, "finetune_pv_fraction": 1.5},
+                           r"finetune_pv_fraction: expected a number in \(0, 1\]")):
+        with pytest.raises(ValueError, match=match):
+            patch_vq(ToyModel(), torch.randint(0, 50, (4,)), **kwargs)

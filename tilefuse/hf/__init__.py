@@ -80,7 +80,8 @@ VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool | None = None,
              finetune: int = 0, finetune_lr: float = 1e-4, finetune_e2e: int = 0, finetune_e2e_lr: float = 3e-4,
-             finetune_norms: bool = True, finetune_e2e_held_out: int = 0, **quantize_opts) -> int:
+             finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_pv: int = 0,
+             finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -133,6 +134,13 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         all tuning, to pick the end-to-end tuning's state: the lowest KL on them among the start and
         every tenth of the steps (0: the state with the lowest KL on the tuning windows, which keeps
         falling after the model stops improving on other text).
+    finetune_pv : with ``finetune_e2e``, rounds of PV-tuning's alternation after the end-to-end
+        tuning: each a code step (``tilefuse.hf.vq_sequential.tune_codes_end_to_end``: up to
+        ``finetune_pv_fraction`` of every layer's 8-weight groups re-coded toward the weight
+        moved by ``finetune_pv_step`` times its norm along the gradient of the KL, kept only if
+        the KL falls), then ``finetune_e2e`` more Adam steps on the codebooks and scales. 0: none.
+        (Not yet measured on a real model: docs/vq_quality.md.)
+    finetune_pv_step, finetune_pv_fraction : the code step's settings (above).
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -162,11 +170,23 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
             or not 0 <= finetune_e2e_held_out < max(len(windows), 1)):
         raise ValueError(f"finetune_e2e_held_out: expected an int from 0 to the calibration windows less one "
                          f"({max(len(windows) - 1, 0)}), got {finetune_e2e_held_out!r}")
+    if not isinstance(finetune_pv, int) or isinstance(finetune_pv, bool) or finetune_pv < 0:
+        raise ValueError(f"finetune_pv: expected an int >= 0 (rounds of code and end-to-end steps), got {finetune_pv!r}")
+    if finetune_pv:
+        from tilefuse.hf.vq_sequential import check_code_step
+
+        try:
+            check_code_step(finetune_pv_step, finetune_pv_fraction)
+        except ValueError as exc:
+            raise ValueError(f"finetune_pv_{exc}") from None
+    if finetune_pv and not finetune_e2e:
+        raise ValueError("finetune_pv: expected finetune_e2e > 0 with it (each round ends with that many end-to-end "
+                         "steps), got finetune_e2e=0")
     if finetune_e2e and not windows:
         raise ValueError("finetune_e2e: expected calibration token ids with finetune_e2e > 0 (the dense "
                          "next-token distributions to match come from them), got none")
     if finetune_e2e:
-        from tilefuse.hf.vq_sequential import head_inputs, tune_end_to_end
+        from tilefuse.hf.vq_sequential import head_inputs, tune_codes_end_to_end, tune_end_to_end
 
         dense_inputs = head_inputs(model, windows)           # before any layer is replaced
         fitted = windows[:len(windows) - finetune_e2e_held_out]  # held-out windows calibrate nothing
@@ -174,6 +194,11 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
                             finetune_lr=finetune_lr, **quantize_opts)
         tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
                         norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out)
+        for _ in range(finetune_pv):
+            tune_codes_end_to_end(model, windows, dense_inputs, step=finetune_pv_step,
+                                  fraction=finetune_pv_fraction, progress=progress, held_out=finetune_e2e_held_out)
+            tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
+                            norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out)
         return replaced
     if finetune:
         from tilefuse.hf.vq_sequential import quantize_sequential

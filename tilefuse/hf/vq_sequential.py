@@ -267,3 +267,126 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
         print(f"patch_vq end to end: KL {before:.4f} -> {info['error_after']:.4f} nats/token over {len(windows)} "
               f"window(s), {info['seconds']:.1f} s", file=sys.stderr, flush=True)
     return info
+
+
+def check_code_step(step, fraction, beam=1) -> None:
+    """:func:`tune_codes_end_to_end`'s settings, checked before any work (ValueError naming the
+    argument)."""
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for name, value, ok, expected in (
+            ("step", step, number(step) and step > 0, "a number > 0"),
+            ("fraction", fraction, number(fraction) and 0 < fraction <= 1, "a number in (0, 1]"),
+            ("beam", beam, number(beam) and isinstance(beam, int) and 1 <= beam <= 256, "an int from 1 to 256")):
+        if not ok:
+            raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs: list[torch.Tensor], *,
+                          step: float = 0.05, fraction: float = 0.02, beam: int = 1, progress: bool = False,
+                          held_out: int = 0) -> dict:
+    """PV-tuning's discrete step: move a small fraction of every :class:`tilefuse.nn.VQLinear`'s
+    codes along the gradient of the end-to-end loss, its codebooks and scales fixed (the 2x8
+    format stays what the kernels read). :func:`tune_end_to_end` is the continuous step.
+
+    1. The gradient ``G`` of the mean KL over the tuning windows (as :func:`tune_end_to_end`
+       scores them) with respect to each layer's dequantized weight ``W`` ([N, K] fp32: one pass
+       with every layer running ``F.linear`` on ``W`` as a leaf).
+    2. Per layer the target ``T = W - eta G``, ``eta = step ||W|| / ||G||`` (a step of ``step``
+       times the weight's norm), and the codes that best represent ``T`` with the layer's
+       codebooks and scales (the quantizer's code search, ``beam`` candidates per codebook).
+    3. Of the 8-weight groups whose codes changed, each layer keeps the ``fraction`` of its groups
+       (at most) that lower the linearized loss ``G . dW + |dW|^2 / (2 eta)`` the most.
+    4. The new codes stay if the mean KL over the scored windows (the last ``held_out`` windows,
+       else the tuning ones) went down; else every layer keeps its codes.
+
+    Returns ``{"error_before", "error_after", "changed", "accepted", "seconds"}`` (mean KL in
+    nats per token; ``changed``: the fraction of all groups whose codes the step moved, 0 when
+    not accepted)."""
+    from tilefuse.nn.vq import VQLinear
+    from tilefuse.ops.vq.reference import codes_as_index, dequantize
+    from tilefuse.quantizer.quantize import _decode, _update_codes
+
+    check_code_step(step, fraction, beam)
+    begin = time.perf_counter()
+    head = _output_head(model)
+    device = head.weight.device
+    layers = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, VQLinear)]
+    if not layers:
+        raise ValueError("model: tune_codes_end_to_end moves VQLinear codes, found none")
+    tuned = len(windows) - held_out
+    if held_out < 0 or tuned < 1:
+        raise ValueError(f"held_out: expected 0 to {len(windows) - 1} windows (one at least is tuned on), got {held_out}")
+    scored = range(tuned, len(windows)) if held_out else range(tuned)
+
+    def kl(i: int) -> torch.Tensor:
+        out = model(input_ids=windows[i].to(device), use_cache=False)
+        return _next_token_kl(out.logits, head, dense_inputs[i])
+
+    with torch.no_grad():
+        before = sum(float(kl(i)) for i in scored) / len(scored)
+
+    # ---- 1. dL/dW for every layer's dense weight, the model's own parameters frozen
+    dense = {}
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        for _, mod in layers:
+            w = dequantize(mod.codes, mod.codebooks, mod.scales, dtype=torch.float32).requires_grad_(True)
+            dense[mod] = w
+            mod.forward = (lambda x, w=w, mod=mod: nn.functional.linear(
+                x, w.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype)))
+        for i in range(tuned):
+            (kl(i) / tuned).backward()
+    finally:
+        for _, mod in layers:
+            mod.__dict__.pop("forward", None)
+        for p in frozen:
+            p.requires_grad_(True)
+
+    # ---- 2-3. per layer: the code search toward W - eta G, the best `fraction` of the moves kept
+    old_codes, moved, groups_total = {}, 0, 0
+    with torch.no_grad():
+        for _, mod in layers:
+            w, g = dense[mod].detach(), dense[mod].grad
+            num_rows, k = w.shape
+            num_groups = k // 8
+            groups_total += num_rows * num_groups
+            if g is None or not torch.isfinite(g).all() or float(g.norm()) == 0:
+                continue
+            eta = step * float(w.norm()) / float(g.norm())
+            books = mod.codebooks.detach().float().reshape(2, 256, 8)
+            scales = mod.scales.detach().float().reshape(num_rows, 1, 1)
+            old = codes_as_index(mod.codes)
+            target = ((w - eta * g) / scales.reshape(num_rows, 1)).reshape(num_rows, num_groups, 8)
+            new = _update_codes(target, old.clone(), books, None, beam)
+            d_w = scales * (_decode(books, new) - _decode(books, old))                   # [N, G, 8]
+            gain = (g.reshape(num_rows, num_groups, 8) * d_w).sum(-1) + (d_w * d_w).sum(-1) / (2 * eta)
+            gain = torch.where((new != old).any(-1) & (gain < 0), gain, torch.inf)
+            keep = min(int(fraction * num_rows * num_groups), int(torch.isfinite(gain).sum()))
+            if keep == 0:
+                continue
+            chosen = torch.zeros(num_rows * num_groups, dtype=torch.bool, device=gain.device)
+            chosen[gain.flatten().topk(keep, largest=False).indices] = True
+            codes = torch.where(chosen.view(num_rows, num_groups, 1), new, old)
+            old_codes[mod] = mod.codes.clone()
+            mod.codes.copy_(codes.to(torch.uint8).view(mod.codes.dtype) if mod.codes.dtype == torch.int8
+                            else codes.to(mod.codes.dtype))
+            moved += keep
+
+        # ---- 4. kept only if the end-to-end loss fell
+        after = sum(float(kl(i)) for i in scored) / len(scored) if moved else before
+        accepted = after < before
+        if not accepted:
+            for mod, codes in old_codes.items():
+                mod.codes.copy_(codes)
+            after = before
+    info = {"error_before": before, "error_after": after, "changed": moved / groups_total if accepted else 0.0,
+            "accepted": accepted, "seconds": round(time.perf_counter() - begin, 2)}
+    if progress:
+        print(f"patch_vq code step: KL {before:.4f} -> {after:.4f} nats/token, {100 * info['changed']:.2f} % of "
+              f"the groups moved{'' if accepted else ' (none kept: the KL did not fall)'}, {info['seconds']:.1f} s",
+              file=sys.stderr, flush=True)
+    return info

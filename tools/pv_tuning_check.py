@@ -3,16 +3,17 @@ quantized once to 2x8 through the Hugging Face path, then tuned three ways from 
 
 * ``e2e``: ``--e2e-steps`` end-to-end Adam steps on the codebooks, scales and norms
   (``vq_sequential.tune_end_to_end``, the KL to the dense model's next-token distributions);
-* ``e2e_long``: ``(rounds + 1) x --e2e-steps`` of the same, the same step budget as ``pv``;
-* ``pv``: ``--e2e-steps``, then ``--rounds`` rounds of a code step (``tune_codes_end_to_end``)
-  and ``--e2e-steps`` more: what ``patch_vq(finetune_e2e=N, finetune_pv=R)`` runs.
+* ``e2e_long``: ``(rounds + 1) x --e2e-steps`` of the same, the same Adam step budget as ``pv@S``;
+* ``pv@S`` for each ``--step`` S: ``--e2e-steps``, then ``--rounds`` rounds of a code step
+  (``tune_codes_end_to_end``, step S) and ``--e2e-steps`` more: what ``patch_vq(finetune_e2e=N,
+  finetune_pv=R, finetune_pv_step=S)`` runs.
 
 Perplexity of the evaluation text for each, the KL before and after every stage, wall times.
 Texts: the model benchmark's (KJV Matthew 1-13 calibrates, John 1-4 evaluates; ``--text FILE``
 otherwise), 1024-token windows. The quantizer: docs/vq_quality.md's settings (iters 3, beam 1,
 init_iters 10, feedback 1). Writes ``bench/results/sweeps/pv-tuning-<gpu>.json``.
 
-    python3 tools/pv_tuning_check.py [--e2e-steps 78] [--rounds 2] [--step 0.1] [--fraction 0.02]
+    python3 tools/pv_tuning_check.py [--e2e-steps 78] [--rounds 2] [--step 0.01,0.03,0.1] [--fraction 0.02]
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def main() -> None:
     ap.add_argument("--e2e-steps", type=int, default=78, help="Adam steps per end-to-end stage")
     ap.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate of the end-to-end stages")
     ap.add_argument("--rounds", type=int, default=2, help="code step + end-to-end rounds of the pv variant")
-    ap.add_argument("--step", type=float, default=0.1, help="the code step's move, in weight norms")
+    ap.add_argument("--step", type=lambda v: [float(x) for x in v.split(",")], default=[0.01, 0.03, 0.1],
+                    help="the code step's move, in weight norms; a comma list runs one pv variant each "
+                         "(default 0.01,0.03,0.1)")
     ap.add_argument("--fraction", type=float, default=0.02, help="the code step's share of groups per layer")
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--eval-tokens", type=int, default=4096)
@@ -70,12 +73,12 @@ def main() -> None:
     def e2e(model, steps):
         return tune_end_to_end(model, calib, dense_inputs, steps=steps, lr=args.lr, norms=True, progress=True)
 
-    for name in ("e2e", "e2e_long", "pv"):
+    for name in ("e2e", "e2e_long", *(f"pv@{step:g}" for step in args.step)):
         model, stages, begin = copy.deepcopy(quantized), [], time.perf_counter()
         stages.append(e2e(model, args.e2e_steps * (args.rounds + 1 if name == "e2e_long" else 1)))
-        for _ in range(args.rounds if name == "pv" else 0):
-            stages.append(tune_codes_end_to_end(model, calib, dense_inputs, step=args.step, fraction=args.fraction,
-                                                progress=True))
+        for _ in range(args.rounds if name.startswith("pv") else 0):
+            stages.append(tune_codes_end_to_end(model, calib, dense_inputs, step=float(name[3:]),
+                                                fraction=args.fraction, progress=True))
             stages.append(e2e(model, args.e2e_steps))
         results[name] = {"ppl": perplexity(model, eval_ids, args.window), "stages": stages,
                          "seconds": round(time.perf_counter() - begin, 1)}

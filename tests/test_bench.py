@@ -264,7 +264,7 @@ def test_tools_configs_file_sections(tmp_path):
 
 
 GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
-             "vq_layer_probe.py", "sanitize.py", "sync_probe.py"]
+             "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py"]
 
 
 def run_tool(tool: str, *args: str, gpu: bool = True):
@@ -281,7 +281,7 @@ def run_tool(tool: str, *args: str, gpu: bool = True):
                           env=env)
 
 
-@pytest.mark.parametrize("tool", [*GPU_TOOLS, "replot.py", "vq_quality.py"])
+@pytest.mark.parametrize("tool", [*GPU_TOOLS, "replot.py", "vq_quality.py", "pv_tuning_check.py"])
 def test_tools_help_works_without_a_gpu(tool):
     done = run_tool(tool, "--help", gpu=False)
     assert done.returncode == 0 and "usage:" in done.stdout and "Traceback" not in done.stderr

@@ -12,21 +12,18 @@ folder by default. Needs a CUDA GPU.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
-import sys
 from pathlib import Path
 
-import torch
-
-import tilefuse
-from tilefuse.bench.harness import Timer
-from tilefuse.bench.mla import serving_mixes
-from tilefuse.ops.mla import op
+from sweep_common import require_gpu
 
 
 def batches() -> list[tuple[str, int, list[int]]]:
+    from tilefuse.bench.mla import serving_mixes
+
     """(label, query rows per KV head, lengths): the benchmark's equal batches and serving mixes."""
     out = [(f"b{b} {n} each", rows, [n] * b) for b, rows, n in
            ((16, 16, 4096), (16, 128, 4096), (64, 16, 4096), (128, 16, 1024), (16, 16, 65536), (32, 32, 16384))]
@@ -34,6 +31,16 @@ def batches() -> list[tuple[str, int, list[int]]]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", type=Path, default=None, help="results file (default: mla-metadata-<gpu>.json)")
+    args = ap.parse_args()
+    require_gpu()
+    import torch
+
+    import tilefuse
+    from tilefuse.bench.harness import Timer
+    from tilefuse.ops.mla import op
+
     device = torch.device("cuda")
     timer = Timer(device, rep_ms=30.0)
     rows = []
@@ -50,7 +57,7 @@ def main() -> None:
                      "us": round(statistics.median(samples), 2), "samples_us": [round(s, 2) for s in samples]})
         print(f"{label:50s} {rows[-1]['schedule']:5s} {used:4d} splits {rows[-1]['us']:7.2f} us", flush=True)
     gpu = torch.cuda.get_device_name(device)
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(f"mla-metadata-{gpu.split()[-1].lower()}.json")
+    out = args.out or Path(f"mla-metadata-{gpu.split()[-1].lower()}.json")
     machine = {"gpu": gpu, "torch": torch.__version__,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")

@@ -171,14 +171,12 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         raise ValueError(f"finetune_e2e_held_out: expected an int from 0 to the calibration windows less one "
                          f"({max(len(windows) - 1, 0)}), got {finetune_e2e_held_out!r}")
     if not isinstance(finetune_pv, int) or isinstance(finetune_pv, bool) or finetune_pv < 0:
-        raise ValueError(f"finetune_pv: expected an int >= 0 (rounds of code and end-to-end steps), got {finetune_pv!r}")
+        raise ValueError(f"finetune_pv: expected an int >= 0 (rounds of code and end-to-end steps), "
+                         f"got {finetune_pv!r}")
     if finetune_pv:
         from tilefuse.hf.vq_sequential import check_code_step
 
-        try:
-            check_code_step(finetune_pv_step, finetune_pv_fraction)
-        except ValueError as exc:
-            raise ValueError(f"finetune_pv_{exc}") from None
+        check_code_step(finetune_pv_step, finetune_pv_fraction, prefix="finetune_pv_")
     if finetune_pv and not finetune_e2e:
         raise ValueError("finetune_pv: expected finetune_e2e > 0 with it (each round ends with that many end-to-end "
                          "steps), got finetune_e2e=0")

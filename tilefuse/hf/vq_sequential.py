@@ -15,6 +15,7 @@ arguments (hidden states, position embeddings, masks), which the later blocks ta
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
@@ -190,6 +191,30 @@ def _next_token_kl(logits: torch.Tensor, head: nn.Module, dense_inputs: torch.Te
                                       reduction="batchmean")
 
 
+def _tuned_and_scored(windows: list, held_out: int) -> tuple[int, range]:
+    """(windows tuned on: all but the last ``held_out``, the windows a state is scored on: the
+    held-out ones, else the tuned ones); ValueError unless one window at least is tuned on."""
+    tuned = len(windows) - held_out
+    if held_out < 0 or tuned < 1:
+        raise ValueError(f"held_out: expected 0 to {len(windows) - 1} windows (one at least is tuned on), "
+                         f"got {held_out}")
+    return tuned, (range(tuned, len(windows)) if held_out else range(tuned))
+
+
+@contextlib.contextmanager
+def _frozen_parameters(model: nn.Module):
+    """The model's own parameters without gradients for the duration (so that a backward pass
+    reaches only the tuned leaves), their flags restored after."""
+    frozen = [p for p in model.parameters() if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs: list[torch.Tensor], *,
                     steps: int, lr: float, norms: bool, progress: bool, held_out: int = 0) -> dict:
     """Tune every :class:`tilefuse.nn.VQLinear`'s codebooks and scales of ``model`` together (and,
@@ -229,17 +254,11 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
             out = functional_call(model, overrides, (), {"input_ids": windows[i].to(device), "use_cache": False})
             return _next_token_kl(out.logits, head, dense_inputs[i])
 
-    tuned = len(windows) - held_out
-    if held_out < 0 or tuned < 1:
-        raise ValueError(f"held_out: expected 0 to {len(windows) - 1} windows (one at least is tuned on), got {held_out}")
-    scored = range(tuned, len(windows)) if held_out else range(tuned)
+    tuned, scored = _tuned_and_scored(windows, held_out)
 
     def mean_kl() -> float:
         return sum(float(loss(i, False)) for i in scored) / len(scored)
 
-    frozen = [p for p in model.parameters() if p.requires_grad]     # gradients for the masters only
-    for p in frozen:
-        p.requires_grad_(False)
     every = max(1, steps // 10)
 
     def on_step(done: int, value: torch.Tensor) -> None:
@@ -248,13 +267,10 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
             print(f"patch_vq end to end [{done}/{steps}] KL {value.item():.4f} nats/token; {now:.1f} s so "
                   f"far, about {now * (steps - done) / done:.0f} s left", file=sys.stderr, flush=True)
 
-    try:
+    with _frozen_parameters(model):                 # gradients for the masters only
         final, before, after, best_step = adam_keep_best(masters, lambda step: loss(step % tuned, True), steps, lr,
                                                          mean_kl, validated=bool(held_out), check_every=every,
                                                          on_step=on_step)
-    finally:
-        for p in frozen:
-            p.requires_grad_(True)
     if final is not None:
         with torch.no_grad():
             for name, t in targets.items():
@@ -269,9 +285,9 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
     return info
 
 
-def check_code_step(step, fraction, beam=1) -> None:
+def check_code_step(step, fraction, beam=1, prefix: str = "") -> None:
     """:func:`tune_codes_end_to_end`'s settings, checked before any work (ValueError naming the
-    argument)."""
+    argument, ``prefix`` before its name: ``patch_vq`` passes them as ``finetune_pv_...``)."""
     def number(value) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -280,7 +296,7 @@ def check_code_step(step, fraction, beam=1) -> None:
             ("fraction", fraction, number(fraction) and 0 < fraction <= 1, "a number in (0, 1]"),
             ("beam", beam, number(beam) and isinstance(beam, int) and 1 <= beam <= 256, "an int from 1 to 256")):
         if not ok:
-            raise ValueError(f"{name}: expected {expected}, got {value!r}")
+            raise ValueError(f"{prefix}{name}: expected {expected}, got {value!r}")
 
 
 def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs: list[torch.Tensor], *,
@@ -316,10 +332,7 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
     layers = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, VQLinear)]
     if not layers:
         raise ValueError("model: tune_codes_end_to_end moves VQLinear codes, found none")
-    tuned = len(windows) - held_out
-    if held_out < 0 or tuned < 1:
-        raise ValueError(f"held_out: expected 0 to {len(windows) - 1} windows (one at least is tuned on), got {held_out}")
-    scored = range(tuned, len(windows)) if held_out else range(tuned)
+    tuned, scored = _tuned_and_scored(windows, held_out)
 
     def kl(i: int) -> torch.Tensor:
         out = model(input_ids=windows[i].to(device), use_cache=False)
@@ -330,22 +343,18 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
 
     # ---- 1. dL/dW for every layer's dense weight, the model's own parameters frozen
     dense = {}
-    frozen = [p for p in model.parameters() if p.requires_grad]
-    for p in frozen:
-        p.requires_grad_(False)
-    try:
-        for _, mod in layers:
-            w = dequantize(mod.codes, mod.codebooks, mod.scales, dtype=torch.float32).requires_grad_(True)
-            dense[mod] = w
-            mod.forward = (lambda x, w=w, mod=mod: nn.functional.linear(
-                x, w.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype)))
-        for i in range(tuned):
-            (kl(i) / tuned).backward()
-    finally:
-        for _, mod in layers:
-            mod.__dict__.pop("forward", None)
-        for p in frozen:
-            p.requires_grad_(True)
+    with _frozen_parameters(model):
+        try:
+            for _, mod in layers:
+                w = dequantize(mod.codes, mod.codebooks, mod.scales, dtype=torch.float32).requires_grad_(True)
+                dense[mod] = w
+                mod.forward = (lambda x, w=w, mod=mod: nn.functional.linear(
+                    x, w.to(x.dtype), None if mod.bias is None else mod.bias.to(x.dtype)))
+            for i in range(tuned):
+                (kl(i) / tuned).backward()
+        finally:
+            for _, mod in layers:
+                mod.__dict__.pop("forward", None)
 
     # ---- 2-3. per layer: the code search toward W - eta G, the best `fraction` of the moves kept
     old_codes, moved, groups_total = {}, 0, 0

@@ -269,8 +269,8 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
                 mbarrier.arrive(p_ready)
                 # ---- O[:, :256] = O alpha + P V[:, :256]: P from registers, V from the ring slot.
                 acc = acc * gl.convert_layout(alpha, ROWS_O)[:, None]
-                acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), kn_ring.index(t % STAGES).slice(0, D_NOPE // 2, dim=1),
-                                    acc, is_async=True)
+                v_half = kn_ring.index(t % STAGES).slice(0, D_NOPE // 2, dim=1)
+                acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), v_half, acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 mbarrier.arrive(k_empty.index(t % STAGES))
                 t += 1
@@ -338,9 +338,9 @@ def mla_split_ws_kernel(
 
     Grid: (head tiles, metadata rows - 1); program p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1``
     (clamped to the metadata): one slot of the slots schedule, or a part's run. kn_desc /
-    kr_desc: TMA descriptors over the cache as ``[num_blocks * KV_PAGE, 576]`` rows, boxes of ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]``
-    (columns 0..511) and ``[., 64]`` (columns 512..575). Scores in the log2 domain
-    (``qk_scale = softmax_scale * log2(e)``)."""
+    kr_desc: TMA descriptors over the cache as ``[num_blocks * KV_PAGE, 576]`` rows, boxes of
+    ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]`` (columns 0..511) and ``[., 64]`` (columns
+    512..575). Scores in the log2 domain (``qk_scale = softmax_scale * log2(e)``)."""
     dtype: gl.constexpr = kn_desc.dtype
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 

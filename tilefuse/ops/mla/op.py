@@ -21,8 +21,8 @@ Metadata format (ours, not FlashMLA's bytes; the two functions only need to agre
 
 The metadata only schedules. Both backends take every length from ``cache_seqlens``; the kernels
 clamp each split's planned pages to it (split 0 from page 0, the last split to the last page), so
-metadata planned for other lengths (same batch) costs balance, never correctness, and one metadata serves every layer of a step and any number of
-concurrent streams (it is never written by the attention kernels: the fused combine's arrival
+metadata planned for other lengths (same batch) costs balance, never correctness, and one metadata
+serves every layer of a step and any number of concurrent streams (it is never written by the attention kernels: the fused combine's arrival
 counters live in zeroed scratch, ``tilefuse._scratch``). No contents of the metadata,
 ``num_splits``, ``block_table`` or ``cache_seqlens`` can move a kernel access outside its tensor
 (each index is checked or clamped); ``check_contents=True`` or ``TILEFUSE_DEBUG=1`` raises a
@@ -67,7 +67,8 @@ def wgmma_usable(device: torch.device) -> bool:
 def choose_variant(rows: int, max_blocks: int = 1, q: torch.Tensor | None = None) -> str:
     """The kernel for ``rows = s_q * h_q`` query rows: the one pinned by ``force()``, else
     ``configs.default_variant``. ``wgmma`` (pinned or default) needs a 16-bit ``q`` on a Hopper
-    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs. Every page size of ``PAGE_SIZES`` runs on each."""
+    GPU; elsewhere the ``tl`` kernel of the same orientation (``standard``) runs. Every page size
+    of ``PAGE_SIZES`` runs on each."""
     fits = q is not None and _wgmma_fits(q)
     variant = forced_variant("mla") or configs.default_variant(rows, max_blocks, fits, _chip_ridge(q))
     return "standard" if variant in configs.GLUON_VARIANTS and not fits else variant

@@ -255,3 +255,17 @@ def test_cuda_graph_replay_matches_the_eager_step(variant):
         for other in (eager, again):                 # vs the eager step; a second replayed decode
             same = (first == other).float().mean().item()
             assert same == 1.0 if variant == "stock" else same >= 0.9, (variant, batch, same)
+
+
+def test_texts_read_back_from_a_folder(tmp_path):
+    """load_texts takes a folder of calibration.txt and evaluation.txt (what save_texts writes for
+    a machine without the `bible` reader) and a single file cut in halves."""
+    from tilefuse.bench.hf_models import load_texts
+    (tmp_path / "calibration.txt").write_text("in the beginning", encoding="utf-8")
+    (tmp_path / "evaluation.txt").write_text("was the word", encoding="utf-8")
+    calib, evaluation, where = load_texts(str(tmp_path))
+    assert (calib, evaluation) == ("in the beginning", "was the word") and "calibration.txt" in where
+    one = tmp_path / "one.txt"
+    one.write_text("alpha beta gamma delta", encoding="utf-8")
+    calib, evaluation, _ = load_texts(str(one))
+    assert calib + evaluation == "alpha beta gamma delta" and calib and evaluation

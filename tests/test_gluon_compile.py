@@ -322,8 +322,8 @@ def test_mla_metadata_kernel_compiles():
     from tilefuse.ops.mla.op import metadata_constexprs
 
     constexprs = metadata_constexprs(256, 32)
-    signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "batch": "i32",
-                 "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
+    signature = {"seqlens_ptr": "*i32", "meta_ptr": "*i32", "num_splits_ptr": "*i32", "starts_ptr": "*i32",
+                 "batch": "i32", "num_parts": "i32", "num_slots": "i32", **{name: CONSTEXPR for name in constexprs}}
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_metadata_kernel", signature, constexprs, num_warps=4)
     assert result.registers > 0 and result.spilled == 0
 

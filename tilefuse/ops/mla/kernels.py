@@ -79,6 +79,7 @@ def _cdiv_parts(x, parts, total):
 @triton.jit
 def mla_metadata_kernel(
     seqlens_ptr, meta_ptr, num_splits_ptr,      # [b] int32 in; [num_slots, 8] and [b + 1] int32 out
+    starts_ptr,                                 # [b] int32 scratch: each request's first page on the parts line
     batch, num_parts, num_slots,                # sizes: num_parts = SMs (or SM groups) to fill
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT_COST: tl.constexpr, CANDIDATES: tl.constexpr,
     PART_COST: tl.constexpr, PART_MIN2: tl.constexpr, PART_GAIN_PCT: tl.constexpr,
@@ -116,54 +117,49 @@ def mla_metadata_kernel(
     # a_i) then pages [a_i, e_i)); the line's `line` units are cut into `parts` equal parts, part p
     # from cut(p) = floor(p line / parts) (at most `line` parts: the cuts strictly increase); a cut
     # inside a request's pages splits it there: request i's cuts are parts [lo_i, hi_i).
-    work = tl.where(in_batch, pages + PART_COST, 0)
-    e = tl.cumsum(work, axis=0)
-    a = e - pages
-    line = tl.maximum(tl.sum(work, axis=0), 1)
-    parts = tl.minimum(num_parts, line)
-    lo = _cdiv_parts(a + 1, parts, line)
-    hi = _cdiv_parts(e, parts, line)
     # ---- The pick (configs.PART_GAIN): parts where their busiest part (share + a split cost)
-    # is well below the slots' expected busiest, on batches long enough for it to pay.
+    # is well below the slots' expected busiest, on batches long enough for it to pay. It needs
+    # only the line's length; the line itself is laid out only when parts are picked.
+    line = tl.maximum(total + PART_COST * batch, 1)
+    parts = tl.minimum(num_parts, line)
     parts_cost2 = 2 * ((line + parts - 1) // parts + PART_COST)
     use_parts = (best >= PART_MIN2) & (parts_cost2.to(tl.int64) * 100 <= best.to(tl.int64) * PART_GAIN_PCT)
+    # (the scalar pick as a boolean vector in masks: Triton 3.9's interpreter turns `tensor &
+    # scalar bool` into integers)
+    parts_b = (offs_b * 0 + use_parts.to(tl.int32)) != 0
+    e = tl.cumsum(tl.where(parts_b & in_batch, pages + PART_COST, 0), axis=0)
+    a = e - pages
+    lo = _cdiv_parts(a + 1, parts, line)
+    hi = _cdiv_parts(e, parts, line)
     splits = tl.where(use_parts, tl.where(in_batch, 1 + tl.maximum(hi - lo, 0), 0), _splits(pages, in_batch, chunk))
     cu_end = tl.cumsum(splits, axis=0)          # slots of requests 0..i
     cu_begin = cu_end - splits
     used = tl.sum(splits, axis=0)
     tl.store(num_splits_ptr + offs_b, cu_begin, mask=in_batch)
     tl.store(num_splits_ptr + batch, used)
-    # ---- Rows to scratch: -1 everywhere (the running maxima below start from it).
+    tl.store(starts_ptr + offs_b, a, mask=in_batch & parts_b)
+    # ---- Columns 0 and 7 to -1 (the running maxima below start from it).
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         in_range = offs_p < num_slots
-        for c in range(0, 8):
-            tl.store(meta_ptr + offs_p * 8 + c, -1, mask=in_range)
+        tl.store(meta_ptr + offs_p * 8, -1, mask=in_range)
+        tl.store(meta_ptr + offs_p * 8 + 7, -1, mask=in_range)
     tl.debug_barrier()
-    # ---- Each request's first slot gets (i, -, lo_i, a_i, e_i), all nondecreasing in i, so a
-    # running maximum over the slots carries them to the request's other slots. Parts
-    # schedule: row p's column 7 = part p's first slot; the parts that begin in request i's fixed
-    # cost (cut(p) in [W_i, a_i], p in [r_i, min(lo_i, hi_i))) begin at its first split: row r_i
-    # gets it, the others inherit it below.
-    first_row = meta_ptr + cu_begin * 8
-    tl.store(first_row + 0, offs_b, mask=in_batch)
-    tl.store(first_row + 2, lo, mask=in_batch)
-    tl.store(first_row + 3, a, mask=in_batch)
-    tl.store(first_row + 4, e, mask=in_batch)
+    # ---- Each request's first slot gets its index i, nondecreasing in i, so a running maximum
+    # over the slots carries it to the request's other slots. Parts schedule: row p's column 7 =
+    # part p's first slot; the parts that begin in request i's fixed cost (cut(p) in [W_i, a_i],
+    # p in [r_i, min(lo_i, hi_i))) begin at its first split: row r_i gets it, the others inherit it
+    # below.
+    tl.store(meta_ptr + cu_begin * 8, offs_b, mask=in_batch)
     r = _cdiv_parts(a - PART_COST, parts, line)
-    # (the scalar pick as a boolean vector in masks: Triton 3.9's interpreter turns `tensor &
-    # scalar bool` into integers)
-    parts_b = (offs_b * 0 + use_parts.to(tl.int32)) != 0
     tl.store(meta_ptr + r * 8 + 7, cu_begin, mask=in_batch & parts_b & (r < tl.minimum(lo, hi)))
     tl.debug_barrier()
-    # ---- Per slot: request, lo, a and e (running maxima), its first slot and split count from
-    # num_splits, split k of n, its pages [begin, end): slots, k per..(k + 1) per with per =
-    # ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a (split 0 from page 0, the last to
-    # the request's end), split k >= 1 starting part lo + k - 1 (column 7).
-    req_c = -1                                  # the running maxima of the rows before this block
-    lo_c = -1
-    a_c = -1
-    e_c = -1
+    # ---- Per slot: request (running maximum), its first slot and split count from num_splits,
+    # its pages from cache_seqlens (read as above), split k of n, its pages [begin, end): slots, k
+    # per..(k + 1) per with per = ceil(pages / n); parts, [cut(lo + k - 1), cut(lo + k)) - a
+    # (split 0 from page 0, the last to the request's end; a from the scratch row, lo from a),
+    # split k >= 1 starting part lo + k - 1 (column 7).
+    req_c = -1                                  # the running maximum of the rows before this block
     for p0 in range(0, num_slots, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         row = meta_ptr + offs_p * 8
@@ -174,18 +170,15 @@ def mla_metadata_kernel(
         req_ok = tl.minimum(tl.maximum(req, 0), tl.maximum(batch - 1, 0))
         first = tl.load(num_splits_ptr + req_ok, mask=in_range, other=0)
         n = tl.maximum(tl.load(num_splits_ptr + req_ok + 1, mask=in_range, other=1) - first, 1)
+        pages_s = (tl.maximum(tl.load(seqlens_ptr + req_ok, mask=in_range, other=0), 0) + PAGE - 1) // PAGE
         k = offs_p - first
-        lo_s = tl.maximum(tl.associative_scan(tl.load(row + 2, mask=in_range, other=-1), 0, _max), lo_c)
-        a_s = tl.maximum(tl.associative_scan(tl.load(row + 3, mask=in_range, other=-1), 0, _max), a_c)
-        e_s = tl.maximum(tl.associative_scan(tl.load(row + 4, mask=in_range, other=-1), 0, _max), e_c)
-        lo_c = tl.max(lo_s, 0)
-        a_c = tl.max(a_s, 0)
-        e_c = tl.max(e_s, 0)
-        pages_s = e_s - a_s
+        parts_p = (offs_p * 0 + use_parts.to(tl.int32)) != 0
+        a_s = tl.load(starts_ptr + req_ok, mask=in_range & parts_p, other=0)
+        lo_s = _cdiv_parts(a_s + 1, parts, line)
         per = (pages_s + n - 1) // n
         begin = tl.where(use_parts, tl.where(k == 0, 0, _cut(lo_s + k - 1, line, parts) - a_s),
                          tl.minimum(k * per, pages_s))
-        end = tl.where(use_parts, tl.where(k == n - 1, e_s, _cut(lo_s + k, line, parts)) - a_s,
+        end = tl.where(use_parts, tl.where(k == n - 1, pages_s, _cut(lo_s + k, line, parts) - a_s),
                        tl.minimum(k * per + per, pages_s))
         tl.store(row + 0, tl.where(valid, req, -1), mask=in_range)
         tl.store(row + 1, tl.where(valid, k, 0), mask=in_range)
@@ -196,7 +189,6 @@ def mla_metadata_kernel(
         # ---- Column 7, each program's first slot (program p runs slots meta[p, 7] .. meta[p + 1,
         # 7] - 1): slots, one slot each (p, or `used` past the last), final here; parts, split k
         # >= 1 marks the part it starts (the pass below carries the marks)
-        parts_p = (offs_p * 0 + use_parts.to(tl.int32)) != 0
         tl.store(row + 7, tl.minimum(offs_p, used), mask=in_range & ~parts_p)
         tl.store(meta_ptr + (lo_s + k - 1) * 8 + 7, offs_p, mask=valid & (k > 0) & parts_p)
     if use_parts:

@@ -232,13 +232,14 @@ def _get_mla_metadata(cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int,
     num_slots = metadata_slots(num_sm_parts, batch)
     meta = torch.empty(num_slots, 8, dtype=torch.int32, device=cache_seqlens.device)
     num_splits = torch.empty(batch + 1, dtype=torch.int32, device=cache_seqlens.device)
+    starts = torch.empty(batch, dtype=torch.int32, device=cache_seqlens.device)    # the kernel's scratch
     block_b = max(16, 1 << (batch - 1).bit_length())
     block_p = max(16, min(1024, 1 << (num_slots - 1).bit_length()))
     constexprs = metadata_constexprs(block_b, block_p)
     _kernels()["metadata"].launch((cache_seqlens.device, batch, num_sm_parts, cache_seqlens.data_ptr() % 16,
                                    *constexprs.values()),
                                   (1, 1, 1), cache_seqlens.device.index,
-                                  (cache_seqlens, meta, num_splits), (batch, num_sm_parts, num_slots),
+                                  (cache_seqlens, meta, num_splits, starts), (batch, num_sm_parts, num_slots),
                                   dict(constexprs, num_warps=4))
     return meta, num_splits
 

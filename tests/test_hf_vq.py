@@ -411,7 +411,7 @@ def test_code_step_moves_a_fraction_of_the_codes_down_the_kl():
         info = tune_codes_end_to_end(model, windows, dense, step=0.1, fraction=0.05)
         with torch.no_grad():
             kl = sum(float(_next_token_kl(model(w).logits, model.lm_head, d)) for w, d in zip(windows, dense)) / 8
-    assert info["accepted"] and info["error_after"] < info["error_before"]
+    assert info["accepted"] and info["error_after"] < info["error_before"] and info["error_tried"] == info["error_after"]
     assert kl == pytest.approx(info["error_after"], rel=1e-5)
     moved = 0
     for name, m in layers.items():
@@ -426,6 +426,7 @@ def test_code_step_moves_a_fraction_of_the_codes_down_the_kl():
     with tilefuse.force(backend="reference"):
         wild = tune_codes_end_to_end(model, windows, dense, step=50.0, fraction=1.0)
     assert not wild["accepted"] and wild["changed"] == 0 and wild["error_after"] == wild["error_before"]
+    assert wild["proposed"] > 0 and wild["error_tried"] > wild["error_before"]
     assert all(torch.equal(m.codes, kept[name]) for name, m in layers.items())
 
 

@@ -319,8 +319,10 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
 
     Memory: every layer's dense weight and its gradient in fp32 at once (8 bytes per weight:
     1.1 GB for SmolLM2-135M, 56 GB for a Llama-3-8B). Returns ``{"error_before", "error_after",
-    "changed", "accepted", "seconds"}`` (mean KL in nats per token; ``changed``: the fraction of
-    all groups whose codes the step moved, 0 when not accepted)."""
+    "changed", "accepted", "error_tried", "proposed", "seconds"}`` (mean KL in nats per token;
+    ``changed``: the fraction of all groups whose codes the step moved, 0 when not accepted;
+    ``error_tried`` and ``proposed``: the KL with the moved codes and the fraction moved, kept or
+    not)."""
     from tilefuse.nn.vq import VQLinear
     from tilefuse.ops.vq.reference import codes_as_index, dequantize
     from tilefuse.quantizer.quantize import _decode, _update_codes
@@ -387,16 +389,18 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
             moved += keep
 
         # ---- 4. kept only if the end-to-end loss fell
-        after = sum(float(kl(i)) for i in scored) / len(scored) if moved else before
-        accepted = after < before
+        tried = sum(float(kl(i)) for i in scored) / len(scored) if moved else before
+        accepted = tried < before
         if not accepted:
             for mod, codes in old_codes.items():
                 mod.codes.copy_(codes)
-            after = before
+        after = tried if accepted else before
     info = {"error_before": before, "error_after": after, "changed": moved / groups_total if accepted else 0.0,
-            "accepted": accepted, "seconds": round(time.perf_counter() - begin, 2)}
+            "accepted": accepted, "error_tried": tried, "proposed": moved / groups_total,
+            "seconds": round(time.perf_counter() - begin, 2)}
     if progress:
+        rejected = f" (none kept: {100 * info['proposed']:.2f} % moved gave KL {tried:.4f})"
         print(f"patch_vq code step: KL {before:.4f} -> {after:.4f} nats/token, {100 * info['changed']:.2f} % of "
-              f"the groups moved{'' if accepted else ' (none kept: the KL did not fall)'}, {info['seconds']:.1f} s",
+              f"the groups moved{'' if accepted else rejected}, {info['seconds']:.1f} s",
               file=sys.stderr, flush=True)
     return info

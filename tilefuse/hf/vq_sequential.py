@@ -309,11 +309,12 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
     1. The gradient ``G`` of the mean KL over the tuning windows (as :func:`tune_end_to_end`
        scores them) with respect to each layer's dequantized weight ``W`` ([N, K] fp32: one pass
        with every layer running ``F.linear`` on ``W`` as a leaf).
-    2. Per layer the target ``T = W - eta G``, ``eta = step ||W|| / ||G||`` (a step of ``step``
-       times the weight's norm), and the codes that best represent ``T`` with the layer's
-       codebooks and scales (the quantizer's code search, ``beam`` candidates per codebook).
-    3. Of the 8-weight groups whose codes changed, each layer keeps the ``fraction`` of its groups
-       (at most) that lower the linearized loss ``G . dW + |dW|^2 / (2 eta)`` the most.
+    2. Per 8-weight group the target ``T_g = W_g - eta_g G_g``, ``eta_g = step ||W_g|| / ||G_g||``
+       (a move of ``step`` times the group's own norm), and the codes that best represent ``T``
+       with the layer's codebooks and scales (the quantizer's code search, ``beam`` candidates
+       per codebook).
+    3. Of the groups whose codes changed, each layer keeps the ``fraction`` of its groups (at
+       most) that lower the linearized loss ``G_g . dW_g + |dW_g|^2 / (2 eta_g)`` the most.
     4. The new codes stay if the mean KL over the scored windows (the last ``held_out`` windows,
        else the tuning ones) went down; else every layer keeps its codes.
 
@@ -368,14 +369,18 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
             groups_total += num_rows * num_groups
             if g is None or not torch.isfinite(g).all() or float(g.norm()) == 0:
                 continue
-            eta = step * float(w.norm()) / float(g.norm())
+            # each group's own step: eta_g = step |W_g| / |G_g| moves every group by `step` times its
+            # own norm (a layer-wide eta sends a gradient concentrated in a few groups many times
+            # their norm away, which the linearized loss does not describe)
+            w_g, g_g = w.reshape(num_rows, num_groups, 8), g.reshape(num_rows, num_groups, 8)
+            g_norm = g_g.norm(dim=-1, keepdim=True)
+            eta = torch.where(g_norm > 0, step * w_g.norm(dim=-1, keepdim=True) / g_norm.clamp_min(1e-30), 0.0)
             books = mod.codebooks.detach().float().reshape(2, 256, 8)
             scales = mod.scales.detach().float().reshape(num_rows, 1, 1)
             old = codes_as_index(mod.codes)
-            target = ((w - eta * g) / scales.reshape(num_rows, 1)).reshape(num_rows, num_groups, 8)
-            new = _update_codes(target, old.clone(), books, None, beam)
+            new = _update_codes((w_g - eta * g_g) / scales, old.clone(), books, None, beam)
             d_w = scales * (_decode(books, new) - _decode(books, old))                   # [N, G, 8]
-            gain = (g.reshape(num_rows, num_groups, 8) * d_w).sum(-1) + (d_w * d_w).sum(-1) / (2 * eta)
+            gain = (g_g * d_w).sum(-1) + (d_w * d_w).sum(-1) / (2 * eta.squeeze(-1)).clamp_min(1e-30)
             gain = torch.where((new != old).any(-1) & (gain < 0), gain, torch.inf)
             keep = min(int(fraction * num_rows * num_groups), int(torch.isfinite(gain).sum()))
             if keep == 0:
@@ -399,8 +404,8 @@ def tune_codes_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_i
             "accepted": accepted, "error_tried": tried, "proposed": moved / groups_total,
             "seconds": round(time.perf_counter() - begin, 2)}
     if progress:
-        rejected = f" (none kept: {100 * info['proposed']:.2f} % moved gave KL {tried:.4f})"
-        print(f"patch_vq code step: KL {before:.4f} -> {after:.4f} nats/token, {100 * info['changed']:.2f} % of "
+        rejected = f" (none kept: {100 * info['proposed']:.3g} % moved gave KL {tried:.4f})"
+        print(f"patch_vq code step: KL {before:.4f} -> {after:.4f} nats/token, {100 * info['changed']:.3g} % of "
               f"the groups moved{'' if accepted else rejected}, {info['seconds']:.1f} s",
               file=sys.stderr, flush=True)
     return info

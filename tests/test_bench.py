@@ -281,10 +281,24 @@ def run_tool(tool: str, *args: str, gpu: bool = True):
                           env=env)
 
 
-@pytest.mark.parametrize("tool", [*GPU_TOOLS, "replot.py", "vq_quality.py", "pv_tuning_check.py"])
+@pytest.mark.parametrize("tool", [*GPU_TOOLS, "replot.py", "vq_quality.py", "pv_tuning_check.py",
+                                  "mla_schedule_sim.py"])
 def test_tools_help_works_without_a_gpu(tool):
     done = run_tool(tool, "--help", gpu=False)
     assert done.returncode == 0 and "usage:" in done.stdout and "Traceback" not in done.stderr
+
+
+def test_schedule_sim_checks_the_pick_on_random_mixes():
+    """tools/mla_schedule_sim.py on a CPU: the benchmark's mixes with a pick each, and --random N
+    counting the mixes long enough to weigh and where the pick differs from the simulated one."""
+    done = run_tool("mla_schedule_sim.py", gpu=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    picks = [line.rsplit("|", 1)[1].strip() for line in done.stdout.splitlines()[1:]]
+    assert picks and set(picks) == {"slots", "parts"}
+    done = run_tool("mla_schedule_sim.py", "--random", "200", gpu=False)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    head = done.stdout.splitlines()[0]
+    assert head.startswith("200 random mixes, ") and "differs from the same rule" in head
 
 
 @pytest.mark.parametrize("tool", GPU_TOOLS)

@@ -9,11 +9,21 @@ part (an SM, or an SM group at more than 64 query rows), split costs included. R
 seconds:
 
     python tools/mla_schedule_sim.py
+    python tools/mla_schedule_sim.py --random 2000    # the pick on random mixes the benchmark has not
+
+``--random N`` draws N mixes the benchmark does not hold (uniform lengths up to 2K-128K, Zipf
+with exponents 0.7-1.6, one to four long requests among many short ones, two-mode batches, zero
+lengths among them; 1-512 requests; one or two head tiles) and, on those long enough for the pick
+to weigh them (the slots' estimate >= PART_MIN_PAGES), where the metadata's pick (on the slots'
+estimate) differs from the same rule applied to the simulated hand-out, and by how much: the
+estimate and the threshold were checked on the benchmark's mixes; this checks them elsewhere.
 """
 
 from __future__ import annotations
 
+import argparse
 import heapq
+import random
 
 import torch
 
@@ -45,25 +55,81 @@ def mixes() -> list[tuple[str, list[int], int]]:
     return out + [("32 x 32768", [32768] * 32, 132), ("16 x 4096", [4096] * 16, 132), ("128 x 1024", [1024] * 128, 132)]
 
 
+def both(lens: list[int], parts: int) -> dict:
+    """The two schedules of one mix: the slots' chunk, splits, estimate and simulated busiest part,
+    the parts' busiest part and estimate, and the pick."""
+    pages = [(n + 63) // 64 for n in lens]
+    with_parts = configs.PART_GAIN
+    configs.PART_GAIN = 0.0                     # the slots schedule alone, for its chunk
+    try:
+        _, cu = op._metadata_torch(torch.tensor(lens, dtype=torch.int32), parts)
+    finally:
+        configs.PART_GAIN = with_parts
+    counts = (cu[1:] - cu[:-1]).tolist()
+    chunk = max(-(-p // n) for p, n in zip(pages, counts))
+    model = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
+    pick = "parts" if (model >= configs.PART_MIN_PAGES
+                       and configs.parts_cost(pages, parts) <= configs.PART_GAIN * model) else "slots"
+    return {"chunk": chunk, "splits": sum(counts), "model": model,
+            "sim": list_schedule(split_pages(pages, chunk), parts),
+            "parts_busiest": max(configs.part_loads(pages, parts)),
+            "parts_model": configs.parts_cost(pages, parts), "pick": pick}
+
+
+def random_mix(rng: random.Random) -> tuple[str, list[int], int]:
+    """One mix of a kind the benchmark does not hold."""
+    b = rng.choice([1, 2, 3, 5, 8, 13, 24, 40, 64, 100, 160, 256, 384, 512])
+    kind = rng.choice(["uniform", "zipf", "long among short", "two modes"])
+    top = rng.choice([2048, 8192, 32768, 131072])
+    if kind == "uniform":
+        lens = [rng.randint(0, top) for _ in range(b)]
+    elif kind == "zipf":
+        a = rng.uniform(0.7, 1.6)
+        lens = [int(top / (i + 1) ** a) for i in range(b)]
+        rng.shuffle(lens)
+    elif kind == "long among short":
+        lens = [rng.randint(1, 2000) for _ in range(b)]
+        for i in rng.sample(range(b), min(b, rng.randint(1, 4))):
+            lens[i] = rng.randint(top // 2, top)
+    else:
+        lens = [rng.choice([rng.randint(1, 512), rng.randint(top // 4, top)]) for _ in range(b)]
+    for i in rng.sample(range(b), rng.randint(0, b // 8)):
+        lens[i] = 0
+    return f"{kind}, b{b}, <= {top}", lens, rng.choice([132, 66])
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--random", type=int, default=0, metavar="N", help="N random mixes instead of the benchmark's")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.random:
+        rng = random.Random(args.seed)
+        long_enough, differ = 0, []
+        for _ in range(args.random):
+            name, lens, parts = random_mix(rng)
+            r = both(lens, parts)
+            if r["model"] < configs.PART_MIN_PAGES:
+                continue                            # short batches: slots by rule (fixed costs dominate)
+            long_enough += 1
+            by_sim = "parts" if r["parts_busiest"] <= configs.PART_GAIN * r["sim"] else "slots"
+            if by_sim != r["pick"]:
+                picked, other = ((r["sim"], r["parts_busiest"]) if r["pick"] == "slots"
+                                 else (r["parts_busiest"], r["sim"]))
+                differ.append((picked / other, name, r["pick"], r["sim"], r["parts_busiest"]))
+        differ.sort(reverse=True)
+        print(f"{args.random} random mixes, {long_enough} with the slots' estimate >= PART_MIN_PAGES "
+              f"({configs.PART_MIN_PAGES} pages); the pick on the estimates differs from the same rule on the "
+              f"simulated hand-out in {len(differ)}; the picked schedule's busiest part over the other's:")
+        for x, name, pick, sim, busiest in differ[:12]:
+            print(f"  {x:5.2f}x  picked {pick:5}  slots simulated {sim:6.0f}, parts {busiest:6d}  ({name})")
+        return
     print(f"{'mix':34} {'parts':>5} | {'chunk':>5} {'splits':>6} {'model':>6} {'sim':>6} | {'busiest':>7} "
           f"{'model':>6} | pick")
     for name, lens, parts in mixes():
-        pages = [(n + 63) // 64 for n in lens]
-        with_parts = configs.PART_GAIN
-        configs.PART_GAIN = 0.0                     # the slots schedule alone, for its chunk
-        try:
-            _, cu = op._metadata_torch(torch.tensor(lens, dtype=torch.int32), parts)
-        finally:
-            configs.PART_GAIN = with_parts
-        counts = (cu[1:] - cu[:-1]).tolist()
-        chunk = max(-(-p // n) for p, n in zip(pages, counts))
-        model = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
-        sim = list_schedule(split_pages(pages, chunk), parts)
-        pick = "parts" if (model >= configs.PART_MIN_PAGES
-                           and configs.parts_cost(pages, parts) <= configs.PART_GAIN * model) else "slots"
-        print(f"{name:34} {parts:5d} | {chunk:5d} {sum(counts):6d} {model:6.0f} {sim:6.0f} | "
-              f"{max(configs.part_loads(pages, parts)):7d} {configs.parts_cost(pages, parts):6.0f} | {pick}")
+        r = both(lens, parts)
+        print(f"{name:34} {parts:5d} | {r['chunk']:5d} {r['splits']:6d} {r['model']:6.0f} {r['sim']:6.0f} | "
+              f"{r['parts_busiest']:7d} {r['parts_model']:6.0f} | {r['pick']}")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,8 @@ def schedule_cost(total_pages: int, slots: int, chunk: int, parts: int) -> float
     launch are handed to SMs as they free, which is list scheduling, bounded below by the mean
     ``(total + cost slots) / parts`` and above by the mean plus one split; the estimate is the
     middle of the two. On the benchmark's serving mixes it is within 14 % of a simulation of that
-    hand-out, never below it (``tools/mla_schedule_sim.py``). The
+    hand-out, never below it (``tools/mla_schedule_sim.py``); on random long multi-wave mixes it
+    can fall up to ~20 % below (``--random``; docs/mla.md says what that costs the pick). The
     metadata kernel computes it in integers (``_schedule_cost2``: twice this, rounded up)."""
     longest = chunk + SPLIT_COST_PAGES
     if slots <= parts:

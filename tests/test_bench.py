@@ -264,7 +264,7 @@ def test_tools_configs_file_sections(tmp_path):
 
 
 GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
-             "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py"]
+             "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py", "mla_split_cost_sweep.py"]
 
 
 def run_tool(tool: str, *args: str, gpu: bool = True):
@@ -288,7 +288,7 @@ def test_tools_help_works_without_a_gpu(tool):
     assert done.returncode == 0 and "usage:" in done.stdout and "Traceback" not in done.stderr
 
 
-def test_schedule_sim_checks_the_pick_on_random_mixes():
+def test_schedule_sim_checks_the_pick_on_random_mixes(tmp_path):
     """tools/mla_schedule_sim.py on a CPU: the benchmark's mixes with a pick each, and --random N
     counting the mixes long enough to weigh and where the pick differs from the simulated one."""
     done = run_tool("mla_schedule_sim.py", gpu=False)
@@ -299,6 +299,12 @@ def test_schedule_sim_checks_the_pick_on_random_mixes():
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     head = done.stdout.splitlines()[0]
     assert head.startswith("200 random mixes, ") and "differs from the same rule" in head
+    saved = tmp_path / "mixes.json"
+    done = run_tool("mla_schedule_sim.py", "--random", "400", "--write", str(saved), gpu=False)
+    mixes = json.loads(saved.read_text())
+    assert done.returncode == 0 and mixes and all(sum(m["lengths"]) <= 16 << 20 for m in mixes)
+    differ = [m for m in mixes if m["pick"] != m["by_simulation"]]
+    assert differ and len(mixes) <= 2 * len(differ) and {m["parts"] for m in mixes} <= {66, 132}
 
 
 @pytest.mark.parametrize("tool", GPU_TOOLS)

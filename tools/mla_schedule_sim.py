@@ -17,13 +17,18 @@ lengths among them; 1-512 requests; one or two head tiles) and, on those long en
 to weigh them (the slots' estimate >= PART_MIN_PAGES), where the metadata's pick (on the slots'
 estimate) differs from the same rule applied to the simulated hand-out, and by how much: the
 estimate and the threshold were checked on the benchmark's mixes; this checks them elsewhere.
+``--write FILE`` saves those mixes (and as many long mixes where the two agree, as controls; at
+most 16M tokens each) for ``tools/mla_split_cost_sweep.py --mixes FILE``, which times both
+schedules forced on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import random
+from pathlib import Path
 
 import torch
 
@@ -102,10 +107,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--random", type=int, default=0, metavar="N", help="N random mixes instead of the benchmark's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--write", type=Path, default=None, metavar="FILE",
+                    help="with --random: save the mixes where the picks differ, and as many controls, as JSON")
     args = ap.parse_args()
     if args.random:
         rng = random.Random(args.seed)
-        long_enough, differ = 0, []
+        long_enough, differ, saved = 0, [], {"differ": [], "agree": []}
         for _ in range(args.random):
             name, lens, parts = random_mix(rng)
             r = both(lens, parts)
@@ -117,12 +124,19 @@ def main() -> None:
                 picked, other = ((r["sim"], r["parts_busiest"]) if r["pick"] == "slots"
                                  else (r["parts_busiest"], r["sim"]))
                 differ.append((picked / other, name, r["pick"], r["sim"], r["parts_busiest"]))
+            if sum(lens) <= 16 << 20:
+                saved["differ" if by_sim != r["pick"] else "agree"].append(
+                    {"label": name, "lengths": lens, "parts": parts, "pick": r["pick"], "by_simulation": by_sim})
         differ.sort(reverse=True)
         print(f"{args.random} random mixes, {long_enough} with the slots' estimate >= PART_MIN_PAGES "
               f"({configs.PART_MIN_PAGES} pages); the pick on the estimates differs from the same rule on the "
               f"simulated hand-out in {len(differ)}; the picked schedule's busiest part over the other's:")
         for x, name, pick, sim, busiest in differ[:12]:
             print(f"  {x:5.2f}x  picked {pick:5}  slots simulated {sim:6.0f}, parts {busiest:6d}  ({name})")
+        if args.write:
+            mixes_out = saved["differ"] + saved["agree"][:len(saved["differ"])]
+            args.write.write_text(json.dumps(mixes_out) + "\n")
+            print(f"wrote {len(mixes_out)} mixes to {args.write}")
         return
     print(f"{'mix':34} {'parts':>5} | {'chunk':>5} {'splits':>6} {'model':>6} {'sim':>6} | {'busiest':>7} "
           f"{'model':>6} | pick")

@@ -1,7 +1,11 @@
 """Measure the MLA schedule's split cost on a GPU: the attention call's time under the schedules
 that each value of ``configs.SPLIT_COST_PAGES`` picks, on the benchmark's length mixes.
 
-    python3 tools/mla_split_cost_sweep.py [OUT.json]
+    python3 tools/mla_split_cost_sweep.py [OUT.json] [--mixes FILE] [--costs 8]
+
+``--mixes FILE``: the mixes ``tools/mla_schedule_sim.py --random N --write FILE`` saved (where the
+pick on the slots' estimate and on the simulated hand-out differ, and controls) instead of the
+benchmark's, each at 16 query rows per KV head (132 parts) or 128 (66 parts) as saved there.
 
 For every mix and every candidate split cost, the metadata (``op._metadata_torch``, the metadata
 kernel's mirror) with that cost; each distinct schedule (its splits and parts) is timed once as CUDA-graph
@@ -14,13 +18,14 @@ a CUDA GPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
+from sweep_common import require_gpu
 
 import tilefuse
 from tilefuse.bench.harness import Timer
@@ -39,19 +44,33 @@ def mixes() -> list[tuple[str, int, int, list[int]]]:
     return out
 
 
+def saved_mixes(path: Path) -> list[tuple[str, int, int, list[int]]]:
+    """(label, h_q, s_q, lengths) of the mixes tools/mla_schedule_sim.py --write saved."""
+    return [(f"{m['label']} (picked {m['pick']}, simulation {m['by_simulation']})", 16 if m["parts"] == 132 else 128, 1,
+             m["lengths"]) for m in json.loads(path.read_text())]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", nargs="?", type=Path, default=None, help="results file")
+    ap.add_argument("--mixes", type=Path, default=None, help="mixes saved by mla_schedule_sim.py --write")
+    ap.add_argument("--costs", type=lambda v: tuple(int(x) for x in v.split(",")), default=COSTS,
+                    help=f"split costs to try (default {','.join(map(str, COSTS))})")
+    args = ap.parse_args()
+    require_gpu()
+    costs = tuple(sorted(set(args.costs) | {configs.SPLIT_COST_PAGES}))
     device = torch.device("cuda")
     timer = Timer(device, rep_ms=30.0)
     default_cost = configs.SPLIT_COST_PAGES
     rows_out = []
-    for label, h_q, s_q, lens in mixes():
+    for label, h_q, s_q, lens in (saved_mixes(args.mixes) if args.mixes else mixes()):
         k_cache, block_table = paged_cache(lens, torch.bfloat16, device, nan_tail=False)
         q = torch.randn(len(lens), s_q, h_q, 576, device=device, dtype=torch.bfloat16)
         seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
         parts = op.default_num_sm_parts(device, s_q * h_q)
         times: dict[tuple, float] = {}
         entry = {"mix": label, "batch": len(lens), "h_q": h_q, "s_q": s_q, "parts": parts, "costs": {}}
-        for cost in COSTS:
+        for cost in costs:
             configs.SPLIT_COST_PAGES = cost
             meta, splits = op._metadata_torch(seqlens, parts)
             configs.SPLIT_COST_PAGES = default_cost
@@ -86,14 +105,14 @@ def main() -> None:
         del k_cache, block_table
         torch.cuda.empty_cache()
     summary = {str(c): math.exp(sum(math.log(r["costs"][str(c)]["x_best"]) for r in rows_out) / len(rows_out))
-               for c in COSTS}
+               for c in costs}
     print("geomean time over each mix's best schedule, per split cost:", {c: round(v, 3) for c, v in summary.items()})
     gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(f"bench/results/sweeps/mla-split-cost-{gpu}.json")
+    path = args.out or Path(f"bench/results/sweeps/mla-split-cost-{gpu}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
-    path.write_text(json.dumps({"machine": machine, "costs": list(COSTS), "default": default_cost, "rows": rows_out,
+    path.write_text(json.dumps({"machine": machine, "costs": list(costs), "default": default_cost, "rows": rows_out,
                                 "geomean_x_best": summary}, indent=1))
     print(f"wrote {path}")
 

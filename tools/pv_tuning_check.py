@@ -13,7 +13,7 @@ Texts: the model benchmark's (KJV Matthew 1-13 calibrates, John 1-4 evaluates; `
 otherwise), 1024-token windows. The quantizer: docs/vq_quality.md's settings (iters 3, beam 1,
 init_iters 10, feedback 1). Writes ``bench/results/sweeps/pv-tuning-<gpu>.json``.
 
-    python3 tools/pv_tuning_check.py [--e2e-steps 78] [--rounds 2] [--step 0.01,0.03,0.1] [--fraction 0.02]
+    python3 tools/pv_tuning_check.py [--e2e-steps 78] [--rounds 2] [--step 0.1,0.3,1] [--fraction 0.02]
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def main() -> None:
     ap.add_argument("--e2e-steps", type=int, default=78, help="Adam steps per end-to-end stage")
     ap.add_argument("--lr", type=float, default=3e-4, help="Adam's learning rate of the end-to-end stages")
     ap.add_argument("--rounds", type=int, default=2, help="code step + end-to-end rounds of the pv variant")
-    ap.add_argument("--step", type=lambda v: [float(x) for x in v.split(",")], default=[0.01, 0.03, 0.1],
-                    help="the code step's move, in weight norms; a comma list runs one pv variant each "
-                         "(default 0.01,0.03,0.1)")
+    ap.add_argument("--step", type=lambda v: [float(x) for x in v.split(",")], default=[0.1, 0.3, 1.0],
+                    help="the code step's move, in each group's norm; a comma list runs one pv variant each "
+                         "(default 0.1,0.3,1: a tenth of a group's norm rarely reaches another codeword)")
     ap.add_argument("--fraction", type=float, default=0.02, help="the code step's share of groups per layer")
     ap.add_argument("--calib-tokens", type=int, default=16384)
     ap.add_argument("--eval-tokens", type=int, default=4096)

@@ -62,19 +62,22 @@ def mixes() -> list[tuple[str, list[int], int]]:
 
 def both(lens: list[int], parts: int) -> dict:
     """The two schedules of one mix: the slots' chunk, splits, estimate and simulated busiest part,
-    the parts' busiest part and estimate, and the pick."""
+    the parts' busiest part and estimate, and the pick (the metadata's own, from its PyTorch
+    mirror: column 7 is one slot per program under the slots)."""
     pages = [(n + 63) // 64 for n in lens]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    meta, picked = op._metadata_torch(seqlens, parts)
+    one_each = torch.arange(meta.shape[0]).clamp_max(int(picked[-1])).to(meta.dtype)
+    pick = "slots" if torch.equal(meta[:, 7], one_each) else "parts"
     with_parts = configs.PART_GAIN
     configs.PART_GAIN = 0.0                     # the slots schedule alone, for its chunk
     try:
-        _, cu = op._metadata_torch(torch.tensor(lens, dtype=torch.int32), parts)
+        _, cu = op._metadata_torch(seqlens, parts)
     finally:
         configs.PART_GAIN = with_parts
     counts = (cu[1:] - cu[:-1]).tolist()
     chunk = max(-(-p // n) for p, n in zip(pages, counts))
     model = configs.schedule_cost(sum(pages), sum(counts), chunk, parts)
-    pick = "parts" if (model >= configs.PART_MIN_PAGES
-                       and configs.parts_cost(pages, parts) <= configs.PART_GAIN * model) else "slots"
     return {"chunk": chunk, "splits": sum(counts), "model": model,
             "sim": list_schedule(split_pages(pages, chunk), parts),
             "parts_busiest": max(configs.part_loads(pages, parts)),

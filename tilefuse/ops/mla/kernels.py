@@ -119,7 +119,8 @@ def mla_metadata_kernel(
     # inside a request's pages splits it there: request i's cuts are parts [lo_i, hi_i).
     # ---- The pick (configs.PART_GAIN): parts where their busiest part (share + a split cost)
     # is well below the slots' expected busiest, on batches long enough for it to pay. It needs
-    # only the line's length; the line itself is laid out only when parts are picked.
+    # only the line's length; the requests' starts on the line are stored (and read per slot)
+    # only when parts are picked (under the slots the prefix sum runs on zeros).
     line = tl.maximum(total + PART_COST * batch, 1)
     parts = tl.minimum(num_parts, line)
     parts_cost2 = 2 * ((line + parts - 1) // parts + PART_COST)

@@ -335,3 +335,31 @@ def test_child_failure_reports_the_exception():
         compile_gluon_isolated("tilefuse.no_such_module:kernel", {"x_ptr": "*fp16"}, {}, num_warps=4)
     with pytest.raises(RuntimeError, match=r"AttributeError: .*no_such_kernel"):
         compile_gluon_isolated("tilefuse.ops.gluon_common:no_such_kernel", {"x_ptr": "*fp16"}, {}, num_warps=4)
+
+
+@pytest.mark.parametrize("rows,page", [(16, 64), (32, 64), (32, 16), (16, 128)],
+                         ids=["h16", "h32", "h32-page16", "h16-page128"])
+def test_mla_split_fp8_compiles(rows, page):
+    """The Gluon dense FP8 kernel compiles for sm_90a at each shipped launch
+    (``configs.fp8_gluon_config``): within the SM's shared memory, no spills, TMA copies and
+    WGMMAs, warp-specialized."""
+    cfg = mla_configs.fp8_gluon_config(rows)
+    box = min(page, 64)
+    pointers = ["q_ptr", "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr", "oacc_ptr",
+                "lseacc_ptr"]
+    signature = {"q_ptr": "*bf16", "codes_desc": tensordesc(torch.float8_e4m3fn, [box, 128]),
+                 "scales_desc": tensordesc(torch.float32, [box, 4]), "bt_ptr": "*i32", "seqlens_ptr": "*i32",
+                 "meta_ptr": "*i32", "splits_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "oacc_ptr": "*fp32", "lseacc_ptr": "*fp32"}
+    for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks", "max_tokens"):
+        signature[name] = "i32"
+    signature["qk_scale"] = "fp32"
+    for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
+                 "stride_lb", "stride_lh"):
+        signature[name] = "i32"
+    constexprs = dict(CAUSAL=True, KV_PAGE=page, **cfg)
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon_fp8:mla_split_fp8_kernel", signature, constexprs,
+                                    num_warps=cfg["num_warps"], aligned=pointers)
+    _check(result, max_spilled=0)
+    assert "cp.async.bulk.tensor.2d" in result.ptx          # TMA copies of the pages

@@ -646,6 +646,30 @@ def test_gpu_fp8_dense_kernel(page, h_q, s_q, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 2, True), (8, 4, True), (1, 1, False), (5, 3, True),
+                                            (32, 1, False), (128, 1, True)])
+def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
+    """The dense FP8 decode as dispatched (on Hopper the Gluon FP8 kernel up to 32 query rows, the
+    tl kernels above) at real sizes, bf16 q: lengths across pages, splits and programs (zero
+    included), 0xFF (NaN) in every unused slot's bytes, one request's splits spread over several
+    parts; the fp64 reference on the dequantized cache."""
+    lens = [1, page + 1, 4000, 0, 777, 20000, 63]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page, nan_tail=False)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens)
+    packed = packed.cuda()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=causal, is_fp8_kvcache=True)
+    choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
+                              is_fp8_kvcache=True)
+    if op.wgmma_usable(inp.q.device):
+        assert choice.variant == ("wgmma_fp8" if s_q * h_q <= 32 else "standard"), choice
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    _check_gpu(out, lse, inp, causal)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 32, 128, 256])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (128, 1), (16, 4)])
 @pytest.mark.parametrize("variant", [None, "standard"])
@@ -983,7 +1007,7 @@ def test_fp8_dense_decode_takes_the_tl_rule_where_the_gluon_kernel_would_run(mon
     packed = tilefuse.mla_quantize_kv(inp.k_cache)
     with tilefuse.force(backend="triton"):
         assert op.choose_variant(s_q * h_q, inp.block_table.shape[1], inp.q) in configs.GLUON_VARIANTS
-        choice = tilefuse.explain("flash_mla_with_kvcache", inp.q, packed, inp.block_table, inp.cache_seqlens, 512,
+        choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens, 512,
                                   is_fp8_kvcache=True)
     expected = kernel or configs.SMALL_ROWS_VARIANT[configs.regime(inp.block_table.shape[1])]
     assert choice.variant == expected

@@ -341,8 +341,14 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
             return tilefuse.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=True,
                                                    indices=idx, topk_length=length)
 
+        tl_variant = "transposed" if 16 < s_q * h_q < 64 else "standard"
+
+        def ours_variant():
+            return tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, k_cache, block_table, lens,
+                                    is_fp8_kvcache=True).variant
+
         def pinned():
-            with tilefuse.force(variant="standard"):
+            with tilefuse.force(variant=tl_variant):
                 return ours()
 
         impls = {"tilefuse": ours}
@@ -392,7 +398,8 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
 
 def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
     """One dense decode step over an FP8 cache (656 bytes per token): ``tilefuse`` (the default
-    path), ``tilefuse:fp8`` (the tl split kernels pinned, dequantizing each tile as they load it),
+    path), ``tilefuse:fp8`` (the tl split kernels pinned, dequantizing each tile as they load it,
+    where the default is the reference) or ``tilefuse:fp8-tl`` (the same beside the Gluon kernel),
     and the bf16 decode of the dequantized cache (``tilefuse:dense-bf16``, tilefuse's default
     dense path; each FlashMLA build as ``flashmla@...``): the bytes an FP8 cache saves."""
     import tilefuse
@@ -414,8 +421,14 @@ def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
             return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
                                                    is_fp8_kvcache=True)
 
+        tl_variant = "transposed" if 16 < s_q * h_q < 64 else "standard"
+
+        def ours_variant():
+            return tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, k_cache, block_table, lens,
+                                    is_fp8_kvcache=True).variant
+
         def pinned():
-            with tilefuse.force(variant="standard"):
+            with tilefuse.force(variant=tl_variant):
                 pinned_meta, pinned_splits = tilefuse.get_mla_metadata(lens, s_q * h_q, 1)
                 return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, pinned_meta,
                                                        pinned_splits, causal=True, is_fp8_kvcache=True)
@@ -423,6 +436,8 @@ def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
         impls = {"tilefuse": ours}
         if device.type == "cuda" and not _mla_op.fp8_sparse_kernels_run(q):
             impls["tilefuse:fp8"] = pinned
+        elif device.type == "cuda" and ours_variant() != tl_variant:
+            impls["tilefuse:fp8-tl"] = pinned          # the tl kernels, the default before the Gluon one
         bf16 = mla_dequantize_kv(k_cache, torch.bfloat16)
         impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, bf16, block_table, lens,
                                                         s_q * h_q)["tilefuse+metadata"]
@@ -447,7 +462,8 @@ def fp8_cases(device: torch.device, quick: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(2)
     mixed = torch.randint(100, 32768, (128,), generator=gen).tolist()
     out.append(sparse_case(128, 16, 1, mixed, device, with_length=True, label="uniform 100-32768"))
-    for b, h, sq, ctx in ((16, 16, 1, 8192), (64, 16, 2, 8192), (16, 128, 1, 8192), (64, 64, 1, 16384)):
+    for b, h, sq, ctx in ((16, 16, 1, 8192), (64, 16, 2, 8192), (16, 128, 1, 8192), (64, 64, 1, 16384),
+                          (16, 16, 1, 32768), (128, 8, 4, 16384), (32, 32, 1, 16384)):
         out.append(fp8_dense_case(b, h, sq, ctx, device))
     return out
 
@@ -570,9 +586,11 @@ def summarize_fp8(rows: list[dict]) -> dict:
                  "default_graph_us": get("tilefuse", "graph_us"), "roofline_frac": get(ours, "roofline_frac"),
                  "gbps": get(ours, "gbps"), "peer": peer, "peer_graph_us": get(peer, "graph_us"),
                  "dense_bf16_graph_us": get("tilefuse:dense-bf16", "graph_us"),
+                 "fp8_tl_graph_us": get("tilefuse:fp8-tl", "graph_us"),
                  "cos_diff_out": get(ours, "cos_diff_out")}
         entry["speedup_vs_peer"] = ratio(entry["peer_graph_us"], entry["graph_us"])
         entry["speedup_vs_dense_bf16"] = ratio(entry["dense_bf16_graph_us"], entry["graph_us"])
+        entry["speedup_vs_fp8_tl"] = ratio(entry["fp8_tl_graph_us"], entry["graph_us"])
         for h, bar in SPARSE_GOALS:
             if params.get("topk") and params["h_q"] == h and params["s_q"] <= 2 and params["batch"] >= 16:
                 goals[h].append(check(f"sparse h{h}: graph speedup over FlashMLA padded >= {bar:g}",

@@ -49,6 +49,26 @@ LONG_CONTEXT_PAGES = 256
 # tl kernels of its folded "mla-h200" run take 1.8-2.1x its time), so on Hopper it takes every
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
+# The Gluon dense FP8 kernel (kernels_gluon_fp8.py: bf16 q, FP8 cache, Hopper) by query rows per
+# KV head: BLOCK_H rows per program (transposed products, nothing padded), its consumer warps and
+# ring slots. One head tile per request up to 32 rows, as the metadata plans (one 64-row tile);
+# above, the tl kernels. Shared memory: Q (BLOCK_H x 1152 B), STAGES x 41 KB of ring, the 64 KB
+# K tile, P^T.
+FP8_GLUON_CONFIGS = {
+    16: dict(BLOCK_H=16, STAGES=3, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=2, num_warps=8),
+}
+FP8_GLUON_MAX_ROWS = 32
+
+
+def fp8_gluon_config(rows: int) -> dict:
+    """The Gluon dense FP8 kernel's launch for ``rows = s_q * h_q <= FP8_GLUON_MAX_ROWS`` query
+    rows per KV head: the smallest tile of :data:`FP8_GLUON_CONFIGS` that holds them."""
+    if not 1 <= rows <= FP8_GLUON_MAX_ROWS:
+        raise ValueError(f"rows: the Gluon FP8 kernel takes 1-{FP8_GLUON_MAX_ROWS} query rows, got {rows}")
+    return dict(FP8_GLUON_CONFIGS[min(b for b in FP8_GLUON_CONFIGS if rows <= b)])
+
+
 # Two schedules; the metadata kernel picks one per batch (the cost model below).
 #
 # Slots (one program per split, handed to SMs as they free): every request cut in even splits of
@@ -254,6 +274,9 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     """(kernel meta-parameters, fused combine, programs per slot, a hashable key of all three) for
     ``rows = s_q * h_q`` query rows; cached per shape (tuning code that edits ``CONFIGS`` calls
     ``launch_config.cache_clear()``)."""
+    if variant == "wgmma_fp8":       # the Gluon FP8 kernel: one head tile of <= 32 rows; one program per part
+        cfg = fp8_gluon_config(rows)
+        return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     key = "standard_small" if variant == "standard" and rows < 64 else variant
     cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))
     fused = cfg.pop("fused_combine", True)

@@ -42,8 +42,9 @@ from tilefuse._backend import VARIANTS as _FAMILY_VARIANTS
 from tilefuse._backend import check_interpretable, choose_backend, forced_variant, gluon_hopper, num_sms, tl_status
 from tilefuse._library import PlanCache, no_backward, plan_key, tilefuse_op, use_dispatcher
 from tilefuse.ops.mla import configs
-from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE, check_block_table,
-                                        check_page_shape, mla_decode_reference, mla_sparse_decode_reference)
+from tilefuse.ops.mla.reference import (FP8_GROUP, FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE,
+                                        check_block_table, check_page_shape, mla_decode_reference,
+                                        mla_sparse_decode_reference)
 
 VARIANTS = _FAMILY_VARIANTS["mla"]
 MAX_BATCH = 8192          # the metadata kernel holds the batch's lengths in one program
@@ -125,6 +126,7 @@ def _kernels():
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
                 wgmma=wgmma,
+                wgmma_fp8=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_fp8", "mla_split_fp8_kernel"),
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -322,12 +324,12 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     if fp8:
         call.variant = _fp8_variant(call.variant, rows, max_blocks, q)
     # a cache view that TMA cannot address (base not 16-byte aligned), or a q whose rows the
-    # Gluon kernel's 16-byte copies cannot address (strides not multiples of 8 elements, base not
+    # Gluon kernels' 16-byte copies cannot address (strides not multiples of 8 elements, base not
     # 16-byte aligned), takes the tl kernel
-    if call.variant in configs.GLUON_VARIANTS and any(stride % 8 for stride in q.stride()[:3]):
-        call.variant = "standard"
-    call.fallback = (_attention_call(q, k_cache, block_table, meta, scale, causal, "standard")
-                     if call.variant in configs.GLUON_VARIANTS else None)
+    gluon = call.variant in _GLUON
+    if gluon and any(stride % 8 for stride in q.stride()[:3]):
+        call.variant, gluon = "standard", False
+    call.fallback = _attention_call(q, k_cache, block_table, meta, scale, causal, "standard") if gluon else None
     cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
     num_slots = meta.shape[0]
     call.out_shape, call.lse_shape = (batch, s_q, h_q, HEAD_DIM_V), (batch, h_q, s_q)
@@ -339,7 +341,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.counters = (batch * 8, torch.int32) if fused else None
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
-    if call.variant in configs.GLUON_VARIANTS:
+    if gluon:
         # one program per (head tile, run of slots in column 7), head tiles fastest (kernels_gluon)
         call.grid = (-(-rows // 64), num_slots - 1, 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
@@ -366,9 +368,10 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
     o_acc, lse_acc = _scratch.workspace(q.device, *call.partials)
     key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
-    if call.variant in configs.GLUON_VARIANTS:
-        kv_nope, kv_rope = _kv_descriptors(k_cache, call.meta["BLOCK_N"])
-        tensors = (q, kv_nope, kv_rope, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
+    if call.variant in _GLUON:
+        descriptors = (_fp8_descriptors(k_cache) if call.variant == "wgmma_fp8"
+                       else _kv_descriptors(k_cache, call.meta["BLOCK_N"]))
+        tensors = (q, *descriptors, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
     else:
         (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
         tensors = (q, _as_bytes(k_cache), block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
@@ -385,6 +388,8 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
 
 
+# the Gluon kernels (TMA descriptors, one program per head tile and run of slots)
+_GLUON = (*configs.GLUON_VARIANTS, "wgmma_fp8")
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
 
 
@@ -398,6 +403,20 @@ def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
     return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [box, cols], gluon=True,
                                     offset=offset)
                  for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
+
+
+def _fp8_descriptors(k_cache: torch.Tensor) -> tuple:
+    """TMA descriptors of an FP8 cache (``[num_blocks, page, 1, 656]`` bytes) for
+    ``kernels_gluon_fp8``: its rows as float8_e4m3fn ``[num_blocks * page, 656]`` in
+    ``[box, 128]`` boxes (the codes, 128 per box, and the RoPE bytes), and as fp32 from byte 512
+    (``[rows, 4]`` of row stride 164: the scales) in ``[box, 4]`` boxes, ``box = min(page, 64)``."""
+    page = k_cache.shape[1]
+    rows, box = k_cache.shape[0] * page, min(page, 64)
+    codes = k_cache if k_cache.dtype == torch.float8_e4m3fn else k_cache.view(torch.float8_e4m3fn)
+    words = FP8_KV_BYTES // 4
+    return (_launch.descriptor(codes, [rows, FP8_KV_BYTES], [FP8_KV_BYTES, 1], [box, FP8_GROUP], gluon=True),
+            _launch.descriptor(k_cache.view(torch.float32), [rows, HEAD_DIM_V // FP8_GROUP], [words, 1],
+                               [box, HEAD_DIM_V // FP8_GROUP], gluon=True, offset=HEAD_DIM_V // 4))
 
 
 def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal):
@@ -601,13 +620,17 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
 
 def _fp8_variant(variant: str, rows: int, max_blocks: int, q: torch.Tensor) -> str:
-    """The kernel of a dense FP8 decode, a ``tl`` one (the Gluon kernel's TMA boxes are 16-bit
-    rows): ``variant`` where it is one (pinned, or chosen off Hopper), else the ``tl`` kernels' own
-    rule, ``configs.default_variant`` without the Gluon kernel: the unpadded standard kernel at
-    <= 16 rows, transposed at 17-63 (1.2-1.6x the padded standard one on the H200 in
+    """The kernel of a dense FP8 decode: ``variant`` where it is a ``tl`` one (pinned, or chosen off
+    Hopper); where the Gluon kernel was chosen (Hopper) and q is bf16 (the cache's RoPE part is
+    bf16), the Gluon FP8 kernel up to ``configs.FP8_GLUON_MAX_ROWS`` rows; else the ``tl``
+    kernels' own rule, ``configs.default_variant`` without the Gluon kernel: the unpadded standard
+    kernel at <= 16 rows, transposed at 17-63 (1.2-1.6x the padded standard one on the H200 in
     mla-h200-quick.json's tl side by side), standard from 64."""
     if variant in ("standard", "transposed"):
         return variant
+    if (variant in configs.GLUON_VARIANTS and q.dtype == torch.bfloat16 and rows <= configs.FP8_GLUON_MAX_ROWS
+            and _kernels().get("wgmma_fp8") is not None):
+        return "wgmma_fp8"
     return configs.default_variant(rows, max_blocks, False, _chip_ridge(q))
 
 
@@ -779,8 +802,10 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q), rows, block_table.shape[1], q)
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
-        return _dispatch.Choice("mla", problem, variant, cfg, "FP8 layout: the tl split kernel dequantizes each "
-                                "tile as it loads (configs.FP8_SPARSE_KERNELS)",
+        why = ("FP8 layout on Hopper, <= 32 rows: the Gluon FP8 kernel (mla_split_fp8_kernel: pages by TMA, "
+               "dequantized in SMEM, transposed WGMMAs; configs.FP8_GLUON_CONFIGS)" if variant == "wgmma_fp8" else
+               "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
+        return _dispatch.Choice("mla", problem, variant, cfg, why,
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         cfg = configs.sparse_config(h_q, gluon=_sparse_gluon_fits(q, [k_cache], [indices]))

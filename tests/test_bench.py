@@ -264,7 +264,8 @@ def test_tools_configs_file_sections(tmp_path):
 
 
 GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
-             "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py", "mla_split_cost_sweep.py"]
+             "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py", "mla_split_cost_sweep.py",
+             "mla_fp8_sweep.py"]
 
 
 def run_tool(tool: str, *args: str, gpu: bool = True):
@@ -300,7 +301,7 @@ def test_schedule_sim_checks_the_pick_on_random_mixes(tmp_path):
     head = done.stdout.splitlines()[0]
     assert head.startswith("200 random mixes, ") and "differs from the same rule" in head
     saved = tmp_path / "mixes.json"
-    done = run_tool("mla_schedule_sim.py", "--random", "400", "--write", str(saved), gpu=False)
+    done = run_tool("mla_schedule_sim.py", "--random", "1000", "--write", str(saved), gpu=False)
     mixes = json.loads(saved.read_text())
     assert done.returncode == 0 and mixes and all(sum(m["lengths"]) <= 16 << 20 for m in mixes)
     differ = [m for m in mixes if m["pick"] != m["by_simulation"]]

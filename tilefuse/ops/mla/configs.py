@@ -55,7 +55,7 @@ WGMMA_FROM_ROWS = 1
 # above, the tl kernels. Shared memory: Q (BLOCK_H x 1152 B), STAGES x 41 KB of ring, the 64 KB
 # K tile, P^T.
 FP8_GLUON_CONFIGS = {
-    16: dict(BLOCK_H=16, STAGES=3, num_warps=4),
+    16: dict(BLOCK_H=16, STAGES=2, num_warps=8),
     32: dict(BLOCK_H=32, STAGES=2, num_warps=8),
 }
 FP8_GLUON_MAX_ROWS = 32
@@ -90,7 +90,14 @@ PART_SPLIT_COST_PAGES = 5
 # per page at 128 heads, so they pay only where they balance long, uneven batches (one 128K
 # request among 255 short ones: 194 -> 158 us; 96 requests of 1-20000 tokens and one of 70000:
 # 355 -> 314 us) and lose on short or evenly split ones (128 x 1K tokens: 60 -> 70 us).
-PART_GAIN = 0.85
+# Measured again (tools/mla_schedule_sim.py --random 1000 --write, then
+# tools/mla_split_cost_sweep.py --mixes and on the benchmark's mixes; bench/results/sweeps/
+# mla-split-cost-h200.json), both schedules forced: on random uneven batches parts ran 1.04-1.34x
+# faster than slots in 33 of 34 (equal in the other), 1.08-1.18x on the 13 that the old 0.85 kept
+# on slots (uniform and two-mode batches of 8-512 requests up to 128K tokens, 16 and 128 heads),
+# whose estimates flip to parts at 0.86-0.90; on equal lengths (flipping at 0.97-1.0) slots ran
+# 0.94-1.02x parts' time (b64 x 4K at 128 heads: 160 against 170 us). 0.92 lies between.
+PART_GAIN = 0.92
 PART_MIN_PAGES = 64
 # The metadata has SLOT_WAVES * num_sm_parts + b rows: up to SLOT_WAVES splits per part (plus one
 # per request), so a batch that one wave cannot balance is cut finer. SCHEDULE_CANDIDATES chunk
@@ -153,11 +160,12 @@ def part_loads(pages: list[int], parts: int, cost: int = PART_SPLIT_COST_PAGES) 
     return [sum(end - begin + cost for _, begin, end in run) for run in schedule_splits(pages, parts, cost)]
 
 
-# The dense FP8 decode (FlashMLA's 656-byte layout) on the tl split kernels, which dequantize each
-# tile as they load it, and the sparse decode on its gather kernels (Gluon for an FP8 cache on
+# The dense FP8 decode (FlashMLA's 656-byte layout) on its kernels (Gluon on Hopper up to
+# FP8_GLUON_MAX_ROWS rows for a bf16 q, the tl split kernels, which dequantize each tile as they
+# load it, elsewhere), and the sparse decode on its gather kernels (Gluon for an FP8 cache on
 # Hopper, tl elsewhere): on wherever the tl kernels run (the Triton backend, a 16-bit q); off, the
-# PyTorch references decode (a switch for debugging). Measured on the H200 against FlashMLA main
-# and the bf16 path in bench/results/mla-h200-fp8-quick.json.
+# PyTorch references decode (a switch for debugging). Measured on the H200 against FlashMLA and
+# the bf16 path in the FP8 cases of bench/results/mla-h200-quick.json.
 FP8_SPARSE_KERNELS = True
 
 

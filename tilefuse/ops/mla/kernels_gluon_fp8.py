@@ -13,10 +13,12 @@ bf16 Gluon kernel's time on the same lengths). Here the copies run ahead of the 
   operand's, so the tensor cores read it where it landed) and the scales as a ``[64, 4]`` fp32
   box. The producer walks the program's run of splits ahead of the consumers, so the next split's
   first tiles land while the current one ends.
-* **Dequantize** (SMEM -> registers -> SMEM): each code times its group's scale in fp32, rounded
-  once to bf16 (``mla_dequantize_kv``'s values), into the K tile ``[64, 512]`` in WGMMA's layout;
-  rows past the request's length become 0 (a TMA box copies whole pages: NaN there must not reach
-  ``0 x NaN`` in P V).
+* **Dequantize** (SMEM -> registers -> SMEM): each code to fp16 (exact; one conversion per two
+  codes, where fp32 and a rounding to bf16 cost three per code) times its group's scale, rounded
+  once to fp16, into the K tile ``[64, 512]`` in WGMMA's layout (Q's 512-wide part is fp16 too,
+  the RoPE products stay bf16); rows past the request's length become 0 (a TMA box copies whole
+  pages: NaN there must not reach ``0 x NaN`` in P V). Values must lie in fp16's range (65504),
+  as normalized latents do.
 * **Transposed products**: ``S^T = K Q^T`` ([64 tokens, BLOCK_H rows], Q resident in SMEM), the
   online softmax down the token axis, ``O^T = V^T P^T`` ([512, BLOCK_H] fp32) with V^T the K
   tile read transposed and P^T through SMEM. At 16-32 query rows a 64-row tile would do 2-4x the
@@ -34,6 +36,7 @@ from triton.experimental.gluon import language as gl
 from tilefuse.ops.gluon_compat import (cp_async, cp_commit, cp_wait, fence_async_shared, mbarrier, smem_reinterpret,
                                        thread_barrier, tma_load, warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
+from tilefuse.ops.mla.kernels_gluon_sparse import _softmax_pv_transposed
 from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 PAGE = gl.constexpr(PAGE_SIZE)                  # the metadata's planning unit (tokens)
@@ -94,19 +97,18 @@ def _fp8_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k
 def _load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh,
                  BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr):
     """HBM -> SMEM: a split's BLOCK_H query rows (row r: query token r // h_q, head r % h_q; rows
-    past ``s_q * h_q`` as 0), cp.async copies of 16 bytes, all in flight before one wait."""
+    past ``s_q * h_q`` as 0): the RoPE part as it is (cp.async), the 512-wide part through
+    registers, converted to fp16 (the K tile's type; bf16 -> fp16 is exact within fp16's range)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     q_rows = (q_ptr + req * stride_qb + (rows // h_q) * stride_qs + (rows % h_q) * stride_qh)[:, None]
     ok = (rows < rows_total)[:, None]
     cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LOAD))[None, :]
-    for c in gl.static_range(0, D_NOPE + D_ROPE, D_ROPE):
-        src = gl.max_contiguous(gl.multiple_of(q_rows + c + cols, [1, 16]), [1, 8])
-        if c < D_NOPE:
-            cp_async(q_nope.slice(c, D_ROPE, dim=1), src, mask=ok)
-        else:
-            cp_async(q_rope, src, mask=ok)
+    cp_async(q_rope, gl.max_contiguous(gl.multiple_of(q_rows + D_NOPE + cols, [1, 16]), [1, 8]), mask=ok)
     cp_commit()
+    for c in gl.static_range(0, D_NOPE, D_ROPE):
+        src = gl.max_contiguous(gl.multiple_of(q_rows + c + cols, [1, 16]), [1, 8])
+        q_nope.slice(c, D_ROPE, dim=1).store(gl.load(src, mask=ok, other=0.0).to(q_nope.dtype))
     cp_wait(0)
     fence_async_shared()
     thread_barrier()
@@ -114,9 +116,10 @@ def _load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, 
 
 @gluon.jit
 def _dequantize_tile(codes_ring, scales, stage, k_nope, start, length, CODES_L: gl.constexpr, ROWS: gl.constexpr):
-    """SMEM -> registers -> SMEM: slot ``stage``'s codes x their group's scale (fp32, rounded once
-    to the K tile's dtype), ``ROWS`` rows of one 128-code group at a time (few registers held);
-    rows at or past ``length`` as 0. The
+    """SMEM -> registers -> SMEM: slot ``stage``'s codes x their group's scale into the fp16 K tile,
+    ``ROWS`` rows of one 128-code group at a time (few registers held); rows at or past ``length``
+    as 0. e4m3 -> fp16 is exact and one conversion per two codes; the product is rounded once to
+    fp16 (3 more bits than the bf16 values of ``mla_dequantize_kv``). The
     layout walks 8 rows per 8 threads at the same columns, so each 16-byte access of a phase lands
     in a different swizzled bank group."""
     scale32 = smem_reinterpret(scales, gl.float32, [BLOCK_N, SCALES], FLAT)
@@ -126,7 +129,7 @@ def _dequantize_tile(codes_ring, scales, stage, k_nope, start, length, CODES_L: 
         for b in gl.static_range(CODE_BOXES):
             scale = scale32.slice(r, ROWS, dim=0).slice(b, 1, dim=1).load(CODES_L)            # [ROWS, 1]
             codes = codes_ring.index(stage * CODE_BOXES + b).slice(r, ROWS, dim=0).load(CODES_L)
-            v = codes.to(gl.float32) * scale                                                  # [ROWS, 128]
+            v = codes.to(gl.float16) * scale.to(gl.float16)                                   # [ROWS, 128]
             v = gl.where(keep, v, gl.zeros_like(v))
             k_nope.slice(r, ROWS, dim=0).slice(b * CODE_BOX, CODE_BOX, dim=1).store(v.to(k_nope.dtype))
 
@@ -164,7 +167,6 @@ def _fp8_consumer(q_ptr, q_nope, q_rope, codes_ring, rope_ring, scales_ring, k_n
                   qk_scale, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh,
                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                   CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    dtype: gl.constexpr = q_nope.dtype
     # S^T and O^T as WGMMA accumulates them (8 warps: each warpgroup half of the rows), the
     # dequantization's layout (16 codes per thread, threads down the rows).
     WG: gl.constexpr = NUM_WARPS // 4
@@ -196,27 +198,17 @@ def _fp8_consumer(q_ptr, q_nope, q_rope, codes_ring, rope_ring, scales_ring, k_n
                 fence_async_shared()
                 thread_barrier()
                 # ---- S^T = K Q^T: [64, 576] x [576, BLOCK_H]; the RoPE part read where it landed.
-                rope = smem_reinterpret(rope_ring.index(stage), dtype, [BLOCK_N, D_ROPE], ROPE_SMEM)
+                rope = smem_reinterpret(rope_ring.index(stage), q_rope.dtype, [BLOCK_N, D_ROPE], ROPE_SMEM)
                 s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, S_L)
                 s = warpgroup_mma(k_nope, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
                 s = warpgroup_mma(rope, q_rope.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(0, deps=(s,))
                 mbarrier.arrive(k_empty.index(stage))          # the slot is read: the producer may refill it
-                # ---- online softmax down the token axis (NaN past the length never selected).
+                # ---- online softmax down the token axis (keys past the length or the causal
+                #      limit score -inf), then O^T = O^T alpha + V^T P^T.
                 pos = start + gl.arange(0, BLOCK_N, layout=TOKENS)
-                s = gl.where(pos[:, None] <= limit[None, :], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=0))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[None, :])
-                l_i = l_i * alpha + gl.sum(p, axis=0)
-                m_i = m_new
-                # ---- O^T = O^T alpha + V^T P^T: V^T is the K tile read transposed, P^T via SMEM.
-                p_t.store(gl.permute(p.to(dtype), (1, 0)))
-                fence_async_shared()
-                thread_barrier()
-                acc = warpgroup_mma(k_nope.permute((1, 0)), p_t.permute((1, 0)), acc * alpha[None, :], is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                m_i, l_i, acc = _softmax_pv_transposed(s, pos[:, None] <= limit[None, :], qk_scale, m_i, l_i, acc,
+                                                       k_nope, p_t)
                 t += 1
             # ---- registers -> HBM: the normalised output (one split) or partial, and the lse.
             has_keys = l_i != 0                 # NaN counts as keys: a NaN score reaches out and lse
@@ -247,7 +239,8 @@ def mla_split_fp8_kernel(
     bytes at 528); scales_desc: over the same rows as fp32 from byte 512, ``[rows, 4]`` of stride
     164, boxes of ``[min(KV_PAGE, 64), 4]``. Scores in the log2 domain (``qk_scale = softmax_scale
     * log2(e)``). Outputs and partials as ``mla_split_ws_kernel``'s."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    dtype: gl.constexpr = gl.float16             # the dequantized K tile, Q's 512-wide part, P^T
+    rope_t: gl.constexpr = q_ptr.dtype.element_ty  # bf16: the cache's RoPE part and Q's
     pid_h = gl.program_id(0)
     run = gl.program_id(1)
     slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
@@ -256,8 +249,8 @@ def mla_split_fp8_kernel(
         return
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_NOPE], dtype))
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], dtype))
+    q_rope = gl.allocate_shared_memory(rope_t, [BLOCK_H, D_ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], rope_t))
     codes_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * CODE_BOXES, BLOCK_N, CODE_BOX], codes_desc.layout)
     rope_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BLOCK_N, CODE_BOX], codes_desc.layout)
     scales_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N, SCALES], scales_desc.layout)

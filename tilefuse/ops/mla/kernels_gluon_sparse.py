@@ -103,6 +103,27 @@ def _dequantize(codes, scales, rope, k_nope, k_rope, dtype: gl.constexpr, CODES_
 
 
 @gluon.jit
+def _softmax_pv_transposed(s, keep, qk_scale, m_i, l_i, acc, k_nope, p_t):
+    """One tile of the transposed decode after ``S^T`` ([64 tokens, heads] fp32, waited for):
+    scores where ``keep`` (else -inf: a NaN there is never selected), the online softmax down the
+    token axis (running max ``m_i`` and sum ``l_i`` per head), then ``O^T = O^T alpha + V^T P^T``
+    on the tensor cores with V^T the K tile ``k_nope`` read transposed and P^T through ``p_t``
+    (SMEM, K's dtype). Returns the new ``(m_i, l_i, acc)``."""
+    s = gl.where(keep, s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    p_t.store(gl.permute(p.to(p_t.dtype), (1, 0)))
+    fence_async_shared()
+    thread_barrier()
+    acc = warpgroup_mma(k_nope.permute((1, 0)), p_t.permute((1, 0)), acc * alpha[None, :], is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    return m_new, l_i, acc
+
+
+@gluon.jit
 def mla_sparse_gluon_kernel(
     q_ptr, kc_ptr, idx_ptr, len_ptr, oacc_ptr, lseacc_ptr,
     h_q, s_q, topk, num_tokens, chunk_base, num_chunks, qk_scale,
@@ -207,21 +228,9 @@ def mla_sparse_gluon_kernel(
                               use_acc=c > 0, is_async=True)
         s = warpgroup_mma(k_rope, q_rope.permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        # ---- online softmax down the token axis; rows that name no token score -inf.
+        # ---- online softmax down the token axis (rows that name no token score -inf), then P V.
         ok, _ = _tile_rows(idx_list, j, n, num_tokens, TOKENS)
-        s = gl.where(ok[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=0)
-        m_i = m_new
-        # ---- O^T = O^T alpha + V^T P^T: V^T is the K tile read transposed, P^T goes through SMEM.
-        p_t.store(gl.permute(p.to(dtype), (1, 0)))
-        fence_async_shared()
-        thread_barrier()
-        acc = warpgroup_mma(k_nope.permute((1, 0)), p_t.permute((1, 0)), acc * alpha[None, :], is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        m_i, l_i, acc = _softmax_pv_transposed(s, ok[:, None], qk_scale, m_i, l_i, acc, k_nope, p_t)
     cp_wait(0)
 
     # ---- registers -> HBM: the normalised partial [512] per head and its log2-sum-exp.

@@ -645,6 +645,30 @@ def test_gpu_fp8_dense_kernel(page, h_q, s_q, variant):
     _check_gpu(out, lse, inp, True)
 
 
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_fp8_descriptors_address_the_codes_rope_and_scales(page):
+    """The Gluon FP8 kernel's TMA descriptors (``op._fp8_descriptors``) read, through the
+    coordinates the kernel uses (codes at columns 0-511 in 128-wide boxes, RoPE at byte 528, the
+    scales' fp32 box at the descriptor's base), exactly the values ``mla_dequantize_kv`` splits a
+    row into, for a uint8 cache and FlashMLA's float8_e4m3fn view."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    latent = torch.randn(3 * page, 576).to(torch.bfloat16)
+    packed = tilefuse.mla_quantize_kv(latent).view(3, page, 1, 656)
+    for cache in (packed, packed.view(torch.float8_e4m3fn)):
+        codes, scales = op._fp8_descriptors(cache)
+        box = min(page, 64)
+        assert codes.shape == [3 * page, 656] and codes.strides == [656, 1] and codes.block_shape == [box, 128]
+        assert scales.shape == [3 * page, 4] and scales.strides == [164, 1] and scales.block_shape == [box, 4]
+        rows = codes.base.reshape(-1, 656).view(torch.uint8)
+        flat = scales.base.reshape(-1)
+        words = torch.stack([flat[r * 164: r * 164 + 4] for r in range(3 * page)])
+        raw = packed.reshape(-1, 656)
+        assert torch.equal(rows, raw)
+        assert torch.equal(words, raw[:, 512:528].contiguous().view(torch.float32))
+        rope = rows[:, 528:656].contiguous().view(torch.bfloat16).float()
+        assert torch.equal(rope, tilefuse.mla_dequantize_kv(packed, torch.float32).reshape(-1, 576)[:, 512:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 2, True), (8, 4, True), (1, 1, False), (5, 3, True),

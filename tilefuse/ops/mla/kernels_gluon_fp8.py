@@ -1,6 +1,6 @@
 """Gluon dense MLA decode over an FP8 latent cache for Hopper (DeepSeek-V3.2's 656-byte layout):
 pages by TMA into an mbarrier ring filled by a producer warp, dequantized by the consumer warps
-into a 16-bit K tile, transposed WGMMAs (paper 3's orientation: nothing padded to 64 rows).
+into an fp16 K tile, transposed WGMMAs (paper 3's orientation: nothing padded to 64 rows).
 
 The ``tl`` split kernels read the FP8 rows with their own loads and wait for each tile (2-3x the
 bf16 Gluon kernel's time on the same lengths). Here the copies run ahead of the math:
@@ -25,9 +25,10 @@ bf16 Gluon kernel's time on the same lengths). Here the copies run ahead of the 
   MMA work and turn the 656-byte read compute-bound; transposed, the work is the rows'.
 
 Grid and schedule are the bf16 Gluon kernel's (``kernels_gluon.mla_split_ws_kernel``): one program
-per (head tile, run of splits in the metadata's column 7), head tiles of BLOCK_H query rows
-(64 above 32 rows, so the tiles per request match the metadata's 64-row planning); a request with
-several splits writes partials that ``kernels.mla_combine_kernel`` merges.
+per (head tile, run of splits in the metadata's column 7), one head tile of BLOCK_H = 16 or 32
+query rows per request (up to 32 rows, as the metadata plans one 64-row tile); a request with
+several splits writes partials that ``kernels.mla_combine_kernel`` merges. Measured, and why it
+stops where it does: docs/mla.md ("Dense FP8 decode").
 """
 
 from triton.experimental import gluon

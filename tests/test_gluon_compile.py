@@ -33,6 +33,14 @@ def _check(result, max_registers=255, max_spilled=0):
     assert "wgmma.mma_async" in result.ptx and "wgmma.wait_group.sync.aligned" in result.ptx
 
 
+# The Gluon MLA split kernels' scalar arguments (mla_split_ws_kernel, mla_split_fp8_kernel), in order.
+MLA_SPLIT_SCALARS = {**{name: "i32" for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks",
+                                                 "max_tokens")},
+                     "qk_scale": "fp32",
+                     **{name: "i32" for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob",
+                                                 "stride_os", "stride_oh", "stride_lb", "stride_lh")}}
+
+
 def _swiglu_pingpong(cfg, packed, dtype, bias):
     chunk = swiglu_configs.PACK if packed else cfg.block_n
     signature = {"x_desc": tensordesc(dtype, [cfg.block_m, cfg.block_k]),
@@ -86,12 +94,7 @@ def test_mla_split_ws_compiles(ring, one_head, page):
              "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
     names = ["q_ptr", "kn_desc", "kr_desc"] + pointers[3:]
     signature = dict(zip(names, types))
-    for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks", "max_tokens"):
-        signature[name] = "i32"
-    signature["qk_scale"] = "fp32"
-    for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
-                 "stride_lb", "stride_lh"):
-        signature[name] = "i32"
+    signature.update(MLA_SPLIT_SCALARS)
     constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, KV_PAGE=page, num_warps=cfg["num_warps"])
     if one_head:
         constexprs["h_q"] = 1
@@ -351,12 +354,7 @@ def test_mla_split_fp8_compiles(rows, page):
                  "scales_desc": tensordesc(torch.float32, [box, 4]), "bt_ptr": "*i32", "seqlens_ptr": "*i32",
                  "meta_ptr": "*i32", "splits_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
                  "oacc_ptr": "*fp32", "lseacc_ptr": "*fp32"}
-    for name in ("batch", "h_q", "s_q", "rows_total", "num_slots", "num_blocks", "max_tokens"):
-        signature[name] = "i32"
-    signature["qk_scale"] = "fp32"
-    for name in ("stride_qb", "stride_qs", "stride_qh", "stride_btb", "stride_ob", "stride_os", "stride_oh",
-                 "stride_lb", "stride_lh"):
-        signature[name] = "i32"
+    signature.update(MLA_SPLIT_SCALARS)
     constexprs = dict(CAUSAL=True, KV_PAGE=page, **cfg)
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon_fp8:mla_split_fp8_kernel", signature, constexprs,

@@ -63,7 +63,7 @@ def main() -> None:
         configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in shipped.items()})
         configs.launch_config.cache_clear()
         op._plans.clear()
-        with tilefuse.force(variant="transposed" if rows > 16 else "standard"):
+        with tilefuse.force(variant=configs.default_variant(rows, block_table.shape[1], False, op._chip_ridge(q))):
             tl_meta, tl_splits = tilefuse.get_mla_metadata(lens, rows, 1)
             entry["tl_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
                 q, k_cache, block_table, lens, 512, tl_meta, tl_splits, causal=True, is_fp8_kvcache=True))

@@ -341,14 +341,8 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
             return tilefuse.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=True,
                                                    indices=idx, topk_length=length)
 
-        tl_variant = "transposed" if 16 < s_q * h_q < 64 else "standard"
-
-        def ours_variant():
-            return tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, k_cache, block_table, lens,
-                                    is_fp8_kvcache=True).variant
-
         def pinned():
-            with tilefuse.force(variant=tl_variant):
+            with tilefuse.force(variant="standard"):
                 return ours()
 
         impls = {"tilefuse": ours}
@@ -421,7 +415,8 @@ def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
             return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
                                                    is_fp8_kvcache=True)
 
-        tl_variant = "transposed" if 16 < s_q * h_q < 64 else "standard"
+        # the tl kernels' own rule, the FP8 default before the Gluon kernel (op._fp8_variant)
+        tl_variant = _mla_op.configs.default_variant(s_q * h_q, block_table.shape[1], False, _mla_op._chip_ridge(q))
 
         def ours_variant():
             return tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, k_cache, block_table, lens,

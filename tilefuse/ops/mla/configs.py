@@ -92,7 +92,7 @@ PART_SPLIT_COST_PAGES = 5
 # 355 -> 314 us) and lose on short or evenly split ones (128 x 1K tokens: 60 -> 70 us).
 # Measured again (tools/mla_schedule_sim.py --random 1000 --write, then
 # tools/mla_split_cost_sweep.py --mixes and on the benchmark's mixes; bench/results/sweeps/
-# mla-split-cost-h200.json), both schedules forced: on random uneven batches parts ran 1.04-1.34x
+# mla-schedule-pick-h200.json), both schedules forced: on random uneven batches parts ran 1.04-1.34x
 # faster than slots in 33 of 34 (equal in the other), 1.08-1.18x on the 13 that the old 0.85 kept
 # on slots (uniform and two-mode batches of 8-512 requests up to 128K tokens, 16 and 128 heads),
 # whose estimates flip to parts at 0.86-0.90; on equal lengths (flipping at 0.97-1.0) slots ran

@@ -143,10 +143,13 @@ def _check_plain(result, max_spilled=0):
     assert 0 < result.registers <= 255, result.ptxas
 
 
-@pytest.mark.parametrize("m,dtype", [(1, torch.float16), (2, torch.bfloat16)], ids=["1tok-fp16", "2tok-bf16"])
-def test_vq_resident_decode_compiles(m, dtype):
+@pytest.mark.parametrize("m,dtype,ahead", [(1, torch.float16, None), (2, torch.bfloat16, None), (1, torch.float16, 3),
+                                           (4, torch.float16, 4)],
+                         ids=["1tok-fp16", "2tok-bf16", "1tok-ahead3", "4tok-ahead4"])
+def test_vq_resident_decode_compiles(m, dtype, ahead):
     """The table decode at the 28672 x 8192 layer, its inline-PTX lookups included (they address
-    Triton's ``global_smem`` symbol, which must be in the PTX)."""
+    Triton's ``global_smem`` symbol, which must be in the PTX), at the configured depth of code
+    blocks in flight and at the deeper ones the sweep tries."""
     from tilefuse.ops.vq import configs as vq_configs
 
     n, k = 28672, 8192
@@ -154,8 +157,8 @@ def test_vq_resident_decode_compiles(m, dtype):
     signature, aligned = _vq_signature(dtype, "*i32", dict(   # the values op._resident_call passes
         M=m, N=n, NUM_GROUPS=k // 8, ROWS_PER_PROG=cfg["rows_per_prog"], SPLIT_K=cfg["k_slices"], stride_xm=k,
         stride_cw=k // 16, stride_om=n))
-    constexprs = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=cfg["k_slices"] > 1, HAS_BIAS=True,
-                      NUM_WARPS=cfg["num_warps"])
+    constexprs = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], AHEAD=ahead or cfg["ahead"], SPLIT=cfg["k_slices"] > 1,
+                      HAS_BIAS=True, NUM_WARPS=cfg["num_warps"])
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.vq.kernels_resident:vq_decode_resident_kernel", signature,
                                     constexprs, num_warps=cfg["num_warps"], aligned=aligned)

@@ -688,9 +688,36 @@ def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
     choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
                               is_fp8_kvcache=True)
     if op.wgmma_usable(inp.q.device):
-        assert choice.variant == ("wgmma_fp8" if s_q * h_q <= 32 else "standard"), choice
+        assert choice.variant == ("wgmma_fp8" if s_q * h_q <= configs.FP8_GLUON_MAX_ROWS else "standard"), choice
     inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h_q,s_q", [(16, 3), (64, 1), (128, 1), (40, 2)])
+def test_gpu_fp8_gluon_head_tiles(monkeypatch, h_q, s_q):
+    """The Gluon FP8 kernel past one head tile (FP8_GLUON_MAX_ROWS raised to 128): 48-128 query
+    rows on tiles of 32, the last one partial (80 rows), each tile streaming every page of its
+    part; lengths with splits and a zero, NaN in unused slots; the fp64 reference."""
+    if not op.wgmma_usable(torch.device("cuda")):
+        pytest.skip("the Gluon FP8 kernel runs on Hopper")
+    monkeypatch.setattr(configs, "FP8_GLUON_MAX_ROWS", 128)
+    configs.launch_config.cache_clear()
+    op._plans.clear()
+    lens = [1, 65, 4000, 0, 777, 20000, 63]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", nan_tail=False)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens)
+    packed = packed.cuda()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=True, is_fp8_kvcache=True)
+    choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
+                              is_fp8_kvcache=True)
+    op._plans.clear()
+    configs.launch_config.cache_clear()
+    assert choice.variant == "wgmma_fp8", choice
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    _check_gpu(out, lse, inp, True)
 
 
 @pytest.mark.gpu

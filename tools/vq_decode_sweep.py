@@ -4,7 +4,7 @@
     TILEFUSE_CONFIGS=configs.json tilefuse bench vq          # then measure the pick
 
 For every benchmark shape (``tilefuse/bench/vq.py``; --quick: 4096x4096 and 28672x8192) at 1, 2
-and 4 tokens (fp16), each candidate ``(block_r, num_warps, build_rows)`` of the resident kernel is
+and 4 tokens (fp16), each candidate ``(block_r, num_warps, build_rows, ahead)`` of the resident kernel is
 timed as CUDA-graph replays (cold L2) of ``tilefuse.vq_matmul`` with the decode variant forced,
 each candidate in a fresh process with a ``TILEFUSE_CONFIGS`` file holding it. cuBLAS on the
 dequantized weight and the dequantize + cuBLAS path are timed beside, once. An output more than
@@ -26,8 +26,10 @@ import sys
 from sweep_common import (merge_section, parse_args, read_configs, run_with_configs, sweep_path, update_section,
                           write_json)
 
-CANDIDATES = [dict(block_r=br, num_warps=nw, build_rows=256)
-              for br, nw in [(128, 16), (256, 32), (128, 32), (64, 32), (256, 16)]]
+# (rows per block, warps, code blocks in flight); --quick: the first four
+CANDIDATES = [dict(block_r=br, num_warps=nw, build_rows=256, ahead=ahead)
+              for br, nw, ahead in [(128, 16, 2), (128, 16, 3), (128, 16, 4), (256, 32, 4), (128, 32, 4),
+                                    (64, 16, 4), (256, 32, 2), (256, 16, 2)]]
 TOKENS = (1, 2, 4)
 MAX_REL_ERR = 2e-3   # two fp16 roundings of the same product: ~2e-4
 
@@ -71,7 +73,7 @@ def main() -> None:
     base = read_configs(args.configs)
     baselines = run_with_configs(base, [__file__, "--measure", "baselines", *quick])
     timed = []
-    for cfg in CANDIDATES[:3] if args.quick else CANDIDATES:
+    for cfg in CANDIDATES[:4] if args.quick else CANDIDATES:
         print(f"candidate {cfg}", file=sys.stderr, flush=True)
         trial = merge_section(base, "vq", {"resident": cfg})
         rows = run_with_configs(trial, [__file__, "--measure", "resident", *quick])

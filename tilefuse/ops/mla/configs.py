@@ -63,10 +63,11 @@ FP8_GLUON_MAX_ROWS = 32
 
 def fp8_gluon_config(rows: int) -> dict:
     """The Gluon dense FP8 kernel's launch for ``rows = s_q * h_q <= FP8_GLUON_MAX_ROWS`` query
-    rows per KV head: the smallest tile of :data:`FP8_GLUON_CONFIGS` that holds them."""
+    rows per KV head: the smallest tile of :data:`FP8_GLUON_CONFIGS` that holds them, or head tiles
+    of the largest one (``ceil(rows / BLOCK_H)`` programs per part, each streaming the part's pages)."""
     if not 1 <= rows <= FP8_GLUON_MAX_ROWS:
         raise ValueError(f"rows: the Gluon FP8 kernel takes 1-{FP8_GLUON_MAX_ROWS} query rows, got {rows}")
-    return dict(FP8_GLUON_CONFIGS[min(b for b in FP8_GLUON_CONFIGS if rows <= b)])
+    return dict(FP8_GLUON_CONFIGS[min((b for b in FP8_GLUON_CONFIGS if rows <= b), default=max(FP8_GLUON_CONFIGS))])
 
 
 # Two schedules; the metadata kernel picks one per batch (the cost model below).
@@ -282,7 +283,7 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     """(kernel meta-parameters, fused combine, programs per slot, a hashable key of all three) for
     ``rows = s_q * h_q`` query rows; cached per shape (tuning code that edits ``CONFIGS`` calls
     ``launch_config.cache_clear()``)."""
-    if variant == "wgmma_fp8":       # the Gluon FP8 kernel: one head tile of <= 32 rows; one program per part
+    if variant == "wgmma_fp8":       # the Gluon FP8 kernel: head tiles of <= 32 rows; one program per part
         cfg = fp8_gluon_config(rows)
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     key = "standard_small" if variant == "standard" and rows < 64 else variant

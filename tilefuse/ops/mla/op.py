@@ -342,8 +342,9 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if gluon:
-        # one program per (head tile, run of slots in column 7), head tiles fastest (kernels_gluon)
-        call.grid = (-(-rows // 64), num_slots - 1, 1)
+        # one program per (head tile, run of slots in column 7), head tiles fastest (kernels_gluon):
+        # 64-row tiles, the FP8 kernel's BLOCK_H
+        call.grid = (-(-rows // cfg.get("BLOCK_H", 64)), num_slots - 1, 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)

@@ -44,8 +44,9 @@ def _with_overrides(section: str, measured: dict) -> dict:
 
 # H200: the gather kernel's tile and split (block_n rows per program, split_mult programs per SM).
 GATHER = _with_overrides("gather", dict(block_n=256, num_warps=8, convert_table=1, split_mult=2))
-# H200: the resident kernel's row block, warps, and the table build's cost in rows' worth of lookups.
-RESIDENT = _with_overrides("resident", dict(block_r=128, num_warps=16, build_rows=256))
+# H200: the resident kernel's row block, warps, the table build's cost in rows' worth of lookups and
+# the blocks of code words in flight (2-4).
+RESIDENT = _with_overrides("resident", dict(block_r=128, num_warps=16, build_rows=256, ahead=2))
 # H200: the MMA decode kernel's row block, K step (krep * 32 inputs), warps, programs resident per SM
 # (64 KB of codebook copies: at most 3) and the fixed cost of a program (codebook copies, epilogue)
 # in K steps' worth, which the split-K choice weighs against wave quantization.
@@ -94,8 +95,8 @@ def resident_config(m: int, n: int, k: int, num_sms: int) -> dict:
 
     chunks = min(range(1, _cdiv(n, 32) + 1), key=lambda c: (cost(c), c))
     rows_per_prog = _cdiv(_cdiv(n, chunks), 32) * 32
-    return dict(m_pad=m_pad, block_r=RESIDENT["block_r"], num_warps=RESIDENT["num_warps"], k_slices=k_slices,
-                chunks=_cdiv(n, rows_per_prog), rows_per_prog=rows_per_prog)
+    return dict(m_pad=m_pad, block_r=RESIDENT["block_r"], num_warps=RESIDENT["num_warps"], ahead=RESIDENT["ahead"],
+                k_slices=k_slices, chunks=_cdiv(n, rows_per_prog), rows_per_prog=rows_per_prog)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,7 +13,7 @@ EVA's decode in one launch, the table built ONCE per program and reused for ever
 * Stage 1 (HBM -> SMEM -> registers -> SMEM, once): x of the slice, and both codebooks staged in
   16 KB of shared memory, give the table by CUDA-core FMAs (262 K per program), computed in a
   layout whose lanes run along ``rho`` so every store is bank-conflict free; one CTA barrier.
-* Stage 2 (streamed): per block of ``BLOCK_R`` rows, the block two ahead is requested, then every
+* Stage 2 (streamed): per block of ``BLOCK_R`` rows, the block ``AHEAD`` ahead is requested, then every
   code byte is looked up by inline PTX: one ``prmt`` builds ``c * 256 B + rho * 4 B`` and one
   ``ld.shared`` reads ``table + cb * 64 KB + that`` (about 32 SASS per row and warp in all for one
   token). ``rho`` is laid out so that the lanes of each (quarter/half) warp read distinct banks
@@ -103,7 +103,7 @@ def vq_decode_resident_kernel(
     # strides (stride_cw: code words per row)
     stride_xm, stride_cw, stride_om,
     # meta-parameters
-    M_PAD: gl.constexpr, BLOCK_R: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    M_PAD: gl.constexpr, BLOCK_R: gl.constexpr, AHEAD: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
     NUM_WARPS: gl.constexpr,
 ):
     G: gl.constexpr = TABLE_COLS // M_PAD            # groups per K slice
@@ -127,8 +127,8 @@ def vq_decode_resident_kernel(
     table = gl.allocate_shared_memory(gl.float32, [2 * 256 // CH, CH, TABLE_COLS], TABLE)
     cb_smem = gl.allocate_shared_memory(gl.float32, [2 * 256 // CH, CH, 8], FLAT3)
 
-    # ---- stage 0: the first two blocks of code words are requested now, so that their HBM latency
-    # overlaps the table build (codes [N, NUM_GROUPS/2] int32 -> registers, lane = word) ----
+    # ---- stage 0: the first AHEAD (2-4) blocks of code words are requested now, so that their HBM
+    # latency overlaps the table build (codes [N, NUM_GROUPS/2] int32 -> registers, lane = word) ----
     # words past the last group are clamped to it: their lanes look up zero table columns (x masked)
     word = gl.arange(0, W, layout=gl.SliceLayout(0, L_CODE))
     col = gl.minimum(g0 // 2 + word, NUM_GROUPS // 2 - 1)[None, :]
@@ -137,6 +137,12 @@ def vq_decode_resident_kernel(
     r_end = gl.minimum(r_begin + ROWS_PER_PROG, N)
     words = _load_words(codes_ptr, r_begin, r_tile, col, N, stride_cw)
     words_next = _load_words(codes_ptr, r_begin + BLOCK_R, r_tile, col, N, stride_cw)
+    words_next2 = words_next            # blocks 2 and 3 ahead: loaded only when AHEAD reaches them
+    words_next3 = words_next
+    if AHEAD >= 3:
+        words_next2 = _load_words(codes_ptr, r_begin + 2 * BLOCK_R, r_tile, col, N, stride_cw)
+    if AHEAD >= 4:
+        words_next3 = _load_words(codes_ptr, r_begin + 3 * BLOCK_R, r_tile, col, N, stride_cw)
 
     # ---- stage 1: x slice (HBM -> registers, once) and the table (registers -> SMEM) ----
     # column rho holds (group 2w + j, token m) with j = rho // 32, w = rho % 32 // M_PAD
@@ -165,8 +171,9 @@ def vq_decode_resident_kernel(
     word_col = (word * (4 * M_PAD))[None, :]   # byte offset of the word's first column, < 256
     r_out = gl.arange(0, BLOCK_R, layout=gl.SliceLayout(1, L_CODE))
     for r0 in range(r_begin, r_end, BLOCK_R):
-        # two blocks of codes stay in flight (HBM latency x bandwidth per SM ~ 64 KB)
-        words_next2 = _load_words(codes_ptr, r0 + 2 * BLOCK_R, r_tile, col, N, stride_cw)
+        # AHEAD blocks of codes stay in flight (HBM latency x bandwidth per SM: ~32-64 KB, a block of
+        # 128 rows is 16 KB at one token)
+        words_far = _load_words(codes_ptr, r0 + AHEAD * BLOCK_R, r_tile, col, N, stride_cw)
         rows = r0 + r_out
         if M_PAD == 1:
             v = gl.inline_asm_elementwise(LOOKUP_ASM_1, "=f,r,r", [words, word_col], gl.float32, False, 1)
@@ -186,8 +193,17 @@ def vq_decode_resident_kernel(
             _emit(v1, 1, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
             _emit(v2, 2, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
             _emit(v3, 3, rows, r_end, M, out_ptr, ws_ptr, stride_om, scales_ptr, bias_ptr, N, SPLIT, HAS_BIAS)
+        # shift the blocks in flight down by one; the far load joins at depth AHEAD - 1
         words = words_next
-        words_next = words_next2
+        if AHEAD == 2:
+            words_next = words_far
+        elif AHEAD == 3:
+            words_next = words_next2
+            words_next2 = words_far
+        else:
+            words_next = words_next2
+            words_next2 = words_next3
+            words_next3 = words_far
     table._keep_alive()  # the PTX lookups are invisible to the allocator: hold the table to here
 
     # ---- stage 3 (split-K): the last program of this row chunk finishes its rows ----

@@ -142,7 +142,7 @@ def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool)
     # split-K: zeroed fp32 partial sums [M_PAD, N] and one arrival counter per row chunk
     call.scratch = ((cfg["m_pad"] * n, torch.float32), (cfg["chunks"], torch.int32)) if split else None
     call.scalars = (m, n, k // 8, cfg["rows_per_prog"], cfg["k_slices"], k, k // 16, n)
-    call.meta = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], SPLIT=split, HAS_BIAS=has_bias,
+    call.meta = dict(M_PAD=cfg["m_pad"], BLOCK_R=cfg["block_r"], AHEAD=cfg["ahead"], SPLIT=split, HAS_BIAS=has_bias,
                      NUM_WARPS=cfg["num_warps"], num_warps=cfg["num_warps"])
     return call
 

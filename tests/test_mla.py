@@ -13,7 +13,7 @@ import torch
 
 import tilefuse
 from tilefuse.ops.mla import configs, op
-from tilefuse.ops.mla.reference import mla_decode_reference, mla_sparse_decode_reference
+from tilefuse.ops.mla.reference import dequantize_kv_reference, mla_decode_reference, mla_sparse_decode_reference
 from tilefuse.testing.compare import assert_close, cos_diff
 from tilefuse.testing.mla import make_case
 
@@ -615,11 +615,16 @@ def test_gpu_sparse_kernel(h_q, s_q, batch, variant):
                                            device="cuda")
     sink = torch.randn(h_q, device="cuda")
     with tilefuse.force(backend="triton", variant=variant):
-        kernel = tilefuse.explain("flash_mla_with_kvcache", inp.q, packed, None, None, 512, is_fp8_kvcache=True,
-                                  indices=idx).config["kernel"]
+        choice = tilefuse.explain("flash_mla_with_kvcache", inp.q, packed, None, None, 512, is_fp8_kvcache=True,
+                                  indices=idx)
         out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
                                                    indices=idx, topk_length=length, attn_sink=sink)
-    assert kernel == ("tl" if variant else "gluon")
+    if variant:
+        assert choice.config["kernel"] == "tl"
+    elif h_q > configs.SPARSE_GATHER_DENSE_ABOVE_HEADS:
+        assert choice.variant == "sparse_gather_dense"
+    else:
+        assert choice.config["kernel"] == "gluon"
     ro, rl = mla_sparse_decode_reference(inp.q, packed, idx, topk_length=length, attn_sink=sink,
                                          compute_dtype=torch.float64)
     assert torch.isfinite(out).all() and cos_diff(out, ro) < 1e-5
@@ -718,6 +723,47 @@ def test_gpu_fp8_gluon_head_tiles(monkeypatch, h_q, s_q):
     assert choice.variant == "wgmma_fp8", choice
     inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,h_q,page", [(1, 64, 64), (2, 128, 16), (1, 40, 64), (2, 33, 32)])
+@pytest.mark.parametrize("extra,sink", [(False, False), (True, True)])
+@pytest.mark.parametrize("groups", [1, 3])
+def test_gpu_sparse_gather_dense(s_q, h_q, page, extra, sink, groups, monkeypatch):
+    """The sparse decode's gather + dense path (the default above 32 heads per KV head on Hopper,
+    bf16 q) on every index rule of ``_sparse_kernel_case`` (-1, outside the cache, repeats,
+    topk_length with a 0, a second cache, a +-inf sink, NaN bytes in every unwritten slot), in one
+    group of query tokens or several (the dense cache's byte cap lowered), in a CUDA graph replay
+    too: the fp64 reference on the dequantized cache, to the 16-bit path's tolerances."""
+    q, cache, idx, length, extra_cache, extra_idx, sinks = (
+        _sparse_kernel_case(s_q, h_q, True, page, seed=3 * h_q + s_q, device="cuda"))
+    q = q.to(torch.bfloat16)
+    if groups > 1:     # the 3 x s_q query tokens in groups of at most s_q (the last one shorter at s_q 2)
+        width = idx.shape[-1] + (extra_idx.shape[-1] if extra else 0)
+        monkeypatch.setattr(configs, "SPARSE_GATHER_MAX_BYTES", s_q * -(-width // 64) * 64 * 576 * 2)
+    kwargs = dict(is_fp8_kvcache=True, indices=idx, topk_length=length)
+    if extra:
+        kwargs.update(extra_k_cache=extra_cache, extra_indices_in_kvcache=extra_idx)
+    if sink:
+        kwargs["attn_sink"] = sinks
+    assert tilefuse.explain("flash_mla_with_kvcache", q, cache, None, None, 512, **kwargs).variant == \
+        "sparse_gather_dense"
+    out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
+    ro, rl = mla_sparse_decode_reference(q, cache, idx, topk_length=length, attn_sink=kwargs.get("attn_sink"),
+                                         extra_k_cache=kwargs.get("extra_k_cache"),
+                                         extra_indices=kwargs.get("extra_indices_in_kvcache"),
+                                         compute_dtype=torch.float64)
+    assert out.dtype == q.dtype and out.shape == ro.shape and torch.isfinite(out).all()
+    assert torch.equal(torch.isinf(lse), torch.isinf(rl))
+    assert_close(out, ro, atol=1e-2, rtol=1e-2)
+    finite = torch.isfinite(rl)
+    assert_close(lse[finite], rl[finite].float(), atol=1e-3, rtol=1e-4, name="lse")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out, g_lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
 
 
 @pytest.mark.gpu
@@ -1208,6 +1254,35 @@ def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, ext
     assert_close(lse[finite], rl[finite].float(), atol=2e-3, rtol=1e-4, name="lse")
 
 
+@pytest.mark.parametrize("fp8,page", [(True, 16), (False, 64)])
+@pytest.mark.parametrize("extra", [False, True])
+def test_sparse_gather_packs_the_selected_tokens(interpret, fp8, page, extra):
+    """``op.gather_selected`` (the gather of the sparse decode's gather + dense path) against the
+    reference's selection: each query token's selected tokens, in list order (the second cache's
+    after the first's), dequantized, packed from the start of its rows, their count as its
+    length; -1, indices outside the cache, positions past topk_length (a 0 included) and NaN bytes
+    in unwritten slots never reach a written row. A later query-token group (``first``) too."""
+    q, cache, idx, length, extra_cache, extra_idx, _ = _sparse_kernel_case(2, 4, fp8, page, seed=5, device=interpret)
+    sources = [(cache, idx, length)] + ([(extra_cache, extra_idx, None)] if extra else [])
+    pages = -(-sum(i.shape[-1] for _, i, _ in sources) // 64)
+    for first, count in ((0, 6), (3, 2)):
+        dense, seqlens = op.gather_selected(sources, 2, first, count, pages, torch.float16)
+        for u in range(count):
+            b, t = divmod(first + u, 2)
+            rows = []
+            for src, ind, ln in sources:
+                flat = src.reshape(-1, src.shape[-1]).cpu()
+                for pos, i in enumerate(ind[b, t].tolist()):
+                    if 0 <= i < flat.shape[0] and (ln is None or pos < int(ln[b])):
+                        rows.append(flat[i])
+            assert int(seqlens[u]) == len(rows)
+            if rows:
+                want = torch.stack(rows)
+                want = dequantize_kv_reference(want, torch.float16) if fp8 else want
+                got = dense[u * pages * 64: u * pages * 64 + len(rows)].cpu()
+                assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("tiles,programs,expect", [
     (32, 16, 4),      # 16 query tokens: 8 parts each -> 128 programs, one round on 132 SMs
     (32, 32, 8),      # 32: 4 parts each (5 would make 160 programs, two rounds)
@@ -1232,6 +1307,7 @@ def test_gpu_sparse_gluon_kernel_edge_cases(s_q, h_q, page, extra, sink, num_war
     a +-inf sink, NaN bytes in every unwritten slot), heads 3-128 (40: a partly empty second
     tile), one warpgroup or two (each half of a tile's heads): the fp64 reference on the
     dequantized cache, to the 16-bit path's tolerances."""
+    monkeypatch.setattr(configs, "SPARSE_GATHER_DENSE_ABOVE_HEADS", 128)     # this kernel at every head count
     for bound, cfg in list(configs.GLUON_SPARSE_CONFIGS.items()):
         monkeypatch.setitem(configs.GLUON_SPARSE_CONFIGS, bound,
                             dict(cfg, num_warps=num_warps, BLOCK_H=max(cfg["BLOCK_H"], 2 * num_warps)))

@@ -35,6 +35,7 @@ import sys
 import torch
 
 from tilefuse import _env
+from tilefuse.ops.mla import configs as _mla_configs
 from tilefuse.ops.mla import op as _mla_op
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
                                     tally, upgrade_rows)
@@ -345,9 +346,19 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
             with tilefuse.force(variant="standard"):
                 return ours()
 
+        def sparse_gluon():    # the Gluon sparse kernel at every head count (no gather + dense)
+            saved = _mla_configs.SPARSE_GATHER_DENSE_ABOVE_HEADS
+            _mla_configs.SPARSE_GATHER_DENSE_ABOVE_HEADS = 128
+            try:
+                return ours()
+            finally:
+                _mla_configs.SPARSE_GATHER_DENSE_ABOVE_HEADS = saved
+
         impls = {"tilefuse": ours}
         if device.type == "cuda" and not _mla_op.fp8_sparse_kernels_run(q):
             impls["tilefuse:sparse"] = pinned
+        if device.type == "cuda" and _mla_op.sparse_gather_dense_runs(q):
+            impls["tilefuse:sparse-gluon"] = sparse_gluon
         dense_cache, dense_table = paged_cache(valid, torch.bfloat16, device, nan_tail=False)
         dense_lens = torch.tensor(valid, dtype=torch.int32, device=device)
         impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, dense_cache, dense_table,
@@ -446,8 +457,8 @@ def fp8_dense_case(batch: int, h_q: int, s_q: int, ctx: int, device) -> Case:
 
 def fp8_cases(device: torch.device, quick: bool) -> list[Case]:
     """FP8-cache cases: sparse decode at heads 8-128, s_q 1-2 (4 in the full grid), batch 16 and
-    128 (and 64) over 32K contexts (8K and 128K at 16 heads), one mix with requests shorter than
-    topk and ``topk_length``; dense FP8 decode at 16-128 heads. Tiny cases on a CPU."""
+    128 (and 64) over 32K contexts (8K and 128K at 16 heads), two mixes with requests shorter than
+    topk and ``topk_length`` (16 and 48 heads); dense FP8 decode at 16-128 heads. Tiny cases on a CPU."""
     if device.type != "cuda":
         return [sparse_case(2, 16, 1, [300, 100], device, topk=128, with_length=True)]
     heads, sqs, batches = (8, 16, 32, 64, 128), (1, 2) if quick else (1, 2, 4), (16, 128) if quick else (16, 64, 128)
@@ -457,6 +468,7 @@ def fp8_cases(device: torch.device, quick: bool) -> list[Case]:
     gen = torch.Generator().manual_seed(2)
     mixed = torch.randint(100, 32768, (128,), generator=gen).tolist()
     out.append(sparse_case(128, 16, 1, mixed, device, with_length=True, label="uniform 100-32768"))
+    out.append(sparse_case(64, 48, 1, mixed[:64], device, with_length=True, label="uniform 100-32768"))
     for b, h, sq, ctx in ((16, 16, 1, 8192), (64, 16, 2, 8192), (16, 128, 1, 8192), (64, 64, 1, 16384),
                           (16, 16, 1, 32768), (128, 8, 4, 16384), (32, 32, 1, 16384)):
         out.append(fp8_dense_case(b, h, sq, ctx, device))

@@ -198,6 +198,19 @@ GLUON_SPARSE_CONFIGS = {
 }
 # heads per KV head up to which an FP8 cache takes the Gluon kernel (above: the tl one)
 GLUON_SPARSE_MAX_HEADS = 128
+# Above this many heads per KV head (bf16 q, Hopper) the sparse decode gathers the selected tokens
+# once into a dense bf16 cache and runs the Gluon dense kernel on it (op._sparse_gather_dense).
+# Roofline per selected token: the Gluon sparse kernel gathers and dequantizes its 656 bytes once
+# per 32-head tile, so from two tiles on it moves 2-4x the bytes and repeats the conversion; the
+# gather moves 656 + 1152 bytes once and the dense kernel reads 1152 per 64-head tile (the second
+# tile's from L2) with both products on WGMMA. Both costs grow with (query tokens x topk) alike, so
+# the choice is by heads alone. Measured on the H200 (mla-h200-quick.json's sparse cases).
+SPARSE_GATHER_DENSE_ABOVE_HEADS = 32
+# The gather's index-list positions per program and per step, and the most bytes of dense cache
+# one group of query tokens takes (more query tokens run in groups, one dense decode each).
+SPARSE_GATHER_CHUNK = 256
+SPARSE_GATHER_BLOCK_T = 32
+SPARSE_GATHER_MAX_BYTES = 1 << 30
 # a part's index list is copied into SMEM whole (a power-of-two number of 64-entry tiles): at most
 # this many bytes (2048 int32 indices), which fits beside 3 ring slots and a 16-head Q
 GLUON_SPARSE_INDEX_BYTES = 8192

@@ -123,6 +123,7 @@ def _kernels():
                 sparse_gluon=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_sparse",
                                                      "mla_sparse_gluon_kernel"),
                 sparse_combine=_launch.Kernel(kernels.mla_sparse_combine_kernel),
+                sparse_gather=_launch.Kernel(kernels.mla_sparse_gather_kernel),
                 standard=_launch.Kernel(kernels.mla_split_standard_kernel),
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
                 wgmma=wgmma,
@@ -713,6 +714,95 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     return out, lse
 
 
+def sparse_gather_dense_runs(q: torch.Tensor) -> bool:
+    """The sparse decode gathers the selected tokens into a dense cache once and runs the Gluon
+    dense kernel on it (:func:`_sparse_gather_dense`): for more heads per KV head than one tile of
+    the Gluon sparse kernel holds (``configs.SPARSE_GATHER_DENSE_ABOVE_HEADS``), a bf16 q on
+    Hopper with the Gluon kernel, unless a ``tl`` kernel is forced."""
+    return (q.shape[2] > configs.SPARSE_GATHER_DENSE_ABOVE_HEADS and q.dtype == torch.bfloat16
+            and q.shape[0] * q.shape[1] > 0 and wgmma_usable(q.device)
+            and forced_variant("mla") not in ("standard", "transposed"))
+
+
+_unit_tables: dict = {}
+
+
+def _unit_pages(device: torch.device, units: int, pages: int) -> torch.Tensor:
+    """The block table of the gathered cache: query token u's pages are ``u x pages ..`` (cached
+    per shape, except while a CUDA graph captures: then the graph computes its own)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
+    key = (device, units, pages)
+    table = _unit_tables.get(key)
+    if table is None:
+        table = _unit_tables[key] = torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
+    return table
+
+
+def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selected tokens of query tokens ``first .. first + count - 1`` (request x s_q + token)
+    as a dense cache: ``dense [count x pages x 64, 576]`` in ``dtype`` (query token u's tokens packed
+    from row ``u x pages x 64``, both sources in order, FP8 rows dequantized) and ``seqlens
+    [count]`` int32, how many each has. ``sources``: [(cache, indices, topk_length or None), ...]
+    as :func:`_sparse_decode` takes them; rows past a length are left unwritten."""
+    device = sources[0][1].device
+    dense = torch.empty(count * pages * PAGE_SIZE, HEAD_DIM, dtype=dtype, device=device)
+    seqlens = torch.empty(count, dtype=torch.int32, device=device)
+    prior = None
+    for i, (cache, idx, length) in enumerate(sources):
+        cache, topk = _as_bytes(cache), idx.shape[-1]
+        p_idx, p_len = prior if prior is not None else (idx, None)
+        p_cache = sources[0][0]
+        scalars = (s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], p_idx.shape[-1] if prior else 0,
+                   p_cache.shape[0] * p_cache.shape[1], first, pages * PAGE_SIZE, cache.stride(0), cache.stride(1),
+                   idx.stride(0), idx.stride(1), p_idx.stride(0), p_idx.stride(1))
+        meta = dict(CHUNK=configs.SPARSE_GATHER_CHUNK, BLOCK_T=configs.SPARSE_GATHER_BLOCK_T,
+                    HAS_LEN=length is not None, HAS_PRIOR=prior is not None, PRIOR_HAS_LEN=p_len is not None,
+                    KV_FP8=cache.shape[-1] == FP8_KV_BYTES, LAST=i == len(sources) - 1, num_warps=4)
+        tensors = (cache, idx, length if length is not None else idx, p_idx, p_len if p_len is not None else idx,
+                   dense, seqlens)
+        key = ("sparse_gather", scalars, tuple(meta.items()), cache.dtype, idx.dtype, p_idx.dtype, dtype,
+               *(t.data_ptr() % 16 for t in tensors))
+        grid = (max(1, -(-topk // configs.SPARSE_GATHER_CHUNK)), count, 1)
+        _kernels()["sparse_gather"].launch(key, grid, device.index, tensors, scalars, meta)
+        prior = (idx, length)
+    return dense, seqlens
+
+
+def _sparse_gather_dense(q, scale, sources, attn_sink):
+    """The sparse decode as gather + dense decode: :func:`gather_selected` packs each query
+    token's selected tokens (both sources, dequantized to bf16) into its own pages of a dense
+    cache, their count as its length; the metadata kernel schedules those lengths and the Gluon
+    dense kernel attends each query token's ``h_q`` heads to them as one request (64-head tiles:
+    each selected token read once per tile instead of gathered once per 32 heads). The sink then
+    scales the output by ``sigmoid(lse - sink)``. Query tokens run in groups whose dense cache
+    fits ``configs.SPARSE_GATHER_MAX_BYTES``."""
+    batch, s_q, h_q, _ = q.shape
+    units = batch * s_q
+    pages = max(1, -(-sum(idx.shape[-1] for _, idx, _ in sources) // PAGE_SIZE))
+    group = max(1, min(units, configs.SPARSE_GATHER_MAX_BYTES // (pages * PAGE_SIZE * HEAD_DIM * q.element_size())))
+    q_units = q.reshape(units, 1, h_q, HEAD_DIM)
+    outs, lses = [], []
+    for first in range(0, units, group):
+        n = min(group, units - first)
+        dense, seqlens = gather_selected(sources, s_q, first, n, pages, q.dtype)
+        kv = dense.view(n * pages, PAGE_SIZE, 1, HEAD_DIM)
+        block_table = _unit_pages(q.device, n, pages)
+        meta, splits = _get_mla_metadata(seqlens, h_q, 1, default_num_sm_parts(q.device, h_q))
+        call = _plan_call(q_units[first:first + n], kv, block_table, seqlens, HEAD_DIM_V, meta, splits, scale, False)
+        out, lse = _run(call, q_units[first:first + n], kv, block_table, seqlens, meta, splits)
+        if attn_sink is not None:
+            # exp(lse) / (exp(lse) + exp(sink)); a head with no token (lse +inf) keeps its 0
+            factor = torch.sigmoid(lse.view(n, 1, h_q) - attn_sink).nan_to_num_(0.0)
+            out = (out.float() * factor[..., None]).to(q.dtype)
+        outs.append(out)
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    lse = lses[0] if len(lses) == 1 else torch.cat(lses)
+    return out.view(batch, s_q, h_q, HEAD_DIM_V), lse.view(batch, s_q, h_q).transpose(1, 2).contiguous()
+
+
 def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
                    attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, meta=None, num_splits=None):
     """FlashMLA main's FP8 and sparse decode, validated: where :func:`fp8_sparse_kernels_run`,
@@ -782,7 +872,10 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
             if cache is not None:
                 _checks.check_contiguous(name, cache)
         _checks.check_contiguous("q", q, last_dim_only=True)
-        return _sparse_decode(q, scale, sources, attn_sink.contiguous() if attn_sink is not None else None)
+        sink = attn_sink.contiguous() if attn_sink is not None else None
+        if sparse_gather_dense_runs(q):
+            return _sparse_gather_dense(q, scale, sources, sink)
+        return _sparse_decode(q, scale, sources, sink)
     return mla_sparse_decode_reference(q, k_cache, indices, scale, topk_length=topk_length, attn_sink=attn_sink,
                                        extra_k_cache=extra_k_cache, extra_indices=extra_indices,
                                        extra_topk_length=extra_topk_length)
@@ -808,6 +901,13 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
         return _dispatch.Choice("mla", problem, variant, cfg, why,
                                 (_dispatch.Candidate(variant, cfg, None),))
+    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q):
+        cfg = configs.launch_config("wgmma", h_q, 1)[0]
+        why = (f"sparse decode with more than {configs.SPARSE_GATHER_DENSE_ABOVE_HEADS} heads per KV head on Hopper: "
+               "the selected tokens gathered once into a dense bf16 cache (mla_sparse_gather_kernel), then the "
+               "Gluon dense kernel over it, each query token a request (configs.SPARSE_GATHER_DENSE_ABOVE_HEADS)")
+        return _dispatch.Choice("mla", problem, "sparse_gather_dense", cfg, why,
+                                (_dispatch.Candidate("sparse_gather_dense", cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
         cfg = configs.sparse_config(h_q, gluon=_sparse_gluon_fits(q, [k_cache], [indices]))
         why = ("sparse decode over an FP8 cache on Hopper: the Gluon gather kernel (mla_sparse_gluon_kernel: "

@@ -1256,12 +1256,15 @@ def test_sparse_kernel_against_the_reference(interpret, s_q, h_q, fp8, page, ext
 
 @pytest.mark.parametrize("fp8,page", [(True, 16), (False, 64)])
 @pytest.mark.parametrize("extra", [False, True])
-def test_sparse_gather_packs_the_selected_tokens(interpret, fp8, page, extra):
+@pytest.mark.parametrize("programs_per_sm", [4, 10 ** 6], ids=["few-parts", "32-position-parts"])
+def test_sparse_gather_packs_the_selected_tokens(interpret, monkeypatch, fp8, page, extra, programs_per_sm):
     """``op.gather_selected`` (the gather of the sparse decode's gather + dense path) against the
     reference's selection: each query token's selected tokens, in list order (the second cache's
     after the first's), dequantized, packed from the start of its rows, their count as its
     length; -1, indices outside the cache, positions past topk_length (a 0 included) and NaN bytes
-    in unwritten slots never reach a written row. A later query-token group (``first``) too."""
+    in unwritten slots never reach a written row. A later query-token group (``first``) too; the
+    list in one part or in parts of 32 positions (each counting the selected tokens before it)."""
+    monkeypatch.setattr(configs, "SPARSE_GATHER_PROGRAMS_PER_SM", programs_per_sm)
     q, cache, idx, length, extra_cache, extra_idx, _ = _sparse_kernel_case(2, 4, fp8, page, seed=5, device=interpret)
     sources = [(cache, idx, length)] + ([(extra_cache, extra_idx, None)] if extra else [])
     pages = -(-sum(i.shape[-1] for _, i, _ in sources) // 64)

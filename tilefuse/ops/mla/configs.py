@@ -206,9 +206,10 @@ GLUON_SPARSE_MAX_HEADS = 128
 # tile's from L2) with both products on WGMMA. Both costs grow with (query tokens x topk) alike, so
 # the choice is by heads alone. Measured on the H200 (mla-h200-quick.json's sparse cases).
 SPARSE_GATHER_DENSE_ABOVE_HEADS = 32
-# The gather's index-list positions per program and per step, and the most bytes of dense cache
-# one group of query tokens takes (more query tokens run in groups, one dense decode each).
-SPARSE_GATHER_CHUNK = 256
+# The gather's programs per SM (each a run of index-list positions, BLOCK_T per step: enough
+# rows in flight per SM to cover HBM latency), and the most bytes of dense cache one group of
+# query tokens takes (more query tokens run in groups, one dense decode each).
+SPARSE_GATHER_PROGRAMS_PER_SM = 4
 SPARSE_GATHER_BLOCK_T = 32
 SPARSE_GATHER_MAX_BYTES = 1 << 30
 # a part's index list is copied into SMEM whole (a power-of-two number of 64-entry tiles): at most

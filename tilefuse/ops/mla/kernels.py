@@ -739,13 +739,13 @@ def _selected(idx_row, len_ptr, req, pos, end, num_tokens, HAS_LEN: tl.constexpr
 @triton.jit
 def mla_sparse_gather_kernel(
     kc_ptr, idx_ptr, len_ptr, prior_idx_ptr, prior_len_ptr, out_ptr, seqlens_ptr,
-    s_q, topk, num_tokens, page, prior_topk, prior_num_tokens, unit_base, rows_per_unit,
+    s_q, topk, num_tokens, page, prior_topk, prior_num_tokens, unit_base, rows_per_unit, chunk_size,
     stride_kp, stride_kt, stride_ib, stride_is, stride_pb, stride_ps,
-    CHUNK: tl.constexpr, BLOCK_T: tl.constexpr, HAS_LEN: tl.constexpr, HAS_PRIOR: tl.constexpr,
+    BLOCK_T: tl.constexpr, COUNT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_PRIOR: tl.constexpr,
     PRIOR_HAS_LEN: tl.constexpr, KV_FP8: tl.constexpr, LAST: tl.constexpr,
 ):
     """The sparse decode's selected tokens as a dense cache: program ``(c, u)`` copies the tokens
-    that positions ``c x CHUNK ..`` of query token ``unit_base + u``'s index list name (HBM ->
+    that positions ``c x chunk_size ..`` (a multiple of BLOCK_T) of query token ``unit_base + u``'s index list name (HBM ->
     registers, dequantized from the FP8 layout into ``out``'s 16-bit dtype: exact, e4m3 times a
     power of two) to rows ``u x rows_per_unit + n`` of ``out`` [units x rows_per_unit, 576], where
     ``n`` counts the selected tokens before them (of an earlier source, ``prior_*``, then of this
@@ -757,22 +757,24 @@ def mla_sparse_gather_kernel(
     req = unit // s_q
     tok = unit % s_q
     offs = tl.arange(0, BLOCK_T)
-    # ---- how many selected tokens precede this part (index lists only: L2-resident int32 reads)
+    wide = tl.arange(0, COUNT)
+    # ---- how many selected tokens precede this part (index lists only, COUNT positions a step:
+    # L2-resident int32 reads)
     count = tl.full([], 0, tl.int32)
     if HAS_PRIOR:
         prior_row = prior_idx_ptr + req.to(tl.int64) * stride_pb + tok * stride_ps
-        for start in range(0, prior_topk, BLOCK_T):
-            _, ok = _selected(prior_row, prior_len_ptr, req, start + offs, prior_topk, prior_num_tokens,
+        for start in range(0, prior_topk, COUNT):
+            _, ok = _selected(prior_row, prior_len_ptr, req, start + wide, prior_topk, prior_num_tokens,
                               PRIOR_HAS_LEN)
             count += tl.sum(ok.to(tl.int32), axis=0)
     idx_row = idx_ptr + req.to(tl.int64) * stride_ib + tok * stride_is
-    begin = chunk * CHUNK
-    for start in range(0, begin, BLOCK_T):
-        _, ok = _selected(idx_row, len_ptr, req, start + offs, topk, num_tokens, HAS_LEN)
+    begin = chunk * chunk_size
+    for start in range(0, begin, COUNT):
+        _, ok = _selected(idx_row, len_ptr, req, start + wide, begin, num_tokens, HAS_LEN)
         count += tl.sum(ok.to(tl.int32), axis=0)
     # ---- this part's tokens: cache rows -> registers (dequantized) -> packed dense rows
     dst_unit = out_ptr + tl.program_id(1).to(tl.int64) * rows_per_unit * (D_NOPE + D_ROPE)
-    for start in range(begin, tl.minimum(begin + CHUNK, topk), BLOCK_T):
+    for start in range(begin, tl.minimum(begin + chunk_size, topk), BLOCK_T):
         idx, ok = _selected(idx_row, len_ptr, req, start + offs, topk, num_tokens, HAS_LEN)
         slot = tl.where(ok, idx, 0)
         k_nope, k_rope = _kv_rows(kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt, ok, KV_FP8,

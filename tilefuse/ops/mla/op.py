@@ -747,6 +747,7 @@ def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype
     [count]`` int32, how many each has. ``sources``: [(cache, indices, topk_length or None), ...]
     as :func:`_sparse_decode` takes them; rows past a length are left unwritten."""
     device = sources[0][1].device
+    block_t = configs.SPARSE_GATHER_BLOCK_T
     dense = torch.empty(count * pages * PAGE_SIZE, HEAD_DIM, dtype=dtype, device=device)
     seqlens = torch.empty(count, dtype=torch.int32, device=device)
     prior = None
@@ -754,17 +755,20 @@ def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype
         cache, topk = _as_bytes(cache), idx.shape[-1]
         p_idx, p_len = prior if prior is not None else (idx, None)
         p_cache = sources[0][0]
+        # positions per program: about SPARSE_GATHER_PROGRAMS_PER_SM programs per SM in all
+        want = -(-topk * count // (configs.SPARSE_GATHER_PROGRAMS_PER_SM * num_sms(device)))
+        chunk = min(max(block_t, -(-want // block_t) * block_t), max(block_t, -(-topk // block_t) * block_t))
         scalars = (s_q, topk, cache.shape[0] * cache.shape[1], cache.shape[1], p_idx.shape[-1] if prior else 0,
-                   p_cache.shape[0] * p_cache.shape[1], first, pages * PAGE_SIZE, cache.stride(0), cache.stride(1),
-                   idx.stride(0), idx.stride(1), p_idx.stride(0), p_idx.stride(1))
-        meta = dict(CHUNK=configs.SPARSE_GATHER_CHUNK, BLOCK_T=configs.SPARSE_GATHER_BLOCK_T,
-                    HAS_LEN=length is not None, HAS_PRIOR=prior is not None, PRIOR_HAS_LEN=p_len is not None,
-                    KV_FP8=cache.shape[-1] == FP8_KV_BYTES, LAST=i == len(sources) - 1, num_warps=4)
+                   p_cache.shape[0] * p_cache.shape[1], first, pages * PAGE_SIZE, chunk, cache.stride(0),
+                   cache.stride(1), idx.stride(0), idx.stride(1), p_idx.stride(0), p_idx.stride(1))
+        meta = dict(BLOCK_T=block_t, COUNT=256, HAS_LEN=length is not None, HAS_PRIOR=prior is not None,
+                    PRIOR_HAS_LEN=p_len is not None, KV_FP8=cache.shape[-1] == FP8_KV_BYTES,
+                    LAST=i == len(sources) - 1, num_warps=4)
         tensors = (cache, idx, length if length is not None else idx, p_idx, p_len if p_len is not None else idx,
                    dense, seqlens)
         key = ("sparse_gather", scalars, tuple(meta.items()), cache.dtype, idx.dtype, p_idx.dtype, dtype,
                *(t.data_ptr() % 16 for t in tensors))
-        grid = (max(1, -(-topk // configs.SPARSE_GATHER_CHUNK)), count, 1)
+        grid = (max(1, -(-topk // chunk)), count, 1)
         _kernels()["sparse_gather"].launch(key, grid, device.index, tensors, scalars, meta)
         prior = (idx, length)
     return dense, seqlens

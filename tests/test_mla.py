@@ -621,7 +621,7 @@ def test_gpu_sparse_kernel(h_q, s_q, batch, variant):
                                                    indices=idx, topk_length=length, attn_sink=sink)
     if variant:
         assert choice.config["kernel"] == "tl"
-    elif h_q > configs.SPARSE_GATHER_DENSE_ABOVE_HEADS:
+    elif configs.sparse_gather_dense_pays(h_q, batch * s_q * 2048):
         assert choice.variant == "sparse_gather_dense"
     else:
         assert choice.config["kernel"] == "gluon"
@@ -730,14 +730,15 @@ def test_gpu_fp8_gluon_head_tiles(monkeypatch, h_q, s_q):
 @pytest.mark.parametrize("extra,sink", [(False, False), (True, True)])
 @pytest.mark.parametrize("groups", [1, 3])
 def test_gpu_sparse_gather_dense(s_q, h_q, page, extra, sink, groups, monkeypatch):
-    """The sparse decode's gather + dense path (the default above 32 heads per KV head on Hopper,
-    bf16 q) on every index rule of ``_sparse_kernel_case`` (-1, outside the cache, repeats,
+    """The sparse decode's gather + dense path (pinned; on Hopper with a bf16 q the cost model picks
+    it for many heads and query tokens) on every index rule of ``_sparse_kernel_case`` (-1, outside the cache, repeats,
     topk_length with a 0, a second cache, a +-inf sink, NaN bytes in every unwritten slot), in one
     group of query tokens or several (the dense cache's byte cap lowered), in a CUDA graph replay
     too: the fp64 reference on the dequantized cache, to the 16-bit path's tolerances."""
     q, cache, idx, length, extra_cache, extra_idx, sinks = (
         _sparse_kernel_case(s_q, h_q, True, page, seed=3 * h_q + s_q, device="cuda"))
     q = q.to(torch.bfloat16)
+    monkeypatch.setattr(configs, "SPARSE_GATHER_DENSE", True)      # the cost model prefers the other at this size
     if groups > 1:     # the 3 x s_q query tokens in groups of at most s_q (the last one shorter at s_q 2)
         width = idx.shape[-1] + (extra_idx.shape[-1] if extra else 0)
         monkeypatch.setattr(configs, "SPARSE_GATHER_MAX_BYTES", s_q * -(-width // 64) * 64 * 576 * 2)
@@ -1286,6 +1287,19 @@ def test_sparse_gather_packs_the_selected_tokens(interpret, monkeypatch, fp8, pa
                 assert torch.equal(got, want)
 
 
+def test_sparse_gather_dense_cost_model():
+    """The pick between the Gluon sparse kernel and gather + dense: never with one head tile (<= 32
+    heads), at 128 heads from small batches on, at 64 heads only for large ones (the fit's
+    benchmark points: b16 -> sparse kernel, b128 -> gather + dense), monotone in the positions."""
+    pays = configs.sparse_gather_dense_pays
+    assert not any(pays(h, n) for h in (1, 8, 16, 32) for n in (1, 10 ** 5, 10 ** 8))
+    assert pays(128, 16 * 2048) and pays(128, 128 * 2048) and not pays(128, 1000)
+    assert not pays(64, 16 * 2048) and not pays(64, 32 * 2048) and pays(64, 128 * 2048)
+    for h in (48, 64, 96, 128):
+        picks = [pays(h, n) for n in range(0, 10 ** 6, 5000)]
+        assert picks == sorted(picks), h          # once worth it, worth it for every larger batch
+
+
 @pytest.mark.parametrize("tiles,programs,expect", [
     (32, 16, 4),      # 16 query tokens: 8 parts each -> 128 programs, one round on 132 SMs
     (32, 32, 8),      # 32: 4 parts each (5 would make 160 programs, two rounds)
@@ -1310,7 +1324,7 @@ def test_gpu_sparse_gluon_kernel_edge_cases(s_q, h_q, page, extra, sink, num_war
     a +-inf sink, NaN bytes in every unwritten slot), heads 3-128 (40: a partly empty second
     tile), one warpgroup or two (each half of a tile's heads): the fp64 reference on the
     dequantized cache, to the 16-bit path's tolerances."""
-    monkeypatch.setattr(configs, "SPARSE_GATHER_DENSE_ABOVE_HEADS", 128)     # this kernel at every head count
+    monkeypatch.setattr(configs, "SPARSE_GATHER_DENSE", False)     # this kernel at every head count
     for bound, cfg in list(configs.GLUON_SPARSE_CONFIGS.items()):
         monkeypatch.setitem(configs.GLUON_SPARSE_CONFIGS, bound,
                             dict(cfg, num_warps=num_warps, BLOCK_H=max(cfg["BLOCK_H"], 2 * num_warps)))

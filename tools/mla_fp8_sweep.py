@@ -8,7 +8,8 @@ bf16 decode of the dequantized cache.
 Cases: 16 rows (b16 h16 s1 32K, b64 h16 s1 8K), 32 rows (b64 h16 s2 8K, b32 h32 s1 16K) and, past
 ``configs.FP8_GLUON_MAX_ROWS`` (raised for the run), 48-128 rows on head tiles of 32 (b64 h16 s3 8K,
 b32 h64 s1 16K, b64 h32 s2 8K, b16 h128 s1 8K, b64 h128 s1 4K): each launch's output is checked
-against the ``tl`` kernels' (relative error), which the default takes there.
+against the ``tl`` kernels' (relative error), which the default takes there. Below 64 rows both
+``tl`` kernels are timed too (``tl_standard_us``, ``tl_transposed_us``).
 Writes ``bench/results/sweeps/mla-fp8-<gpu>.json`` by default. Needs a CUDA GPU.
 """
 
@@ -85,6 +86,12 @@ def main() -> None:
         op._plans.clear()
         with tilefuse.force(variant=tl_variant):
             entry["tl_us"] = timer.graph_us(tl_call)
+        if rows < 64:     # both tl kernels below 64 rows (standard: padded to a 64-row tile there)
+            for variant in ("standard", "transposed"):
+                with tilefuse.force(variant=variant):
+                    v_meta, v_splits = tilefuse.get_mla_metadata(lens, rows, 1)
+                    entry[f"tl_{variant}_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
+                        q, k_cache, block_table, lens, 512, v_meta, v_splits, causal=True, is_fp8_kvcache=True))
         bf16 = tilefuse.mla_dequantize_kv(k_cache, torch.bfloat16)
         entry["bf16_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
             q, bf16, block_table, lens, 512, meta, splits, causal=True))

@@ -198,14 +198,45 @@ GLUON_SPARSE_CONFIGS = {
 }
 # heads per KV head up to which an FP8 cache takes the Gluon kernel (above: the tl one)
 GLUON_SPARSE_MAX_HEADS = 128
-# Above this many heads per KV head (bf16 q, Hopper) the sparse decode gathers the selected tokens
-# once into a dense bf16 cache and runs the Gluon dense kernel on it (op._sparse_gather_dense).
-# Roofline per selected token: the Gluon sparse kernel gathers and dequantizes its 656 bytes once
-# per 32-head tile, so from two tiles on it moves 2-4x the bytes and repeats the conversion; the
-# gather moves 656 + 1152 bytes once and the dense kernel reads 1152 per 64-head tile (the second
-# tile's from L2) with both products on WGMMA. Both costs grow with (query tokens x topk) alike, so
-# the choice is by heads alone. Measured on the H200 (mla-h200-quick.json's sparse cases).
-SPARSE_GATHER_DENSE_ABOVE_HEADS = 32
+# The sparse decode on Hopper (bf16 q) has two paths, picked per call by a cost model in ns per
+# index-list position of one query token (``positions`` = query tokens x topk, both lists):
+# * the Gluon sparse kernel gathers and dequantizes each position's 656 bytes once per head tile
+#   (8-32 heads), so its time grows with the tiles: SPARSE_GLUON_TILE_NS x tiles x positions +
+#   SPARSE_GLUON_FIXED_US;
+# * gather + dense (op._sparse_gather_dense): the selected tokens copied once into a dense bf16
+#   cache (656 bytes read + 1152 written per position) and the Gluon dense kernel on it, 64 heads
+#   per tile with both products on WGMMA: (SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS x 64-head
+#   tiles) x positions + SPARSE_GATHER_DENSE_FIXED_US (the gather launch, the metadata kernel, the
+#   dense kernel's fill and combine).
+# Fitted on the H200 to both paths timed side by side (bench/results/mla-h200-quick-sparse.json,
+# tilefuse and tilefuse:sparse-gluon at 64 and 128 heads, batch 16 and 128, s_q 1 and 2: every
+# case within 5 % of its fit); gather + dense runs only where predicted at most
+# SPARSE_GATHER_DENSE_GAIN of the sparse kernel's time: 128 heads from about 20K positions, 33-64
+# heads from about 130K (batch 64 at topk 2048), never at <= 32 heads (one tile).
+SPARSE_GLUON_TILE_NS = 0.55
+SPARSE_GLUON_FIXED_US = 15.0
+SPARSE_GATHER_NS = 0.60
+SPARSE_DENSE_TILE_NS = 0.27
+SPARSE_GATHER_DENSE_FIXED_US = 37.0
+SPARSE_GATHER_DENSE_GAIN = 0.9
+# None: the cost model picks; True / False: gather + dense wherever it can run / never (tests, the
+# benchmark's side by side)
+SPARSE_GATHER_DENSE: bool | None = None
+
+
+def sparse_gather_dense_pays(h_q: int, positions: int) -> bool:
+    """Whether gather + dense is predicted at most ``SPARSE_GATHER_DENSE_GAIN`` of the Gluon
+    sparse kernel's time for ``h_q`` heads per KV head over ``positions`` index-list positions
+    (query tokens x topk, both lists) -- the cost model above -- unless ``SPARSE_GATHER_DENSE``
+    decides."""
+    if SPARSE_GATHER_DENSE is not None:
+        return SPARSE_GATHER_DENSE
+    tiles = -(-h_q // sparse_config(h_q, gluon=True)["BLOCK_H"])
+    sparse_us = SPARSE_GLUON_TILE_NS * tiles * positions / 1e3 + SPARSE_GLUON_FIXED_US
+    dense_us = (SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS * -(-h_q // 64)) * positions / 1e3 + SPARSE_GATHER_DENSE_FIXED_US
+    return dense_us <= SPARSE_GATHER_DENSE_GAIN * sparse_us
+
+
 # The gather's programs per SM (each a run of index-list positions, BLOCK_T per step: enough
 # rows in flight per SM to cover HBM latency), and the most bytes of dense cache one group of
 # query tokens takes (more query tokens run in groups, one dense decode each).

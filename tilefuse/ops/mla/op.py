@@ -714,14 +714,16 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
     return out, lse
 
 
-def sparse_gather_dense_runs(q: torch.Tensor) -> bool:
+def sparse_gather_dense_runs(q: torch.Tensor, indices) -> bool:
     """The sparse decode gathers the selected tokens into a dense cache once and runs the Gluon
-    dense kernel on it (:func:`_sparse_gather_dense`): for more heads per KV head than one tile of
-    the Gluon sparse kernel holds (``configs.SPARSE_GATHER_DENSE_ABOVE_HEADS``), a bf16 q on
-    Hopper with the Gluon kernel, unless a ``tl`` kernel is forced."""
-    return (q.shape[2] > configs.SPARSE_GATHER_DENSE_ABOVE_HEADS and q.dtype == torch.bfloat16
-            and q.shape[0] * q.shape[1] > 0 and wgmma_usable(q.device)
-            and forced_variant("mla") not in ("standard", "transposed"))
+    dense kernel on it (:func:`_sparse_gather_dense`) where that can run (a bf16 q on Hopper with
+    the Gluon kernel, no ``tl`` kernel forced) and the cost model of
+    ``configs.sparse_gather_dense_pays`` predicts it faster than the Gluon sparse kernel for
+    ``indices`` (the index lists: main, then extra)."""
+    units = q.shape[0] * q.shape[1]
+    return (q.dtype == torch.bfloat16 and units > 0 and wgmma_usable(q.device)
+            and forced_variant("mla") not in ("standard", "transposed")
+            and configs.sparse_gather_dense_pays(q.shape[2], units * sum(idx.shape[-1] for idx in indices)))
 
 
 _unit_tables: dict = {}
@@ -877,7 +879,7 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
                 _checks.check_contiguous(name, cache)
         _checks.check_contiguous("q", q, last_dim_only=True)
         sink = attn_sink.contiguous() if attn_sink is not None else None
-        if sparse_gather_dense_runs(q):
+        if sparse_gather_dense_runs(q, [idx for _, idx, _ in sources]):
             return _sparse_gather_dense(q, scale, sources, sink)
         return _sparse_decode(q, scale, sources, sink)
     return mla_sparse_decode_reference(q, k_cache, indices, scale, topk_length=topk_length, attn_sink=attn_sink,
@@ -905,11 +907,11 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
         return _dispatch.Choice("mla", problem, variant, cfg, why,
                                 (_dispatch.Candidate(variant, cfg, None),))
-    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q):
+    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q, [indices]):
         cfg = configs.launch_config("wgmma", h_q, 1)[0]
-        why = (f"sparse decode with more than {configs.SPARSE_GATHER_DENSE_ABOVE_HEADS} heads per KV head on Hopper: "
-               "the selected tokens gathered once into a dense bf16 cache (mla_sparse_gather_kernel), then the "
-               "Gluon dense kernel over it, each query token a request (configs.SPARSE_GATHER_DENSE_ABOVE_HEADS)")
+        why = ("sparse decode on Hopper where the cost model (configs.sparse_gather_dense_pays: head tiles x "
+               "positions) predicts it faster than the sparse kernel: the selected tokens gathered once into a dense "
+               "bf16 cache (mla_sparse_gather_kernel), then the Gluon dense kernel over it, a query token per request")
         return _dispatch.Choice("mla", problem, "sparse_gather_dense", cfg, why,
                                 (_dispatch.Candidate("sparse_gather_dense", cfg, None),))
     if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):

@@ -211,8 +211,8 @@ GLUON_SPARSE_MAX_HEADS = 128
 # Fitted on the H200 to both paths timed side by side (bench/results/mla-h200-quick-sparse.json,
 # tilefuse and tilefuse:sparse-gluon at 64 and 128 heads, batch 16 and 128, s_q 1 and 2: every
 # case within 5 % of its fit); gather + dense runs only where predicted at most
-# SPARSE_GATHER_DENSE_GAIN of the sparse kernel's time: 128 heads from about 20K positions, 33-64
-# heads from about 130K (batch 64 at topk 2048), never at <= 32 heads (one tile).
+# SPARSE_GATHER_DENSE_GAIN of the sparse kernel's time: 128 heads from about 28K positions (14
+# query tokens at topk 2048), 33-64 heads from about 196K (96), never at <= 32 heads (one tile).
 SPARSE_GLUON_TILE_NS = 0.55
 SPARSE_GLUON_FIXED_US = 15.0
 SPARSE_GATHER_NS = 0.60

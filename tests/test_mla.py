@@ -677,10 +677,10 @@ def test_fp8_descriptors_address_the_codes_rope_and_scales(page):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 2, True), (8, 4, True), (1, 1, False), (5, 3, True),
-                                            (32, 1, False), (128, 1, True)])
+                                            (32, 1, False), (16, 3, True), (128, 1, True)])
 def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
     """The dense FP8 decode as dispatched (on Hopper the Gluon FP8 kernel up to 32 query rows, the
-    tl kernels above) at real sizes, bf16 q: lengths across pages, splits and programs (zero
+    tl standard kernel above: 48 and 128 rows here) at real sizes, bf16 q: lengths across pages, splits and programs (zero
     included), 0xFF (NaN) in every unused slot's bytes, one request's splits spread over several
     parts; the fp64 reference on the dequantized cache."""
     lens = [1, page + 1, 4000, 0, 777, 20000, 63]
@@ -758,7 +758,9 @@ def test_gpu_sparse_gather_dense(s_q, h_q, page, extra, sink, groups, monkeypatc
     assert torch.equal(torch.isinf(lse), torch.isinf(rl))
     assert_close(out, ro, atol=1e-2, rtol=1e-2)
     finite = torch.isfinite(rl)
-    assert_close(lse[finite], rl[finite].float(), atol=1e-3, rtol=1e-4, name="lse")
+    # the dense kernel sums each row's total from P rounded to bf16 (2^-9 relative per term): with
+    # the few tokens per query token here that shows in lse, up to ln(1 + 2^-9) = 1.95e-3
+    assert_close(lse[finite], rl[finite].float(), atol=2e-3, rtol=1e-4, name="lse")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         g_out, g_lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, **kwargs)
@@ -1095,11 +1097,12 @@ def test_fp8_and_sparse_kernels_run_by_default_on_the_triton_backend(interpret):
 
 
 @pytest.mark.parametrize("h_q,s_q,kernel", [(16, 1, None), (16, 2, "transposed"), (32, 1, "transposed"),
-                                            (64, 1, "standard"), (128, 2, "standard")])
+                                            (16, 3, "standard"), (40, 1, "standard"), (64, 1, "standard"),
+                                            (128, 2, "standard")])
 def test_fp8_dense_decode_takes_the_tl_rule_where_the_gluon_kernel_would_run(monkeypatch, h_q, s_q, kernel):
-    """Where the Gluon kernel is the 16-bit default (Hopper), an FP8 cache takes the tl kernels'
-    own rule instead (the Gluon kernel reads 16-bit rows): transposed at 17-63 query rows, not the
-    padded standard kernel; the small-rows choice at <= 16; standard from 64."""
+    """Where the Gluon kernel is the 16-bit default (Hopper) and the Gluon FP8 kernel cannot run
+    (fp16 q here), an FP8 cache takes the tl kernels by rows: the small-rows choice at <= 16,
+    transposed at 17-32 (one head tile), the standard kernel's 64-row tile above."""
     monkeypatch.setattr(op, "_wgmma_fits", lambda q: True)      # as on an H200 with a 16-bit q
     inp = make_case([100, 50], s_q, h_q, torch.float16, "cpu", page_size=64, nan_tail=False)
     packed = tilefuse.mla_quantize_kv(inp.k_cache)

@@ -59,6 +59,12 @@ FP8_GLUON_CONFIGS = {
     32: dict(BLOCK_H=32, STAGES=2, num_warps=8),
 }
 FP8_GLUON_MAX_ROWS = 32
+# Above this many rows a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
+# the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431
+# against 973 us (and the Gluon FP8 kernel's two 32-row tiles 460 us) on the H200,
+# bench/results/sweeps/mla-fp8-h200.json. The Gluon FP8 kernel's head tiles lose to the standard
+# tile from 48 rows on (460-467 against 368-431 us at 48-128 rows), so it stops at one tile.
+FP8_TRANSPOSED_MAX_ROWS = 32
 
 
 def fp8_gluon_config(rows: int) -> dict:
@@ -208,11 +214,13 @@ GLUON_SPARSE_MAX_HEADS = 128
 #   per tile with both products on WGMMA: (SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS x 64-head
 #   tiles) x positions + SPARSE_GATHER_DENSE_FIXED_US (the gather launch, the metadata kernel, the
 #   dense kernel's fill and combine).
-# Fitted on the H200 to both paths timed side by side (bench/results/mla-h200-quick-sparse.json,
-# tilefuse and tilefuse:sparse-gluon at 64 and 128 heads, batch 16 and 128, s_q 1 and 2: every
-# case within 5 % of its fit); gather + dense runs only where predicted at most
-# SPARSE_GATHER_DENSE_GAIN of the sparse kernel's time: 128 heads from about 28K positions (14
-# query tokens at topk 2048), 33-64 heads from about 196K (96), never at <= 32 heads (one tile).
+# Fitted on the H200 to both paths pinned side by side (bench/results/mla-h200-quick-sparse.json,
+# tilefuse:sparse-gluon and tilefuse:gather-dense): at 64 and 128 heads, batch 16 and 128, s_q 1
+# and 2 within 3 % of the fit; at 16-32 heads (16-head tiles run below it) and on a 48-head mix of
+# shorter lists within 17 %; the pick is the faster path in all 22 cases. Gather + dense runs only
+# where predicted at most SPARSE_GATHER_DENSE_GAIN of the sparse kernel's time: 128 heads from
+# about 28K positions (14 query tokens at topk 2048), 33-64 heads from about 196K (96), never at
+# <= 32 heads (one tile).
 SPARSE_GLUON_TILE_NS = 0.55
 SPARSE_GLUON_FIXED_US = 15.0
 SPARSE_GATHER_NS = 0.60

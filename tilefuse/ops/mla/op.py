@@ -622,18 +622,21 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
 
 def _fp8_variant(variant: str, rows: int, max_blocks: int, q: torch.Tensor) -> str:
-    """The kernel of a dense FP8 decode: ``variant`` where it is a ``tl`` one (pinned, or chosen off
-    Hopper); where the Gluon kernel was chosen (Hopper) and q is bf16 (the cache's RoPE part is
-    bf16), the Gluon FP8 kernel up to ``configs.FP8_GLUON_MAX_ROWS`` rows; else the ``tl``
-    kernels' own rule, ``configs.default_variant`` without the Gluon kernel: the unpadded standard
-    kernel at <= 16 rows, transposed at 17-63 (1.2-1.6x the padded standard one on the H200 in
-    mla-h200-quick.json's tl side by side), standard from 64."""
-    if variant in ("standard", "transposed"):
+    """The kernel of a dense FP8 decode: a pinned ``tl`` kernel as pinned; where the Gluon kernel
+    was chosen (Hopper) and q is bf16 (the cache's RoPE part is bf16), the Gluon FP8 kernel up to
+    ``configs.FP8_GLUON_MAX_ROWS`` rows; else the ``tl`` kernels by rows: the unpadded standard
+    kernel at <= 16 rows, transposed at 17-32 (one head tile), the standard kernel's 64-row tile
+    above ``configs.FP8_TRANSPOSED_MAX_ROWS`` (the transposed kernel dequantizes every page once
+    per 32-row tile; measured on the H200, so a low-ridge chip keeps the 16-bit rule)."""
+    if forced_variant("mla") in ("standard", "transposed"):
         return variant
     if (variant in configs.GLUON_VARIANTS and q.dtype == torch.bfloat16 and rows <= configs.FP8_GLUON_MAX_ROWS
             and _kernels().get("wgmma_fp8") is not None):
         return "wgmma_fp8"
-    return configs.default_variant(rows, max_blocks, False, _chip_ridge(q))
+    ridge = _chip_ridge(q)
+    if rows > configs.FP8_TRANSPOSED_MAX_ROWS and (ridge is None or ridge >= configs.PADDED_FLOP_PER_BYTE):
+        return "standard"     # (a low-ridge chip, where padding costs compute, keeps the 16-bit rule)
+    return configs.default_variant(rows, max_blocks, False, ridge)
 
 
 def fp8_sparse_kernels_run(q: torch.Tensor) -> bool:

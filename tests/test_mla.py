@@ -674,15 +674,10 @@ def test_fp8_descriptors_address_the_codes_rope_and_scales(page):
         assert torch.equal(rope, tilefuse.mla_dequantize_kv(packed, torch.float32).reshape(-1, 576)[:, 512:])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("page", [16, 64, 128])
-@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 2, True), (8, 4, True), (1, 1, False), (5, 3, True),
-                                            (32, 1, False), (16, 3, True), (128, 1, True)])
-def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
-    """The dense FP8 decode as dispatched (on Hopper the Gluon FP8 kernel up to 32 query rows, the
-    tl standard kernel above: 48 and 128 rows here) at real sizes, bf16 q: lengths across pages, splits and programs (zero
-    included), 0xFF (NaN) in every unused slot's bytes, one request's splits spread over several
-    parts; the fp64 reference on the dequantized cache."""
+def _fp8_dense_as_dispatched(s_q, h_q, page, causal):
+    """A dense FP8 decode at real sizes, bf16 q, as dispatched: lengths across pages, splits and
+    programs (zero included), 0xFF (NaN) in every unused slot's bytes. Returns the case (its cache
+    now the dequantized one, the reference's input), out, lse and the dispatch's choice."""
     lens = [1, page + 1, 4000, 0, 777, 20000, 63]
     inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page, nan_tail=False)
     packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens)
@@ -692,36 +687,40 @@ def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
                                                causal=causal, is_fp8_kvcache=True)
     choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
                               is_fp8_kvcache=True)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    return inp, out, lse, choice
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 2, True), (8, 4, True), (1, 1, False), (5, 3, True),
+                                            (32, 1, False), (16, 3, True), (128, 1, True)])
+def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
+    """The dense FP8 decode as dispatched (on Hopper the Gluon FP8 kernel up to 32 query rows, the
+    tl standard kernel above: 48 and 128 rows here; ``_fp8_dense_as_dispatched``'s lengths and NaN
+    bytes, one request's splits spread over several parts): the fp64 reference on the
+    dequantized cache."""
+    inp, out, lse, choice = _fp8_dense_as_dispatched(s_q, h_q, page, causal)
     if op.wgmma_usable(inp.q.device):
         assert choice.variant == ("wgmma_fp8" if s_q * h_q <= configs.FP8_GLUON_MAX_ROWS else "standard"), choice
-    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, causal)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h_q,s_q", [(16, 3), (64, 1), (128, 1), (40, 2)])
 def test_gpu_fp8_gluon_head_tiles(monkeypatch, h_q, s_q):
-    """The Gluon FP8 kernel past one head tile (FP8_GLUON_MAX_ROWS raised to 128): 48-128 query
-    rows on tiles of 32, the last one partial (80 rows), each tile streaming every page of its
-    part; lengths with splits and a zero, NaN in unused slots; the fp64 reference."""
+    """The Gluon FP8 kernel past one head tile (FP8_GLUON_MAX_ROWS raised to 128; the default keeps
+    it to one): 48-128 query rows on tiles of 32, the last one partial (80 rows), each tile
+    streaming every page of its part; ``_fp8_dense_as_dispatched``'s case; the fp64 reference."""
     if not op.wgmma_usable(torch.device("cuda")):
         pytest.skip("the Gluon FP8 kernel runs on Hopper")
     monkeypatch.setattr(configs, "FP8_GLUON_MAX_ROWS", 128)
     configs.launch_config.cache_clear()
     op._plans.clear()
-    lens = [1, 65, 4000, 0, 777, 20000, 63]
-    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", nan_tail=False)
-    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens)
-    packed = packed.cuda()
-    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
-                                               causal=True, is_fp8_kvcache=True)
-    choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
-                              is_fp8_kvcache=True)
+    inp, out, lse, choice = _fp8_dense_as_dispatched(s_q, h_q, 64, True)
     op._plans.clear()
     configs.launch_config.cache_clear()
     assert choice.variant == "wgmma_fp8", choice
-    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, True)
 
 

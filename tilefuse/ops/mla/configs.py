@@ -241,7 +241,8 @@ def sparse_gather_dense_pays(h_q: int, positions: int) -> bool:
         return SPARSE_GATHER_DENSE
     tiles = -(-h_q // sparse_config(h_q, gluon=True)["BLOCK_H"])
     sparse_us = SPARSE_GLUON_TILE_NS * tiles * positions / 1e3 + SPARSE_GLUON_FIXED_US
-    dense_us = (SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS * -(-h_q // 64)) * positions / 1e3 + SPARSE_GATHER_DENSE_FIXED_US
+    per_position_ns = SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS * -(-h_q // 64)
+    dense_us = per_position_ns * positions / 1e3 + SPARSE_GATHER_DENSE_FIXED_US
     return dense_us <= SPARSE_GATHER_DENSE_GAIN * sparse_us
 
 

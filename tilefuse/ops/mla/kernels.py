@@ -745,13 +745,14 @@ def mla_sparse_gather_kernel(
     PRIOR_HAS_LEN: tl.constexpr, KV_FP8: tl.constexpr, LAST: tl.constexpr,
 ):
     """The sparse decode's selected tokens as a dense cache: program ``(c, u)`` copies the tokens
-    that positions ``c x chunk_size ..`` (a multiple of BLOCK_T) of query token ``unit_base + u``'s index list name (HBM ->
-    registers, dequantized from the FP8 layout into ``out``'s 16-bit dtype: exact, e4m3 times a
-    power of two) to rows ``u x rows_per_unit + n`` of ``out`` [units x rows_per_unit, 576], where
-    ``n`` counts the selected tokens before them (of an earlier source, ``prior_*``, then of this
-    list), so each query token's selected tokens lie packed at the start of its rows and the
-    unselected ones (-1, out of the cache, past ``topk_length``) are never read. With ``LAST``, the
-    list's last program writes the count to ``seqlens[u]``: the dense decode's length."""
+    that positions ``c x chunk_size ..`` (a multiple of BLOCK_T) of query token ``unit_base + u``'s
+    index list name (HBM -> registers, dequantized from the FP8 layout into ``out``'s 16-bit dtype:
+    exact, e4m3 times a power of two) to rows ``u x rows_per_unit + n`` of ``out`` [units x
+    rows_per_unit, 576], where ``n`` counts the selected tokens before them (of an earlier source,
+    ``prior_*``, then of this list), so each query token's selected tokens lie packed at the start
+    of its rows and the unselected ones (-1, out of the cache, past ``topk_length``) are never
+    read. With ``LAST``, the list's last program writes the count to ``seqlens[u]``: the dense
+    decode's length."""
     chunk = tl.program_id(0)
     unit = unit_base + tl.program_id(1)
     req = unit // s_q

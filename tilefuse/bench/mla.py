@@ -346,26 +346,23 @@ def sparse_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, topk
             with tilefuse.force(variant="standard"):
                 return ours()
 
-        def sparse_gluon():    # the Gluon sparse kernel (no gather + dense)
-            saved, _mla_configs.SPARSE_GATHER_DENSE = _mla_configs.SPARSE_GATHER_DENSE, False
-            try:
-                return ours()
-            finally:
-                _mla_configs.SPARSE_GATHER_DENSE = saved
-
-        def gather_dense():    # gather + dense wherever it runs
-            saved, _mla_configs.SPARSE_GATHER_DENSE = _mla_configs.SPARSE_GATHER_DENSE, True
-            try:
-                return ours()
-            finally:
-                _mla_configs.SPARSE_GATHER_DENSE = saved
+        def gather_dense_pinned(on: bool):
+            """The default path with gather + dense pinned on (wherever it runs) or off (the Gluon
+            sparse kernel)."""
+            def run():
+                saved, _mla_configs.SPARSE_GATHER_DENSE = _mla_configs.SPARSE_GATHER_DENSE, on
+                try:
+                    return ours()
+                finally:
+                    _mla_configs.SPARSE_GATHER_DENSE = saved
+            return run
 
         impls = {"tilefuse": ours}
         if device.type == "cuda" and not _mla_op.fp8_sparse_kernels_run(q):
             impls["tilefuse:sparse"] = pinned
         if device.type == "cuda" and _mla_op.fp8_sparse_kernels_run(q) and q.dtype == torch.bfloat16 and h_q > 8:
-            impls["tilefuse:sparse-gluon"] = sparse_gluon
-            impls["tilefuse:gather-dense"] = gather_dense
+            impls["tilefuse:sparse-gluon"] = gather_dense_pinned(False)
+            impls["tilefuse:gather-dense"] = gather_dense_pinned(True)
         dense_cache, dense_table = paged_cache(valid, torch.bfloat16, device, nan_tail=False)
         dense_lens = torch.tensor(valid, dtype=torch.int32, device=device)
         impls["tilefuse:dense-bf16"] = _attention_impls(tilefuse, "tilefuse", q, dense_cache, dense_table,

@@ -63,7 +63,7 @@ FP8_GLUON_MAX_ROWS = 32
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431
 # against 973 us (and the Gluon FP8 kernel's two 32-row tiles 460 us) on the H200,
 # bench/results/sweeps/mla-fp8-h200.json. The Gluon FP8 kernel's head tiles lose to the standard
-# tile from 48 rows on (460-467 against 368-431 us at 48-128 rows), so it stops at one tile.
+# tile from 48 rows on (460-467 against 351-431 us at 48-128 rows), so it stops at one tile.
 FP8_TRANSPOSED_MAX_ROWS = 32
 
 

@@ -755,11 +755,10 @@ def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype
     block_t = configs.SPARSE_GATHER_BLOCK_T
     dense = torch.empty(count * pages * PAGE_SIZE, HEAD_DIM, dtype=dtype, device=device)
     seqlens = torch.empty(count, dtype=torch.int32, device=device)
-    prior = None
+    prior = None                # the first source (cache, indices, length) while the second is gathered
     for i, (cache, idx, length) in enumerate(sources):
         cache, topk = _as_bytes(cache), idx.shape[-1]
-        p_idx, p_len = prior if prior is not None else (idx, None)
-        p_cache = sources[0][0]
+        p_cache, p_idx, p_len = prior if prior is not None else (cache, idx, None)
         # positions per program: about SPARSE_GATHER_PROGRAMS_PER_SM programs per SM in all
         want = -(-topk * count // (configs.SPARSE_GATHER_PROGRAMS_PER_SM * num_sms(device)))
         chunk = min(max(block_t, -(-want // block_t) * block_t), max(block_t, -(-topk // block_t) * block_t))
@@ -775,7 +774,7 @@ def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype
                *(t.data_ptr() % 16 for t in tensors))
         grid = (max(1, -(-topk // chunk)), count, 1)
         _kernels()["sparse_gather"].launch(key, grid, device.index, tensors, scalars, meta)
-        prior = (idx, length)
+        prior = (cache, idx, length)
     return dense, seqlens
 
 

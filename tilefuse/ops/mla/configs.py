@@ -227,22 +227,30 @@ SPARSE_GATHER_NS = 0.60
 SPARSE_DENSE_TILE_NS = 0.27
 SPARSE_GATHER_DENSE_FIXED_US = 37.0
 SPARSE_GATHER_DENSE_GAIN = 0.9
+# Eager calls (not captured in a CUDA graph) cost at least the host's time to issue them: gather +
+# dense issues the gather, the metadata kernel, the plan and the dense kernel with its combine
+# (eager_us 147-194 at batch 16 in mla-h200-quick-sparse.json, where its GPU time is 65-110), the
+# sparse kernel one launch and its combine (70-86). Each path's estimate is at least its floor.
+SPARSE_GATHER_DENSE_EAGER_US = 150.0
+SPARSE_GLUON_EAGER_US = 85.0
 # None: the cost model picks; True / False: gather + dense wherever it can run / never (tests, the
 # benchmark's side by side)
 SPARSE_GATHER_DENSE: bool | None = None
 
 
-def sparse_gather_dense_pays(h_q: int, positions: int) -> bool:
+def sparse_gather_dense_pays(h_q: int, positions: int, eager: bool = False) -> bool:
     """Whether gather + dense is predicted at most ``SPARSE_GATHER_DENSE_GAIN`` of the Gluon
     sparse kernel's time for ``h_q`` heads per KV head over ``positions`` index-list positions
-    (query tokens x topk, both lists) -- the cost model above -- unless ``SPARSE_GATHER_DENSE``
-    decides."""
+    (query tokens x topk, both lists) -- the cost model above, with each path's host floor for an
+    ``eager`` call -- unless ``SPARSE_GATHER_DENSE`` decides."""
     if SPARSE_GATHER_DENSE is not None:
         return SPARSE_GATHER_DENSE
     tiles = -(-h_q // sparse_config(h_q, gluon=True)["BLOCK_H"])
     sparse_us = SPARSE_GLUON_TILE_NS * tiles * positions / 1e3 + SPARSE_GLUON_FIXED_US
     per_position_ns = SPARSE_GATHER_NS + SPARSE_DENSE_TILE_NS * -(-h_q // 64)
     dense_us = per_position_ns * positions / 1e3 + SPARSE_GATHER_DENSE_FIXED_US
+    if eager:
+        sparse_us, dense_us = max(sparse_us, SPARSE_GLUON_EAGER_US), max(dense_us, SPARSE_GATHER_DENSE_EAGER_US)
     return dense_us <= SPARSE_GATHER_DENSE_GAIN * sparse_us
 
 

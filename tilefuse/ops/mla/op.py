@@ -722,11 +722,13 @@ def sparse_gather_dense_runs(q: torch.Tensor, indices) -> bool:
     dense kernel on it (:func:`_sparse_gather_dense`) where that can run (a bf16 q on Hopper with
     the Gluon kernel, no ``tl`` kernel forced) and the cost model of
     ``configs.sparse_gather_dense_pays`` predicts it faster than the Gluon sparse kernel for
-    ``indices`` (the index lists: main, then extra)."""
+    ``indices`` (the index lists: main, then extra), with the host floor of an eager call where
+    no CUDA graph is being captured."""
     units = q.shape[0] * q.shape[1]
     return (q.dtype == torch.bfloat16 and units > 0 and wgmma_usable(q.device)
             and forced_variant("mla") not in ("standard", "transposed")
-            and configs.sparse_gather_dense_pays(q.shape[2], units * sum(idx.shape[-1] for idx in indices)))
+            and configs.sparse_gather_dense_pays(q.shape[2], units * sum(idx.shape[-1] for idx in indices),
+                                                 eager=not torch.cuda.is_current_stream_capturing()))
 
 
 _unit_tables: dict = {}

@@ -386,3 +386,28 @@ def test_two_flashmla_builds_load_side_by_side(tmp_path, monkeypatch):
         monkeypatch.delenv("TILEFUSE_FLASHMLA")
         _env.reload()
         mla._PEERS = None
+
+
+def test_vq_profile_summary_splits_the_samples_by_stage():
+    """tools/vq_profile_summary.py on a made-up profile: the prologue ends at the build's first FMA,
+    the loop runs from its backward branch's target to that branch, the epilogue follows."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tools"))
+    try:
+        import vq_profile_summary
+    finally:
+        sys.path.pop(0)
+    sass = [("0x100", "LDG.E R4, desc[UR4][R2.64]", 2, 2, 0), ("0x110", "FFMA R5, R4, R4, RZ", 6, 0, 1),
+            ("0x120", "STS [R6], R5", 6, 0, 3), ("0x130", "MOV R14, R3", 40, 9, 0),
+            ("0x140", "PRMT R25, R8, 0x7604, R21", 40, 0, 5), ("0x150", "@!P0 BRA 0x130", 40, 0, 1),
+            ("0x160", "BAR.SYNC.DEFER_BLOCKING 0x0", 2, 0, 0), ("0x170", "EXIT", 2, 0, 0)]
+    head = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","stall_long_sb","stall_math"'
+    lines = [f'"{a}","{op}","{ls + m}","{ex}","{ls}","{m}"' for a, op, ex, ls, m in sass]
+    source = '"Kernel Name","vq_decode_resident_kernel",\n' + "\n".join([head, *lines])
+    details = "  vq_decode_resident_kernel (8, 16, 1)x(512, 1, 1)\n    Duration    us    33.66\n"
+    [case] = vq_profile_summary.summarize(details, source, [(28672, 8192)])
+    assert case["duration_us"] == 33.66 and case["stall_samples"] == 21
+    shares = {stage: r["share"] for stage, r in case["regions"].items()}
+    assert shares == {"prologue": round(2 / 21, 3), "table build": round(4 / 21, 3),
+                      "streaming loop": round(15 / 21, 3), "epilogue": 0.0}
+    assert case["regions"]["streaming loop"]["top_stalls"] == {"long_sb": 0.6, "math": 0.4}
+    assert case["hottest_instruction"] == dict(sass="MOV R14, R3", share=round(9 / 21, 3), top_stall="long_sb")

@@ -1289,6 +1289,19 @@ def test_sparse_gather_packs_the_selected_tokens(interpret, monkeypatch, fp8, pa
                 assert torch.equal(got, want)
 
 
+def test_sparse_gather_block_table_is_one_growing_tensor(monkeypatch):
+    """Gather + dense's block table: query token u owns pages u x pages ..., for any count; one
+    cached tensor per page count, grown to a power of two (a serving run's batch sizes do not pile
+    up tables)."""
+    monkeypatch.setattr(op, "_unit_tables", {})
+    cpu = torch.device("cpu")
+    for units, pages in [(3, 4), (5, 4), (2, 4), (9, 4), (1, 32)]:
+        table = op._unit_pages(cpu, units, pages)
+        assert table.dtype == torch.int32 and table.is_contiguous()
+        assert torch.equal(table, torch.arange(units * pages, dtype=torch.int32).view(units, pages))
+    assert {key[1]: t.shape for key, t in op._unit_tables.items()} == {4: (16, 4), 32: (1, 32)}
+
+
 def test_sparse_gather_dense_cost_model():
     """The pick between the Gluon sparse kernel and gather + dense: never with one head tile (<= 32
     heads), at 128 heads from small batches on, at 64 heads only for large ones (the fit's

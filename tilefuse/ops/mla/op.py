@@ -731,19 +731,23 @@ def sparse_gather_dense_runs(q: torch.Tensor, indices) -> bool:
                                                  eager=not torch.cuda.is_current_stream_capturing()))
 
 
-_unit_tables: dict = {}
+_unit_tables: dict = {}   # (device, pages) -> the block table of the most query tokens asked so far
 
 
 def _unit_pages(device: torch.device, units: int, pages: int) -> torch.Tensor:
-    """The block table of the gathered cache: query token u's pages are ``u x pages ..`` (cached
-    per shape, except while a CUDA graph captures: then the graph computes its own)."""
+    """The block table ``[units, pages]`` int32 of the gathered cache: query token u's pages are
+    ``u x pages ..``. One table per device and page count, grown to the next power of two of the
+    query tokens asked and returned as its first ``units`` rows (the same rows for any count), so
+    the cache stays one tensor whatever batch sizes come; while a CUDA graph captures, the graph
+    computes its own."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
-    key = (device, units, pages)
+    key = (device, pages)
     table = _unit_tables.get(key)
-    if table is None:
-        table = _unit_tables[key] = torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
-    return table
+    if table is None or table.shape[0] < units:
+        rows = 1 << max(units - 1, 0).bit_length()
+        table = _unit_tables[key] = torch.arange(rows * pages, dtype=torch.int32, device=device).view(rows, pages)
+    return table[:units]
 
 
 def gather_selected(sources, s_q: int, first: int, count: int, pages: int, dtype: torch.dtype

@@ -269,6 +269,24 @@ def test_mla_tl_kernels_compile_for_every_page_size(kernel, block_h, page, fp8):
     assert result.shared <= SMEM_LIMIT and result.registers > 0
 
 
+@pytest.mark.parametrize("variant,rows", [("standard", 128), ("standard", 32), ("transposed", 64), ("transposed", 32)])
+def test_mla_tl_kernels_fit_shared_memory_with_fp32_q(variant, rows):
+    """A float32 q and cache (accepted on a GPU; the tl kernels run them with fp32 dots) at the
+    launch settings ``launch_config`` gives 4-byte elements fits the SM's shared memory: the 16-bit
+    tiles would ask for 311-313 KB at 64 head rows."""
+    cfg, fused, per_slot, _ = mla_configs.launch_config(variant, rows, 64, 4)
+    cfg = dict(cfg)
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    constexprs = dict(CAUSAL=True, DOT_PREC="ieee", FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=64,
+                      KV_FP8=False, **cfg)
+    signature = {**_mla_tl_signature(), "q_ptr": "*fp32", "kc_ptr": "*fp32", "out_ptr": "*fp32",
+                 **{name: CONSTEXPR for name in constexprs}}
+    result = compile_gluon_isolated(f"tilefuse.ops.mla.kernels:mla_split_{variant}_kernel", signature, constexprs,
+                                    num_warps=num_warps, num_stages=num_stages)
+    assert result.shared <= SMEM_LIMIT and result.registers > 0
+    assert mla_configs.launch_config(variant, rows, 64)[0]["BLOCK_N"] > cfg["BLOCK_N"]  # 16-bit tiles unchanged
+
+
 @pytest.mark.parametrize("h_q", [8, 16, 128])
 def test_mla_sparse_gluon_kernel_compiles(h_q):
     """The Gluon sparse kernel compiles for sm_90a at each shipped launch (configs.GLUON_SPARSE_CONFIGS)

@@ -368,6 +368,8 @@ def test_finetune_e2e_errors_name_the_argument():
         patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=5, progress=False)
     with pytest.raises(ValueError, match=r"finetune_e2e_held_out: expected an int from 0 to .* \(0\), got 1"):
         patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=2, finetune_e2e_held_out=1)
+    with pytest.raises(ValueError, match=r"finetune_e2e_schedule: expected one of \('constant', 'cosine'\)"):
+        patch_vq(ToyModel(), torch.randint(0, 50, (4,)), finetune_e2e=2, finetune_e2e_schedule="step")
 
 
 def test_finetune_e2e_held_out_windows_pick_the_state():

@@ -297,7 +297,7 @@ class SmolTask:
             log(f"sequential: block {i + 1}/{m.layers}" + (f", tuned {info[f'blk.{i}']}" if finetune_steps else ""))
         return {name: weights[name] for name in layers}, info, formats
 
-    def finetune_end_to_end(self, formats, steps, lr, loss="hidden", norms=False, eval_every=0):
+    def finetune_end_to_end(self, formats, steps, lr, loss="hidden", norms=False, eval_every=0, schedule="constant"):
         """Every layer's codebooks and scales tuned together (Adam, ``tilefuse.quantizer.finetune``)
         against the dense model on the calibration windows: ``loss="hidden"``, the relative squared
         error of the final normed hidden states (the logits' input); ``"kl"``, the KL divergence of
@@ -330,7 +330,7 @@ class SmolTask:
                 log(f"end to end: step {done}, eval ppl {by_step[done]}")
         tuned, info = finetune(forward, formats, self.calib_windows, targets, steps=steps, lr=lr,
                                tune=tuned_norms or None, objective=kl if loss == "kl" else None, progress=True,
-                               callback=evaluate if eval_every else None, validation=validation)
+                               callback=evaluate if eval_every else None, validation=validation, schedule=schedule)
         if by_step:
             info["ppl_by_step"] = by_step
         log(f"end to end: {info}")
@@ -433,6 +433,9 @@ def main():
     ap.add_argument("--e2e-loss", choices=("hidden", "kl"), default="hidden",
                     help="the _e2e objective: the final hidden states' relative squared error, or the KL divergence "
                          "of the next-token distributions from the dense model's")
+    ap.add_argument("--e2e-schedule", choices=("constant", "cosine"), default="constant",
+                    help="Adam's learning rate over the _e2e steps: constant, or from --e2e-lr to 0 along a "
+                         "half cosine")
     ap.add_argument("--e2e-norms", action="store_true", help="the _e2e tuning also tunes every RMSNorm weight")
     ap.add_argument("--e2e-val-windows", type=int, default=0, metavar="N",
                     help="smollm2: the last N calibration windows calibrate nothing and pick the _e2e tuning's state "
@@ -490,7 +493,7 @@ def main():
             if method.endswith("_e2e"):
                 quantized, tuning["end_to_end"] = task.finetune_end_to_end(formats, args.e2e_steps, args.e2e_lr,
                                                                            args.e2e_loss, args.e2e_norms,
-                                                                           args.e2e_eval_every)
+                                                                           args.e2e_eval_every, args.e2e_schedule)
             weights.update(quantized)
         for j, name in enumerate(layers):
             key = task.gram_key(name)
@@ -515,7 +518,7 @@ def main():
                 "per_block": {k: v for k, v in tuning.items() if k != "end_to_end"}}
             if "end_to_end" in tuning:
                 result["methods"][method]["finetune"]["end_to_end"] = {
-                    "steps": args.e2e_steps, "lr": args.e2e_lr, **tuning["end_to_end"],
+                    "steps": args.e2e_steps, "lr": args.e2e_lr, "schedule": args.e2e_schedule, **tuning["end_to_end"],
                     "target": "the dense model's final normed hidden states on the calibration windows",
                     "loss": ("KL divergence of the next-token distributions from the dense model's"
                              if args.e2e_loss == "kl" else "relative squared error of the final hidden states"),

@@ -80,7 +80,8 @@ VQ_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              targets: tuple[str, ...] = VQ_PROJECTIONS, seed: int = 0, progress: bool | None = None,
              finetune: int = 0, finetune_lr: float = 1e-4, finetune_e2e: int = 0, finetune_e2e_lr: float = 3e-4,
-             finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_pv: int = 0,
+             finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_e2e_schedule: str = "constant",
+             finetune_pv: int = 0,
              finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
@@ -134,6 +135,8 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         all tuning, to pick the end-to-end tuning's state: the lowest KL on them among the start and
         every tenth of the steps (0: the state with the lowest KL on the tuning windows, which keeps
         falling after the model stops improving on other text).
+    finetune_e2e_schedule : Adam's learning rate over the end-to-end steps: ``"constant"``, or
+        ``"cosine"`` (from ``finetune_e2e_lr`` to 0 along a half cosine).
     finetune_pv : with ``finetune_e2e``, rounds of PV-tuning's alternation after the end-to-end
         tuning: each a code step (``tilefuse.hf.vq_sequential.tune_codes_end_to_end``: up to
         ``finetune_pv_fraction`` of every layer's 8-weight groups re-coded toward the weight
@@ -170,6 +173,10 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
             or not 0 <= finetune_e2e_held_out < max(len(windows), 1)):
         raise ValueError(f"finetune_e2e_held_out: expected an int from 0 to the calibration windows less one "
                          f"({max(len(windows) - 1, 0)}), got {finetune_e2e_held_out!r}")
+    from tilefuse.quantizer.finetune import SCHEDULES
+
+    if finetune_e2e_schedule not in SCHEDULES:
+        raise ValueError(f"finetune_e2e_schedule: expected one of {SCHEDULES}, got {finetune_e2e_schedule!r}")
     if not isinstance(finetune_pv, int) or isinstance(finetune_pv, bool) or finetune_pv < 0:
         raise ValueError(f"finetune_pv: expected an int >= 0 (rounds of code and end-to-end steps), "
                          f"got {finetune_pv!r}")
@@ -191,12 +198,14 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         replaced = patch_vq(model, fitted, targets=targets, seed=seed, progress=progress, finetune=finetune,
                             finetune_lr=finetune_lr, **quantize_opts)
         tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
-                        norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out)
+                        norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out,
+                        schedule=finetune_e2e_schedule)
         for _ in range(finetune_pv):
             tune_codes_end_to_end(model, windows, dense_inputs, step=finetune_pv_step,
                                   fraction=finetune_pv_fraction, progress=progress, held_out=finetune_e2e_held_out)
             tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
-                            norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out)
+                            norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out,
+                            schedule=finetune_e2e_schedule)
         return replaced
     if finetune:
         from tilefuse.hf.vq_sequential import quantize_sequential

@@ -216,7 +216,8 @@ def _frozen_parameters(model: nn.Module):
 
 
 def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs: list[torch.Tensor], *,
-                    steps: int, lr: float, norms: bool, progress: bool, held_out: int = 0) -> dict:
+                    steps: int, lr: float, norms: bool, progress: bool, held_out: int = 0,
+                    schedule: str = "constant") -> dict:
     """Tune every :class:`tilefuse.nn.VQLinear`'s codebooks and scales of ``model`` together (and,
     with ``norms``, every RMSNorm weight) so that the model's next-token distributions match the
     dense model's on the calibration windows: Adam on fp32 copies, one window per step, the KL
@@ -228,6 +229,7 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
     went down, else nothing changes. With ``held_out`` the last that many windows are not tuned on
     but pick the state: the one with the lowest mean KL on them among the start and every tenth of
     the steps (the tuning windows' KL keeps falling after the model stops improving on other text).
+    ``schedule``: Adam's rate stays ``lr`` or falls to 0 along a half cosine (``"cosine"``).
     Returns ``{"error_before", "error_after", "steps", "seconds"}`` (mean KL, nats per token, on
     the scored windows) and, with ``held_out``, ``"best_step"``."""
     from tilefuse.nn.vq import VQLinear
@@ -270,7 +272,7 @@ def tune_end_to_end(model: nn.Module, windows: list[torch.Tensor], dense_inputs:
     with _frozen_parameters(model):                 # gradients for the masters only
         final, before, after, best_step = adam_keep_best(masters, lambda step: loss(step % tuned, True), steps, lr,
                                                          mean_kl, validated=bool(held_out), check_every=every,
-                                                         on_step=on_step)
+                                                         on_step=on_step, schedule=schedule)
     if final is not None:
         with torch.no_grad():
             for name, t in targets.items():

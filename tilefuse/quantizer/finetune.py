@@ -18,6 +18,7 @@ with the formats (``tune``).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +30,11 @@ from tilefuse.ops.vq.reference import dequantize
 Format = tuple[torch.Tensor, torch.Tensor, torch.Tensor]       # (codes, codebooks, scales)
 
 
+SCHEDULES = ("constant", "cosine")       # the learning-rate schedules of adam_keep_best
+
+
 def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None, callback=None, validation=None,
-                check_every=None) -> None:
+                check_every=None, schedule="constant") -> None:
     if not isinstance(quantized, dict) or not quantized:
         raise ValueError("quantized: expected a non-empty dict {name: (codes, codebooks, scales)}")
     for name, fmt in quantized.items():
@@ -66,6 +70,8 @@ def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None
     if check_every is not None and (not isinstance(check_every, int) or isinstance(check_every, bool)
                                     or check_every < 1):
         raise ValueError(f"check_every: expected an int >= 1, got {check_every!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
 
 
 def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
@@ -91,18 +97,24 @@ def mean_objective(forward: Callable[[dict[str, torch.Tensor], object], torch.Te
 
 def adam_keep_best(tensors: dict, step_loss: Callable[[int], torch.Tensor], steps: int, lr: float,
                    error: Callable[[], float], *, validated: bool, check_every: int,
-                   on_step: Callable[[int, torch.Tensor], None] | None = None) -> tuple[dict | None, float, float, int]:
+                   on_step: Callable[[int, torch.Tensor], None] | None = None,
+                   schedule: str = "constant") -> tuple[dict | None, float, float, int]:
     """Adam on ``tensors`` (fp32 leaves with gradients), ``steps`` steps of ``step_loss(step)``, and
     which state to keep: with ``validated``, the copy of the state with the lowest ``error()``
     among the start and every ``check_every`` steps (the last step included), None if the start
     was best; otherwise ``tensors`` themselves if ``error()`` fell over the tuning, else None.
-    ``on_step(steps_done, loss)`` runs after every step. Returns ``(state to keep or None, error
-    before, error of the kept state or of the start, the step kept)``; the shared loop of
+    ``on_step(steps_done, loss)`` runs after every step. ``schedule``: the learning rate stays
+    ``lr`` (``"constant"``) or falls from ``lr`` to 0 along a half cosine over the steps
+    (``"cosine"``: the late steps, which mostly fit the tuning batches, move the state less).
+    Returns ``(state to keep or None, error before, error of the kept state or of the start, the
+    step kept)``; the shared loop of
     :func:`finetune` and ``hf.vq_sequential.tune_end_to_end``."""
     before = error()
     best, best_step, kept = before, 0, None
     optimizer = torch.optim.Adam(list(tensors.values()), lr=lr)
     for step in range(steps):
+        if schedule == "cosine":                # the rate of this step: lr at the first, near 0 at the last
+            optimizer.param_groups[0]["lr"] = lr * 0.5 * (1.0 + math.cos(math.pi * step / steps))
         optimizer.zero_grad(set_to_none=True)
         loss = step_loss(step)
         loss.backward()
@@ -127,7 +139,7 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
              progress: bool = True,
              callback: Callable[[int, Callable[[], dict[str, torch.Tensor]]], None] | None = None,
              validation: tuple[Sequence[object], Sequence[torch.Tensor]] | None = None,
-             check_every: int | None = None) -> tuple[dict[str, Format], dict]:
+             check_every: int | None = None, schedule: str = "constant") -> tuple[dict[str, Format], dict]:
     """Tune the codebooks and scales of ``quantized`` (and the tensors of ``tune``) so that
     ``forward`` matches ``targets``.
 
@@ -153,6 +165,8 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
         included), instead of the lowest error on the tuning batches (which keeps falling while
         the model stops improving on other text).
     check_every : steps between validation checks; default a tenth of ``steps``.
+    schedule : ``"constant"`` (the rate stays ``lr``) or ``"cosine"`` (from ``lr`` to 0 along a
+        half cosine over the steps).
     callback : called after every step as ``callback(steps_done, weights)``; ``weights()`` returns
         the current dense weights (every name of ``quantized``, ``dense`` and ``tune``, float32, no
         gradients) for an evaluation at chosen steps (a held-out perplexity, say). Its cost is the
@@ -166,7 +180,7 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     batches; with ``validation``, over its batches, and ``"best_step"``). The state with the lower
     error is returned (and written to ``tune``'s tensors), so tuning never makes that error worse.
     """
-    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback, validation, check_every)
+    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback, validation, check_every, schedule)
     start = time.perf_counter()
     fixed = dict(dense or {})
     extra = {name: t.detach().float().clone().requires_grad_(True) for name, t in (tune or {}).items()}
@@ -211,7 +225,7 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
 
     state, before, after, best_step = adam_keep_best(tensors, lambda step: batch_loss(step % len(inputs)), steps, lr,
                                                      error, validated=validation is not None, check_every=every,
-                                                     on_step=on_step)
+                                                     on_step=on_step, schedule=schedule)
     keep = state is not None
     if keep:
         with torch.no_grad():

@@ -341,10 +341,10 @@ def default_variant(rows: int, max_blocks: int, wgmma: bool = False, chip_ridge:
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool, int, tuple]:
+def launch_config(variant: str, rows: int, max_blocks: int, elem_bytes: int = 2) -> tuple[dict, bool, int, tuple]:
     """(kernel meta-parameters, fused combine, programs per slot, a hashable key of all three) for
-    ``rows = s_q * h_q`` query rows; cached per shape (tuning code that edits ``CONFIGS`` calls
-    ``launch_config.cache_clear()``)."""
+    ``rows = s_q * h_q`` query rows of ``elem_bytes``-byte q and cache elements; cached per shape
+    (tuning code that edits ``CONFIGS`` calls ``launch_config.cache_clear()``)."""
     if variant == "wgmma_fp8":       # the Gluon FP8 kernel: head tiles of <= 32 rows; one program per part
         cfg = fp8_gluon_config(rows)
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
@@ -362,6 +362,11 @@ def launch_config(variant: str, rows: int, max_blocks: int) -> tuple[dict, bool,
     if block_h > 16:
         cfg["num_warps"] = max(cfg["num_warps"], 8)   # [32+, 512] fp32 accumulator: 8 warps avoid spills
     cfg["BLOCK_H"] = block_h
+    if elem_bytes > 2:
+        # fp32 q and cache: a stage of 64 tokens x 576 is 147 KB, so the 16-bit tiles ask for up
+        # to 313 KB of the SM's 227 KB (sm_90 compiles: 64-head tiles 311-313 KB); KV tiles of 16
+        # tokens keep every orientation under 190 KB (tests/test_gluon_compile.py checks each)
+        cfg["BLOCK_N"] = 16
     return cfg, fused, per_slot, (tuple(sorted(cfg.items())), fused, per_slot)
 
 

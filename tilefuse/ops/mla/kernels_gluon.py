@@ -258,8 +258,12 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)
-                p = gl.exp2(s - m_safe[:, None]).to(dtype)
-                l_i = l_i * alpha + gl.sum(p.to(gl.float32), axis=1)
+                # the row sum from the fp32 probabilities (the lse keeps fp32 accuracy; summing P
+                # after its rounding to K's dtype would put up to 2^-11 (fp16) on it), P itself goes
+                # to the tensor cores in K's dtype.
+                p32 = gl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + gl.sum(p32, axis=1)
+                p = p32.to(dtype)
                 m_i = m_new
                 # ---- hand P_t and alpha_t to the PV warpgroup (registers -> SMEM), once it took P_{t-1}.
                 mbarrier.wait(p_empty, (t & 1) ^ 1)

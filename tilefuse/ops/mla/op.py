@@ -331,7 +331,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     if gluon and any(stride % 8 for stride in q.stride()[:3]):
         call.variant, gluon = "standard", False
     call.fallback = _attention_call(q, k_cache, block_table, meta, scale, causal, "standard") if gluon else None
-    cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks)
+    cfg, fused, per_slot, _ = configs.launch_config(call.variant, rows, max_blocks, q.element_size())
     num_slots = meta.shape[0]
     call.out_shape, call.lse_shape = (batch, s_q, h_q, HEAD_DIM_V), (batch, h_q, s_q)
     # Partials of split requests (normalised outputs and their lse, one row per (program, query
@@ -936,7 +936,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     forced = forced_variant("mla")
     max_blocks = block_table.shape[1]
     variant = choose_variant(rows, max_blocks, q)
-    cfg = configs.launch_config(variant, rows, max_blocks)[0]
+    cfg = configs.launch_config(variant, rows, max_blocks, q.element_size())[0]
     source = "forced" if forced else "measured rule (configs.default_variant: rows per KV head, length, chip)"
     if forced and forced != variant:
         source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from tilefuse.ops.vq.reference import dequantize  # noqa: E402
 from tilefuse.quantizer import finetune, kmeans_vq, quantize, relative_output_error, rtn  # noqa: E402
+from tilefuse.quantizer.finetune import SCHEDULES  # noqa: E402
 
 PROJ = ["attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"]
 INPUT_OF = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "o_in",
@@ -433,7 +434,7 @@ def main():
     ap.add_argument("--e2e-loss", choices=("hidden", "kl"), default="hidden",
                     help="the _e2e objective: the final hidden states' relative squared error, or the KL divergence "
                          "of the next-token distributions from the dense model's")
-    ap.add_argument("--e2e-schedule", choices=("constant", "cosine"), default="constant",
+    ap.add_argument("--e2e-schedule", choices=SCHEDULES, default="constant",
                     help="Adam's learning rate over the _e2e steps: constant, or from --e2e-lr to 0 along a "
                          "half cosine")
     ap.add_argument("--e2e-norms", action="store_true", help="the _e2e tuning also tunes every RMSNorm weight")

@@ -34,7 +34,7 @@ SCHEDULES = ("constant", "cosine")       # the learning-rate schedules of adam_k
 
 
 def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None, callback=None, validation=None,
-                check_every=None, schedule="constant") -> None:
+                check_every=None) -> None:
     if not isinstance(quantized, dict) or not quantized:
         raise ValueError("quantized: expected a non-empty dict {name: (codes, codebooks, scales)}")
     for name, fmt in quantized.items():
@@ -70,8 +70,6 @@ def _check_args(quantized, inputs, targets, steps, lr, tune=None, objective=None
     if check_every is not None and (not isinstance(check_every, int) or isinstance(check_every, bool)
                                     or check_every < 1):
         raise ValueError(f"check_every: expected an int >= 1, got {check_every!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
 
 
 def relative_error(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
@@ -107,8 +105,10 @@ def adam_keep_best(tensors: dict, step_loss: Callable[[int], torch.Tensor], step
     ``lr`` (``"constant"``) or falls from ``lr`` to 0 along a half cosine over the steps
     (``"cosine"``: the late steps, which mostly fit the tuning batches, move the state less).
     Returns ``(state to keep or None, error before, error of the kept state or of the start, the
-    step kept)``; the shared loop of
-    :func:`finetune` and ``hf.vq_sequential.tune_end_to_end``."""
+    step kept)``; the shared loop of :func:`finetune` and ``hf.vq_sequential.tune_end_to_end``
+    (ValueError for an unknown ``schedule``, before any work)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {SCHEDULES}, got {schedule!r}")
     before = error()
     best, best_step, kept = before, 0, None
     optimizer = torch.optim.Adam(list(tensors.values()), lr=lr)
@@ -180,7 +180,7 @@ def finetune(forward: Callable[[dict[str, torch.Tensor], object], torch.Tensor],
     batches; with ``validation``, over its batches, and ``"best_step"``). The state with the lower
     error is returned (and written to ``tune``'s tensors), so tuning never makes that error worse.
     """
-    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback, validation, check_every, schedule)
+    _check_args(quantized, inputs, targets, steps, lr, tune, objective, callback, validation, check_every)
     start = time.perf_counter()
     fixed = dict(dense or {})
     extra = {name: t.detach().float().clone().requires_grad_(True) for name, t in (tune or {}).items()}

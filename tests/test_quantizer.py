@@ -98,12 +98,14 @@ def test_zero_rows_and_constant_weight_stay_finite():
     torch.testing.assert_close(approx[5], w[5], rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("huge", [1e20, 1e23, 1e37])
 @pytest.mark.parametrize("calibrated", [False, True])
-def test_huge_and_tiny_rows_stay_finite(calibrated):
+def test_huge_and_tiny_rows_stay_finite(calibrated, huge):
     """A finite weight with a row of 1e20 (its squares overflow fp32) and one of 1e-30 (its squares
-    underflow): finite codebooks and scales, the huge row kept as well as the rest."""
+    underflow): finite codebooks and scales, the huge row kept as well as the rest. From 1e23 the
+    rows' weights (scale^2, 1e46) made the codebook refit's ridge overflow fp32: NaN codebooks."""
     w = _weight(64, 256)
-    w[3] = 1e20 * torch.randn(256)
+    w[3] = huge * torch.randn(256)
     w[7] = 1e-30 * torch.randn(256)
     gram = torch.eye(256) + 0.1 if calibrated else None
     codes, books, scales = quantize(w, gram, iters=2, init_iters=4, progress=False)
@@ -116,10 +118,11 @@ def test_huge_and_tiny_rows_stay_finite(calibrated):
     assert row_err[3] < 1e-3 and row_err.mean() < 0.6 and row_err[7] < 0.8
 
 
-def test_kmeans_baseline_with_a_huge_row_stays_finite():
+@pytest.mark.parametrize("huge", [1e20, 1e23])
+def test_kmeans_baseline_with_a_huge_row_stays_finite(huge):
     """The quality-study baseline scales rows the same overflow-free way as ``quantize``."""
     w = _weight(64, 256)
-    w[3] = 1e20 * torch.randn(256)
+    w[3] = huge * torch.randn(256)
     approx = kmeans_vq(w, iters=2)
     assert torch.isfinite(approx).all()           # before: NaN everywhere (the squares overflowed)
     row_err = (approx.double() - w.double()).norm(dim=1) / w.double().norm(dim=1)
@@ -140,6 +143,8 @@ def test_progress_goes_to_stderr_by_default(capsys):
     (dict(weight=torch.randn(4, 12)), "weight"),
     (dict(weight=torch.randint(0, 3, (4, 16))), "weight"),
     (dict(weight=torch.full((4, 16), float("nan"))), "weight"),
+    (dict(weight=torch.zeros(4, 16).index_fill_(1, torch.tensor([5]), float("inf"))), "weight"),
+    (dict(weight=torch.full((4, 16), float("-inf"), dtype=torch.float16)), "weight"),
     (dict(weight=torch.randn(4, 16), calib=torch.randn(8, 8)), "calib"),
     (dict(weight=torch.randn(4, 16), calib=torch.randn(16, 16).numpy()), "calib"),
     (dict(weight=torch.randn(4, 16), calib=-torch.eye(16)), "calib"),

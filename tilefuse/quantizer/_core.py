@@ -100,7 +100,9 @@ def refit_book(t: torch.Tensor, index: torch.Tensor, row_weight: torch.Tensor,
     if blocks is None:
         count = torch.zeros(num_entries, dtype=torch.float64, device=t.device).index_add_(0, flat_index, weight)
         lam = ridge * count.mean() + 1e-30
-        return ((rhs + lam * old) / (count + lam)[:, None]).to(old.dtype)
+        # float64 throughout: ``lam`` grows with the row weights (scale^2: 1e46 for a row of 1e23),
+        # and a 0-d float64 tensor times an fp32 one stays fp32, where lam * old overflowed to inf
+        return ((rhs + lam * old.double()) / (count + lam)[:, None]).to(old.dtype)
     group_of = torch.arange(num_groups, device=t.device).expand(index.shape).reshape(-1)
     counts = torch.zeros(num_groups * num_entries, dtype=torch.float64, device=t.device)
     counts.index_add_(0, group_of * num_entries + flat_index, weight)

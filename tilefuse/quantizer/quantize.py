@@ -214,6 +214,11 @@ def quantize(weight: torch.Tensor, calib: torch.Tensor | None = None, *, iters: 
         codes, books, scales = _error_feedback(w, calib.to(dev), codes, books, scales, beam, feedback, log)
 
     out_dev, dtype = weight.device, weight.dtype
-    return (codes.to(torch.uint8).to(out_dev),
-            books.reshape(BOOKS, ENTRIES, 1, GROUP).to(out_dev, dtype),
-            scales.reshape(num_rows, 1, 1, 1).to(out_dev, dtype))
+    books = books.reshape(BOOKS, ENTRIES, 1, GROUP).to(out_dev, dtype)
+    scales = scales.reshape(num_rows, 1, 1, 1).to(out_dev, dtype)
+    # the weight is finite (checked); a row scale refit past the dtype's range (a weight with
+    # entries at its dtype's largest values) would round to inf: refuse rather than return it
+    if not (torch.isfinite(books).all() and torch.isfinite(scales).all()):
+        raise ValueError(f"weight: the codebooks or row scales of this {dtype} weight are not finite in {dtype} "
+                         f"(entries up to {weight.detach().abs().max().item():.3g}); quantize weight.float()")
+    return codes.to(torch.uint8).to(out_dev), books, scales

@@ -549,6 +549,104 @@ def test_zero_sizes(interpret):
     assert y.shape == (3, 0)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("lead", [(0,), (2, 0), (0, 3)])
+def test_no_tokens(backend, dtype, lead, device):
+    """x with no tokens (an MoE expert no token was routed to): an empty ``[..., N]`` output in x's
+    dtype on x's device, as the reference gives, and ``explain`` says so (before: the cost
+    model divided by M = 0 in host code, ZeroDivisionError)."""
+    case = make_case(1, 24, 64, dtype, device, bias=True)
+    x = torch.randn(*lead, 64, device=device).to(dtype)
+    with tilefuse.force(backend=backend):
+        y = tilefuse.vq_matmul(x, case.codes, case.codebooks, case.scales, case.bias)
+        choice = tilefuse.explain(tilefuse.vq_matmul, x, case.codes, case.codebooks, case.scales, case.bias)
+    assert y.shape == (*lead, 24) and y.dtype == dtype and y.device == x.device
+    assert choice.problem["M"] == 0 and choice.variant in ("empty", "reference"), str(choice)
+    # the registered op (a gradient asked for) and its backward: empty / zero gradients
+    xg, books = x.detach().requires_grad_(), case.codebooks.float().requires_grad_()
+    with tilefuse.force(backend=backend):
+        out = tilefuse.vq_matmul(xg, case.codes, books, case.scales, case.bias)
+    out.float().sum().backward()
+    assert xg.grad.shape == x.shape and not books.grad.any()
+
+
+def _compile_inputs(m, dtype, device):
+    case = make_case(max(m, 1), 24, 64, dtype, device, bias=True)
+    case.x = torch.randn(m, 64, device=device).to(dtype)
+    return case
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_before_any_eager_call(backend, dynamic, device):
+    """``torch.compile(vq_matmul, fullgraph=True)``, static and dynamic, as the first call of its
+    shapes (no cached plan): the traced path reads metadata only and leaves the per-size pick to the
+    op at run time (before: dynamic shapes failed on the cost model's sort of symbolic times, and a
+    zero-token call on a ZeroDivisionError)."""
+    dtype = torch.float16
+    vq_op._plans.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(tilefuse.vq_matmul, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    with tilefuse.force(backend=backend):
+        for m in (3, 5, 0):
+            case = _compile_inputs(m, dtype, device)
+            y = fn(case.x, case.codes, case.codebooks, case.scales, case.bias)
+            assert y.shape == (m, 24) and y.dtype == dtype
+            if m:
+                _check(y, case, "dequant")       # the loosest bound of the paths the pick may take
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_layer_fullgraph_before_any_eager_call(dynamic, interpret):
+    """``VQLinear`` compiled whole-graph (static and dynamic), first call compiled, no tokens included."""
+    vq_op._plans.clear()
+    torch._dynamo.reset()
+    layer = tilefuse.nn.VQLinear(64, 24, dtype=torch.float16).to(interpret)
+    case = make_case(1, 24, 64, torch.float16, interpret, bias=True)
+    layer.load_quantized(case.codes, case.codebooks, case.scales, case.bias)
+    fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    for lead in ((2, 3), (2, 5), (0, 7)):
+        case.x = torch.randn(*lead, 64, device=interpret).half()
+        y = fn(case.x)
+        assert y.shape == (*lead, 24) and y.dtype == torch.float16
+        if y.numel():
+            case.x = case.x.reshape(-1, 64)
+            _check(y.reshape(-1, 24), case, "dequant")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpu_compile_and_graphs_with_no_tokens(dynamic):
+    """On the GPU: ``vq_matmul`` and ``VQLinear`` under ``torch.compile(fullgraph=True)`` (inductor,
+    static and dynamic, first calls compiled) at 0, 1, 5 and 40 tokens, and zero tokens captured in
+    a CUDA graph."""
+    vq_op._plans.clear()
+    torch._dynamo.reset()
+    case = make_case(1, 512, 1024, torch.bfloat16, "cuda", bias=True)
+    layer = tilefuse.nn.VQLinear(1024, 512, dtype=torch.bfloat16, device="cuda")
+    layer.load_quantized(case.codes, case.codebooks, case.scales, case.bias)
+    op = torch.compile(tilefuse.vq_matmul, fullgraph=True, dynamic=dynamic)
+    mod = torch.compile(layer, fullgraph=True, dynamic=dynamic)
+    for m in (1, 5, 40, 0):
+        case.x = torch.randn(m, 1024, device="cuda").bfloat16()
+        y = op(case.x, case.codes, case.codebooks, case.scales, case.bias)
+        z = mod(case.x)
+        assert y.shape == z.shape == (m, 512)
+        if m:
+            _check(y, case, "prefill")
+            _check(z, case, "prefill")
+    x = torch.empty(0, 1024, device="cuda", dtype=torch.bfloat16)
+    layer(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tilefuse.vq_matmul(x, case.codes, case.codebooks, case.scales, case.bias)
+        z = layer(x[None])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert y.shape == (0, 512) and z.shape == (1, 0, 512)
+
+
 def test_non_contiguous_weights_are_copied(interpret):
     case = make_case(2, 24, 64, torch.float16, interpret, bias=True)
     scales = torch.stack((case.scales.reshape(24), torch.zeros(24, dtype=torch.float16, device=interpret)), 1)[:, 0]

@@ -291,3 +291,13 @@ def test_gpu_bound_decode_is_the_op_and_follows_the_layer(n, k, m):
     assert not old.accepts(xb, layer.codes, layer.codebooks, layer.scales, layer.bias)
     assert same(layer(xb), op(xb)) and layer._bound is not old and layer._bound.dtype == torch.bfloat16
 
+
+
+@pytest.mark.parametrize("lead", [(0,), (3, 0)])
+def test_empty_batch(interpret, lead):
+    """An MoE expert no token was routed to: ``[..., 0, K]`` in, ``[..., 0, N]`` out in the layer's
+    dtype (before: ZeroDivisionError in the dispatch's cost model)."""
+    layer = VQLinear(64, 24, bias=True).to(interpret)
+    layer.load_quantized(*make_weight(24, 64, torch.float16, "cpu"))
+    y = layer(torch.randn(*lead, 64, device=interpret).half())
+    assert y.shape == (*lead, 24) and y.dtype == torch.float16 and y.device.type == interpret.type

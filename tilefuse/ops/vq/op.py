@@ -622,6 +622,8 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     _validate(x, codes, codebooks, scales, bias)
     n, k = codes.shape[0], x.shape[-1]
     m = x.numel() // k if k else 0
+    if m == 0 and k:        # no tokens (an MoE expert no token was routed to): an empty output, no launch
+        return _plans.remember(key, _empty_call(x, n))
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference:
         check_interpretable("x", x.dtype)
@@ -641,6 +643,16 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
     # the kernels read codes, codebooks, scales and bias as dense arrays
     call.copies = any(t is not None and not t.is_contiguous() for t in (codes, codebooks, scales, bias))
     return _plans.remember(key, call)
+
+
+def _empty_call(x: torch.Tensor, n: int) -> _Call:
+    """The plan of a call on no tokens (x ``[..., 0, ..., K]``): ``_run`` returns an empty
+    ``[..., N]`` in x's dtype; the cost model is not consulted (it has no time for no work)."""
+    call = _Call()
+    call.m, call.variant, call.resident, call.reference, call.copies = 0, "empty", False, False, False
+    call.prefill = call.mma = None
+    call.out_shape = (*x.shape[:-1], n)
+    return call
 
 
 def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
@@ -744,6 +756,13 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
         if checks and not _checks.contents_unreadable(codes):
             check_code_range(codes)
         codes = codes.to(torch.uint8)
+    if torch.compiler.is_compiling():
+        # traced: metadata checks and the custom op only. The plan (the cost model's pick per M,
+        # cached by exact sizes) is made by the op's implementation at run time, on concrete
+        # sizes: with dynamic shapes M is symbolic here, and the pick cannot be traced.
+        _validate(x, codes, codebooks, scales, bias)
+        codes, codebooks, scales, bias = (t if t is None else t.contiguous() for t in (codes, codebooks, scales, bias))
+        return _vq_matmul_op(x, codes, codebooks, scales, bias)
     call = _plan_call(x, codes, codebooks, scales, bias)
     if call.copies:
         codes, codebooks, scales, bias = (t if t is None else t.contiguous() for t in (codes, codebooks, scales, bias))
@@ -763,6 +782,8 @@ def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scale
     problem = {"M": m, "N": n, "K": k, "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
     if call.reference:
         return _dispatch.Choice("vq", problem, "reference", None, "reference")
+    if call.variant == "empty":
+        return _dispatch.Choice("vq", problem, "empty", None, "no tokens: an empty output, no launch")
     wgmma = wgmma_prefill_applies(k, x.device)
     choice = decision(m, n, k, x.device, wgmma)
     variant = call.variant

@@ -99,19 +99,26 @@ def mla_rows(with_flashmla: bool):
     return rows
 
 
-def test_mla_summary_eager_without_metadata_graph_with_it():
+def test_mla_summary_judges_the_attention_alone_per_layer():
     case = mla.summarize(mla_rows(with_flashmla=True))["cases"][0]
-    assert (case["eager_impl"], case["graph_impl"], case["baseline"]) == ("tilefuse", "tilefuse+metadata", "flashmla")
-    assert case["eager_speedup"] == pytest.approx(50 / 60) and case["graph_speedup"] == pytest.approx(45 / 50)
-    assert case["eager_over_graph"] == pytest.approx(60 / 40) and case["roofline_frac"] == 0.56
+    assert (case["eager_impl"], case["graph_impl"], case["baseline"]) == ("tilefuse", "tilefuse", "flashmla")
+    # per layer: attention alone, metadata computed once: 50 / 60 eager, 35 / 40 graph
+    assert case["eager_speedup"] == pytest.approx(50 / 60) and case["graph_speedup"] == pytest.approx(35 / 40)
+    assert case["eager_over_graph"] == pytest.approx(60 / 40) and case["roofline_frac"] == 0.7
+    graph, eager = case["levels"]["graph"], case["levels"]["eager"]
+    assert graph["step"]["speedup"] == pytest.approx(45 / 50) and eager["step"]["speedup"] == pytest.approx(70 / 80)
+    # model step: metadata + 61 attentions = step + 60 x attention
+    assert graph["model"]["us"] == pytest.approx(50 + 60 * 40) and graph["model"]["peer_us"] == pytest.approx(45 + 60 * 35)
+    assert graph["model"]["speedup"] == pytest.approx((45 + 60 * 35) / (50 + 60 * 40))
     # FlashMLA measured: eager 60 us <= 1.1 x 50 us = 55 us? no
     assert case["host_goal"]["goal"] == "eager_us <= 1.1 x flashmla eager_us"
     assert case["host_goal"]["measured"] == round(60 / 55, 4) and case["host_goal"]["met"] is False
     assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [
-        ("roofline >= 0.9 at context >= 16K", False), (mla.PEER_GOAL, False)]
+        ("roofline >= 0.9 at context >= 16K", False), (mla.PEER_GOAL, False), (mla.MODEL_GOAL, False)]
 
     alone = mla.summarize(mla_rows(with_flashmla=False))["cases"][0]
-    assert alone["baseline"] == "torch_naive" and alone["graph_speedup"] == pytest.approx(400 / 50)
+    assert alone["baseline"] == "torch_naive" and alone["graph_speedup"] == pytest.approx(400 / 40)
+    assert "levels" not in alone
     # no FlashMLA: eager 60 us <= 1.3 x own graph 40 us = 52 us? no
     assert alone["host_goal"]["goal"] == "eager_us <= 1.3 x own graph_us"
     assert alone["host_goal"]["measured"] == round(60 / 52, 4) and alone["host_goal"]["met"] is False
@@ -126,10 +133,38 @@ def test_mla_summary_judges_against_the_faster_flashmla_build():
             row("mla", "flashmla@main", params, eager=55.0, graph=38.0),
             row("mla", "flashmla@main+metadata", params, eager=75.0, graph=60.0)]
     case = mla.summarize(rows)["cases"][0]
-    assert case["baseline"] == "flashmla@main" and case["graph_speedup"] == pytest.approx(60 / 50)
-    assert case["flashmla_builds"]["flashmla@b31bfe7"]["graph_speedup"] == pytest.approx(70 / 50)
-    # 16 heads, 3 query tokens: faster than FlashMLA (1.2 >= 1) but not by 1.3x
-    assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [(mla.PEER_GOAL, True), (mla.SHORT_GOAL, False)]
+    # per layer the faster build is b31bfe7 (35 < 38 us alone); for the step, main (60 < 70 us)
+    assert case["baseline"] == "flashmla@b31bfe7" and case["graph_baseline"] == "flashmla@b31bfe7"
+    assert case["graph_speedup"] == pytest.approx(35 / 40)
+    step, model = case["levels"]["graph"]["step"], case["levels"]["graph"]["model"]
+    assert step["peer"] == "flashmla@main" and step["speedup"] == pytest.approx(60 / 50)
+    # model step: b31bfe7 70 + 60 x 35 = 2170, main 60 + 60 x 38 = 2340: b31bfe7; tilefuse 50 + 60 x 40 = 2450
+    assert model["peer"] == "flashmla@b31bfe7" and model["speedup"] == pytest.approx(2170 / 2450)
+    assert case["flashmla_builds"]["flashmla@main"]["graph_speedup"] == pytest.approx(38 / 40)
+    # 16 heads, 3 query tokens: slower than FlashMLA per layer, so neither bar is met
+    assert [(g["goal"], g["met"]) for g in case["kernel_goals"]] == [
+        (mla.PEER_GOAL, False), (mla.SHORT_GOAL, False), (mla.MODEL_GOAL, False)]
+
+
+def test_mla_headline_geomean_and_cases_at_or_ahead():
+    rows = []
+    for context, (ours, peer) in zip((4096, 16384), ((40.0, 20.0), (10.0, 20.0))):
+        params = {"batch": 16, "h_q": 128, "s_q": 1, "context": context, "dtype": "bfloat16"}
+        rows += [row("mla", "tilefuse", params, eager=ours + 5, graph=ours),
+                 row("mla", "tilefuse+metadata", params, eager=ours + 9, graph=ours + 4),
+                 row("mla", "flashmla@main", params, eager=peer + 5, graph=peer),
+                 row("mla", "flashmla@main+metadata", params, eager=peer + 9, graph=peer + 8)]
+    head = mla.summarize(rows)["headline"]
+    assert head["layers"] == mla.MODEL_LAYERS == 61
+    # per layer, graph: time ratios 40/20 = 2 and 10/20 = 0.5, geomean 1; one case ahead
+    assert head["graph"]["layer"] == {"time_ratio_geomean": pytest.approx(1.0), "at_or_ahead": 1, "of": 2}
+    # step: 44/28 and 14/28
+    assert head["graph"]["step"]["time_ratio_geomean"] == pytest.approx(math.sqrt(44 / 28 * 14 / 28), abs=1e-4)
+    # model: (44 + 60 x 40) / (28 + 60 x 20) and (14 + 600) / (28 + 1200)
+    want = math.sqrt((44 + 2400) / (28 + 1200) * (14 + 600) / (28 + 1200))
+    assert head["graph"]["model"]["time_ratio_geomean"] == pytest.approx(want, abs=1e-4)
+    assert head["eager"]["layer"]["time_ratio_geomean"] == pytest.approx(math.sqrt(45 / 25 * 15 / 25), abs=1e-4)
+    assert mla.model_step_us(None, 3.0) is None and mla.model_step_us(5.0, 2.0, layers=3) == 9.0
 
 
 def test_mla_page_size_cases_are_their_own_cases():
@@ -141,8 +176,8 @@ def test_mla_page_size_cases_are_their_own_cases():
              row("mla", "tilefuse+metadata", paged, eager=95.0, graph=85.0, roofline=0.3)]
     cases = {c["case"]: c for c in mla.summarize(rows)["cases"]}
     assert set(cases) == {"b16 h16 s1 16384", "b16 h16 s1 16384, page 16"}
-    assert cases["b16 h16 s1 16384"]["graph_us"] == 50.0 and cases["b16 h16 s1 16384"]["baseline"] == "flashmla"
-    assert cases["b16 h16 s1 16384, page 16"]["graph_us"] == 85.0 and cases["b16 h16 s1 16384, page 16"]["baseline"] is None
+    assert cases["b16 h16 s1 16384"]["graph_us"] == 40.0 and cases["b16 h16 s1 16384"]["baseline"] == "flashmla"
+    assert cases["b16 h16 s1 16384, page 16"]["graph_us"] == 80.0 and cases["b16 h16 s1 16384, page 16"]["baseline"] is None
 
 
 def test_mla_fp8_cases_are_summarized_apart_against_the_padded_flashmla():

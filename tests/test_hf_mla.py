@@ -273,6 +273,57 @@ def test_softmax_scale_is_the_models():
 # ---------------------------------------------------------------------------------------- errors
 
 
+class FakeFlashMLA:
+    """A module with FlashMLA's API over tilefuse's op (the reference path on a CPU), counting its
+    calls. ``lazy``: main's API, ``get_mla_metadata`` returning an empty schedule object (and None)
+    that the first attention call fills and later calls must reuse with the same lengths."""
+
+    def __init__(self, lazy: bool):
+        import tilefuse
+
+        self.op, self.lazy, self.metadata_calls, self.attention_calls = tilefuse, lazy, 0, 0
+
+    def get_mla_metadata(self, cache_seqlens, rows, heads_k):
+        self.metadata_calls += 1
+        if self.lazy:
+            return {"args": (cache_seqlens, rows, heads_k)}, None
+        return self.op.get_mla_metadata(cache_seqlens, rows, heads_k)
+
+    def flash_mla_with_kvcache(self, q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits, **kwargs):
+        self.attention_calls += 1
+        if self.lazy:
+            assert splits is None and meta["args"][0] is cache_seqlens
+            if "plan" not in meta:                 # the first layer of the step plans, the rest reuse
+                meta["plan"] = self.op.get_mla_metadata(*meta["args"])
+            meta, splits = meta["plan"]
+        return self.op.flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
+                                              **kwargs)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["b31bfe7-api", "main-api"])
+def test_patch_mla_calls_the_given_attention(lazy):
+    """patch_mla(attention=) decodes through any module with FlashMLA's API: it is called in every
+    layer of every decode step, its schedule planned once per step for all layers, and the greedy
+    tokens are tilefuse's own (and stock's)."""
+    from tilefuse.hf.mla import attention_of
+    from tilefuse.ops.mla import op
+
+    stock, ours = stock_and_patched(v3_config())
+    peer_model = copy.deepcopy(stock)
+    fake = FakeFlashMLA(lazy)
+    assert patch_mla(peer_model, attention=fake) == 3
+    assert attention_of(peer_model) is fake and attention_of(ours) is op and attention_of(stock) is None
+    lengths, new = [13, 5, 9], 6
+    ids, mask = prompts(lengths)
+    tokens = greedy(ours, ids, mask, new, PagedMLACache(ours, max_batch=3, max_tokens=max(lengths) + new))
+    peer = greedy(peer_model, ids, mask, new, PagedMLACache(peer_model, max_batch=3, max_tokens=max(lengths) + new))
+    assert torch.equal(peer, tokens) and torch.equal(tokens, greedy(stock, ids, mask, new))
+    # the prefill runs stock attention; each of the new - 1 decode steps plans once, attends in 3 layers
+    assert (fake.metadata_calls, fake.attention_calls) == (new - 1, 3 * (new - 1))
+    # a second call patches nothing and switches the implementation back to tilefuse's
+    assert patch_mla(peer_model) == 0 and attention_of(peer_model) is op
+
+
 def test_patch_errors():
     with pytest.raises(ValueError, match="model_type"):
         patch_mla(transformers.LlamaForCausalLM(transformers.LlamaConfig(
@@ -285,6 +336,9 @@ def test_patch_errors():
         PagedMLACache(v2_lite_config(kv_lora_rank=128), 1, 16)
     stock, patched = stock_and_patched(v3_config(num_hidden_layers=1))
     assert patch_mla(patched) == 0                                  # idempotent
+    for bad in (object(), "flash_mla", torch):                      # no FlashMLA API
+        with pytest.raises(ValueError, match="attention: expected None .* get_mla_metadata"):
+            patch_mla(patched, attention=bad)
     assert isinstance(patched.model.layers[0].self_attn, PagedMLAAttention)
     assert set(MLA_ATTENTION_CLASSES) == {"deepseek_v2", "deepseek_v3"}
 

@@ -20,9 +20,12 @@ What runs with a :class:`PagedMLACache` (per layer, ``h`` heads, hidden ``[b, s,
   ``W_UK`` (the K rows of ``kv_b_proj``) folds into the query, ``q_nope @ W_UK -> [b, s, h, 512]``,
   concatenated with the RoPE'd ``q_pe`` into ``[b, s, h, 576]``; the new tokens' latents are
   written to the pages (one launch for both RoPEs, the query and the cache rows on the Triton
-  backend: ``ops.mla.kv.decode_rows``); attention over the pages by ``flash_mla_with_kvcache`` (causal, the
-  model's softmax scale, DeepSeek-V3's yarn ``mscale`` included); ``W_UV`` (the V rows of
-  ``kv_b_proj``) maps the ``[b, s, h, 512]`` output to ``[b, s, h, v_head_dim]``; then ``o_proj``.
+  backend: ``ops.mla.kv.decode_rows``); attention over the pages by ``flash_mla_with_kvcache``
+  (causal, the model's softmax scale, DeepSeek-V3's yarn ``mscale`` included): tilefuse's, or that of
+  the module given as ``patch_mla(attention=...)`` (any with FlashMLA's API, such as a built
+  ``flash_mla``), its split schedule (``get_mla_metadata``) planned once per forward and shared by
+  every layer; ``W_UV`` (the V rows of ``kv_b_proj``) maps the ``[b, s, h, 512]`` output to
+  ``[b, s, h, v_head_dim]``; then ``o_proj``.
   Steps of more than ``512 // h`` tokens run as several calls of that many tokens (the op takes
   ``s * h <= 512`` query rows), each seeing the keys before it.
 
@@ -42,8 +45,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
 
+from tilefuse.ops.mla import op as _tilefuse_attention
 from tilefuse.ops.mla.kv import decode_rows
-from tilefuse.ops.mla.op import flash_mla_with_kvcache, get_mla_metadata
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
 # model_type -> attention class name (transformers' DeepSeek-V2 and V3 modeling files).
@@ -55,6 +58,7 @@ KV_LORA_RANK = HEAD_DIM_V               # 512: the latent c_kv, also V
 ROPE_DIM = HEAD_DIM - HEAD_DIM_V        # 64: the RoPE key shared by all heads
 MAX_QUERY_ROWS = 512                    # flash_mla_with_kvcache takes s_q * h_q <= 512
 MAX_HEADS = 128
+ATTENTION_API = ("get_mla_metadata", "flash_mla_with_kvcache")   # what patch_mla(attention=) calls
 
 
 def check_mla_config(config, name: str = "model") -> None:
@@ -100,16 +104,17 @@ class _Step:
     def __init__(self, prefill: bool, batch: int, q_len: int, slots: torch.Tensor, lens: torch.Tensor):
         self.prefill, self.batch, self.q_len, self.slots, self.lens = prefill, batch, q_len, slots, lens
         self.layers: set[int] = set()
-        self.schedules: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.schedules: dict[tuple[int, int, int], tuple] = {}
 
-    def schedule(self, rows: int, trim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Lengths without the step's last ``trim`` tokens, and their split schedule for ``rows``
-        query rows per request (computed on the device once per step, then shared by the layers)."""
-        key = (rows, trim)
+    def schedule(self, rows: int, trim: int, attention=_tilefuse_attention) -> tuple:
+        """Lengths without the step's last ``trim`` tokens, and ``attention.get_mla_metadata``'s
+        split schedule for ``rows`` query rows per request (planned once per step, then shared by the
+        layers: tilefuse's tensors, or FlashMLA main's schedule object that its first call fills)."""
+        key = (id(attention), rows, trim)
         found = self.schedules.get(key)
         if found is None:
             lens = self.lens - trim if trim else self.lens
-            found = self.schedules[key] = (lens, *get_mla_metadata(lens, rows, 1))
+            found = self.schedules[key] = (lens, *attention.get_mla_metadata(lens, rows, 1))
         return found
 
 
@@ -329,20 +334,24 @@ class PagedMLACache(Cache):
         self.check_rows(layer_idx, latent)
         self.latent_pages[layer_idx].view(-1, HEAD_DIM).index_copy_(0, plan.slots, latent.reshape(-1, HEAD_DIM))
 
-    def attend(self, layer_idx: int, plan: _Step, q: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    def attend(self, layer_idx: int, plan: _Step, q: torch.Tensor, softmax_scale: float,
+               attention=_tilefuse_attention) -> torch.Tensor:
         """Causal MLA attention of ``q`` ``[b, s, h, 576]`` (the step's new tokens, already written)
-        over layer ``layer_idx``'s pages: ``[b, s, h, 512]``. More than ``512 // h`` tokens go in
-        chunks of that many, each with the lengths cut at its last token."""
+        over layer ``layer_idx``'s pages: ``[b, s, h, 512]``, by ``attention`` (a module with
+        FlashMLA's API; tilefuse's by default). More than ``512 // h`` tokens go in chunks of that
+        many, each with the lengths cut at its last token."""
         batch, q_len, heads, _ = q.shape
         pages, table = self.latent_pages[layer_idx], self.block_table[:batch]
         chunk = max(1, MAX_QUERY_ROWS // heads)
         outs = []
         for start in range(0, q_len, chunk):
             stop = min(q_len, start + chunk)
-            lens, meta, splits = plan.schedule((stop - start) * heads, q_len - stop)
+            lens, meta, splits = plan.schedule((stop - start) * heads, q_len - stop, attention)
             part = q if stop - start == q_len else q[:, start:stop]
-            outs.append(flash_mla_with_kvcache(part, pages, table, lens, HEAD_DIM_V, meta, splits,
-                                               softmax_scale=softmax_scale, causal=True)[0])
+            if attention is not _tilefuse_attention:
+                part = part.contiguous()       # FlashMLA takes a dense q
+            outs.append(attention.flash_mla_with_kvcache(part, pages, table, lens, HEAD_DIM_V, meta, splits,
+                                                         softmax_scale=softmax_scale, causal=True)[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
@@ -376,6 +385,7 @@ class PagedMLAAttention:
     decode step runs :meth:`_paged_decode`; with any other cache the class's own forward runs."""
 
     _cache_param = "past_key_values"     # the name of the cache argument of the patched class's forward
+    _mla_attention = _tilefuse_attention  # the decode attention (patch_mla's attention=)
     _arg_names: tuple[str, ...] = ()     # its positional parameters after hidden_states
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -419,7 +429,7 @@ class PagedMLAAttention:
             q_pe, k_pe = _rotate(q_pe, k_pe[:, :, None], position_embeddings, self._mla_interleaved)
             cache.write(self.layer_idx, plan, torch.cat((c_kv, k_pe[:, :, 0]), dim=-1))
             q = torch.cat((q_lat.view(heads, batch, q_len, KV_LORA_RANK).permute(1, 2, 0, 3), q_pe), dim=-1)
-        out = cache.attend(self.layer_idx, plan, q, self._mla_scale)                                # [b, s, h, 512]
+        out = cache.attend(self.layer_idx, plan, q, self._mla_scale, self._mla_attention)          # [b, s, h, 512]
         out = torch.bmm(out.permute(2, 0, 1, 3).reshape(heads, rows, KV_LORA_RANK),
                         w_kv[:, nope:].transpose(1, 2))                                             # [h, b*s, v]
         return self.o_proj(out.permute(1, 0, 2).reshape(batch, q_len, heads * v_dim))
@@ -512,26 +522,57 @@ def _paged_class(base: type) -> type:
 # ------------------------------------------------------------------------------------- patching
 
 
-def patch_mla(model: nn.Module) -> int:
+def check_attention(attention, name: str = "attention"):
+    """``attention`` (None: tilefuse's) as the object the patched attention calls: it must expose
+    FlashMLA's API, callables ``get_mla_metadata(cache_seqlens, rows, 1)`` and
+    ``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, metadata, splits,
+    softmax_scale=, causal=)``, as ``tilefuse``, ``tilefuse.ops.mla.op`` or a built ``flash_mla``
+    do. Raises ValueError naming ``name``."""
+    if attention is None:
+        return _tilefuse_attention
+    missing = [fn for fn in ATTENTION_API if not callable(getattr(attention, fn, None))]
+    if missing:
+        what = getattr(attention, "__name__", None) or type(attention).__name__
+        raise ValueError(f"{name}: expected None (tilefuse's) or a module with FlashMLA's API (callable "
+                         f"{' and '.join(ATTENTION_API)}, e.g. a built flash_mla), got {what!r} without "
+                         f"{', '.join(missing)}")
+    return attention
+
+
+def attention_of(model: nn.Module):
+    """The attention implementation the patched MLA modules of ``model`` call (the module given to
+    :func:`patch_mla`, or ``tilefuse.ops.mla.op``); None when nothing is patched."""
+    return next((mod._mla_attention for mod in model.modules() if isinstance(mod, PagedMLAAttention)), None)
+
+
+def patch_mla(model: nn.Module, attention=None) -> int:
     """Make every DeepSeek MLA attention of ``model`` run over a :class:`PagedMLACache`, in place.
+
+    ``attention``: the decode attention to call, None for tilefuse's
+    (:func:`tilefuse.flash_mla_with_kvcache`, :func:`tilefuse.get_mla_metadata`), or any module or
+    object with FlashMLA's API (:func:`check_attention`), such as a built ``flash_mla`` (to run
+    FlashMLA inside the same model). Either way the split schedule is planned once per forward
+    and shared by every layer.
 
     ``model.config.model_type`` (``deepseek_v2`` or ``deepseek_v3``) picks the attention class from
     :data:`MLA_ATTENTION_CLASSES`. Each such module keeps its weights, names and state dict; its
     class gains the paged path (:class:`PagedMLAAttention`), taken only when the cache passed in is
     a :class:`PagedMLACache` (this module's docstring says what runs). A forward pre-hook on the
     decoder model (``model.base_model``) hands each forward's 2D ``attention_mask`` to such a cache.
-    Idempotent: a second call patches nothing and returns 0.
+    Idempotent: a second call patches no module and returns 0; it sets the attention
+    implementation of the patched modules to its ``attention``.
 
     >>> patch_mla(model)
     >>> cache = PagedMLACache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + 64)
     >>> out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
-    Returns the number of attention modules patched. Raises ValueError (naming ``model`` and the
-    config field) for a model that is not DeepSeek-V2/V3, whose ``kv_lora_rank`` is not 512 or
-    ``qk_rope_head_dim`` not 64, with more than 128 heads, with no attention module to patch, or
-    whose ``kv_b_proj`` weight is not a plain floating-point matrix (the absorbed form multiplies
-    by its slices).
+    Returns the number of attention modules patched. Raises ValueError naming ``attention`` for an
+    object without FlashMLA's API, and (naming ``model`` and the config field) for a model that is
+    not DeepSeek-V2/V3, whose ``kv_lora_rank`` is not 512 or ``qk_rope_head_dim`` not 64, with
+    more than 128 heads, with no attention module to patch, or whose ``kv_b_proj`` weight is not a
+    plain floating-point matrix (the absorbed form multiplies by its slices).
     """
+    impl = check_attention(attention)
     config = getattr(model, "config", None)
     check_mla_config(config, "model")
     cls_name = MLA_ATTENTION_CLASSES[config.model_type]
@@ -553,6 +594,9 @@ def patch_mla(model: nn.Module) -> int:
         attn._mla_dims = (int(config.qk_nope_head_dim), int(config.v_head_dim))
         attn._mla_scale = float(getattr(attn, "scaling", scale))
         attn._mla_interleaved = bool(getattr(config, "rope_interleave", False))
+    for attn in model.modules():
+        if isinstance(attn, PagedMLAAttention):
+            attn._mla_attention = impl
     return len(targets)
 
 

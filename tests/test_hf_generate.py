@@ -140,12 +140,38 @@ def test_sampling_follows_the_filtered_distribution():
     (lambda m, ids: tilefuse.hf.generate(m, ids, 4, do_sample=True, top_k=0), "top_k"),
     (lambda m, ids: tilefuse.hf.generate(m, ids, 4, cuda_graph=True), "cuda_graph"),
     (lambda m, ids: tilefuse.hf.generate(m, ids, 4, check_every=0), "check_every"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, eos_token_id="</s>"), "eos_token_id: expected token ids"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, eos_token_id=[2, "x"]), "eos_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, eos_token_id=2.0), "eos_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, eos_token_id=torch.tensor(2.0)), "eos_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, eos_token_id=-3), "eos_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, pad_token_id=[0, 1]), "pad_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(m, ids, 4, pad_token_id="<pad>"), "pad_token_id"),
+    (lambda m, ids: tilefuse.hf.generate(object(), ids, 4), "model: expected a Hugging Face causal LM"),
+    (lambda m, ids: tilefuse.hf.generate(torch.nn.Linear(4, 4), ids, 4), "model: expected a Hugging Face"),
+    (lambda m, ids: tilefuse.hf.generate(m.state_dict(), ids, 4), "model: expected .*got OrderedDict"),
 ])
 def test_errors_name_the_argument(call, match):
     model = tiny()
     ids = torch.randint(3, VOCAB, (2, 5))
     with pytest.raises(ValueError, match=match):
         call(model, ids)
+
+
+def test_eos_token_id_forms_agree():
+    """``eos_token_id`` as an int, a 0-d tensor, a 1-d tensor, a list or a tuple (of ints or 0-d
+    tensors) ends sequences alike (before: a 0-d tensor raised TypeError from ``list()``), and a
+    0-d ``pad_token_id`` pads as its int."""
+    torch.manual_seed(1)
+    model = tiny()
+    ids, mask = left_padded([8, 5, 6])
+    free = tilefuse.hf.generate(model, ids, 12, attention_mask=mask, eos_token_id=None, pad_token_id=0)[:, 8:]
+    eos = int(free[1, 3])
+    want = tilefuse.hf.generate(model, ids, 12, attention_mask=mask, eos_token_id=eos, pad_token_id=0)
+    for form in (torch.tensor(eos), torch.tensor([eos]), [eos], (torch.tensor(eos),)):
+        got = tilefuse.hf.generate(model, ids, 12, attention_mask=mask, eos_token_id=form,
+                                   pad_token_id=torch.tensor(0))
+        assert torch.equal(got, want), form
 
 
 def test_padded_batches_need_a_mask_taking_attention():

@@ -40,7 +40,8 @@ GENERATORS_PER_MODEL = 2        # the most recently used (batch, length, samplin
 
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_mask: torch.Tensor | None = None,
              do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-             seed: int | None = None, eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+             seed: int | None = None, eos_token_id: int | list[int] | torch.Tensor | None = None,
+             pad_token_id: int | torch.Tensor | None = None,
              cuda_graph: bool | None = None, check_every: int = 16) -> torch.Tensor:
     """Continue ``input_ids`` by up to ``max_new_tokens`` tokens, as ``model.generate`` does,
     with the decode step replayed from a CUDA graph.
@@ -54,9 +55,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     attention_mask : [batch, prompt], 1 for tokens, 0 for left padding (right padding is refused).
     do_sample, temperature, top_k, top_p, seed : greedy by default; sampling as described in the
         module docstring (``seed``: the generator's seed, random when None).
-    eos_token_id : an id or a list of ids ending a sequence (default: the model's generation
-        config); its later tokens are ``pad_token_id`` (default: the generation config's, else the
-        first EOS id, else 0).
+    eos_token_id : an id or a list of ids ending a sequence (an int, a list of ints, or an integer
+        tensor of 0 or 1 dimensions; default: the model's generation config); its later tokens are
+        ``pad_token_id`` (an int or a 0-d integer tensor; default: the generation config's, else
+        the first EOS id, else 0).
     cuda_graph : capture the step (default: on CUDA). The first call of a (batch, length,
         sampling) shape captures (a warm-up prefill and a few steps first); later calls replay.
     check_every : tokens between the host checks for "every sequence has finished" (each a sync).
@@ -66,6 +68,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     [batch, prompt + n] int64: the prompt, then the new tokens; ``n <= max_new_tokens`` is cut
     after the step where every sequence has emitted EOS, as ``model.generate`` cuts it.
     """
+    _check_model(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise ValueError(f"input_ids: expected a [batch, prompt] int64 tensor, got "
                          f"{_describe(input_ids)}")
@@ -94,10 +97,17 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, attention_m
     if param is not None and param.device != input_ids.device:
         raise ValueError(f"input_ids: expected the model's device {param.device}, got {input_ids.device}")
     config = getattr(model, "generation_config", None)
-    eos = eos_token_id if eos_token_id is not None else getattr(config, "eos_token_id", None)
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    pad = pad_token_id if pad_token_id is not None else getattr(config, "pad_token_id", None)
-    pad = pad if pad is not None else (eos[0] if eos else 0)
+    if eos_token_id is not None:
+        eos = _token_ids("eos_token_id", eos_token_id)
+    else:
+        eos = _token_ids("eos_token_id (model.generation_config's)", getattr(config, "eos_token_id", None),
+                         negative=True)
+    if pad_token_id is not None:
+        pad = _token_ids("pad_token_id", pad_token_id, single=True)
+    else:
+        pad = _token_ids("pad_token_id (model.generation_config's)", getattr(config, "pad_token_id", None),
+                         single=True, negative=True)
+    pad = pad[0] if pad else (eos[0] if eos else 0)
     capture = input_ids.is_cuda if cuda_graph is None else bool(cuda_graph)
     if capture and not input_ids.is_cuda:
         raise ValueError("cuda_graph: CUDA graphs need the model and input_ids on a CUDA device")
@@ -308,6 +318,46 @@ class Generator:
                 last = int(hit.float().argmax(-1).max())
                 new = new[:, :last + 1]
         return torch.cat([input_ids, new], dim=1)
+
+
+def _check_model(model) -> None:
+    """``model`` is a Hugging Face causal LM as far as the loop needs: a ``torch.nn.Module`` with a
+    ``config`` (the static cache is built from it) and parameters (they give the device)."""
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise ValueError(f"model: expected a Hugging Face causal LM (a torch.nn.Module with a .config, called as "
+                         f"model(input_ids=..., position_ids=..., past_key_values=...)), got {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise ValueError(f"model: expected a Hugging Face causal LM with parameters, got a "
+                         f"{type(model).__name__} without any")
+
+
+def _token_ids(name: str, value, *, single: bool = False, negative: bool = False) -> list[int]:
+    """Token ids as a list of ints: ``value`` an int, an integer tensor of 0 or 1 dimensions, or a
+    list / tuple of ints (one id where ``single``); None gives []. Anything else (a string, a
+    float, a negative id unless ``negative``: configs that mark "none" by -1) raises ValueError
+    naming ``name``."""
+    if value is None:
+        return []
+    items = value
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool or value.dim() > 1:
+            items = None
+        else:
+            items = value.reshape(-1).tolist()
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    elif isinstance(value, (list, tuple)):
+        items = [int(v) if isinstance(v, torch.Tensor) and v.dim() == 0 and not v.is_floating_point() else v
+                 for v in value]
+    else:
+        items = None
+    if (items is None or not all(isinstance(v, int) and not isinstance(v, bool) and (negative or v >= 0)
+                                 for v in items) or (single and len(items) != 1)):
+        what = "a token id (an int >= 0 or a 0-d integer tensor)" if single else \
+            "token ids (an int >= 0, a 0-d or 1-d integer tensor, or a list of ints)"
+        got = _describe(value) if isinstance(value, torch.Tensor) else repr(value)
+        raise ValueError(f"{name}: expected {what}, got {got}")
+    return items
 
 
 def _padded(attention_mask: torch.Tensor | None) -> bool:

@@ -17,6 +17,7 @@ tilefuse: fused LLM-inference kernels (SwiGLU, 2-bit VQ linear, MLA decode) in T
 
   tilefuse info            the GPU, the versions, and which kernels run here
   tilefuse bench FAMILY    time a family against its baselines (tilefuse bench --help)
+  tilefuse stress          every op and kernel variant on two streams, two threads and CUDA graphs at once
 """
 # One line per benchmark in `tilefuse bench --help`; tests check that every family has one.
 BENCH_HELP = {
@@ -156,6 +157,11 @@ def parser(families: tuple[str, ...], default_out: Path, standalone: tuple[str, 
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = top.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="the GPU, the versions, and which kernels run here")
+    from tilefuse.testing import stress
+
+    stress.add_arguments(sub.add_parser("stress", help="every op and kernel variant run concurrently (two streams, "
+                                        "two threads, CUDA graphs); outputs compared with the calls made alone",
+                                        description=stress.DESCRIPTION))
     bench = sub.add_parser("bench", help="time tilefuse against its baselines and the chip's ceilings",
                            description="Time tilefuse against its baselines and the chip's ceilings.",
                            epilog=bench_epilog(default_out), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = ClosedPipeSafe(stdout)
     try:
         args = parser(FAMILIES, DEFAULT_OUT, STANDALONE).parse_args(argv)
+        if args.command == "stress":
+            from tilefuse.testing.stress import main as stress_main
+
+            return stress_main(args)
         if args.command == "tune":
             from tilefuse.tune import main as tune_main
 

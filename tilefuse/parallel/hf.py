@@ -1,5 +1,5 @@
-"""``patch_swiglu`` and ``patch_vq`` for Hugging Face models loaded with transformers' tensor
-parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
+"""``patch_swiglu``, ``patch_vq`` and ``patch_mla`` for Hugging Face models loaded with transformers'
+tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
 
 Why :mod:`tilefuse.hf`'s patchers do not apply as they are: transformers (5.x) keeps such a
 model's weights as DTensors of the *global* shape (``Shard(0)`` for its "colwise" q/k/v/gate/up
@@ -10,6 +10,8 @@ refuses the mix: "aten.mm.default got mixed torch.Tensor and DTensor"; on CUDA t
 launched with the DTensor's pointer: an illegal memory access), and tilefuse's custom ops have no
 DTensor sharding rule to run on shards. :func:`tilefuse.hf.patch_vq` would quantize the global
 weight into a one-device layer and drop the module's tensor-parallel forward.
+:func:`tilefuse.hf.patch_mla`'s absorbed decode slices ``kv_b_proj``'s weight per head, which
+there is a DTensor of the global shape.
 
 Here each module is rebuilt from its local shards (``DTensor.to_local()``) as a tilefuse
 tensor-parallel module (:mod:`tilefuse.parallel.layers`) whose collective runs on the DTensor's
@@ -25,9 +27,10 @@ import time
 import torch.distributed as dist
 from torch import nn
 
-from tilefuse.parallel.group import Placement
+from tilefuse.parallel.group import Placement, split
 from tilefuse.parallel.layers import ColumnParallel, ParallelSwiGLUMLP, RowParallel
-from tilefuse.parallel.sharding import columns_of, linear_from, local_swiglu, rows_of, swiglu_mlp_class
+from tilefuse.parallel.sharding import (MLA_HEAD_ROWS, columns_of, is_mla_attention, linear_from, local_swiglu,
+                                        rows_of, swiglu_mlp_class)
 
 
 def _dtensor_class():
@@ -97,6 +100,56 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
                              _local(down.weight), _local(down.bias) if where.rank == 0 else None, mlp.act_fn, layout)
         model.set_submodule(name, ParallelSwiGLUMLP(local, where))
     return len(targets)
+
+
+def patch_mla(model: nn.Module) -> int:
+    """:func:`tilefuse.hf.patch_mla` for a DeepSeek-V2/V3 ``tp_plan`` model: every MLA attention is
+    rebuilt on this rank's heads from its local shards, then patched to decode over a
+    :class:`tilefuse.hf.PagedMLACache` (each rank its own, holding the whole latent).
+
+    transformers' plan for these models cuts ``q_b_proj`` (``q_proj``) and ``kv_b_proj`` colwise and
+    ``o_proj`` rowwise; here they become, as :func:`tilefuse.parallel.sharding.mla_attention_of`
+    builds them: ``q_b_proj`` a :class:`~tilefuse.parallel.ColumnParallel` of the local rows,
+    ``kv_b_proj`` a plain ``nn.Linear`` of them (``W_UK`` / ``W_UV`` of the rank's heads, which the
+    absorbed decode slices), ``o_proj`` a :class:`~tilefuse.parallel.RowParallel` whose all-reduce
+    runs on the DTensor's mesh group (bias on rank 0); ``kv_a_proj_with_mqa`` (replicated, wrapped
+    by transformers only for training gradients) a plain ``nn.Linear``. Returns the number of
+    attention modules patched; on a model without DTensor weights this is
+    :func:`tilefuse.hf.patch_mla`.
+
+    Raises ValueError (naming ``model`` or ``world_size``) for a model that is not DeepSeek-V2/V3
+    with the op's latent, projections not split as above, or heads the mesh does not cut evenly.
+    """
+    from tilefuse.hf.mla import check_mla_config
+    from tilefuse.hf.mla import patch_mla as patch_one_device
+
+    if not is_tensor_parallel(model):
+        return patch_one_device(model)
+    config = getattr(model, "config", None)
+    check_mla_config(config, "model")
+    heads = int(config.num_attention_heads)
+    for name, attn in [(n, m) for n, m in model.named_modules() if is_mla_attention(m)]:
+        q_name = next((n for n in MLA_HEAD_ROWS if isinstance(getattr(attn, n, None), nn.Linear)), None)
+        styles, where = {}, None
+        for proj in (q_name, "kv_b_proj", "o_proj"):
+            linear = getattr(attn, proj, None) if proj is not None else None
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(f"model: expected {name}.{proj or 'q_b_proj'} to be an nn.Linear, "
+                                 f"got {type(linear).__name__}")
+            place, styles[proj] = split_style(linear.weight)
+            where = where or place
+        if styles != {q_name: "column", "kv_b_proj": "column", "o_proj": "row"}:
+            raise ValueError(f"model: expected {name} with {q_name} and kv_b_proj colwise and o_proj rowwise "
+                             f"(transformers' tp plan), got {styles}")
+        split(heads, where.world_size, "config.num_attention_heads",
+              why="each rank runs num_attention_heads / world_size MLA query heads")
+        q, kv_b, o = getattr(attn, q_name), attn.kv_b_proj, attn.o_proj
+        setattr(attn, q_name, ColumnParallel(linear_from(_local(q.weight), _local(q.bias)), where))
+        attn.kv_b_proj = linear_from(_local(kv_b.weight), _local(kv_b.bias))
+        attn.o_proj = RowParallel(linear_from(_local(o.weight), _full(o.bias) if where.rank == 0 else None), where)
+        kv_a = attn.kv_a_proj_with_mqa
+        attn.kv_a_proj_with_mqa = linear_from(_full(kv_a.weight), _full(kv_a.bias))
+    return patch_one_device(model)
 
 
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, targets: tuple[str, ...] | None = None,

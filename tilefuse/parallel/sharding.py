@@ -7,7 +7,9 @@
   a :class:`~tilefuse.parallel.ParallelMLADecodeAttention`.
 * :func:`shard_model` -- every decoder block of a Llama, Mistral, Qwen2 or Qwen3 model, the
   layout of transformers' own plan for them (q/k/v and gate/up column-parallel, o and down
-  row-parallel), dense or after :func:`tilefuse.hf.patch_swiglu` / :func:`tilefuse.hf.patch_vq`.
+  row-parallel), dense or after :func:`tilefuse.hf.patch_swiglu` / :func:`tilefuse.hf.patch_vq`;
+  and of a DeepSeek-V2/V3 model (:func:`mla_attention_of`: the MLA heads split, the latent path
+  replicated), before or after :func:`tilefuse.hf.patch_mla`.
 
 Every rank builds the same full module (same seed or checkpoint) and keeps its part; the shards
 are copies, so the caller may drop the full module afterwards. VQ codebooks and per-row scales
@@ -185,6 +187,54 @@ def swiglu_mlp_class(model: nn.Module, require_silu: bool = True) -> str:
     return SWIGLU_MLP_CLASSES[model_type]
 
 
+# DeepSeek MLA attention: projections whose output rows are per query head (column-parallel);
+# the latent path (q_a_proj, kv_a_proj_with_mqa, their norms) is shared by all heads: replicated.
+MLA_HEAD_ROWS = ("q_proj", "q_b_proj")
+
+
+def is_mla_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers DeepSeek-V2/V3 attention (patched by
+    :func:`tilefuse.hf.patch_mla` or not)."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    return bool(names & {"DeepseekV2Attention", "DeepseekV3Attention"})
+
+
+def mla_attention_of(attn: nn.Module, where: Placement, num_heads: int) -> int:
+    """Shard a DeepSeek-V2/V3 attention module in place: this rank's ``num_heads / world_size``
+    query heads. Returns the number of projections replaced (3).
+
+    * ``q_b_proj`` (``q_proj`` without a q LoRA): its rows of this rank's heads, a
+      :class:`ColumnParallel` (``[.., h_r * (qk_nope + qk_rope)]`` out);
+    * ``kv_b_proj``: its rows of this rank's heads (``W_UK`` and ``W_UV`` of each), a plain
+      ``nn.Linear``: the absorbed decode of :func:`tilefuse.hf.patch_mla` slices its weight, and
+      transformers' own forward (the prefill) calls it;
+    * ``o_proj``: its input columns of this rank's heads, a :class:`RowParallel` (the layer's one
+      all-reduce; the bias on rank 0);
+    * ``q_a_proj``, ``kv_a_proj_with_mqa`` and the norms stay whole: the latent (512 + 64 values
+      per token) is shared by all heads, so every rank computes it and caches all of it.
+
+    transformers' attention reshapes with ``-1`` heads and :func:`tilefuse.hf.patch_mla` counts the
+    heads from ``kv_b_proj``, so both run on the rank's heads unchanged. Raises ValueError naming
+    ``world_size`` when it does not divide ``num_heads``.
+    """
+    split(num_heads, where.world_size, "config.num_attention_heads",
+          why="each rank runs num_attention_heads / world_size MLA query heads")
+    replaced = 0
+    for name in MLA_HEAD_ROWS:
+        proj = getattr(attn, name, None)
+        if isinstance(proj, (nn.Linear, VQLinear)):
+            setattr(attn, name, ColumnParallel(rows_of(proj, where), where))
+            replaced += 1
+    for name, want in (("kv_b_proj", nn.Linear), ("o_proj", (nn.Linear, VQLinear))):
+        if not isinstance(getattr(attn, name, None), want):
+            raise ValueError(f"model: expected {type(attn).__name__}.{name} to be an "
+                             f"{'nn.Linear' if want is nn.Linear else 'nn.Linear or VQLinear'}, "
+                             f"got {type(getattr(attn, name, None)).__name__}")
+    attn.kv_b_proj = rows_of(attn.kv_b_proj, where)
+    attn.o_proj = RowParallel(columns_of(attn.o_proj, where), where)
+    return replaced + 2
+
+
 def _check_heads(config, world: int) -> None:
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)
@@ -193,14 +243,18 @@ def _check_heads(config, world: int) -> None:
 
 
 def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_size: int | None = None) -> int:
-    """Shard every decoder block of an HF Llama / Mistral / Qwen2 / Qwen3 model in place.
+    """Shard every decoder block of an HF Llama / Mistral / Qwen2 / Qwen3 or DeepSeek-V2 / V3
+    model in place.
 
     q/k/v projections become :class:`ColumnParallel` (this rank's heads: the models' attention
     reshapes with ``-1`` heads, and their caches size themselves from the keys, so they run on a
     rank's heads unchanged), ``o_proj`` :class:`RowParallel`; a dense SwiGLU MLP (HF's or
     ``FusedSwiGLUMLP``) becomes a fused :class:`ParallelSwiGLUMLP`; an MLP whose projections are
     ``VQLinear`` (after :func:`tilefuse.hf.patch_vq`) gets gate/up column- and down row-parallel.
-    Embeddings, norms and ``lm_head`` stay replicated. Returns the number of modules replaced.
+    DeepSeek's MLA attention is cut by heads (:func:`mla_attention_of`: ``q_b_proj`` / ``q_proj``
+    and ``kv_b_proj`` by rows, ``o_proj`` row-parallel, the latent path replicated), its dense
+    MLPs and shared experts as above; routed experts stay replicated. Embeddings, norms and
+    ``lm_head`` stay replicated. Returns the number of modules replaced.
 
     Every rank must hold the same full model. Raises ValueError naming ``world_size`` when it does
     not divide ``config.num_attention_heads``, ``config.num_key_value_heads`` or a projection's size.
@@ -209,10 +263,15 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
     mlp_class = swiglu_mlp_class(model, require_silu=False)
     _check_heads(model.config, where.world_size)
     done: list[str] = []                      # replaced modules: their children are left alone
+    count = 0
     for name, module in list(model.named_modules()):
         if any(name.startswith(prefix + ".") for prefix in done):
             continue
         attr = name.rpartition(".")[2]
+        if is_mla_attention(module):
+            count += mla_attention_of(module, where, int(model.config.num_attention_heads))
+            done.append(name)
+            continue
         if isinstance(module, FusedSwiGLUMLP) or (type(module).__name__ == mlp_class
                                                   and isinstance(getattr(module, "gate_proj", None), nn.Linear)):
             new = ParallelSwiGLUMLP(swiglu_of(module, where), where)
@@ -224,4 +283,5 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
             continue
         model.set_submodule(name, new)
         done.append(name)
-    return len(done)
+        count += 1
+    return count

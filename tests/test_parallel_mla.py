@@ -1,0 +1,213 @@
+"""Tensor-parallel DeepSeek-V2/V3 models decoding through tilefuse.hf.patch_mla and PagedMLACache.
+
+Each rank holds ``num_heads / world_size`` query heads: ``q_b_proj`` (``q_proj``) and ``kv_b_proj``
+cut by rows, ``o_proj`` row-parallel (one all-reduce), the latent path replicated and each rank
+caching the whole latent in its own PagedMLACache. Two routes: a full model cut by
+``tilefuse.parallel.shard_model`` (before or after ``patch_mla``), and a checkpoint loaded by
+transformers with ``tp_plan="auto"`` then patched by ``tilefuse.parallel.hf.patch_mla``.
+
+CPU, two processes (gloo), fp32 on the MLA op's PyTorch reference path, tiny random models (4 heads,
+2 per rank): the prefill's and decode steps' logits equal the one-process patched model's, and the
+greedy (and seeded sampled) tokens of ``model.generate`` and ``tilefuse.hf.generate`` equal it too.
+
+Tolerance of the logits: the two sides compute the same products; they differ in the order of the
+sums that the split cuts (o_proj's and the MLP down projection's K split in two partial sums, then
+the all-reduce) and nothing else, a few fp32 roundings per block: measured 4-7e-7 of the
+logits' largest magnitude; the bound is 2^-16 (1.5e-5) of it, while a head cut or summed wrongly
+moves the logits by O(1).
+
+Two GPUs (NCCL, ``-m gpu``): ``tilefuse.hf.generate`` with the decode step captured in a CUDA graph
+on every rank, bf16, against the one-GPU model's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+
+from tilefuse.testing.parallel import Ranks  # noqa: E402
+
+VOCAB, PAD = 97, 0
+LOGITS_TOL = 2.0 ** -16          # of the largest |logit| (module docstring)
+PROMPTS = [7, 11, 4]             # left-padded prompt lengths of the batch
+
+
+def config_of(variant: str):
+    """Tiny DeepSeek configs with the op's latent (KV LoRA 512, RoPE 64) and 4 heads.
+
+    * ``v3-dense``: DeepSeek-V3, q LoRA, 2 dense blocks (the benchmark's layout);
+    * ``v3-moe``: one dense block then 2 MoE blocks (shared expert cut, routed experts replicated);
+    * ``v2-lite``: DeepSeek-V2-Lite (plain ``q_proj``, complex RoPE), one dense and one MoE block.
+    """
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                  num_experts_per_tok=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                  v_head_dim=32, max_position_embeddings=256, initializer_range=0.1, pad_token_id=PAD,
+                  bos_token_id=1, eos_token_id=2)
+    if variant == "v2-lite":
+        return transformers.DeepseekV2Config(**common, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=None)
+    layers, dense = (2, 2) if variant == "v3-dense" else (3, 1)
+    return transformers.DeepseekV3Config(**common, num_hidden_layers=layers, first_k_dense_replace=dense,
+                                         q_lora_rank=32, n_group=2, topk_group=1)
+
+
+def model_of(config) -> torch.nn.Module:
+    torch.manual_seed(0)             # the same full model on every rank
+    cls = transformers.DeepseekV2ForCausalLM if config.model_type == "deepseek_v2" else \
+        transformers.DeepseekV3ForCausalLM
+    return cls(config).eval()
+
+
+def prompts(lengths=PROMPTS):
+    gen = torch.Generator().manual_seed(5)
+    width = max(lengths)
+    ids = torch.randint(3, VOCAB, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def _cache_arg(model) -> str:
+    from tilefuse.hf.decode import cache_argument
+
+    return cache_argument(model)
+
+
+def step_logits(model, ids, mask, steps) -> list[torch.Tensor]:
+    """Logits of the prefill of ``ids`` and of each decode step of ``steps`` (``[b, s]`` token
+    blocks, 1 or more tokens each) over a fresh PagedMLACache."""
+    from tilefuse.hf import PagedMLACache
+
+    cache = PagedMLACache(model, max_batch=ids.shape[0], max_tokens=64)
+    arg = _cache_arg(model)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    out = [model(input_ids=ids, attention_mask=mask, position_ids=positions, **{arg: cache}).logits]
+    last = positions[:, -1:]
+    for block in steps:
+        pos = last + 1 + torch.arange(block.shape[1])
+        out.append(model(input_ids=block, position_ids=pos, **{arg: cache}).logits)
+        last = pos[:, -1:]
+    return out
+
+
+def decode_all(model, ids, mask, new: int = 10) -> dict:
+    """Greedy tokens through model.generate + PagedMLACache and through tilefuse.hf.generate,
+    and seeded sampled tokens of tilefuse.hf.generate."""
+    import tilefuse.hf
+    from tilefuse.hf import PagedMLACache
+
+    cache = PagedMLACache(model, max_batch=ids.shape[0], max_tokens=ids.shape[1] + new)
+    hf = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                        pad_token_id=PAD, **{_cache_arg(model): cache})[:, ids.shape[1]:]
+    ours = tilefuse.hf.generate(model, ids, new, attention_mask=mask, eos_token_id=[], pad_token_id=PAD)
+    sampled = tilefuse.hf.generate(model, ids, new, attention_mask=mask, do_sample=True, top_k=20, seed=11,
+                                   eos_token_id=[], pad_token_id=PAD)
+    return {"hf": hf, "generate": ours[:, ids.shape[1]:], "sampled": sampled[:, ids.shape[1]:]}
+
+
+def compare(one: torch.nn.Module, tp: torch.nn.Module) -> dict:
+    """Logits of a prefill and two decode steps (1 and 3 tokens), and the decoded tokens, of the
+    tensor-parallel model against the one-process model."""
+    ids, mask = prompts()
+    gen = torch.Generator().manual_seed(6)
+    steps = [torch.randint(3, VOCAB, (ids.shape[0], n), generator=gen) for n in (1, 3)]
+    want, got = step_logits(one, ids, mask, steps), step_logits(tp, ids, mask, steps)
+    errors = [float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)]
+    tokens_one, tokens_tp = decode_all(one, ids, mask), decode_all(tp, ids, mask)
+    return {"logit_errors": errors,
+            "tokens_equal": {k: bool(torch.equal(tokens_tp[k], tokens_one[k])) for k in tokens_one},
+            "greedy_is_hf": bool(torch.equal(tokens_one["generate"], tokens_one["hf"])),
+            "tokens": tokens_tp["generate"].tolist()}
+
+
+# ----------------------------------------------------------------------------- jobs run on every rank
+@torch.no_grad()
+def job_shard_model(variant: str, order: str) -> dict:
+    """shard_model and patch_mla (in ``order``) on a full model, against patch_mla alone."""
+    from tilefuse.hf import patch_mla
+    from tilefuse.parallel import ParallelSwiGLUMLP, RowParallel, shard_model
+
+    config = config_of(variant)
+    full = model_of(config)
+    one = copy.deepcopy(full)
+    patch_mla(one)
+    tp = full
+    if order == "shard-then-patch":
+        replaced = shard_model(tp)
+        patch_mla(tp)
+    else:
+        patch_mla(tp)
+        replaced = shard_model(tp)
+    attn = tp.model.layers[0].self_attn
+    heads = attn.kv_b_proj.weight.shape[0] // (config.qk_nope_head_dim + config.v_head_dim)
+    out = compare(one, tp)
+    out.update(replaced=replaced, local_heads=heads, o_proj=type(attn.o_proj).__name__,
+               mlp=type(tp.model.layers[0].mlp).__name__)
+    assert isinstance(attn.o_proj, RowParallel) and isinstance(tp.model.layers[0].mlp, ParallelSwiGLUMLP)
+    return out
+
+
+@torch.no_grad()
+def job_tp_plan(path: str, swiglu: bool) -> dict:
+    """A checkpoint loaded with tp_plan="auto", patched by tilefuse.parallel.hf.patch_mla (and
+    patch_swiglu), against the one-process model patched by tilefuse.hf.patch_mla (and patch_swiglu)."""
+    import tilefuse.hf
+    import tilefuse.parallel.hf as tp_hf
+
+    tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    one = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    loaded_tp = tp_hf.is_tensor_parallel(tp)
+    patched = tp_hf.patch_mla(tp)
+    tilefuse.hf.patch_mla(one)
+    if swiglu:
+        tp_hf.patch_swiglu(tp)
+        tilefuse.hf.patch_swiglu(one)
+    out = compare(one, tp)
+    attn = tp.model.layers[0].self_attn
+    out.update(patched=patched, loaded_tp=loaded_tp, dtensors_left=tp_hf.is_tensor_parallel(tp.model.layers[0].self_attn),
+               local_heads=attn.kv_b_proj.weight.shape[0] // 64, world=dist.get_world_size())
+    return out
+
+
+# ----------------------------------------------------------------------------- CPU, 2 processes
+@pytest.fixture(scope="module")
+def gloo_ranks():
+    ranks = Ranks(2, "gloo", timeout=180)
+    yield ranks
+    ranks.close()
+
+
+def check(results: list[dict]) -> None:
+    for result in results:
+        assert all(err <= LOGITS_TOL for err in result["logit_errors"]), result["logit_errors"]
+        assert all(result["tokens_equal"].values()), result["tokens_equal"]
+        assert result["greedy_is_hf"], "tilefuse.hf.generate's greedy tokens differ from model.generate's"
+    assert results[0]["tokens"] == results[1]["tokens"]        # every rank decodes the same tokens
+
+
+@pytest.mark.parametrize("variant, order", [("v3-dense", "shard-then-patch"), ("v3-moe", "patch-then-shard"),
+                                            ("v2-lite", "shard-then-patch")])
+def test_shard_model_deepseek_decodes_like_one_process_gloo(gloo_ranks, variant, order):
+    results = gloo_ranks.run(job_shard_model, variant, order)
+    check(results)
+    blocks = config_of(variant).num_hidden_layers
+    # per block: q_b_proj (q_proj) + kv_b_proj + o_proj + the dense MLP or the shared expert
+    assert all(r["replaced"] == 4 * blocks and r["local_heads"] == 2 for r in results), results
+
+
+@pytest.mark.parametrize("variant, swiglu", [("v3-dense", True), ("v3-moe", False)])
+def test_tp_plan_deepseek_patched_by_tilefuse_parallel_hf_gloo(gloo_ranks, tmp_path, variant, swiglu):
+    pytest.importorskip("accelerate", reason="transformers' tp_plan loading needs accelerate")
+    path = tmp_path / variant
+    model_of(config_of(variant)).save_pretrained(path)
+    results = gloo_ranks.run(job_tp_plan, str(path), swiglu)
+    check(results)
+    blocks = config_of(variant).num_hidden_layers
+    assert all(r["loaded_tp"] and r["patched"] == blocks and not r["dtensors_left"] and r["local_heads"] == 2
+               for r in results), results

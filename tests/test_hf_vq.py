@@ -189,6 +189,101 @@ def test_save_and_load_a_2bit_model(tmp_path):
         load_vq(other, folder)
 
 
+def _edit_json(file, edit):
+    data = json.loads(file.read_text())
+    edit(data)
+    file.write_text(json.dumps(data))
+
+
+def test_load_vq_names_the_file_at_fault(tmp_path):
+    """A directory save_vq did not write as it is: corrupt JSON, no "modules", an unknown
+    codes_dtype, int32 codes out of [0, 256), weights that do not match: ValueError naming the file
+    (and the key or tensor), never an AttributeError, a JSONDecodeError without the file, or a
+    strict-load error blaming an argument the caller never passed."""
+    pytest.importorskip("transformers")
+    from tilefuse.bench import hf_models
+    from tilefuse.hf import _read_tensors, _write_tensors, load_vq, save_vq
+
+    config, model, ids, want = _tiny_2bit_llama(seed=6)
+    folder = save_vq(model, tmp_path / "vq")
+    spec, weights = folder / "tilefuse_vq.json", folder / "model.safetensors"
+    good_spec, state = spec.read_text(), _read_tensors(weights)
+
+    def load():
+        return load_vq(hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=7), folder)
+
+    spec.write_text(good_spec[:-20])
+    with pytest.raises(ValueError, match=f"{spec}.*not valid JSON"):
+        load()
+    spec.write_text(good_spec)
+    _edit_json(spec, lambda d: d.pop("modules"))
+    with pytest.raises(ValueError, match=f"{spec}.*\"modules\""):
+        load()
+    spec.write_text(good_spec)
+    _edit_json(spec, lambda d: d["modules"]["model.layers.0.mlp.up_proj"].update(codes_dtype="nonexistent"))
+    with pytest.raises(ValueError, match="codes_dtype must be one of \\('int8', 'uint8'\\), got 'nonexistent'"):
+        load()
+    spec.write_text(good_spec)
+    _edit_json(spec, lambda d: d["modules"]["model.layers.0.mlp.up_proj"].pop("out_features"))
+    with pytest.raises(ValueError, match="up_proj.*out_features"):
+        load()
+    spec.write_text(good_spec)
+    # int32 codes in [0, 256) load (the same values); out of range, the tensor and its file are named
+    key = "model.layers.1.self_attn.o_proj.codes"
+    wide = dict(state, **{key: state[key].view(torch.uint8).to(torch.int32)})
+    _write_tensors(wide, weights)
+    with torch.no_grad():
+        assert torch.equal(load()(input_ids=ids).logits, want)
+    wide[key][0, 0, 0] = 300
+    _write_tensors(wide, weights)
+    with pytest.raises(ValueError, match=f"{weights}: tensor '{key}': expected values in \\[0, 256\\)"):
+        load()
+    _write_tensors({k: v for k, v in state.items() if k != "lm_head.weight"}, weights)
+    with pytest.raises(ValueError, match=f"weights in {weights} do not match.*lm_head.weight"):
+        load()
+    _write_tensors(state, weights)
+    with torch.no_grad():
+        assert torch.equal(load()(input_ids=ids).logits, want)
+
+
+def test_load_aqlm_names_the_file_at_fault(tmp_path):
+    """load_aqlm: corrupt config.json or index, int32 codes (narrowed where in range; out of range
+    the tensor and file are named, not a codes_dtype argument the caller never passed)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors.torch")
+    from tilefuse.hf import _read_tensors, _write_tensors, load_aqlm, save_aqlm
+
+    _, model, ids, want = _tiny_2bit_llama(seed=8)
+    folder = save_aqlm(model, tmp_path / "aqlm")
+    config, weights = folder / "config.json", folder / "model.safetensors"
+    good_config, state = config.read_text(), _read_tensors(weights)
+    config.write_text(good_config.replace("}", "", 1))
+    with pytest.raises(ValueError, match=f"{config} is not valid JSON"):
+        load_aqlm(folder, dtype=torch.float32)
+    config.write_text(good_config)
+    key = "model.layers.0.mlp.down_proj.codes"
+    wide = dict(state, **{key: state[key].view(torch.uint8).to(torch.int32)})
+    _write_tensors(wide, weights)
+    with torch.no_grad():
+        assert torch.equal(load_aqlm(folder, dtype=torch.float32)(input_ids=ids).logits, want)
+    wide[key][1, 2, 1] = -5
+    _write_tensors(wide, weights)
+    with pytest.raises(ValueError, match=f"{weights}: tensor '{key}': expected values"):
+        load_aqlm(folder, dtype=torch.float32)
+    weights.unlink()
+    index = folder / "model.safetensors.index.json"
+    _write_tensors(state, folder / "shard.safetensors")
+    index.write_text('{"weight_map": {')
+    with pytest.raises(ValueError, match=f"{index} is not valid JSON"):
+        load_aqlm(folder, dtype=torch.float32)
+    index.write_text('{"weights": {}}')
+    with pytest.raises(ValueError, match=f"{index} has no \"weight_map\""):
+        load_aqlm(folder, dtype=torch.float32)
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(state, "shard.safetensors")}))
+    with torch.no_grad():
+        assert torch.equal(load_aqlm(folder, dtype=torch.float32)(input_ids=ids).logits, want)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_aqlm_checkpoint_round_trip(tmp_path, tied):
     """save_aqlm writes a patch_vq model as AQLM's 2x8 checkpoint (config.json with AQLM's

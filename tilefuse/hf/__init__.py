@@ -360,33 +360,99 @@ def load_vq(model: nn.Module, path) -> nn.Module:
     """Load what :func:`save_vq` wrote into ``model``, a freshly built model of the same config
     (``from_config``, or ``from_pretrained`` of the dense checkpoint): the modules named in
     ``tilefuse_vq.json`` become :class:`tilefuse.nn.VQLinear` shells, then the whole state dict
-    is loaded (strictly: every key must match). Returns ``model``."""
+    is loaded (strictly: every key must match). Returns ``model``. A directory that is not what
+    ``save_vq`` writes (a missing or malformed ``tilefuse_vq.json``, codes of another dtype or out
+    of [0, 256), weights that do not match the model) raises ValueError naming the file."""
     folder = Path(path)
     spec_path = folder / VQ_FILE
     if not spec_path.exists():
         raise ValueError(f"path: expected a directory written by tilefuse.hf.save_vq ({VQ_FILE} in it), got {folder}")
-    spec = json.loads(spec_path.read_text())
-    names = set(spec.get("modules", {}))
+    modules = _vq_spec(spec_path)
+    names = set(modules)
     layers = {name: mod for name, mod in model.named_modules() if name in names}
     missing = sorted(names - set(layers))
     if missing:
         raise ValueError(f"model: expected the modules {missing[:4]}{'...' if len(missing) > 4 else ''} named in "
                          f"{spec_path} (a model of the saved config)")
-    from tilefuse.nn.vq import VQLinear
+    from tilefuse.nn.vq import VQLinear, _as_code_dtype
 
     for name, linear in layers.items():
-        shape = spec["modules"][name]
+        shape = modules[name]
         if not isinstance(linear, nn.Linear) or (linear.in_features, linear.out_features) != (
                 shape["in_features"], shape["out_features"]):
             raise ValueError(f"model: {name} is {type(linear).__name__} "
                              f"{getattr(linear, 'out_features', '?')}x{getattr(linear, 'in_features', '?')}, "
                              f"the saved layer is {shape['out_features']}x{shape['in_features']}")
         weight = linear.weight
-        codes_dtype = getattr(torch, shape.get("codes_dtype", "int8"))
         model.set_submodule(name, VQLinear(shape["in_features"], shape["out_features"], bias=shape["bias"],
-                                           dtype=weight.dtype, codes_dtype=codes_dtype, device=weight.device))
-    model.load_state_dict(_read_tensors(folder / VQ_WEIGHTS), strict=True)
+                                           dtype=weight.dtype, codes_dtype=getattr(torch, shape["codes_dtype"]),
+                                           device=weight.device))
+    weights = folder / VQ_WEIGHTS
+    state = _read_tensors(weights)
+    for name in names:                      # the codes, checked here so that an error names the file
+        key = f"{name}.codes"
+        if isinstance(state.get(key), torch.Tensor):
+            state[key] = _as_code_dtype(state[key], getattr(torch, modules[name]["codes_dtype"]),
+                                        f"path: {weights}: tensor {key!r}")
+    load_strict(model, state, weights)
     return model
+
+
+CODES_DTYPES = ("int8", "uint8")
+
+
+def _vq_spec(spec_path: Path) -> dict:
+    """The ``modules`` of ``tilefuse_vq.json``: name -> in_features, out_features, bias, codes_dtype
+    (``"int8"`` when absent), validated; a malformed file raises ValueError naming it."""
+    spec = read_json(spec_path)
+    if not isinstance(spec, dict) or "modules" not in spec:
+        raise ValueError(f"path: {spec_path} has no \"modules\" key (the 2-bit modules save_vq lists), got "
+                         f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}")
+    modules = spec["modules"]
+    if not isinstance(modules, dict):
+        raise ValueError(f"path: {spec_path}: \"modules\" must map module names to their shapes, got "
+                         f"{type(modules).__name__}")
+    out = {}
+    for name, entry in modules.items():
+        where = f"path: {spec_path}: modules[{name!r}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected an object with in_features, out_features and bias, got {entry!r}")
+        for key in ("in_features", "out_features", "bias"):
+            if key not in entry:
+                raise ValueError(f"{where}: missing the key {key!r}")
+        k, n, bias = entry["in_features"], entry["out_features"], entry["bias"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (k, n)) or k % 8:
+            raise ValueError(f"{where}: expected in_features a positive multiple of 8 and out_features > 0, "
+                             f"got {k!r} and {n!r}")
+        if not isinstance(bias, bool):
+            raise ValueError(f"{where}: expected bias true or false, got {bias!r}")
+        codes_dtype = entry.get("codes_dtype", "int8")
+        if codes_dtype not in CODES_DTYPES:
+            raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
+        out[name] = dict(in_features=k, out_features=n, bias=bias, codes_dtype=codes_dtype)
+    return out
+
+
+def read_json(file: Path):
+    """``file``'s JSON; unreadable JSON raises ValueError naming the file and where it breaks."""
+    try:
+        return json.loads(Path(file).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"path: {file} is not valid JSON ({err})") from None
+
+
+def load_strict(model: nn.Module, state: dict, source, *, ignore_missing=()) -> None:
+    """``model.load_state_dict(state)``, strict but for the missing keys in ``ignore_missing``;
+    mismatched keys or shapes raise ValueError naming ``source`` (the file the weights came from)."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as err:      # shapes that do not match
+        raise ValueError(f"path: the weights in {source} do not match {type(model).__name__}: {err}") from None
+    missing = [key for key in missing if key not in ignore_missing]
+    if missing or unexpected:
+        raise ValueError(f"path: the weights in {source} do not match {type(model).__name__}: missing "
+                         f"{missing[:4]}{'...' if len(missing) > 4 else ''} ({len(missing)}), unexpected "
+                         f"{unexpected[:4]}{'...' if len(unexpected) > 4 else ''} ({len(unexpected)})")
 
 
 def _write_tensors(state: dict, file: Path) -> None:

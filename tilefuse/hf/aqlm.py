@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -78,13 +77,22 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     checkpoint is loaded, then the model moves to ``device``."""
     import transformers
 
-    from tilefuse.nn.vq import VQLinear
+    from tilefuse.hf import load_strict
+    from tilefuse.nn.vq import VQLinear, _as_code_dtype
 
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.exists():
         raise ValueError(f"path: expected a checkpoint directory with config.json, got {folder}")
-    quant = json.loads(config_file.read_text()).get("quantization_config") or {}
+    from tilefuse.hf import read_json
+
+    config_json = read_json(config_file)
+    if not isinstance(config_json, dict):
+        raise ValueError(f"path: {config_file} must hold a JSON object (a model config), got "
+                         f"{type(config_json).__name__}")
+    quant = config_json.get("quantization_config") or {}
+    if not isinstance(quant, dict):
+        raise ValueError(f"path: {config_file}: quantization_config must be an object, got {quant!r}")
     if quant.get("quant_method") != "aqlm":
         raise ValueError(f"path: expected an AQLM checkpoint (quantization_config.quant_method 'aqlm'), got "
                          f"{quant.get('quant_method')!r} in {config_file}")
@@ -92,7 +100,7 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     wanted = {k: v for k, v in AQLM_2X8.items() if k != "quant_method"}
     if layout != wanted:
         raise ValueError(f"path: tilefuse runs AQLM's 2x8 format ({wanted}), the checkpoint is {layout}")
-    state = _read_checkpoint(folder)
+    state, sources = _read_checkpoint(folder)
     config = transformers.AutoConfig.from_pretrained(folder)
     if hasattr(config, "quantization_config"):
         del config.quantization_config               # the model is built dense, then patched here
@@ -104,34 +112,46 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"path: the checkpoint has codes for {name}, which is a {type(linear).__name__} "
                              f"in {type(model).__name__}, not an nn.Linear")
-        codes = state[f"{name}.codes"]
+        key = f"{name}.codes"
+        codes = state[key]
+        # AQLM stores int8 codes; uint8 keeps its dtype, wider integers in [0, 256) are narrowed
+        # (checked here so that an error names the tensor and its file)
+        codes_dtype = codes.dtype if codes.dtype in (torch.int8, torch.uint8) else torch.int8
+        state[key] = _as_code_dtype(codes, codes_dtype, f"path: {sources.get(key, folder)}: tensor {key!r}")
         model.set_submodule(name, VQLinear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                           dtype=dtype, codes_dtype=codes.dtype))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+                                           dtype=dtype, codes_dtype=codes_dtype))
     tied = set(getattr(model, "_tied_weights_keys", None) or ()) if getattr(config, "tie_word_embeddings", False) \
         else set()
-    missing = [key for key in missing if key not in tied]
-    if missing or unexpected:
-        raise ValueError(f"path: the checkpoint's weights do not match {type(model).__name__} with its 2-bit layers: "
-                         f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    source = folder / WEIGHTS if (folder / WEIGHTS).exists() else f"the shards of {folder / WEIGHTS_INDEX}"
+    load_strict(model, state, f"{source} ({type(model).__name__} with its 2-bit layers)", ignore_missing=tied)
     if tied:
         model.tie_weights()
     return model.to(device).eval()
 
 
-def _read_checkpoint(folder: Path) -> dict:
-    """The state dict of ``model.safetensors``, or of the shards ``model.safetensors.index.json`` names."""
-    from tilefuse.hf import _read_tensors
+def _read_checkpoint(folder: Path) -> tuple[dict, dict]:
+    """The state dict of ``model.safetensors``, or of the shards ``model.safetensors.index.json``
+    names, and the file each tensor came from."""
+    from tilefuse.hf import _read_tensors, read_json
 
     if (folder / WEIGHTS).exists():
-        return _read_tensors(folder / WEIGHTS)
+        state = _read_tensors(folder / WEIGHTS)
+        return state, dict.fromkeys(state, folder / WEIGHTS)
     index = folder / WEIGHTS_INDEX
     if not index.exists():
         raise ValueError(f"path: expected {WEIGHTS} or {WEIGHTS_INDEX} in {folder}")
-    state = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        state.update(_read_tensors(folder / shard))
-    return state
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"path: {index} has no \"weight_map\" key mapping tensor names to shard files")
+    state, sources = {}, {}
+    for shard in sorted(set(weight_map.values())):
+        if not (folder / shard).exists():
+            raise ValueError(f"path: the shard {shard} that {index} names is not in {folder}")
+        tensors = _read_tensors(folder / shard)
+        state.update(tensors)
+        sources.update(dict.fromkeys(tensors, folder / shard))
+    return state, sources
 
 
 @contextlib.contextmanager

@@ -633,9 +633,9 @@ def test_gpu_compile_and_graphs_with_no_tokens(dynamic):
         y = op(case.x, case.codes, case.codebooks, case.scales, case.bias)
         z = mod(case.x)
         assert y.shape == z.shape == (m, 512)
-        if m:
-            _check(y, case, "prefill")
-            _check(z, case, "prefill")
+        if m:       # the loosest bound of the paths the pick may take
+            _check(y, case, "dequant")
+            _check(z, case, "dequant")
     x = torch.empty(0, 1024, device="cuda", dtype=torch.bfloat16)
     layer(x)
     graph = torch.cuda.CUDAGraph()

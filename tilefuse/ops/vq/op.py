@@ -747,7 +747,9 @@ def vq_matmul(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, sca
     (1-2 tokens), the one-launch MMA decode kernel (weight tiles dequantized in registers, up to
     16), on Hopper the one-launch WGMMA prefill kernel (up to 512), where one is predicted faster
     than the baseline by 10 %; else the weight is dequantized into a scratch [N, K] (one kernel)
-    and cuBLAS runs.
+    and cuBLAS runs. No tokens (x ``[..., 0, ..., K]``, an MoE expert no token was routed to):
+    an empty ``[..., N]``, no launch. Under ``torch.compile`` (static or dynamic shapes) the path
+    is picked when the compiled code runs, on the concrete sizes.
     Differentiable in ``x``, ``codebooks``, ``scales`` and ``bias`` (the backward runs in PyTorch).
     """
     if not isinstance(codes, torch.Tensor) or codes.dtype in WIDE_CODE_DTYPES:

@@ -187,3 +187,86 @@ def test_default_paths_never_sync_with_the_host():
     step()
     run_without_host_sync(step)
     torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- cuBLAS under capture
+# Graphs captured by ``torch.cuda.graph`` without a ``stream`` share one capture stream, and PyTorch
+# keeps one cuBLAS workspace per (handle, stream): before ``_scratch.blas`` two such graphs held
+# the same workspace, and replaying them at once on two streams let their split-K GEMMs overwrite
+# each other's partials (an H100 gave 73 and 37 wrong outputs of 800 at the shapes below, on the
+# unfused path the dispatch picks there). Every tilefuse path that runs cuBLAS is checked: the
+# default pick, a pinned unfused swiglu, the FP8 pipeline's ``torch._scaled_mm``, the fp32 reference
+# (cuBLAS GEMMs) and FusedSwiGLUMLP (its down projection).
+BLAS_SHAPES = ((8192, 1024), (16384, 512))       # M = 4: split-K GEMMs in cuBLAS
+
+
+def blas_paths():
+    """name -> builder(h, i) -> zero-arg call; every tilefuse path that runs a cuBLAS GEMM at M = 4."""
+    from tilefuse.nn import FusedSwiGLUMLP
+
+    def swiglu(dtype, variant=None):
+        def build(h, i):
+            x, w, _ = swiglu_cases.make_case(4, h, i, dtype, "cuda")
+            if variant is None:
+                return lambda: tilefuse.swiglu(x, w)
+
+            def call():
+                with tilefuse.force(variant=variant):
+                    return tilefuse.swiglu(x, w)
+            return call
+        return build
+
+    def fp8(h, i):
+        c = swiglu_cases.make_fp8_case(4, h, i, "cuda", x_scaling="token", w_scaling="channel")
+
+        def call():
+            with tilefuse.force(variant="unfused", family="swiglu_fp8"):
+                return tilefuse.swiglu_fp8(*c.args())
+        return call
+
+    def mlp(h, i):
+        module = FusedSwiGLUMLP(h, i, dtype=DT, device="cuda")
+        x = torch.randn(4, h, dtype=DT, device="cuda")
+        return lambda: module(x)
+
+    def plain_linear(h, i):                       # PyTorch alone: shows the harness catches the race
+        x, w, _ = swiglu_cases.make_case(4, h, i, DT, "cuda")
+        return lambda: torch.nn.functional.linear(x, w)
+
+    return {"swiglu default": swiglu(DT), "swiglu unfused pinned": swiglu(DT, "unfused"),
+            "swiglu_fp8 unfused pinned": fp8, "swiglu fp32 reference": swiglu(torch.float32),
+            "FusedSwiGLUMLP": mlp, "plain F.linear": plain_linear}
+
+
+def graph_race(build, pair, replays=400, rel=1e-2):
+    """Capture one graph per shape of ``pair`` with ``torch.cuda.graph`` on its shared default
+    capture stream, replay both at once on two streams ``replays`` times and count the outputs
+    off by more than ``rel`` (max abs error / max abs of the call's eager result): (wrong, total).
+    The count is kept on the GPU (no sync per replay)."""
+    fns = [build(h, i) for h, i in pair]
+    expected = [fn().float() for fn in fns]                 # eager, alone: warm-up and the answer
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    for fn in fns:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(fn())
+        graphs.append(graph)
+    streams = [torch.cuda.Stream() for _ in fns]
+    wrong = [torch.zeros((), dtype=torch.int64, device="cuda") for _ in fns]
+    torch.cuda.synchronize()
+    for _ in range(replays):
+        for graph, stream, out, exp, bad in zip(graphs, streams, outs, expected, wrong):
+            with torch.cuda.stream(stream):
+                graph.replay()
+                bad += ((out.float() - exp).abs().max() > rel * exp.abs().max()).long()
+    torch.cuda.synchronize()
+    return sum(int(b) for b in wrong), replays * len(fns)
+
+
+@pytest.mark.parametrize("pair", [BLAS_SHAPES, BLAS_SHAPES[1:] * 2], ids=["two shapes", "one shape twice"])
+@pytest.mark.parametrize("path", ["swiglu default", "swiglu unfused pinned", "swiglu_fp8 unfused pinned",
+                                  "swiglu fp32 reference", "FusedSwiGLUMLP"])
+def test_graphs_on_the_shared_capture_stream_replayed_at_once(path, pair):
+    wrong, total = graph_race(blas_paths()[path], pair)
+    assert wrong == 0, f"{path}: {wrong} of {total} outputs wrong"

@@ -20,6 +20,9 @@ order, so scratch is handed out by this rule (the concurrency contract of every 
 
 :func:`workspace` hands out memory with any contents (partial results a launch writes before it
 reads them) by the same rule, without the zeroing. Nothing here reads the device: no host sync.
+
+cuBLAS calls (the unfused paths' GEMMs, ``torch._scaled_mm``, the reference on a GPU) go through
+:func:`blas`, which gives them the same guarantee for cuBLAS's own workspace; see its docstring.
 """
 
 from __future__ import annotations
@@ -128,3 +131,49 @@ def _capture_piece(device: torch.device, index: int, nbytes: int, zero: bool) ->
     piece = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8, device=device)
     _kept.append(piece)
     return piece
+
+
+# ----------------------------------------------------------------------------- cuBLAS
+def blas(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` -- a call that runs cuBLAS or cuBLASLt (``F.linear``, ``torch.mm``,
+    ``torch._scaled_mm``, a matmul in a reference) -- under the contract above.
+
+    PyTorch gives cuBLAS a workspace per (cuBLAS handle, stream), kept between calls. Eager calls
+    are safe under that rule (one stream runs in order), but a graph keeps the workspace address
+    it was captured with, and ``torch.cuda.graph`` captures every graph on one shared stream
+    unless told otherwise: two graphs captured by one thread then hold the same workspace, and
+    replaying them at once on two streams lets their split-K GEMMs overwrite each other's partial
+    sums (wrong outputs, no error). So while a capture is under way, this drops PyTorch's cached
+    cuBLAS workspaces (``torch._C._cuda_clearCublasWorkspaces``, as ``torch.compile``'s CUDA-graph
+    trees do around a recording) before the call, so the call allocates a fresh one on the
+    capturing stream, i.e. from the graph's private memory pool, and again after it, so no later
+    call (of this graph or another) reuses that address through the cache. Memory: one cuBLAS
+    workspace (32 MiB on Hopper by default, ``CUBLAS_WORKSPACE_CONFIG``) per captured graph that
+    runs such a call, in the graph's pool: later calls in the same capture reuse the freed block
+    in stream order, and it is released with the graph. Graphs that share a pool (``pool=``)
+    share it, as they share all their memory (PyTorch allows that only for graphs replayed one
+    after the other). Eager calls pay one capture-status query; after a capture they re-create
+    their per-stream workspaces once. While ``torch.compile`` traces, ``fn`` is traced as it is
+    (Inductor's CUDA-graph trees drop the cached workspaces around each recording). No host sync.
+    """
+    if not torch.compiler.is_compiling() and _capturing(args):
+        _drop_cublas_workspaces()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _drop_cublas_workspaces()
+    return fn(*args, **kwargs)
+
+
+def _capturing(args) -> bool:
+    """A CUDA graph is being captured on the current stream of the first tensor argument's device."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.is_cuda and torch.cuda.is_current_stream_capturing()
+    return False
+
+
+def _drop_cublas_workspaces() -> None:
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()

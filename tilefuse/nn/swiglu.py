@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tilefuse import _scratch
 from tilefuse.ops.swiglu.op import LAYOUTS, pack_gate_up, swiglu
 from tilefuse.ops.swiglu_fp8.op import swiglu_fp8
 from tilefuse.ops.swiglu_fp8.reference import FP8, GROUP, quantize_fp8
@@ -164,7 +165,8 @@ class FusedSwiGLUMLP(nn.Module):
             h = swiglu_fp8(xq, x_scales, self.gate_up_weight, self.gate_up_scales, out_dtype=x.dtype)
         else:
             h = swiglu(x, self.gate_up_weight, self.gate_up_bias, layout=self.layout)
-        return self.down_proj(h)
+        # down_proj is cuBLAS: while a CUDA graph captures, with a workspace of that graph's own
+        return _scratch.blas(self.down_proj, h)
 
     # The state dict carries the layout in the weight's key name (plain tensors only: safetensors
     # takes them); the parameter itself is ``gate_up_weight`` in every layout.

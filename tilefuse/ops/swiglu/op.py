@@ -92,8 +92,9 @@ def run_unfused(x2d: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor, pac
     """The unfused path the dispatch keeps as a candidate: ``y = x2d @ w^T`` by cuBLAS
     (``[M, 2I]``, x's dtype), then one pass ``out = silu(y_gate + b_gate) * (y_up + b_up)`` (bias
     and SiLU in fp32, one rounding; y itself is rounded once more than in the fused kernels, as in
-    the two-GEMM code this path stands for)."""
-    return silu_mul(torch.nn.functional.linear(x2d, w), out, bias, packed)
+    the two-GEMM code this path stands for). The GEMM goes through ``_scratch.blas``: captured into
+    a CUDA graph, it gets a cuBLAS workspace of that graph's own."""
+    return silu_mul(_scratch.blas(torch.nn.functional.linear, x2d, w), out, bias, packed)
 
 
 def silu_mul(y: torch.Tensor, out: torch.Tensor, bias=None, packed: bool = False,
@@ -332,7 +333,12 @@ def _setup_backward(ctx, inputs, output):
 def _swiglu_backward(ctx, grad_out):
     """Gradients of ``h = silu(g) * u`` with ``g = x Wg^T + bg``, ``u = x Wu^T + bu`` (recomputed in
     fp32, or fp64 for fp64 inputs): ``dg = dh u silu'(g)``, ``du = dh silu(g)``; then
-    ``dx = [dg, du] W``, ``dW = [dg, du]^T x``, ``db = sum [dg, du]``."""
+    ``dx = [dg, du] W``, ``dW = [dg, du]^T x``, ``db = sum [dg, du]``. PyTorch GEMMs: through
+    ``_scratch.blas`` (a cuBLAS workspace per captured graph)."""
+    return _scratch.blas(_backward_gemms, grad_out, ctx)
+
+
+def _backward_gemms(grad_out, ctx):
     x, w_gate_up, bias = ctx.saved_tensors
     packed = ctx.layout == "packed"
     w = torch.cat(unpack_gate_up(w_gate_up)) if packed else w_gate_up
@@ -431,8 +437,8 @@ def _launch_small_m(call: _Call, x, w, bias, out) -> torch.Tensor:
 
 
 def _run(call: _Call, x, w_gate_up, bias, layout) -> torch.Tensor:
-    if call.reference:
-        return _reference(x, w_gate_up, bias, layout)
+    if call.reference:   # cuBLAS GEMMs on a GPU: a workspace per captured graph (_scratch.blas)
+        return _scratch.blas(_reference, x, w_gate_up, bias, layout)
     out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
     if call.m == 0:
         return out

@@ -263,7 +263,8 @@ def scaled_gemm(x2d, x_scales, w, w_scales, form: str) -> torch.Tensor:
         scale_b = w_scales.reshape(1, rows) if w_scales.dim() else w_scales.reshape(1, 1).expand(1, rows).contiguous()
     else:
         scale_a, scale_b = x_scales, w_scales
-    return torch._scaled_mm(x2d, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+    # cuBLASLt's workspace: one per captured graph while a CUDA graph captures (_scratch.blas)
+    return _scratch.blas(torch._scaled_mm, x2d, w.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
 def run_unfused(x2d, x_scales, w, w_scales, out, out_scales, form: str) -> None:
@@ -329,9 +330,9 @@ def launch_decode(x2d, xs, w, ws, out, out_scales, cfg: configs.DecodeConfig, x_
 
 
 def _run(call: _Call, x, x_scales, w_gate_up, w_scales, out_dtype):
-    if call.reference:
-        out = swiglu_fp8_reference(x, x_scales, w_gate_up, w_scales, out_dtype=out_dtype,
-                                   compute_dtype=torch.float32)
+    if call.reference:   # cuBLAS GEMMs on a GPU: a workspace per captured graph (_scratch.blas)
+        out = _scratch.blas(swiglu_fp8_reference, x, x_scales, w_gate_up, w_scales, out_dtype=out_dtype,
+                            compute_dtype=torch.float32)
         return out if call.quant else (out, x.new_empty(call.scale_shape, dtype=torch.float32))
     carrier = call.quant and interpreting()
     out = torch.empty(call.out_shape, dtype=torch.float32 if carrier else out_dtype, device=x.device)

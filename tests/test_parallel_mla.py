@@ -160,7 +160,13 @@ def job_tp_plan(path: str, swiglu: bool) -> dict:
     import tilefuse.hf
     import tilefuse.parallel.hf as tp_hf
 
-    tp = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()  # noqa: E731
+    try:                 # the one-device patch refuses the DTensor weights (its decode slices kv_b_proj per head)
+        tilefuse.hf.patch_mla(load())
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    tp = load()
     one = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     loaded_tp = tp_hf.is_tensor_parallel(tp)
     patched = tp_hf.patch_mla(tp)
@@ -170,7 +176,7 @@ def job_tp_plan(path: str, swiglu: bool) -> dict:
         tilefuse.hf.patch_swiglu(one)
     out = compare(one, tp)
     attn = tp.model.layers[0].self_attn
-    out.update(patched=patched, loaded_tp=loaded_tp, dtensors_left=tp_hf.is_tensor_parallel(tp.model.layers[0].self_attn),
+    out.update(patched=patched, loaded_tp=loaded_tp, refused=refused, dtensors_left=tp_hf.is_tensor_parallel(tp.model.layers[0].self_attn),
                local_heads=attn.kv_b_proj.weight.shape[0] // 64, world=dist.get_world_size())
     return out
 
@@ -210,4 +216,6 @@ def test_tp_plan_deepseek_patched_by_tilefuse_parallel_hf_gloo(gloo_ranks, tmp_p
     check(results)
     blocks = config_of(variant).num_hidden_layers
     assert all(r["loaded_tp"] and r["patched"] == blocks and not r["dtensors_left"] and r["local_heads"] == 2
+               for r in results), results
+    assert all("kv_b_proj.weight is a DTensor" in r["refused"] and "tilefuse.parallel.hf.patch_mla" in r["refused"]
                for r in results), results

@@ -588,6 +588,9 @@ def patch_mla(model: nn.Module, attention=None) -> int:
             what = f"{w_kv.dtype} {tuple(w_kv.shape)}" if isinstance(w_kv, torch.Tensor) else type(w_kv).__name__
             raise ValueError(f"model: {cls_name}.kv_b_proj.weight must be a float [heads * (qk_nope_head_dim + "
                              f"v_head_dim), {KV_LORA_RANK}] matrix, got {what}")
+        if type(w_kv).__name__ == "DTensor":      # transformers' tp_plan: the global shape, local shards
+            raise ValueError(f"model: {cls_name}.kv_b_proj.weight is a DTensor (a model loaded with tp_plan); "
+                             f"use tilefuse.parallel.hf.patch_mla, which cuts the attention to this rank's heads")
     _hook_attention_mask(model)
     for attn in targets:
         attn.__class__ = _paged_class(type(attn))

@@ -102,7 +102,7 @@ def patch_swiglu(model: nn.Module, layout: str = "merged") -> int:
     return len(targets)
 
 
-def patch_mla(model: nn.Module) -> int:
+def patch_mla(model: nn.Module, attention=None) -> int:
     """:func:`tilefuse.hf.patch_mla` for a DeepSeek-V2/V3 ``tp_plan`` model: every MLA attention is
     rebuilt on this rank's heads from its local shards, then patched to decode over a
     :class:`tilefuse.hf.PagedMLACache` (each rank its own, holding the whole latent).
@@ -113,9 +113,10 @@ def patch_mla(model: nn.Module) -> int:
     ``kv_b_proj`` a plain ``nn.Linear`` of them (``W_UK`` / ``W_UV`` of the rank's heads, which the
     absorbed decode slices), ``o_proj`` a :class:`~tilefuse.parallel.RowParallel` whose all-reduce
     runs on the DTensor's mesh group (bias on rank 0); ``kv_a_proj_with_mqa`` (replicated, wrapped
-    by transformers only for training gradients) a plain ``nn.Linear``. Returns the number of
-    attention modules patched; on a model without DTensor weights this is
-    :func:`tilefuse.hf.patch_mla`.
+    by transformers only for training gradients) a plain ``nn.Linear``. ``attention``: the decode
+    attention, as :func:`tilefuse.hf.patch_mla`'s (None: tilefuse's; or a module with FlashMLA's
+    API). Returns the number of attention modules patched; on a model without DTensor weights
+    this is :func:`tilefuse.hf.patch_mla`.
 
     Raises ValueError (naming ``model`` or ``world_size``) for a model that is not DeepSeek-V2/V3
     with the op's latent, projections not split as above, or heads the mesh does not cut evenly.
@@ -124,7 +125,7 @@ def patch_mla(model: nn.Module) -> int:
     from tilefuse.hf.mla import patch_mla as patch_one_device
 
     if not is_tensor_parallel(model):
-        return patch_one_device(model)
+        return patch_one_device(model, attention)
     config = getattr(model, "config", None)
     check_mla_config(config, "model")
     heads = int(config.num_attention_heads)
@@ -149,7 +150,7 @@ def patch_mla(model: nn.Module) -> int:
         attn.o_proj = RowParallel(linear_from(_local(o.weight), _full(o.bias) if where.rank == 0 else None), where)
         kv_a = attn.kv_a_proj_with_mqa
         attn.kv_a_proj_with_mqa = linear_from(_full(kv_a.weight), _full(kv_a.bias))
-    return patch_one_device(model)
+    return patch_one_device(model, attention)
 
 
 def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False, targets: tuple[str, ...] | None = None,

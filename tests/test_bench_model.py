@@ -227,6 +227,67 @@ def test_only_selects_cases_like_the_kernel_benches(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+class FlashMLAAPI:
+    """A module with FlashMLA's API over tilefuse's op (its reference path on a CPU), counting calls."""
+
+    def __init__(self):
+        import tilefuse
+
+        self.op, self.calls = tilefuse, {"get_mla_metadata": 0, "flash_mla_with_kvcache": 0}
+
+    def get_mla_metadata(self, *args):
+        self.calls["get_mla_metadata"] += 1
+        return self.op.get_mla_metadata(*args)
+
+    def flash_mla_with_kvcache(self, *args, **kwargs):
+        self.calls["flash_mla_with_kvcache"] += 1
+        return self.op.flash_mla_with_kvcache(*args, **kwargs)
+
+
+def test_flashmla_variant_runs_inside_the_same_deepseek_model(tmp_path):
+    """An attention module with FlashMLA's API becomes the DeepSeek model's mla:<name> variant: the
+    model patched with it decodes (the module called every step), and its greedy tokens are
+    compared with tilefuse's mla variant's."""
+    fake = FlashMLAAPI()
+    assert bench_model.main(out_dir=tmp_path, only="tiny-deepseek", device=torch.device("cpu"),
+                            attentions={"mla:fake": fake}) == 0
+    data = json.loads(next(tmp_path.glob("model-*.json")).read_text())
+    assert data["models"]["tiny-deepseek"]["variants"]["mla:fake"]["attention"] == "fake"
+    assert data["attention_peers"] == {"mla:fake": "FlashMLAAPI"}
+    rows = [r for r in data["rows"] if r["variant"] == "mla:fake"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [("eager", 1), ("eager", 16)]
+    assert all("error" not in r and r["agreement_vs_mla"] == 1.0 for r in rows), rows
+    assert fake.calls["flash_mla_with_kvcache"] > 0 and fake.calls["get_mla_metadata"] > 0
+    with pytest.raises(ValueError, match="attentions"):
+        bench_model.main(out_dir=tmp_path, device=torch.device("cpu"), attentions={"fake": fake})
+
+
+def test_flashmla_rows_speedup_and_goal():
+    """tilefuse_speedup = the FlashMLA build's ms / tilefuse's: from the rounds beside the mla model
+    (1 / x_mla_paired) where timed so, else from the mla row; the goal judges the graph rows."""
+    def row(variant, mode, ms, **extra):
+        return {"model": "deepseek-v3", "variant": variant, "mode": mode, "batch": 16, "prompt_tokens": 4096,
+                "ms_per_token": ms, **extra}
+
+    rows = [row("stock", "graph", 8.0), row("mla", "graph", 2.0), row("mla", "eager", 4.0),
+            row("mla:flashmla@main", "graph", 2.5, x_mla_paired=0.8, mla_ms_paired=2.0),
+            row("mla:flashmla@main", "eager", 3.0)]
+    ours, theirs = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[1, 2, 0, 4]])
+    tokens = {("mla", "graph", 16, 4096): ours, ("mla", "eager", 16, 4096): ours,
+              ("mla:flashmla@main", "graph", 16, 4096): theirs, ("mla:flashmla@main", "eager", 16, 4096): ours}
+    bench_model.compare(rows, tokens)
+    assert rows[3]["tilefuse_speedup"] == 1.25 and rows[3]["agreement_vs_mla"] == 0.75
+    assert rows[4]["tilefuse_speedup"] == 0.75 and rows[4]["agreement_vs_mla"] == 1.0
+    assert "tilefuse_speedup" not in rows[1]
+    summary = bench_model.summarize(rows)
+    goal = next(g for g in summary["goals"] if "FlashMLA's inside the same" in g["goal"])
+    assert goal["measured"] == 1.25 and goal["met"] is True and goal["cases"] == 1
+    assert summary["tilefuse_vs_flashmla"]["deepseek-v3"]["flashmla@main"]["eager b16 4096"] == {
+        "tilefuse_speedup": 0.75, "agreement_vs_mla": 1.0}
+    assert bench_model.with_peers({"a": ("stock", "mla"), "b": ("stock", "vq2")}, {"mla:x": None}) == {
+        "a": ("stock", "mla", "mla:x"), "b": ("stock", "vq2")}
+
+
 def test_cli_knows_the_model_family(capsys):
     from tilefuse.cli import main
 

@@ -21,7 +21,14 @@ every q/k/v/o/gate/up/down projection in 2-bit AQLM 2x8; SmolLM2 and the tiny mo
 calibrated on text when there is some, the large random shapes get random codes); on the
 DeepSeek shapes ``mla`` (:func:`tilefuse.hf.patch_mla`: the absorbed attention over a
 ``PagedMLACache``, which eager ``generate`` gets as its cache) and ``mla_swiglu`` (both patches)
-instead of ``vq2``.
+instead of ``vq2``; and, where a FlashMLA build is importable (``TILEFUSE_FLASHMLA``, or an installed
+``flash_mla``: :func:`tilefuse.bench.mla.flashmla_peers`), ``mla:<build>`` for each (e.g.
+``mla:flashmla@main``): the same patched model with FlashMLA as its decode attention
+(``patch_mla(attention=flash_mla)``), the split schedule planned once per step for every layer as
+with tilefuse's. Its decode rows are timed beside the ``mla`` model (alternating rounds, as patched
+rows are beside stock): ``tilefuse_speedup`` = FlashMLA's ms / tilefuse's ms (> 1: tilefuse's
+attention faster in the same model), ``agreement_vs_mla`` = the fraction of greedy tokens equal to
+the ``mla`` row's.
 
 Modes, both greedy: ``eager`` = ``model.generate(do_sample=False)`` with its default dynamic cache;
 ``graph`` = :class:`GraphDecoder` (static cache, one decode step captured in a CUDA graph and
@@ -54,6 +61,7 @@ from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, alternatin
 from tilefuse.bench.hf_models import MLA_VARIANTS, OWN_VARIANTS, Subject, load_texts, log, subjects  # noqa: F401
 
 VARIANTS = ("stock", "swiglu", "vq2")
+PEER_PREFIX = "mla:"      # mla:<build>: patch_mla with that FlashMLA build as the decode attention
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
 # lighter pass (about 20x less work) for --quick and the CPU pipeline check
 VQ_QUANTIZE = dict(iters=3, beam=1, init_iters=10, feedback=1)
@@ -94,14 +102,37 @@ def prompts(subject: Subject, text_ids: torch.Tensor | None, batch: int, length:
 
 
 # ----------------------------------------------------------------------------- one model
-def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, quantize: dict) -> dict:
-    """Patch ``model`` in place for ``variant``; returns what was done (for the results file)."""
+def attention_peers(device: torch.device) -> dict:
+    """``{variant: module}``: ``mla:<build>`` for each FlashMLA build importable here (on a GPU
+    only; :func:`tilefuse.bench.mla.flashmla_peers`), the attention ``patch_mla`` gets for it."""
+    if device.type != "cuda":
+        return {}
+    from tilefuse.bench.mla import flashmla_peers
+
+    return {f"{PEER_PREFIX}{name}": module for name, module in flashmla_peers().items()}
+
+
+def with_peers(variants: dict[str, tuple[str, ...]], peers: dict) -> dict[str, tuple[str, ...]]:
+    """The models' own variants with the ``peers`` (:func:`attention_peers`) added to each that has ``mla``."""
+    return {name: tuple(v) + tuple(peers) if "mla" in v else tuple(v) for name, v in variants.items()}
+
+
+def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, quantize: dict,
+                  attentions: dict | None = None) -> dict:
+    """Patch ``model`` in place for ``variant``; returns what was done (for the results file).
+    ``attentions``: the ``mla:<build>`` variants' attention modules (:func:`attention_peers`)."""
     from tilefuse.hf import patch_mla, patch_swiglu, patch_vq
 
     start = time.perf_counter()
     if variant == "stock":
         return {}
-    if variant == "swiglu":
+    if variant.startswith(PEER_PREFIX):
+        module = (attentions or {}).get(variant)
+        if module is None:
+            raise ValueError(f"variant: {variant!r} names no attention module (known: {sorted(attentions or {})})")
+        info = {"attention_replaced": patch_mla(model, attention=module), "attention": variant[len(PEER_PREFIX):],
+                "attention_module": getattr(module, "__file__", None) or type(module).__name__}
+    elif variant == "swiglu":
         info = {"replaced": patch_swiglu(model)}
     elif variant in ("mla", "mla_swiglu"):
         info = {"attention_replaced": patch_mla(model)}
@@ -180,7 +211,7 @@ def paged_cache(model, prompt: torch.Tensor, new_tokens: int):
 
 def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.Tensor, plan: Plan,
                device: torch.device, timed: bool = True, paired=None,
-               resident_bytes: int = 0) -> tuple[dict, torch.Tensor | None]:
+               resident_bytes: int = 0, paired_as: str = "stock") -> tuple[dict, torch.Tensor | None]:
     """One (mode, batch) greedy decode of ``plan.new_tokens`` tokens; returns its row and the
     generated ids ``[batch, new_tokens]`` (None on error).
 
@@ -200,7 +231,9 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
     apart. Graph rows with ``paired`` alternate ``plan.graph_rounds`` replayed decodes the same way
     (one capture per model): the GPU's clocks drift by a few percent between rows minutes apart.
     ``peak_mem_gib`` is the first round's, whose decode runs before the paired model's, less
-    ``resident_bytes`` (the paired model's weights)."""
+    ``resident_bytes`` (the paired model's weights). ``paired_as`` names the paired model in those
+    fields (``<paired_as>_ms_paired``, ``x_<paired_as>_paired``): ``stock``, or ``mla`` for a
+    FlashMLA variant timed beside tilefuse's patched model."""
     batch = prompt.shape[0]
     prompt = prompt.to(device)
     generated = {}
@@ -248,8 +281,8 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
         if rounds > 1:
             out["rounds"] = rounds
         if ratios:   # the machine's speed drifts between rounds, far less within one: judge round by round
-            out["stock_ms_paired"] = round(statistics.median(stock_steps), 4)
-            out["x_stock_paired"] = round(statistics.median(ratios), 4)
+            out[f"{paired_as}_ms_paired"] = round(statistics.median(stock_steps), 4)
+            out[f"x_{paired_as}_paired"] = round(statistics.median(ratios), 4)
         return out
 
     row = {"model": subject.name, "variant": variant, "mode": mode, "batch": batch,
@@ -259,10 +292,13 @@ def decode_row(model, subject: Subject, variant: str, mode: str, prompt: torch.T
 
 def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: Plan, device: torch.device,
                 texts: tuple[str, str, str] | None, save: Callable[[list[dict]], None],
-                timed: bool = True) -> tuple[list[dict], dict]:
+                timed: bool = True, attentions: dict | None = None) -> tuple[list[dict], dict]:
     """Every variant x mode x batch of one model; returns its rows (with agreement, and x_stock
     where timed) and its description for the results file. ``save(rows)`` is called after every
-    row. Without ``timed`` (the CPU pipeline check) there are no prefill rows and no times."""
+    row. Without ``timed`` (the CPU pipeline check) there are no prefill rows and no times.
+    ``attentions``: the ``mla:<build>`` variants' modules (:func:`attention_peers`); their decode
+    rows are timed beside the ``mla`` model (kept resident for them), their prefill (stock's
+    attention, as ``mla``'s) is not timed again."""
     info = dict(subject.info, variants={})
     calib_ids = eval_ids = text_ids = calibration = None
     if subject.encode is not None and texts is not None:
@@ -279,18 +315,21 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
     # On a GPU the stock model stays resident while the patched ones run, so that each eager row
     # can time stock decodes alternating with its own (decode_row's ``paired``).
     stock_model, resident = None, 0
+    mla_model, mla_resident = None, 0       # tilefuse's patched model, beside the FlashMLA variants
+    peers_follow = any(v.startswith(PEER_PREFIX) for v in variants)
     for variant in variants:
         log(f"{subject.name}: building {variant}")
         model = subject.make()
+        peer = variant.startswith(PEER_PREFIX)
         try:
             calib = calibration if variant == "vq2" else None
-            info["variants"][variant] = apply_variant(model, variant, calib, plan.quantize)
+            info["variants"][variant] = apply_variant(model, variant, calib, plan.quantize, attentions)
         except Exception as exc:
             info["variants"][variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             log(f"{subject.name} {variant}: patching failed, variant skipped: {info['variants'][variant]['error']}")
             continue
         log(f"{subject.name} {variant}: {info['variants'][variant]}")
-        if timed:
+        if timed and not peer:
             for batch, length in plan.prefills:
                 rows.append(prefill_row(model, subject, variant, prompts(subject, text_ids, batch, length), device,
                                         stock_model, resident))
@@ -304,17 +343,20 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
             for mode in modes:
                 for batch in plan.batches:
                     prompt = prompts(subject, text_ids, batch, context)
+                    beside = (mla_model, "mla", resident + mla_resident) if peer and mla_model is not None \
+                        else (stock_model, "stock", resident)
                     row, tokens[variant, mode, batch, context] = decode_row(model, subject, variant, mode, prompt,
-                                                                            plan, device, timed, stock_model,
-                                                                            resident)
+                                                                            plan, device, timed, beside[0],
+                                                                            beside[2], paired_as=beside[1])
                     reference = tokens.get(("stock", "eager", batch, context))
                     if (mode == "eager" and reference is not None and "error" not in row
                             and context == contexts[0]):     # one full forward of prompt + tokens: the shortest
                         attempt(row, lambda: teacher_forced(model, variant, batch, prompt, reference, forced))
                     rows.append(row)
                     done = f"{row['ms_per_token']} ms/token" if "ms_per_token" in row else row.get("error", "ran")
-                    if "stock_ms_paired" in row:
-                        done += f" (stock beside it: {row['stock_ms_paired']})"
+                    for name in ("stock", "mla"):
+                        if f"{name}_ms_paired" in row:
+                            done += f" ({name} beside it: {row[f'{name}_ms_paired']})"
                     log(f"{subject.name} {variant} {mode} batch {batch} context {context}: {done}")
                     save(rows)
                     if device.type == "cuda":
@@ -324,10 +366,12 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
             info["variants"][variant]["sample"] = subject.decode(first[0].tolist())
         if variant == "stock" and timed and device.type == "cuda" and len(variants) > 1:
             stock_model, resident = model, model_bytes(model)
+        if variant == "mla" and timed and device.type == "cuda" and peers_follow:
+            mla_model, mla_resident = model, model_bytes(model)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    del stock_model
+    del stock_model, mla_model
     compare(rows, tokens)
     return rows, info
 
@@ -354,9 +398,12 @@ def compare(rows: list[dict], tokens: dict) -> None:
     ``stock_kernel_ms_paired``),
     ``agreement`` (fraction of generated tokens equal to stock's), ``agreement_prefix`` (mean
     fraction of tokens before the first difference) and, for graph rows, ``agreement_vs_eager``
-    (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``.
+    (the same variant's eager tokens: the graph route's own check); prefill rows get ``x_stock``;
+    ``mla:<build>`` rows get ``tilefuse_speedup`` (the build's ms / the ``mla`` row's, from their
+    paired rounds where timed beside it) and ``agreement_vs_mla`` (tokens equal to the ``mla`` row's).
     ``tokens``: ``(variant, mode, batch, prompt tokens) -> [batch, n]`` generated ids, of one model."""
     stock = {(r["model"], r["mode"], r["batch"], r.get("prompt_tokens")): r for r in rows if r["variant"] == "stock"}
+    mla_rows = {(r["model"], r["mode"], r["batch"], r.get("prompt_tokens")): r for r in rows if r["variant"] == "mla"}
     for row in rows:
         context = row.get("prompt_tokens")
         base = stock.get((row["model"], row["mode"], row["batch"], context))
@@ -364,6 +411,14 @@ def compare(rows: list[dict], tokens: dict) -> None:
             stock_ms = row.get("stock_ms_paired") or (base or {}).get(key)
             if row.get(key) and stock_ms:
                 row["x_stock"] = row.get("x_stock_paired") or round(stock_ms / row[key], 4)
+        if row["variant"].startswith(PEER_PREFIX) and row.get("ms_per_token"):
+            # FlashMLA's ms / tilefuse's ms in the same model: from the rounds beside the mla model,
+            # else from the mla row of the same mode, batch and context
+            mla = mla_rows.get((row["model"], row["mode"], row["batch"], context)) or {}
+            if row.get("x_mla_paired"):
+                row["tilefuse_speedup"] = round(1 / row["x_mla_paired"], 4)
+            elif mla.get("ms_per_token"):
+                row["tilefuse_speedup"] = round(row["ms_per_token"] / mla["ms_per_token"], 4)
         stock_kernels = row.get("stock_kernel_ms_paired") or (base or {}).get("prefill_kernel_ms")
         if row.get("prefill_kernel_ms") and stock_kernels:
             row["x_stock_kernels"] = round(stock_kernels / row["prefill_kernel_ms"], 4)
@@ -373,6 +428,9 @@ def compare(rows: list[dict], tokens: dict) -> None:
         ref = tokens.get(("stock", row["mode"], row["batch"], context))
         if ref is not None:
             row["agreement"], row["agreement_prefix"] = agreement(mine, ref)
+        ours = tokens.get(("mla", row["mode"], row["batch"], context))
+        if row["variant"].startswith(PEER_PREFIX) and ours is not None:
+            row["agreement_vs_mla"], _ = agreement(mine, ours)
         eager = tokens.get((row["variant"], "eager", row["batch"], context))
         if row["mode"] == "graph" and eager is not None:
             row["agreement_vs_eager"], _ = agreement(mine, eager)
@@ -419,6 +477,10 @@ def summarize(rows: list[dict], judge: bool = True) -> dict:
     goal(f"patch_mla >= 1.5x stock on the DeepSeek-V3 shapes, CUDA graphs, batch 16, {longest}-token context",
          [r for r in mla if r["variant"] == "mla" and r["mode"] == "graph" and r["batch"] == 16
           and r.get("prompt_tokens") == longest], 1.5)
+    peers = [r for r in decode if r["variant"].startswith(PEER_PREFIX) and r["mode"] == "graph"]
+    goal("patch_mla with tilefuse's attention >= with FlashMLA's inside the same DeepSeek model, CUDA graphs, any "
+         "build, batch and context (FlashMLA ms / tilefuse ms, timed side by side; 2% noise allowed)",
+         peers, 0.98, key="tilefuse_speedup")
     goal("prefill: the kernels' time with any patch never above stock's, 2K and 8K tokens at batch 1 and 512 at "
          "batch 8 (stock kernel ms / patched kernel ms, torch.profiler; 2% noise allowed)",
          [r for r in rows if r["mode"] == "prefill" and r["variant"] != "stock"], 0.98, key="x_stock_kernels")
@@ -432,7 +494,13 @@ def summarize(rows: list[dict], judge: bool = True) -> dict:
     speedups: dict = {}
     for r in decode:
         speedups.setdefault(r["model"], {}).setdefault(r["variant"], {})[f"{r['mode']} b{r['batch']}"] = r["x_stock"]
-    return {"goals": goals, "noise_floor": noise, "x_stock": speedups}
+    versus: dict = {}
+    for r in rows:
+        if r["variant"].startswith(PEER_PREFIX) and r.get("tilefuse_speedup"):
+            versus.setdefault(r["model"], {}).setdefault(r["variant"][len(PEER_PREFIX):], {})[
+                f"{r['mode']} b{r['batch']} {r.get('prompt_tokens')}"] = {
+                    "tilefuse_speedup": r["tilefuse_speedup"], "agreement_vs_mla": r.get("agreement_vs_mla")}
+    return {"goals": goals, "noise_floor": noise, "x_stock": speedups, "tilefuse_vs_flashmla": versus}
 
 
 def pipeline_check(rows: list[dict], models: dict) -> dict:
@@ -470,16 +538,19 @@ def print_table(rows: list[dict], summary: dict, file=None) -> None:
                   f"({r['eval_tokens']} tokens)", file=file)
     print("\nx stock: speedup = stock ms/token / this ms/token, same model, mode and batch (> 1: faster than stock)",
           file=file)
-    print(f"{'model':<15} {'variant':<10} {'mode':<6} {'batch':>5} {'context':>7} {'ms/token':>9} {'x stock':>8} "
-          f"{'agreement':>9} {'forced':>6}", file=file)
+    print("vs mla (FlashMLA rows, mla:<build>): the build's ms / tilefuse's (> 1: tilefuse faster in the same "
+          "model); tokens: the fraction of greedy tokens equal to the mla row's", file=file)
+    print(f"{'model':<15} {'variant':<18} {'mode':<6} {'batch':>5} {'context':>7} {'ms/token':>9} {'x stock':>8} "
+          f"{'agreement':>9} {'forced':>6} {'vs mla':>7} {'tokens':>6}", file=file)
     for r in rows:
         if r["mode"] not in ("eager", "graph"):
             continue
         ms = f"{r['ms_per_token']:.3f}" if r.get("ms_per_token") else "ERROR"
         x = f"{r['x_stock']:.2f}x" if r.get("x_stock") else "-"
-        agree, forced = (f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("agreement", "agreement_forced"))
-        print(f"{r['model']:<15} {r['variant']:<10} {r['mode']:<6} {r['batch']:>5} {r.get('prompt_tokens', '-'):>7} "
-              f"{ms:>9} {x:>8} {agree:>9} {forced:>6}", file=file)
+        agree, forced, vs, same = (f"{r[k]:.3f}" if r.get(k) is not None else "-"
+                                   for k in ("agreement", "agreement_forced", "tilefuse_speedup", "agreement_vs_mla"))
+        print(f"{r['model']:<15} {r['variant']:<18} {r['mode']:<6} {r['batch']:>5} {r.get('prompt_tokens', '-'):>7} "
+              f"{ms:>9} {x:>8} {agree:>9} {forced:>6} {vs:>7} {same:>6}", file=file)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
@@ -556,18 +627,23 @@ GPU_TIMING = ("ms_per_token: median interval between consecutive new tokens (CUD
               "(stock_ms_paired: the stock steps' median); prefill_ms: median of 3 prefills after one warm-up between CUDA events, "
               "prefill_wall_ms the same by wall clock, prefill_kernel_ms the kernels' own total (torch.profiler, "
               "the median of 3 more prefills); a patched model's prefills alternate with the stock model's, and "
-              "its x_stock / x_stock_kernels come from those (stock_ms_paired, stock_kernel_ms_paired)")
+              "its x_stock / x_stock_kernels come from those (stock_ms_paired, stock_kernel_ms_paired); an "
+              "mla:<build> row (FlashMLA as patch_mla's attention) decodes beside the resident mla model instead "
+              "(mla_ms_paired, x_mla_paired; tilefuse_speedup = 1 / x_mla_paired) and gets no prefill rows")
 CPU_TIMING = "CPU pipeline check: the tiny model on the ops' reference path, eager decode only; nothing timed"
 
 
 def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | None = None, tag: str | None = None,
          layers: int | None = None, gguf: str | None = None, text: str | None = None,
-         device: torch.device | None = None, contexts: tuple[int, ...] | None = None) -> int:
+         device: torch.device | None = None, contexts: tuple[int, ...] | None = None,
+         attentions: dict | None = None) -> int:
     """Run the model benchmark; writes ``model-<gpu>[-quick][-<tag>].json`` and, on a GPU, a PNG beside it.
 
     ``only``: see :func:`select`; an ``only`` run is tagged "only" unless ``tag`` names it.
     ``layers``: blocks of the random-weight shapes; ``contexts``: decode prompt lengths of every model.
     ``device``: default CUDA when available (a CPU device runs the pipeline check, nothing timed).
+    ``attentions``: ``{"mla:<name>": module with FlashMLA's API}`` run as DeepSeek variants (default
+    :func:`attention_peers`: the importable FlashMLA builds, on a GPU).
     Returns 2 when ``only`` matches nothing; 1 when transformers is missing or a CPU pipeline
     check failed; else 0."""
     if layers is not None and (not isinstance(layers, int) or layers < 1):
@@ -594,7 +670,11 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
     modes = ["eager", "graph"] if timed else ["eager"]
     catalogue = subjects(device, dtype, plan.layers, gguf, quick)
     names = [name for name, _ in catalogue]
-    selected = select(names, only, OWN_VARIANTS)
+    attentions = attention_peers(device) if attentions is None else attentions
+    bad = [name for name in attentions if not name.startswith(PEER_PREFIX)]
+    if bad:
+        raise ValueError(f"attentions: expected names {PEER_PREFIX}<build>, got {bad}")
+    selected = select(names, only, with_peers(OWN_VARIANTS, attentions))
     if not selected:
         print(f"--only {only!r}: no model/variant matches; cases look like "
               f"{json.dumps({'model': 'llama3-8b', 'variant': 'vq2'})}", file=sys.stderr)
@@ -606,7 +686,9 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
             "plan": {**plan.__dict__, "modes": modes, "dtype": str(dtype).removeprefix("torch."), "quick": quick},
             "timing": {"mode": "gpu", "note": GPU_TIMING} if timed else {"mode": "cpu-pipeline-check",
                                                                           "note": CPU_TIMING},
-            "models": {}}
+            "models": {},
+            "attention_peers": {name: getattr(module, "__file__", None) or type(module).__name__
+                                for name, module in attentions.items()}}
     path = result_path("model", head["machine"], Path(out_dir), quick, tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -620,7 +702,8 @@ def main(quick: bool = False, out_dir: Path = Path("bench/results"), only: str |
         subject = load() if name in selected else None
         if subject is None:
             continue
-        subject_rows, info = run_subject(subject, selected[name], modes, plan, device, texts, save, timed)
+        subject_rows, info = run_subject(subject, selected[name], modes, plan, device, texts, save, timed,
+                                         attentions)
         rows.extend(subject_rows)
         head["models"][subject.name] = info
         save([])

@@ -120,7 +120,13 @@ def compare(one: torch.nn.Module, tp: torch.nn.Module) -> dict:
     want, got = step_logits(one, ids, mask, steps), step_logits(tp, ids, mask, steps)
     errors = [float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)]
     tokens_one, tokens_tp = decode_all(one, ids, mask), decode_all(tp, ids, mask)
-    return {"logit_errors": errors,
+    # sampling without a seed: each rank draws one from its own generator, seeded apart here;
+    # tilefuse.hf.generate takes rank 0's, so the ranks still decode the same tokens
+    import tilefuse.hf
+
+    torch.manual_seed(1000 + dist.get_rank())
+    unseeded = tilefuse.hf.generate(tp, ids, 6, attention_mask=mask, do_sample=True, eos_token_id=[], pad_token_id=PAD)
+    return {"unseeded": unseeded.tolist(),"logit_errors": errors,
             "tokens_equal": {k: bool(torch.equal(tokens_tp[k], tokens_one[k])) for k in tokens_one},
             "greedy_is_hf": bool(torch.equal(tokens_one["generate"], tokens_one["hf"])),
             "tokens": tokens_tp["generate"].tolist()}
@@ -195,6 +201,7 @@ def check(results: list[dict]) -> None:
         assert all(result["tokens_equal"].values()), result["tokens_equal"]
         assert result["greedy_is_hf"], "tilefuse.hf.generate's greedy tokens differ from model.generate's"
     assert results[0]["tokens"] == results[1]["tokens"]        # every rank decodes the same tokens
+    assert results[0]["unseeded"] == results[1]["unseeded"]    # sampled with a seed drawn on each rank
 
 
 @pytest.mark.parametrize("variant, order", [("v3-dense", "shard-then-patch"), ("v3-moe", "patch-then-shard"),

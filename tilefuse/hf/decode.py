@@ -285,8 +285,10 @@ class Generator:
             # the warm-up steps before the capture write ahead of the prompt too
             raise ValueError(f"max_new_tokens: the capture's {self.warmup_steps} warm-up steps need "
                              f"{self.warmup_steps + 1} tokens of room, got {max_new_tokens}")
-        if self.generator is not None and seed is None:
-            seed = int(torch.randint(2 ** 62, ()).item())
+        if self.generator is not None and seed is None:      # tensor-parallel ranks take rank 0's
+            from tilefuse.parallel.group import same_on_every_rank
+
+            seed = same_on_every_rank(self.model, int(torch.randint(2 ** 62, ()).item()))
         padded = _padded(attention_mask)
         if self.capture and (self.graph is None or (padded and not self.use_mask)):
             self._capture(input_ids, attention_mask, padded)

@@ -101,3 +101,38 @@ def all_gather(tensor: torch.Tensor, where: Placement, dim: int) -> torch.Tensor
     parts = [torch.empty_like(tensor) for _ in range(where.world_size)]
     dist.all_gather(parts, tensor, group=where.group)
     return torch.cat(parts, dim=dim)
+
+
+def model_placement(model) -> Placement | None:
+    """The tensor-parallel group of ``model`` when it spans several ranks: that of its first module
+    sharded by :mod:`tilefuse.parallel` (a ``where`` placement), else that of its first DTensor
+    weight (a transformers ``tp_plan`` model); None for a one-device model."""
+    for module in model.modules():
+        where = getattr(module, "where", None)
+        if isinstance(where, Placement) and where.world_size > 1:
+            return where
+    from tilefuse.parallel.hf import _dtensor_class, split_style
+
+    dtensor = _dtensor_class()
+    if dtensor is not None:
+        for param in model.parameters():
+            if isinstance(param, dtensor):
+                where = split_style(param)[0]
+                return where if where.world_size > 1 else None
+    return None
+
+
+def same_on_every_rank(model, value: int) -> int:
+    """``value`` as rank 0 of ``model``'s tensor-parallel group has it (one broadcast, a host sync),
+    or ``value`` for a one-device model: what every rank must agree on, such as a sampling seed
+    drawn on each (the ranks decode one sequence together, so their tokens must not part)."""
+    where = model_placement(model)
+    if where is None:
+        return value
+    _need_group(where, "broadcast")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(where.group) == "nccl" \
+        else torch.device("cpu")
+    held = torch.tensor([value], dtype=torch.int64, device=device)
+    root = dist.get_global_rank(where.group, 0) if where.group is not None else 0
+    dist.broadcast(held, src=root, group=where.group)
+    return int(held.item())

@@ -223,6 +223,8 @@ def test_only_selects_cases_like_the_kernel_benches(tmp_path):
     assert bench_model.select(models, "vq2") == {m: ["stock", "vq2"] for m in models}
     assert bench_model.select(models, "smollm2") == {"smollm2-135m": list(bench_model.VARIANTS)}
     assert bench_model.select(models, '"llama3-8b", "variant": "swiglu"') == {"llama3-8b": ["stock", "swiglu"]}
+    own = bench_model.with_peers({"deepseek-v3": ("stock", "swiglu", "mla", "mla_swiglu")}, {"mla:flashmla@main": 0})
+    assert bench_model.select(["deepseek-v3"], "mla:", own) == {"deepseek-v3": ["stock", "mla", "mla:flashmla@main"]}
     assert bench_model.main(out_dir=tmp_path, only="no-such-case", device=torch.device("cpu")) == 2
     assert not list(tmp_path.iterdir())
 

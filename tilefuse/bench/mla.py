@@ -662,11 +662,11 @@ def print_family_summary(summary: dict, file) -> None:
               f"{_verdict([e['host_goal']]):<9}  {_verdict(e['kernel_goals'])}", file=file)
     head = summary["headline"]
     for mode in ("graph", "eager"):
-        parts = [f"{name} {_fmt(head[mode][name]['time_ratio_geomean'], '.3f', 'x')} the time, at or ahead in "
-                 f"{head[mode][name]['at_or_ahead']}/{head[mode][name]['of']}" for name in LEVELS if head[mode][name]["of"]]
+        parts = [f"{name} {_fmt(h['time_ratio_geomean'], '.3f', 'x')} the time, at or ahead in {h['at_or_ahead']}/"
+                 f"{h['of']}" for name, h in head[mode].items() if h["of"]]
         if parts:
-            print(f"mla headline, {mode} (time ratio tilefuse / the faster FlashMLA build, geomean): " + "; ".join(parts),
-                  file=file)
+            print(f"mla headline, {mode} (time ratio tilefuse / the faster FlashMLA build, geomean): "
+                  + "; ".join(parts), file=file)
     print("mla goals:", file=file)
     for goal in summary["goals"]:
         measured = (f"met in {goal['met_in']}/{goal['of']} cases" if "met_in" in goal

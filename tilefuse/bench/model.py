@@ -610,13 +610,16 @@ def select(models: list[str], only: str | None, variants: dict[str, tuple[str, .
     """model -> variants to run (``variants``: a model's own list, default :data:`VARIANTS`).
     Like the kernel benches, ``only`` keeps the cases whose params JSON ``{"model": ...,
     "variant": ...}`` contains it; stock always runs for a kept model (it is the baseline of
-    x_stock and agreement)."""
+    x_stock and agreement), and ``mla`` with any ``mla:<build>`` (theirs: ``--only mla:`` runs
+    stock, mla and every FlashMLA build on the DeepSeek shapes)."""
     selected: dict[str, list[str]] = {}
     for name in models:
         for variant in (variants or {}).get(name) or VARIANTS:
             if not only or only in json.dumps({"model": name, "variant": variant}):
                 selected.setdefault(name, ["stock"])
-                selected[name] += [variant] if variant != "stock" else []
+                if variant.startswith(PEER_PREFIX) and "mla" not in selected[name]:
+                    selected[name].append("mla")    # the mla:<build> rows are timed beside it
+                selected[name] += [variant] if variant not in selected[name] else []
     return selected
 
 

@@ -37,7 +37,7 @@ LOGITS_TOL = 2.0 ** -16          # of the largest |logit| (module docstring)
 PROMPTS = [7, 11, 4]             # left-padded prompt lengths of the batch
 
 
-def config_of(variant: str):
+def config_of(variant: str, heads: int = 4):
     """Tiny DeepSeek configs with the op's latent (KV LoRA 512, RoPE 64) and 4 heads.
 
     * ``v3-dense``: DeepSeek-V3, q LoRA, 2 dense blocks (the benchmark's layout);
@@ -45,7 +45,7 @@ def config_of(variant: str):
     * ``v2-lite``: DeepSeek-V2-Lite (plain ``q_proj``, complex RoPE), one dense and one MoE block.
     """
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                  num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4,
+                  num_attention_heads=heads, num_key_value_heads=heads, n_shared_experts=1, n_routed_experts=4,
                   num_experts_per_tok=2, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
                   v_head_dim=32, max_position_embeddings=256, initializer_range=0.1, pad_token_id=PAD,
                   bos_token_id=1, eos_token_id=2)
@@ -90,7 +90,7 @@ def step_logits(model, ids, mask, steps) -> list[torch.Tensor]:
     out = [model(input_ids=ids, attention_mask=mask, position_ids=positions, **{arg: cache}).logits]
     last = positions[:, -1:]
     for block in steps:
-        pos = last + 1 + torch.arange(block.shape[1])
+        pos = last + 1 + torch.arange(block.shape[1], device=ids.device)
         out.append(model(input_ids=block, position_ids=pos, **{arg: cache}).logits)
         last = pos[:, -1:]
     return out
@@ -113,10 +113,11 @@ def decode_all(model, ids, mask, new: int = 10) -> dict:
 
 def compare(one: torch.nn.Module, tp: torch.nn.Module) -> dict:
     """Logits of a prefill and two decode steps (1 and 3 tokens), and the decoded tokens, of the
-    tensor-parallel model against the one-process model."""
-    ids, mask = prompts()
+    tensor-parallel model against the one-process model (both on the same device)."""
+    device = next(tp.parameters()).device
+    ids, mask = (t.to(device) for t in prompts())
     gen = torch.Generator().manual_seed(6)
-    steps = [torch.randint(3, VOCAB, (ids.shape[0], n), generator=gen) for n in (1, 3)]
+    steps = [torch.randint(3, VOCAB, (ids.shape[0], n), generator=gen).to(device) for n in (1, 3)]
     want, got = step_logits(one, ids, mask, steps), step_logits(tp, ids, mask, steps)
     errors = [float((g - w).abs().max() / w.abs().max()) for g, w in zip(got, want)]
     tokens_one, tokens_tp = decode_all(one, ids, mask), decode_all(tp, ids, mask)
@@ -166,7 +167,9 @@ def job_tp_plan(path: str, swiglu: bool) -> dict:
     import tilefuse.hf
     import tilefuse.parallel.hf as tp_hf
 
-    load = lambda: transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()  # noqa: E731
+    def load():
+        return transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32).eval()
+
     try:                 # the one-device patch refuses the DTensor weights (its decode slices kv_b_proj per head)
         tilefuse.hf.patch_mla(load())
         refused = ""
@@ -182,8 +185,8 @@ def job_tp_plan(path: str, swiglu: bool) -> dict:
         tilefuse.hf.patch_swiglu(one)
     out = compare(one, tp)
     attn = tp.model.layers[0].self_attn
-    out.update(patched=patched, loaded_tp=loaded_tp, refused=refused, dtensors_left=tp_hf.is_tensor_parallel(tp.model.layers[0].self_attn),
-               local_heads=attn.kv_b_proj.weight.shape[0] // 64, world=dist.get_world_size())
+    out.update(patched=patched, loaded_tp=loaded_tp, refused=refused,
+               dtensors_left=tp_hf.is_tensor_parallel(attn), local_heads=attn.kv_b_proj.weight.shape[0] // 64)
     return out
 
 
@@ -226,3 +229,106 @@ def test_tp_plan_deepseek_patched_by_tilefuse_parallel_hf_gloo(gloo_ranks, tmp_p
                for r in results), results
     assert all("kv_b_proj.weight is a DTensor" in r["refused"] and "tilefuse.parallel.hf.patch_mla" in r["refused"]
                for r in results), results
+
+
+# ----------------------------------------------------------------------------- one process: errors
+def test_heads_the_world_size_does_not_cut_are_refused():
+    from tilefuse.parallel import shard_model
+    from tilefuse.parallel.group import placement
+    from tilefuse.parallel.sharding import mla_attention_of
+
+    model = model_of(config_of("v3-dense"))
+    with pytest.raises(ValueError, match="world_size: .*config.num_attention_heads=4"):
+        shard_model(model, rank=0, world_size=3)
+    with pytest.raises(ValueError, match="world_size: .*config.num_attention_heads=4 .*MLA query heads"):
+        mla_attention_of(model.model.layers[0].self_attn, placement(rank=0, world_size=8), 4)
+
+
+def test_shards_of_every_rank_make_the_one_device_attention():
+    """One process, ranks simulated: each rank's attention shard (its heads, o_proj's partial sum
+    without the all-reduce) on the same hidden states; the partial outputs sum to the full
+    attention's output (prefill, transformers' own forward over the rank's heads)."""
+    from tilefuse.parallel.group import placement
+    from tilefuse.parallel.sharding import mla_attention_of
+
+    model = model_of(config_of("v3-dense", heads=8))
+    attn = model.model.layers[0].self_attn
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(5)[None].expand(2, -1)
+    rope = model.model.rotary_emb(hidden, positions)
+    mask = torch.full((5, 5), float("-inf")).triu(1)[None, None].expand(2, 1, 5, 5)
+    with torch.no_grad():
+        want = attn(hidden, position_embeddings=rope, attention_mask=mask)[0]
+        parts = []
+        for rank in range(4):
+            part = copy.deepcopy(attn)
+            mla_attention_of(part, placement(rank=rank, world_size=4), 8)
+            part.o_proj.reduce_results = False
+            parts.append(part(hidden, position_embeddings=rope, attention_mask=mask)[0])
+    assert parts[0].shape == want.shape
+    torch.testing.assert_close(sum(parts), want, rtol=0, atol=LOGITS_TOL * float(want.abs().max()))
+
+
+# ----------------------------------------------------------------------------- 2 GPUs, NCCL
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks():
+    if not _two_gpus():
+        pytest.skip("needs 2 CUDA GPUs")
+    ranks = Ranks(2, "nccl", timeout=300)
+    yield ranks
+    ranks.close()
+
+
+@torch.no_grad()
+def job_graph_generate(dtype) -> dict:
+    """tilefuse.hf.generate with the decode step captured in a CUDA graph on every rank (its
+    o_proj and MLP all-reduces inside the graph), 16 heads (8 per rank), against the one-GPU
+    patched model (graph and eager) and the TP model's own eager loop."""
+    import tilefuse.hf
+    from tilefuse.hf import patch_mla
+    from tilefuse.parallel import shard_model
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    full = model_of(config_of("v3-dense", heads=16)).to(device, dtype)
+    one = copy.deepcopy(full)
+    patch_mla(one)
+    shard_model(full)
+    patch_mla(full)
+    ids, mask = (t.to(device) for t in prompts())
+    run = lambda model, graph: tilefuse.hf.generate(model, ids, 24, attention_mask=mask, eos_token_id=[],  # noqa: E731
+                                                    pad_token_id=PAD, cuda_graph=graph)[:, ids.shape[1]:].cpu()
+    tokens = {"tp-graph": run(full, True), "tp-graph-again": run(full, True), "tp-eager": run(full, False),
+              "one-graph": run(one, True), "one-eager": run(one, False)}
+    logits = compare(one, full)["logit_errors"] if dtype == torch.float32 else []
+    return {"tokens": {k: v.tolist() for k, v in tokens.items()}, "logit_errors": logits,
+            "graphs": sum(g.graph is not None for g in full.__dict__["_tilefuse_generators"].values())}
+
+
+@pytest.mark.gpu
+def test_generate_with_cuda_graphs_on_every_rank_nccl(nccl_ranks):
+    """fp32 (TF32 off): the same greedy tokens as one GPU, graph or eager, and every rank the same
+    tokens; logits within 2^-10 of their largest magnitude (the MLA kernels may run their fp32 dots
+    in TF32, u = 2^-11; a head cut or summed wrongly is off by O(1))."""
+    results = nccl_ranks.run(job_graph_generate, torch.float32)
+    for result in results:
+        tokens = result["tokens"]
+        assert all(t == tokens["one-eager"] for t in tokens.values()), tokens
+        assert result["graphs"] == 1 and all(err <= 2 ** -10 for err in result["logit_errors"]), result
+    assert results[0]["tokens"] == results[1]["tokens"]
+
+
+@pytest.mark.gpu
+def test_generate_with_cuda_graphs_bf16_nccl(nccl_ranks):
+    """bf16: the graph replays the TP model's eager step (the same kernels: the dense MLA dispatch
+    does not depend on capture, and a 2-rank all-reduce is one rounded a + b in any algorithm),
+    so the same tokens; every rank the same tokens."""
+    results = nccl_ranks.run(job_graph_generate, torch.bfloat16)
+    for result in results:
+        tokens = result["tokens"]
+        assert tokens["tp-graph"] == tokens["tp-graph-again"] == tokens["tp-eager"], tokens
+        assert result["graphs"] == 1, result
+    assert results[0]["tokens"] == results[1]["tokens"]

@@ -979,7 +979,8 @@ def test_fp8_layout_round_trip_and_bytes():
 
 @pytest.mark.parametrize("bad,match", [
     (lambda: tilefuse.mla_quantize_kv(torch.randn(3, 512)), r"latent: expected \[\.\.\., 576\]"),
-    (lambda: tilefuse.mla_quantize_kv(torch.full((2, 576), float("inf"))), "latent: expected finite"),
+    (lambda: tilefuse.mla_quantize_kv(torch.full((2, 576), float("inf")), check_contents=True),
+     "latent: expected finite"),
     (lambda: tilefuse.mla_quantize_kv(torch.zeros(2, 576, dtype=torch.int32)), "latent: expected dtype"),
     (lambda: tilefuse.mla_dequantize_kv(torch.zeros(2, 576, dtype=torch.uint8)), r"k_cache: expected \[\.\.\., 656\]"),
     (lambda: tilefuse.mla_dequantize_kv(torch.zeros(2, 656, dtype=torch.uint8), torch.int8), "dtype: expected"),
@@ -1384,3 +1385,346 @@ def test_fp8_and_sparse_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, None, None,
                                         **kwargs)
+
+
+# ------------------------------------------------------------ argument checks of every path
+def _fp8_dense_args(device, lens=(100, 20), s_q=1, h_q=16, page=64):
+    """An FP8 dense decode's arguments (fp16 q, packed cache, block table, lengths, metadata)."""
+    inp = make_case(list(lens), s_q, h_q, torch.float16, device, page_size=page, nan_tail=False)
+    packed = tilefuse.mla_quantize_kv(inp.k_cache)
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1, num_sm_parts=4)
+    return inp, packed, meta, splits
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("bad", ["length", "page"])
+def test_fp8_dense_check_contents(interpret, backend, bad):
+    """check_contents=True reads an FP8 dense decode's lengths and block table as it does a 16-bit
+    one's: a length past the block table's capacity (200 > 2 pages of 64) or a -1 page in a used
+    slot raise ValueError; without the check the kernel stays in bounds."""
+    inp, packed, meta, splits = _fp8_dense_args(interpret)
+    lens, table = inp.cache_seqlens.clone(), inp.block_table.clone()
+    if bad == "length":
+        lens[0] = 200
+    else:
+        table[0, 1] = -1
+    match = "cache_seqlens: expected lengths in" if bad == "length" else "block_table: expected pages in"
+    with tilefuse.force(backend=backend):
+        with pytest.raises(ValueError, match=match):
+            tilefuse.flash_mla_with_kvcache(inp.q, packed, table, lens, 512, meta, splits, causal=True,
+                                            is_fp8_kvcache=True, check_contents=True)
+        with pytest.raises(ValueError, match=match):      # the same check on the 16-bit cache
+            tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, table, lens, 512, meta, splits, causal=True,
+                                            check_contents=True)
+        if backend == "triton":
+            out, _ = tilefuse.flash_mla_with_kvcache(inp.q, packed, table, lens, 512, meta, splits, causal=True,
+                                                     is_fp8_kvcache=True, check_contents=False)
+            assert out.shape == (2, 1, 16, 512)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("name", ["attn_sink", "topk_length", "extra_topk_length", "extra_k_cache",
+                                  "extra_indices_in_kvcache"])
+def test_sparse_only_arguments_are_refused_on_a_dense_call(fp8, name):
+    """attn_sink, topk_length and the second cache's arguments mean something only with indices: a
+    dense decode (16-bit or FP8 cache) that gets one raises ValueError naming it instead of ignoring it."""
+    inp, packed, meta, splits = _fp8_dense_args("cpu")
+    value = dict(attn_sink=torch.zeros(16), topk_length=torch.zeros(2, dtype=torch.int32),
+                 extra_topk_length=torch.zeros(2, dtype=torch.int32), extra_k_cache=packed if fp8 else inp.k_cache,
+                 extra_indices_in_kvcache=torch.zeros(2, 1, 4, dtype=torch.int32))[name]
+    args = (inp.q, packed if fp8 else inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits)
+    with pytest.raises(ValueError, match=f"^{name}: expected None in a dense decode"):
+        tilefuse.flash_mla_with_kvcache(*args, is_fp8_kvcache=fp8, **{name: value})
+    with pytest.raises(ValueError, match=f"^{name}: expected None in a dense decode"):
+        tilefuse.explain(tilefuse.flash_mla_with_kvcache, *args, is_fp8_kvcache=fp8, **{name: value})
+
+
+def test_extra_topk_length_without_a_second_cache_is_refused():
+    inp = make_case([40, 20], 1, 16, torch.float32, "cpu", page_size=16)
+    idx = torch.zeros(2, 1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="^extra_topk_length: expected None without extra_k_cache"):
+        tilefuse.flash_mla_with_kvcache(inp.q, inp.k_cache, None, None, 512, None, None, indices=idx,
+                                        extra_topk_length=torch.zeros(2, dtype=torch.int32))
+
+
+def test_sparse_decode_refuses_bf16_in_the_interpreter(interpret):
+    """The interpreter computes bf16 dots wrongly: the sparse decode refuses a bf16 q there as the
+    dense one does (it returned |out| ~ 1e9), and explain with it."""
+    if interpret.type != "cpu":
+        pytest.skip("the interpreter only")
+    q, cache, idx, length, *_ = _sparse_kernel_case(1, 16, True, 64, seed=1)
+    for fp8, c in ((True, cache), (False, make_case([300, 77, 5], 1, 16, torch.bfloat16, "cpu").k_cache)):
+        with pytest.raises(ValueError, match="q: bfloat16 is not supported in Triton's CPU interpreter"):
+            tilefuse.flash_mla_with_kvcache(q.bfloat16(), c, None, None, 512, None, None, is_fp8_kvcache=fp8,
+                                            indices=idx)
+        with pytest.raises(ValueError, match="q: bfloat16 is not supported in Triton's CPU interpreter"):
+            tilefuse.explain(tilefuse.flash_mla_with_kvcache, q.bfloat16(), c, None, None, 512, is_fp8_kvcache=fp8,
+                             indices=idx)
+
+
+def _explain_bad(kind):
+    inp, packed, meta, splits = _fp8_dense_args("cpu")
+    args = dict(q=inp.q, k_cache=inp.k_cache, block_table=inp.block_table, cache_seqlens=inp.cache_seqlens,
+                head_dim_v=512, tile_scheduler_metadata=meta, num_splits=splits)
+    idx = torch.zeros(2, 1, 4, dtype=torch.int32)
+    if kind == "q_rank3":
+        args["q"] = inp.q[:, 0]
+    elif kind == "q_int32":
+        args["q"] = inp.q.to(torch.int32)
+    elif kind == "page48":
+        args["k_cache"] = inp.k_cache[:, :48]
+    elif kind == "head_dim_v":
+        args["head_dim_v"] = 7
+    elif kind == "indices_int16":
+        args.update(indices=idx.to(torch.int16))
+    elif kind == "no_block_table":
+        args["block_table"] = None
+    elif kind == "fp8_page48":
+        args.update(k_cache=packed[:, :48], is_fp8_kvcache=True)
+    elif kind == "sparse_head_dim_v":
+        args.update(indices=idx, head_dim_v=7)
+    return args
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("q_rank3", "q: expected 4 dimensions"), ("q_int32", "q: expected dtype"), ("page48", "k_cache: expected"),
+    ("head_dim_v", "head_dim_v: expected 512"), ("indices_int16", "indices: expected dtype"),
+    ("no_block_table", "block_table: expected a torch.Tensor"), ("fp8_page48", "k_cache: expected"),
+    ("sparse_head_dim_v", "head_dim_v: expected 512"),
+])
+def test_explain_refuses_what_the_op_refuses(kind, match):
+    """tilefuse.explain runs the op's own checks first: an input the op refuses raises the same
+    ValueError there (it returned a decision for them)."""
+    with pytest.raises(ValueError, match=match) as from_op:
+        tilefuse.flash_mla_with_kvcache(**_explain_bad(kind))
+    with pytest.raises(ValueError, match=match) as from_explain:
+        tilefuse.explain(tilefuse.flash_mla_with_kvcache, **_explain_bad(kind))
+    assert str(from_op.value) == str(from_explain.value)
+
+
+# ----------------------------------------------------------------------------- zero tokens
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("batch,s_q", [(0, 1), (2, 0)])
+def test_sparse_decode_of_no_token(interpret, backend, fp8, batch, s_q):
+    """A sparse decode with no query token (batch 0 or s_q 0) returns empty outputs of the
+    reference's shapes (it raised ZeroDivisionError); explain says nothing runs."""
+    q, cache, idx, *_ = _sparse_kernel_case(1, 16, fp8, 64, seed=2, device=interpret)
+    q, idx = q[:batch, :s_q], idx[:batch, :s_q]
+    with tilefuse.force(backend=backend):
+        out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
+                                                   indices=idx)
+        choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, cache, None, None, 512, is_fp8_kvcache=fp8,
+                                  indices=idx)
+    ro, rl = mla_sparse_decode_reference(q, cache, idx)
+    assert out.shape == ro.shape == (batch, s_q, 16, 512) and lse.shape == rl.shape == (batch, 16, s_q)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32 and choice.variant == "reference"
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fp8_dense_decode_of_an_empty_batch(interpret, backend):
+    inp, packed, _, _ = _fp8_dense_args(interpret)
+    with tilefuse.force(backend=backend):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens[:0], 16, 1, num_sm_parts=4)
+        out, lse = tilefuse.flash_mla_with_kvcache(inp.q[:0], packed, inp.block_table[:0], inp.cache_seqlens[:0],
+                                                   512, meta, splits, causal=True, is_fp8_kvcache=True)
+        choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q[:0], packed, inp.block_table[:0],
+                                  inp.cache_seqlens[:0], 512, meta, splits, is_fp8_kvcache=True)
+    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1) and choice.variant == "reference"
+
+
+# ------------------------------------------------------------------ fp16 q over an FP8 cache
+def test_fp8_quantizer_keeps_fp16_latents_within_fp16():
+    """An fp16 latent of +-65504 (fp16's largest) dequantizes within fp16's range: e4m3 x scale and
+    the bf16 RoPE value round to 65536 both, so those round one code toward zero instead (the
+    nearest representable value at most 65504); other values as before."""
+    x = torch.randn(4, 576).to(torch.float16)
+    x[0], x[1, :300], x[2, 510:] = 65504, -65504, 65504
+    back = tilefuse.mla_dequantize_kv(tilefuse.mla_quantize_kv(x), torch.float32)
+    assert torch.isfinite(back.half()).all() and back.abs().max() <= 65504
+    assert (back[0] == torch.tensor([61440.0] * 512 + [65280.0] * 64)).all()     # one code below 65536
+    fp32 = tilefuse.mla_dequantize_kv(tilefuse.mla_quantize_kv(x[3:].float()), torch.float32)
+    assert torch.equal(back[3:], fp32)          # ordinary values quantize as from fp32
+
+
+def _fp16_overflow_case(device, page=16):
+    """fp16 q over an FP8 cache whose values leave fp16's range where the reference stays finite:
+    request 0's tokens 3 and 40 hold 70000 in their first 128 latent values (e4m3 x scale = 73728
+    > 65504; q's first 128 values are -1 there, so their scores are far below the others and their
+    weight is 0), token 20's RoPE part holds +-1e5 (bf16, > 65504); NaN bytes in unused slots."""
+    lens = [70, 5]
+    inp = make_case(lens, 1, 16, torch.float16, "cpu", page_size=page, nan_tail=False)
+    latent = inp.k_cache.float()
+    rows = latent.view(-1, 576)
+    for t in (3, 40):
+        rows[_slots(inp, 0, [t])[0], :128] = 70000.0
+    rows[_slots(inp, 0, [20])[0], 512:] = 1e5 * torch.sign(torch.randn(64))
+    inp.q[0, :, :, :128] = -1.0
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(latent), inp.block_table, lens)
+    return inp, packed.to(device), inp.q.to(device)
+
+
+@pytest.mark.parametrize("variant", ["standard", "transposed", "sparse"])
+def test_fp8_cache_with_fp16_query_never_overflows(interpret, variant):
+    """An fp16 q over FP8 caches whose values pass fp16's 65504 (e4m3 x a large scale, bf16 RoPE
+    values): the tl kernels (dense, both orientations; sparse) compute with the tile's shifts, so
+    the result is the fp64 reference's (finite) where the fp16 conversion of the values gave NaN."""
+    inp, packed, q = _fp16_overflow_case(interpret)
+    lens, table = inp.cache_seqlens.to(interpret), inp.block_table.to(interpret)
+    with tilefuse.force(backend="triton", variant="standard" if variant == "sparse" else variant):
+        if variant == "sparse":
+            idx = _sparse(inp, [list(range(70)), list(range(5))], 80).to(interpret)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
+                                                       indices=idx)
+            ro, rl = mla_sparse_decode_reference(q, packed, idx, compute_dtype=torch.float64)
+        else:
+            meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, table, lens, 512, meta, splits, is_fp8_kvcache=True)
+            ro, rl = mla_decode_reference(q, packed, table, lens, 512, compute_dtype=torch.float64)
+    assert torch.isfinite(ro).all() and torch.isfinite(out).all()
+    assert_close(out, ro, atol=2e-3, rtol=2e-3)
+    assert_close(lse, rl, atol=1e-3, rtol=1e-5, name="lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["standard", "transposed", "sparse", None])
+def test_gpu_fp8_cache_with_fp16_query_never_overflows(variant):
+    """test_fp8_cache_with_fp16_query_never_overflows compiled (fp16 q: the tl kernels; None: the
+    default dispatch, whichever kernel it picks for an fp16 q)."""
+    inp, packed, q = _fp16_overflow_case("cuda")
+    lens, table = inp.cache_seqlens.cuda(), inp.block_table.cuda()
+    pin = "standard" if variant == "sparse" else variant
+    with tilefuse.force(variant=pin):
+        if variant == "sparse":
+            idx = _sparse(inp, [list(range(70)), list(range(5))], 80).cuda()
+            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
+                                                       indices=idx)
+            ro, rl = mla_sparse_decode_reference(q, packed, idx, compute_dtype=torch.float64)
+        else:
+            meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, table, lens, 512, meta, splits, is_fp8_kvcache=True)
+            ro, rl = mla_decode_reference(q, packed, table, lens, 512, compute_dtype=torch.float64)
+    assert torch.isfinite(ro).all() and torch.isfinite(out).all()
+    assert_close(out, ro, atol=1e-2, rtol=1e-2)
+    assert_close(lse, rl, atol=1e-3, rtol=1e-5, name="lse")
+
+
+# --------------------------------------------------------------- NaN in unused cache slots
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("path", ["fp8_dense", "fp8_sparse", "sparse"])
+def test_nan_in_unused_slots_never_reaches_the_output(interpret, backend, path):
+    """NaN in every slot a call does not attend (past the lengths, pages no request uses, rows its
+    indices do not select; FP8: 0xFF bytes, NaN as codes, scales and RoPE) never reaches the output,
+    on the kernels and the reference."""
+    lens = [70, 5]
+    inp = make_case(lens, 1, 16, torch.float16, "cpu", page_size=16, nan_tail=(path == "sparse"))
+    cache = inp.k_cache
+    if path != "sparse":
+        cache = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache), inp.block_table, lens)
+    picks = [list(range(0, 70, 3)), [4, 1]]
+    if path != "fp8_dense":      # the unselected rows too
+        flat = cache.view(-1, cache.shape[-1])
+        for i, tokens in enumerate(picks):
+            skipped = [t for t in range(lens[i]) if t not in tokens]
+            flat[_slots(inp, i, skipped)] = 255 if path == "fp8_sparse" else float("nan")
+    cache, q = cache.to(interpret), inp.q.to(interpret)
+    lens_d, table = inp.cache_seqlens.to(interpret), inp.block_table.to(interpret)
+    with tilefuse.force(backend=backend):
+        if path == "fp8_dense":
+            meta, splits = tilefuse.get_mla_metadata(lens_d, 16, 1, num_sm_parts=3)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, cache, table, lens_d, 512, meta, splits, causal=True,
+                                                       is_fp8_kvcache=True)
+        else:
+            idx = _sparse(inp, picks, 32).to(interpret)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None,
+                                                       is_fp8_kvcache=path == "fp8_sparse", indices=idx)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+# ------------------------------------------------------------------ torch.compile, meta tensors
+def _compile_cases(kind):
+    """(step function, its tensor arguments) of each public MLA call for the compile tests (CPU)."""
+    if kind == "get_mla_metadata":
+        lens = torch.tensor([70, 5], dtype=torch.int32)
+        return (lambda lens: tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)), (lens,)
+    if kind == "mla_quantize_kv":
+        return (lambda x: tilefuse.mla_quantize_kv(x)), (torch.randn(3, 2, 576).half(),)
+    dtype = torch.bfloat16 if kind == "dense_bf16" else torch.float16
+    inp = make_case([70, 5], 1, 16, dtype, "cpu", page_size=16, nan_tail=False)
+    if kind in ("dense_bf16", "dense_fp16", "fp8_dense"):
+        cache = tilefuse.mla_quantize_kv(inp.k_cache) if kind == "fp8_dense" else inp.k_cache
+
+        def dense(q, k_cache, block_table, lens):
+            meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)
+            return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
+                                                   is_fp8_kvcache=kind == "fp8_dense")
+        return dense, (inp.q, cache, inp.block_table, inp.cache_seqlens)
+    fp8 = kind == "fp8_sparse"
+    cache = tilefuse.mla_quantize_kv(inp.k_cache) if fp8 else inp.k_cache
+    idx = _sparse(inp, [list(range(0, 70, 2)), [0, 3]], 40)
+
+    def sparse(q, k_cache, indices, length, sink):
+        return tilefuse.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
+                                               indices=indices, topk_length=length, attn_sink=sink)
+    return sparse, (inp.q, cache, idx, torch.tensor([30, 2], dtype=torch.int32), torch.randn(16))
+
+
+COMPILE_KINDS = ["dense_bf16", "dense_fp16", "fp8_dense", "sparse", "fp8_sparse", "get_mla_metadata",
+                 "mla_quantize_kv"]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("kind", COMPILE_KINDS)
+def test_mla_compile_every_path(kind, dynamic):
+    """Each public MLA call traces through its registered custom op under
+    torch.compile(fullgraph=True), static and dynamic, compiled before any eager call (the FP8
+    and sparse decodes bypassed their ops and failed to compile); the compiled result equals the
+    eager one (CPU: aot_eager, reference backend)."""
+    torch._dynamo.reset()
+    step, args = _compile_cases(kind)
+    with tilefuse.force(backend="reference"):
+        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")(*args)
+        eager = step(*args)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["dense_fp16", "fp8_dense", "sparse", "fp8_sparse"])
+def test_mla_compile_runs_the_kernels_inside_the_ops(interpret, kind):
+    """With the kernels (interpreted on the CPU) the decode must be an opaque custom op to
+    torch.compile(fullgraph=True): a kernel launch traced by dynamo is a graph break (the FP8 and
+    sparse decodes failed so)."""
+    if interpret.type != "cpu":
+        pytest.skip("the interpreter only (the GPU has test_gpu_mla_compile_every_path)")
+    torch._dynamo.reset()
+    step, args = _compile_cases(kind)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    torch.testing.assert_close(compiled, step(*args), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("kind", COMPILE_KINDS)
+def test_gpu_mla_compile_every_path(kind, dynamic):
+    """test_mla_compile_every_path on the GPU with inductor (the kernels run inside the ops)."""
+    torch._dynamo.reset()
+    step, args = _compile_cases(kind)
+    args = tuple(a.cuda() for a in args)
+    compiled = torch.compile(step, fullgraph=True, dynamic=dynamic)(*args)
+    eager = step(*args)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_sparse_and_quantizer_on_meta_tensors(fp8):
+    """Meta inputs give the outputs' shapes (mla_quantize_kv read its values: .item() on a meta
+    tensor); indices alone on another device is refused naming them."""
+    q, cache, idx, length, _, _, sink = _sparse_kernel_case(1, 16, fp8, 64, seed=4)
+    packed = tilefuse.mla_quantize_kv(torch.randn(5, 576, device="meta"), check_contents=True)
+    assert packed.shape == (5, 656) and packed.dtype == torch.uint8 and packed.is_meta
+    out, lse = tilefuse.flash_mla_with_kvcache(q.to("meta"), cache.to("meta"), None, None, 512, None, None,
+                                               is_fp8_kvcache=fp8, indices=idx.to("meta"),
+                                               topk_length=length.to("meta"), attn_sink=sink.to("meta"))
+    assert out.shape == (3, 1, 16, 512) and out.is_meta and lse.shape == (3, 16, 1) and lse.dtype == torch.float32
+    with pytest.raises(ValueError, match="indices: expected a tensor on cpu"):
+        tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
+                                        indices=idx.to("meta"))

@@ -329,80 +329,126 @@ def _page_of(bt_row, token, last_page, num_blocks, KV_PAGE: tl.constexpr):
     return tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
 
 
+FP16_MAX = tl.constexpr(65504.0)
+
+
 @triton.jit
-def _kv_rows(k_rows, ok, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+def _rope_shift(rope):
+    """A power of two that brings the fp32 values ``rope`` within fp16's range (2^15 at most
+    after division): 1 unless some |value| exceeds 65504 (bf16 RoPE values can)."""
+    r_max = tl.max(tl.max(tl.abs(rope), axis=1), axis=0)
+    return tl.where(r_max > FP16_MAX, tl.exp2(tl.ceil(tl.log2(tl.maximum(r_max, 1.0))) - 15.0), 1.0)
+
+
+@triton.jit
+def _kv_rows(k_rows, ok, KV_FP8: tl.constexpr, DTYPE: tl.constexpr, KV_SHIFT: tl.constexpr = False):
     """The cached tokens at ``k_rows`` (one row pointer each): HBM -> registers, in ``DTYPE``.
     Rows where ``ok`` is false load as 0 (their slots may hold NaN and are never read). Returns
-    the 512-wide part (K "nope" and all of V) and the 64-wide RoPE part.
+    the 512-wide part (K "nope" and all of V), the 64-wide RoPE part and the two parts' shifts
+    (fp32 scalars, 1 but with ``KV_SHIFT``): the values are the cache's divided by them.
 
     ``KV_FP8``: the rows are FlashMLA's 656-byte FP8 layout (``k_rows`` as bytes): 512 e4m3
     values, 4 fp32 scales (one per 128 values), 64 bf16 RoPE values; the 512 are dequantized in
     fp32 (value x its group's scale) and rounded once to ``DTYPE``, as ``mla_dequantize_kv`` does.
-    """
+    ``KV_SHIFT`` (an FP8 cache read as fp16, whose range ends at 65504 where e4m3 x scale and
+    bf16 do not): a tile whose largest scale could take a value past 65504 is dequantized
+    divided by that scale (codes x scale / max scale <= 448), and RoPE values past 65504 are
+    divided by a power of two (:func:`_rope_shift`); the caller multiplies its fp32 products by
+    the shifts. Tiles of ordinary magnitudes keep shifts of 1 (the values unchanged)."""
+    k_shift = tl.full([], 1.0, tl.float32)
+    r_shift = tl.full([], 1.0, tl.float32)
     if KV_FP8:
         codes = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=ok[:, None], other=0)
         scale_rows = (k_rows + D_NOPE).to(tl.pointer_type(tl.float32))
         scales = tl.load(scale_rows[:, None] + tl.arange(0, FP8_GROUPS)[None, :], mask=ok[:, None], other=0.0)
         values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32),
                             [k_rows.shape[0], FP8_GROUPS, FP8_GROUP])
-        k_nope = tl.reshape(values * scales[:, :, None], [k_rows.shape[0], D_NOPE]).to(DTYPE)
         rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
-        k_rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0).to(DTYPE)
+        rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        if KV_SHIFT:
+            # ---- fp16: the tile's largest scale out of the values where 448 x it would pass 65504
+            s_max = tl.max(tl.max(scales, axis=1), axis=0)
+            k_shift = tl.where(s_max * 448.0 > FP16_MAX, s_max, 1.0)
+            r_shift = _rope_shift(rope)
+            scales = scales / k_shift
+            rope = rope / r_shift
+        k_nope = tl.reshape(values * scales[:, :, None], [k_rows.shape[0], D_NOPE]).to(DTYPE)
+        k_rope = rope.to(DTYPE)
     else:
         k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=ok[:, None], other=0.0)
         k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
-    return k_nope, k_rope
+    return k_nope, k_rope, k_shift, r_shift
 
 
 @triton.jit
 def _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page, num_blocks,
-             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr):
+             BLOCK_N: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr, DTYPE: tl.constexpr,
+             KV_SHIFT: tl.constexpr):
     """Tokens ``start .. start + BLOCK_N``: HBM -> SMEM (pipelined by num_stages) -> ``DTYPE``
     (:func:`_kv_rows`). With pages of at least BLOCK_N tokens the tile lies in one page, ``page``
     (looked up a step ahead by the caller); with smaller pages (16, 32) each token's page is
-    looked up here. Returns positions, the 512-wide and the RoPE parts; positions past
-    ``length`` load as 0."""
+    looked up here. Returns positions, the 512-wide and the RoPE parts and their shifts
+    (:func:`_kv_rows`); positions past ``length`` load as 0."""
     pos = start + tl.arange(0, BLOCK_N)
     if KV_PAGE >= BLOCK_N:
         k_rows = kc_ptr + page * stride_kp + (pos % KV_PAGE) * stride_kt
     else:
         k_rows = kc_ptr + _page_of(bt_row, pos, last_page, num_blocks, KV_PAGE) * stride_kp \
             + (pos % KV_PAGE) * stride_kt
-    k_nope, k_rope = _kv_rows(k_rows, pos < length, KV_FP8, DTYPE)
-    return pos, k_nope, k_rope
+    k_nope, k_rope, k_shift, r_shift = _kv_rows(k_rows, pos < length, KV_FP8, DTYPE, KV_SHIFT)
+    return pos, k_nope, k_rope, k_shift, r_shift
 
 
 @triton.jit
-def _attend_tile(q_nope, q_rope, k_nope, k_rope, keep, qk_scale, m_i, l_i, acc, DOT_PREC: tl.constexpr):
+def _attend_tile(q_nope, q_rope, k_nope, k_rope, k_shift, r_shift, keep, qk_scale, m_i, l_i, acc,
+                 DOT_PREC: tl.constexpr, KV_SHIFT: tl.constexpr):
     """One KV tile in the standard orientation: S = Q K^T ([BLOCK_H, BLOCK_N], the 512-wide and
     RoPE parts), scores outside ``keep`` at -inf, then the online softmax step (rows with no key
-    yet keep m = -inf, p = 0) and O = O alpha + P V. Returns the new (m, l, O)."""
-    s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
-    s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
+    yet keep m = -inf, p = 0) and O = O alpha + P V. ``KV_SHIFT``: K and V came divided by
+    ``k_shift`` / ``r_shift`` (:func:`_kv_rows`), multiplied back into the fp32 products.
+    Returns the new (m, l, O)."""
+    if KV_SHIFT:
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC) * k_shift
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC) * r_shift
+    else:
+        s = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision=DOT_PREC)
     s = tl.where(keep, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
+    if KV_SHIFT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_nope.dtype), k_nope, input_precision=DOT_PREC) * k_shift
+    else:
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, keep_t, qk_scale, m_i, l_i, acc_t, DOT_PREC: tl.constexpr):
+def _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, k_shift, r_shift, keep_t, qk_scale, m_i, l_i, acc_t,
+                   DOT_PREC: tl.constexpr, KV_SHIFT: tl.constexpr):
     """:func:`_attend_tile` transposed (ETAP): S^T = K Q^T ([BLOCK_N, BLOCK_H], the KV tile as the
     MMA's M dimension), the online softmax down the KV axis (axis 0), O^T = O^T alpha + V^T P^T
-    ([512, BLOCK_H]). Returns the new (m, l, O^T)."""
-    s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
-    s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
+    ([512, BLOCK_H]); ``KV_SHIFT`` as there. Returns the new (m, l, O^T)."""
+    if KV_SHIFT:
+        s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC) * k_shift
+        s_t += tl.dot(k_rope, qt_rope, input_precision=DOT_PREC) * r_shift
+    else:
+        s_t = tl.dot(k_nope, qt_nope, input_precision=DOT_PREC)
+        s_t = tl.dot(k_rope, qt_rope, s_t, input_precision=DOT_PREC)
     s_t = tl.where(keep_t, s_t * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p_t = tl.exp2(s_t - m_safe[None, :])
     l_i = l_i * alpha + tl.sum(p_t, axis=0)
-    acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
+    if KV_SHIFT:
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype),
+                                                input_precision=DOT_PREC) * k_shift
+    else:
+        acc_t = tl.dot(tl.trans(k_nope), p_t.to(k_nope.dtype), acc_t * alpha[None, :], input_precision=DOT_PREC)
     return m_new, l_i, acc_t
 
 
@@ -415,6 +461,7 @@ def mla_split_standard_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    KV_SHIFT: tl.constexpr = False,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
@@ -445,10 +492,11 @@ def mla_split_standard_kernel(
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
-        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
-                                       num_blocks, BLOCK_N, KV_PAGE, KV_FP8, q_nope.dtype)
-        m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, pos[None, :] <= limit[:, None], qk_scale,
-                                     m_i, l_i, acc, DOT_PREC)
+        pos, k_nope, k_rope, k_shift, r_shift = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row,
+                                                         last_page, num_blocks, BLOCK_N, KV_PAGE, KV_FP8,
+                                                         q_nope.dtype, KV_SHIFT)
+        m_i, l_i, acc = _attend_tile(q_nope, q_rope, k_nope, k_rope, k_shift, r_shift, pos[None, :] <= limit[:, None],
+                                     qk_scale, m_i, l_i, acc, DOT_PREC, KV_SHIFT)
         page = next_page
     _finish(acc, l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part, h_q,
             out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
@@ -464,6 +512,7 @@ def mla_split_transposed_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    KV_SHIFT: tl.constexpr = False,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
@@ -495,10 +544,11 @@ def mla_split_transposed_kernel(
         # Page of the next step loaded one step ahead (a loop-carried value, not a load the tile
         # load waits on), so the pipeliner can prefetch K tiles several steps deep.
         next_page = _page_of(bt_row, start + BLOCK_N, last_page, num_blocks, KV_PAGE)
-        pos, k_nope, k_rope = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row, last_page,
-                                       num_blocks, BLOCK_N, KV_PAGE, KV_FP8, qt_nope.dtype)
-        m_i, l_i, acc_t = _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, pos[:, None] <= limit[None, :],
-                                         qk_scale, m_i, l_i, acc_t, DOT_PREC)
+        pos, k_nope, k_rope, k_shift, r_shift = _kv_tile(kc_ptr, page, start, length, stride_kp, stride_kt, bt_row,
+                                                         last_page, num_blocks, BLOCK_N, KV_PAGE, KV_FP8,
+                                                         qt_nope.dtype, KV_SHIFT)
+        m_i, l_i, acc_t = _attend_tile_t(qt_nope, qt_rope, k_nope, k_rope, k_shift, r_shift,
+                                         pos[:, None] <= limit[None, :], qk_scale, m_i, l_i, acc_t, DOT_PREC, KV_SHIFT)
         page = next_page
     _finish(tl.trans(acc_t), l_i, m_i, rows, row_ok, offs_v, req, part_idx, pid_h, n_part, first_part,
             h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, rows_total,
@@ -589,10 +639,19 @@ def _scores_group(s, q_g, v_g, scale_g, KV_FP8: tl.constexpr, DOT_PREC: tl.const
 
 
 @triton.jit
-def _output_group(acc_g, p, alpha, v_g, scale_g, KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr):
-    """O_g = O_g alpha + P V_g for one 128-wide group of V, V_g's per-token scale folded into P."""
+def _output_group(acc_g, p, alpha, v_g, scale_g, KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+                  KV_SHIFT: tl.constexpr = False):
+    """O_g = O_g alpha + P V_g for one 128-wide group of V, V_g's per-token scale folded into P.
+    ``KV_SHIFT`` (fp16 operands): P x scale can pass fp16's 65504 (large scales) or fall into its
+    subnormals (small ones), so each row is divided by its largest term before the rounding to
+    fp16 and the fp32 product multiplied back."""
     if KV_FP8:
         p = p * scale_g[None, :]
+        if KV_SHIFT:
+            top = tl.max(p, axis=1)
+            top = tl.where(top > 0, top, 1.0)
+            return acc_g * alpha[:, None] + tl.dot((p / top[:, None]).to(v_g.dtype), v_g,
+                                                   input_precision=DOT_PREC) * top[:, None]
     return tl.dot(p.to(v_g.dtype), v_g, acc_g * alpha[:, None], input_precision=DOT_PREC)
 
 
@@ -608,7 +667,7 @@ def mla_sparse_split_kernel(
     h_q, s_q, topk, num_tokens, page, chunk_base, num_chunks, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_ib, stride_is,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr, KV_SHIFT: tl.constexpr = False,
 ):
     """Sparse (top-k) decode, one part: the BLOCK_H heads of tile ``pid 2`` of one query token
     (``pid 1`` = request x s_q + token) over the positions ``pid 0 x CHUNK ..`` of its index list
@@ -618,7 +677,8 @@ def mla_sparse_split_kernel(
     them. S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]), the 512-wide part in the FP8
     layout's four groups of 128 so that each group's scale multiplies S's and P's columns (BLOCK_N
     values per group) rather than the 512 values of every token: a gather kernel at few heads is
-    bound by the work per gathered byte, not by the MMAs."""
+    bound by the work per gathered byte, not by the MMAs. ``KV_SHIFT`` (an FP8 cache, fp16 q):
+    the RoPE part and P x scale kept within fp16's range (:func:`_rope_shift`, :func:`_output_group`)."""
     chunk = tl.program_id(0)
     unit = tl.program_id(1)
     pid_h = tl.program_id(2)
@@ -662,9 +722,14 @@ def mla_sparse_split_kernel(
         v2, sc2 = _kv_group(k_rows, ok, 2, KV_FP8, q0.dtype)
         v3, sc3 = _kv_group(k_rows, ok, 3, KV_FP8, q0.dtype)
         rope_rows = (k_rows + rope_at).to(tl.pointer_type(tl.bfloat16)) if KV_FP8 else k_rows + rope_at
-        k_rope = tl.load(rope_rows[:, None] + offs_r[None, :], mask=ok[:, None], other=0.0).to(q0.dtype)
+        k_rope = tl.load(rope_rows[:, None] + offs_r[None, :], mask=ok[:, None], other=0.0)
         # ---- S = Q K^T over the gathered tokens (unselected: -inf), then the online softmax.
-        s = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PREC)
+        if KV_SHIFT:    # fp16: bf16 RoPE values past 65504 divided by a power of two, multiplied back in fp32
+            k_rope = k_rope.to(tl.float32)
+            r_shift = _rope_shift(k_rope)
+            s = tl.dot(q_rope, tl.trans((k_rope / r_shift).to(q0.dtype)), input_precision=DOT_PREC) * r_shift
+        else:
+            s = tl.dot(q_rope, tl.trans(k_rope.to(q0.dtype)), input_precision=DOT_PREC)
         s = _scores_group(s, q0, v0, sc0, KV_FP8, DOT_PREC)
         s = _scores_group(s, q1, v1, sc1, KV_FP8, DOT_PREC)
         s = _scores_group(s, q2, v2, sc2, KV_FP8, DOT_PREC)
@@ -677,10 +742,10 @@ def mla_sparse_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
         # ---- O = O alpha + P V, group by group.
-        acc0 = _output_group(acc0, p, alpha, v0, sc0, KV_FP8, DOT_PREC)
-        acc1 = _output_group(acc1, p, alpha, v1, sc1, KV_FP8, DOT_PREC)
-        acc2 = _output_group(acc2, p, alpha, v2, sc2, KV_FP8, DOT_PREC)
-        acc3 = _output_group(acc3, p, alpha, v3, sc3, KV_FP8, DOT_PREC)
+        acc0 = _output_group(acc0, p, alpha, v0, sc0, KV_FP8, DOT_PREC, KV_SHIFT)
+        acc1 = _output_group(acc1, p, alpha, v1, sc1, KV_FP8, DOT_PREC, KV_SHIFT)
+        acc2 = _output_group(acc2, p, alpha, v2, sc2, KV_FP8, DOT_PREC, KV_SHIFT)
+        acc3 = _output_group(acc3, p, alpha, v3, sc3, KV_FP8, DOT_PREC, KV_SHIFT)
     # ---- registers -> HBM: this part's normalised output and log2-sum-exp (-inf: no token).
     has_keys = l_i != 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -778,8 +843,8 @@ def mla_sparse_gather_kernel(
     for start in range(begin, tl.minimum(begin + chunk_size, topk), BLOCK_T):
         idx, ok = _selected(idx_row, len_ptr, req, start + offs, topk, num_tokens, HAS_LEN)
         slot = tl.where(ok, idx, 0)
-        k_nope, k_rope = _kv_rows(kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt, ok, KV_FP8,
-                                  out_ptr.dtype.element_ty)
+        k_nope, k_rope, _, _ = _kv_rows(kc_ptr + (slot // page) * stride_kp + (slot % page) * stride_kt, ok, KV_FP8,
+                                        out_ptr.dtype.element_ty)
         dst = dst_unit + (count + tl.cumsum(ok.to(tl.int32), axis=0) - 1).to(tl.int64) * (D_NOPE + D_ROPE)
         tl.store(dst[:, None] + tl.arange(0, D_NOPE)[None, :], k_nope, mask=ok[:, None])
         tl.store(dst[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], k_rope, mask=ok[:, None])

@@ -23,7 +23,7 @@ import torch
 from tilefuse import _checks, _launch
 from tilefuse._backend import choose_backend
 from tilefuse._library import tilefuse_op, use_dispatcher
-from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, check_page_shape,
+from tilefuse.ops.mla.reference import (FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V, check_finite_latent, check_page_shape,
                                         dequantize_kv_reference, quantize_kv_reference)
 
 LATENT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -39,13 +39,26 @@ def _quantize_op(latent: torch.Tensor) -> torch.Tensor:
     return quantize_kv_reference(latent)
 
 
-def mla_quantize_kv(latent: torch.Tensor) -> torch.Tensor:
+def mla_quantize_kv(latent: torch.Tensor, *, check_contents: bool | None = None) -> torch.Tensor:
     """``latent [..., 576]`` fp32 / bf16 / fp16 (512 latent + 64 RoPE values per token) ->
-    ``[..., 656]`` uint8 in FlashMLA's FP8 layout (module docstring). Values must be finite."""
+    ``[..., 656]`` uint8 in FlashMLA's FP8 layout (module docstring; an fp16 latent dequantizes
+    within fp16's range). No host sync: an inf or NaN value makes its 128-value group NaN;
+    ``check_contents`` (default ``TILEFUSE_DEBUG``) reads the values and raises ``ValueError``
+    for one instead (skipped while ``torch.compile`` traces and for meta / fake tensors, which
+    get the output's shape)."""
     _checks.check_tensor("latent", latent, dtypes=LATENT_DTYPES)
     if latent.dim() < 1 or latent.shape[-1] != HEAD_DIM:
         raise ValueError(f"latent: expected [..., {HEAD_DIM}] (512 latent + 64 RoPE), got shape {tuple(latent.shape)}")
-    return _quantize_op(latent) if use_dispatcher(latent) else quantize_kv_reference(latent)
+    no_data = _checks.contents_unreadable(latent)
+    if _check_contents(check_contents) and not no_data:
+        check_finite_latent(latent)
+    return _quantize_op(latent) if no_data or use_dispatcher(latent) else quantize_kv_reference(latent)
+
+
+def _check_contents(check_contents: bool | None) -> bool:
+    from tilefuse import _env
+
+    return _env.settings.debug if check_contents is None else check_contents
 
 
 def _dequantize_fake(packed, dtype):
@@ -68,7 +81,9 @@ def mla_dequantize_kv(k_cache: torch.Tensor, dtype: torch.dtype = torch.bfloat16
                          f"{tuple(k_cache.shape)}")
     if dtype not in LATENT_DTYPES:
         raise ValueError(f"dtype: expected one of {LATENT_DTYPES}, got {dtype!r}")
-    return _dequantize_op(k_cache, dtype) if use_dispatcher(k_cache) else dequantize_kv_reference(k_cache, dtype)
+    if _checks.contents_unreadable(k_cache) or use_dispatcher(k_cache):
+        return _dequantize_op(k_cache, dtype)
+    return dequantize_kv_reference(k_cache, dtype)
 
 
 def _scatter_fake(latent, k_cache, slot_mapping):
@@ -118,8 +133,9 @@ def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
     ``k_cache``: ``[num_blocks, page, 1, 576]`` in a floating dtype (the latent rounded to it), or
     ``[num_blocks, page, 1, 656]`` uint8 / float8_e4m3fn (quantized, :func:`mla_quantize_kv`);
     contiguous, on ``latent``'s device, ``page`` in 16-256. ``check_contents`` (default
-    ``TILEFUSE_DEBUG``) reads the slots back and refuses one past the cache (a host sync);
-    without it such a token is skipped, as a -1 is."""
+    ``TILEFUSE_DEBUG``) reads the slots back and refuses one past the cache, and (FP8 cache) a
+    non-finite latent value (a host sync); without it such a token is skipped, as a -1 is, and a
+    non-finite value makes its group NaN (:func:`mla_quantize_kv`)."""
     _checks.check_tensor("latent", latent, dtypes=LATENT_DTYPES, ndim=2)
     if latent.shape[1] != HEAD_DIM:
         raise ValueError(f"latent: expected [T, {HEAD_DIM}], got shape {tuple(latent.shape)}")
@@ -139,10 +155,10 @@ def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
         raise ValueError(f"slot_mapping: expected [T={latent.shape[0]}] like latent, got shape "
                          f"{tuple(slot_mapping.shape)}")
     _checks.check_same_device(latent=latent, k_cache=k_cache, slot_mapping=slot_mapping)
-    from tilefuse import _env
-
-    if (_env.settings.debug if check_contents is None else check_contents) and slot_mapping.numel() \
-            and not _checks.contents_unreadable(slot_mapping):
+    if _check_contents(check_contents) and slot_mapping.numel() \
+            and not _checks.contents_unreadable(latent, slot_mapping):
+        if width == FP8_KV_BYTES:
+            check_finite_latent(latent)
         top = k_cache.shape[0] * k_cache.shape[1]
         if int(slot_mapping.max()) >= top or int(slot_mapping.min()) < -1:
             raise ValueError(f"slot_mapping: expected slots in [0, {top}) or -1, got "

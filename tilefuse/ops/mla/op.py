@@ -88,7 +88,7 @@ def _device_name(device: torch.device) -> str:
 def _sparse_gluon_fits(q: torch.Tensor, caches, indices) -> bool:
     """The sparse decode of ``q`` over ``caches`` takes the Gluon gather kernel: FP8 caches whose
     rows start at 16-byte boundaries (its cp.async copies 16 bytes at a time), int32 ``indices``
-    (FlashMLA's, the ones its GPU tests cover; int64 lists take the tl kernel), a 16-bit q, a Hopper
+    (FlashMLA's, the ones its GPU tests cover; int64 lists take the tl kernel), a bf16 q, a Hopper
     GPU with Gluon, and no ``force(variant="standard" | "transposed")`` (which pins the tl kernels,
     here the tl gather kernel)."""
     return (_sparse_gluon_runs(q.device, q.dtype) and all(idx.dtype == torch.int32 for idx in indices)
@@ -98,7 +98,9 @@ def _sparse_gluon_fits(q: torch.Tensor, caches, indices) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _sparse_gluon_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    return (dtype in (torch.bfloat16, torch.float16) and gluon_hopper(device)
+    # bf16 q only: an fp16 q takes the tl kernel, which keeps the FP8 cache's values (up to
+    # 448 x scale, bf16 RoPE) out of fp16 where they could overflow it
+    return (dtype == torch.bfloat16 and gluon_hopper(device)
             and _kernels().get("sparse_gluon") is not None)
 
 
@@ -355,7 +357,8 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
+                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8,
+                         KV_SHIFT=fp8 and q.dtype == torch.float16, **cfg)
     call.combine_grid = None if fused else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
@@ -371,7 +374,7 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
     key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
     if call.variant in _GLUON:
-        descriptors = (_fp8_descriptors(k_cache) if call.variant == "wgmma_fp8"
+        descriptors = (_fp8_descriptors(k_cache, call.meta.get("SLOT_N", 64)) if call.variant == "wgmma_fp8"
                        else _kv_descriptors(k_cache, call.meta["BLOCK_N"]))
         tensors = (q, *descriptors, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
     else:
@@ -407,13 +410,14 @@ def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
                  for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
 
 
-def _fp8_descriptors(k_cache: torch.Tensor) -> tuple:
+def _fp8_descriptors(k_cache: torch.Tensor, slot_n: int = 64) -> tuple:
     """TMA descriptors of an FP8 cache (``[num_blocks, page, 1, 656]`` bytes) for
     ``kernels_gluon_fp8``: its rows as float8_e4m3fn ``[num_blocks * page, 656]`` in
     ``[box, 128]`` boxes (the codes, 128 per box, and the RoPE bytes), and as fp32 from byte 512
-    (``[rows, 4]`` of row stride 164: the scales) in ``[box, 4]`` boxes, ``box = min(page, 64)``."""
+    (``[rows, 4]`` of row stride 164: the scales) in ``[box, 4]`` boxes, ``box = min(page,
+    slot_n)`` (``slot_n``: the kernel's ring slot, the config's ``SLOT_N``)."""
     page = k_cache.shape[1]
-    rows, box = k_cache.shape[0] * page, min(page, 64)
+    rows, box = k_cache.shape[0] * page, min(page, slot_n)
     codes = k_cache if k_cache.dtype == torch.float8_e4m3fn else k_cache.view(torch.float8_e4m3fn)
     words = FP8_KV_BYTES // 4
     return (_launch.descriptor(codes, [rows, FP8_KV_BYTES], [FP8_KV_BYTES, 1], [box, FP8_GROUP], gluon=True),
@@ -421,7 +425,8 @@ def _fp8_descriptors(k_cache: torch.Tensor) -> tuple:
                                [box, HEAD_DIM_V // FP8_GROUP], gluon=True, offset=HEAD_DIM_V // 4))
 
 
-def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal):
+def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal,
+                    fp8=False):
     batch, s_q, h_q, _ = q.shape
     return (q.new_empty(batch, s_q, h_q, head_dim_v), q.new_empty(batch, h_q, s_q, dtype=torch.float32))
 
@@ -431,10 +436,29 @@ def _flash_mla_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, nu
              setup_context=lambda ctx, inputs, output: None)
 def _flash_mla_op(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                   head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-                  softmax_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  softmax_scale: float, causal: bool, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense decode, 16-bit (``fp8=False``) or FP8 cache, as a custom op."""
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale, causal)
+                      softmax_scale, causal, fp8)
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+
+
+def _sparse_fake(q, k_cache, indices, softmax_scale, attn_sink, extra_k_cache, extra_indices, topk_length,
+                 extra_topk_length):
+    batch, s_q, h_q, _ = q.shape
+    return (q.new_empty(batch, s_q, h_q, HEAD_DIM_V), q.new_empty(batch, h_q, s_q, dtype=torch.float32))
+
+
+@tilefuse_op("flash_mla_sparse", fake=_sparse_fake,
+             backward=no_backward("flash_mla_with_kvcache", "MLA sparse decode attention"),
+             setup_context=lambda ctx, inputs, output: None)
+def _sparse_op(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor, softmax_scale: float,
+               attn_sink: torch.Tensor | None, extra_k_cache: torch.Tensor | None,
+               extra_indices: torch.Tensor | None, topk_length: torch.Tensor | None,
+               extra_topk_length: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse decode (16-bit or FP8 caches, validated by the caller) as a custom op."""
+    return _sparse_run(q, k_cache, indices, softmax_scale, attn_sink, extra_k_cache, extra_indices, topk_length,
+                       extra_topk_length)
 
 
 _plans = PlanCache()
@@ -452,7 +476,8 @@ def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spl
         return call
     _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8)
     scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
-    if q.shape[0] == 0 or choose_backend(q.device) != "triton":
+    # no query token, the reference backend, or an FP8 cache the kernels do not take (an fp32 q): the reference
+    if q.shape[0] == 0 or choose_backend(q.device) != "triton" or (fp8 and not fp8_sparse_kernels_run(q)):
         call = _Call()
         call.reference = True
     else:
@@ -515,9 +540,14 @@ def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: 
                          f"to {splits[-1]}, got {starts[:8]}")
 
 
-def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False) -> None:
+def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False,
+              schedule_optional: bool = False) -> None:
+    """The dense decode's argument checks (metadata only). ``schedule_optional``: the metadata and
+    ``num_splits`` may both be None (``explain`` without them)."""
     _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
     width = FP8_KV_BYTES if fp8 else HEAD_DIM
+    if fp8:
+        _check_fp8_cache("k_cache", k_cache)
     _checks.check_tensor("k_cache", k_cache, dtypes=(torch.uint8, torch.float8_e4m3fn) if fp8 else (q.dtype,), ndim=4)
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2)
     _checks.check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,), ndim=1)
@@ -534,15 +564,16 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
     if block_table.shape[1] < 1:
         raise ValueError(f"block_table: expected at least one page per request, got shape {tuple(block_table.shape)}")
     _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
-    _checks.check_tensor("tile_scheduler_metadata", meta, dtypes=(torch.int32,), ndim=2)
-    _checks.check_shape("tile_scheduler_metadata", meta, (None, 8), "[slots, 8] (get_mla_metadata's)")
-    if meta.shape[0] <= batch:
-        raise ValueError(f"tile_scheduler_metadata: expected more than b = {batch} rows (from get_mla_metadata "
-                         f"on the same batch), got {meta.shape[0]}")
-    _checks.check_contiguous("tile_scheduler_metadata", meta)
-    _checks.check_tensor("num_splits", num_splits, dtypes=(torch.int32,), ndim=1)
-    _checks.check_shape("num_splits", num_splits, (batch + 1,), f"[b + 1 = {batch + 1}]")
-    _checks.check_contiguous("num_splits", num_splits)
+    if not (schedule_optional and meta is None and num_splits is None):
+        _checks.check_tensor("tile_scheduler_metadata", meta, dtypes=(torch.int32,), ndim=2)
+        _checks.check_shape("tile_scheduler_metadata", meta, (None, 8), "[slots, 8] (get_mla_metadata's)")
+        if meta.shape[0] <= batch:
+            raise ValueError(f"tile_scheduler_metadata: expected more than b = {batch} rows (from get_mla_metadata "
+                             f"on the same batch), got {meta.shape[0]}")
+        _checks.check_contiguous("tile_scheduler_metadata", meta)
+        _checks.check_tensor("num_splits", num_splits, dtypes=(torch.int32,), ndim=1)
+        _checks.check_shape("num_splits", num_splits, (batch + 1,), f"[b + 1 = {batch + 1}]")
+        _checks.check_contiguous("num_splits", num_splits)
     if h_q < 1 or h_q > 128 or s_q < 1 or s_q * h_q > 512:
         raise ValueError(f"q: expected 1 <= h_q <= 128, s_q >= 1 and s_q * h_q <= 512, got h_q={h_q}, s_q={s_q}")
     _checks.check_same_device(q=q, k_cache=k_cache, block_table=block_table, cache_seqlens=cache_seqlens,
@@ -550,6 +581,38 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
     _checks.check_contiguous("k_cache", k_cache)
     _checks.check_contiguous("q", q, last_dim_only=True)
     _checks.check_contiguous("block_table", block_table, last_dim_only=True)
+
+
+def _check_fp8_cache(name: str, cache) -> None:
+    """``cache`` is in FlashMLA's FP8 layout: ``[num_blocks, page, 1, 656]`` uint8 or float8_e4m3fn."""
+    _checks.check_tensor(name, cache, ndim=4)
+    if cache.dtype not in (torch.uint8, torch.float8_e4m3fn) or cache.shape[-1] != FP8_KV_BYTES:
+        raise ValueError(f"{name}: expected [num_blocks, page, 1, {FP8_KV_BYTES}] uint8 or float8_e4m3fn "
+                         f"with is_fp8_kvcache=True (mla_quantize_kv's layout), got {cache.dtype} of shape "
+                         f"{tuple(cache.shape)}")
+
+
+def _check_mode_args(indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length) -> None:
+    """Arguments that mean something only in a sparse decode (``indices`` given), or only with a
+    second cache, are refused where they would be ignored."""
+    if indices is None:
+        for name, value in (("attn_sink", attn_sink), ("topk_length", topk_length), ("extra_k_cache", extra_k_cache),
+                            ("extra_indices_in_kvcache", extra_indices), ("extra_topk_length", extra_topk_length)):
+            if value is not None:
+                raise ValueError(f"{name}: expected None in a dense decode (it is an argument of the sparse decode: "
+                                 f"pass indices), got {type(value).__name__}")
+    elif extra_k_cache is None and extra_topk_length is not None:
+        raise ValueError("extra_topk_length: expected None without extra_k_cache (it cuts the second cache's index "
+                         "lists), got a tensor")
+
+
+def _check_dense_contents(k_cache, block_table, cache_seqlens, meta, num_splits) -> None:
+    """``check_contents`` of a dense decode (16-bit or FP8 cache): the lengths within the block
+    table, the used pages within the cache, and (given) the schedule of this batch. Host syncs."""
+    _check_lengths(cache_seqlens, block_table.shape[1], k_cache.shape[1])
+    check_block_table(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
+    if meta is not None and num_splits is not None:
+        check_schedule(cache_seqlens, meta, num_splits)
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None,
@@ -602,22 +665,23 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
     Decode only: requesting a gradient through it raises.
     """
-    if is_fp8_kvcache or indices is not None:
-        return _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-                              is_fp8_kvcache, indices, attn_sink, extra_k_cache, extra_indices_in_kvcache,
-                              topk_length, extra_topk_length, tile_scheduler_metadata, num_splits)
+    if indices is not None:
+        return _sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
+                       extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+    if attn_sink is not None or extra_k_cache is not None or extra_indices_in_kvcache is not None \
+            or topk_length is not None or extra_topk_length is not None:
+        _check_mode_args(indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+    fp8 = bool(is_fp8_kvcache)
     if isinstance(cache_seqlens, torch.Tensor) and not cache_seqlens.is_contiguous():
         cache_seqlens = cache_seqlens.contiguous()
     call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale, causal)
+                      softmax_scale, causal, fp8)
     no_data = _checks.contents_unreadable(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     if (_env.settings.debug if check_contents is None else check_contents) and not no_data:
-        _check_lengths(cache_seqlens, block_table.shape[1], k_cache.shape[1])
-        check_block_table(block_table, cache_seqlens, k_cache.shape[0], k_cache.shape[1])
-        check_schedule(cache_seqlens, tile_scheduler_metadata, num_splits)
+        _check_dense_contents(k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     if no_data or use_dispatcher(q, k_cache):
         return _flash_mla_op(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, tile_scheduler_metadata,
-                             num_splits, call.scale, call.causal)
+                             num_splits, call.scale, call.causal, fp8)
     return _run(call, q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
 
 
@@ -702,7 +766,7 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
             scalars = (h_q, s_q, topk, num_tokens, cache.shape[1], base, num_chunks, scale * LOG2E, *q.stride()[:3],
                        cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
             meta = dict(cfg, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
-                        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                        KV_SHIFT=fp8 and q.dtype == torch.float16, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
         key = (kernel, scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
                *(t.data_ptr() % 16 for t in tensors))
@@ -817,35 +881,27 @@ def _sparse_gather_dense(q, scale, sources, attn_sink):
     return out.view(batch, s_q, h_q, HEAD_DIM_V), lse.view(batch, s_q, h_q).transpose(1, 2).contiguous()
 
 
-def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8, indices,
-                   attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length, meta=None, num_splits=None):
-    """FlashMLA main's FP8 and sparse decode, validated: where :func:`fp8_sparse_kernels_run`,
-    the dense FP8 decode through the ``tl`` split kernels (with the metadata) and the sparse decode
-    through :func:`_sparse_decode`; otherwise the PyTorch references."""
-    if (is_fp8 and indices is None and meta is not None and num_splits is not None and attn_sink is None
-            and extra_k_cache is None and topk_length is None and isinstance(q, torch.Tensor) and fp8_sparse_kernels_run(q)):
-        call = _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale,
-                          causal, fp8=True)
-        return _run(call, q, k_cache, block_table, cache_seqlens, meta, num_splits)
+def _validate_sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8, indices, attn_sink, extra_k_cache,
+                     extra_indices, topk_length, extra_topk_length) -> float:
+    """The sparse decode's argument checks (metadata only); returns the softmax scale."""
     _checks.check_tensor("q", q, dtypes=(*_checks.FLOAT16S, torch.float32), ndim=4)
     batch, s_q, h_q, head_dim = q.shape
-    if head_dim != HEAD_DIM or head_dim_v != HEAD_DIM_V:
-        raise ValueError(f"q: expected head dim {HEAD_DIM} and head_dim_v {HEAD_DIM_V}, got {head_dim} and "
-                         f"{head_dim_v!r}")
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"q: expected head dim {HEAD_DIM} (512 latent + 64 RoPE), got {head_dim}")
+    if head_dim_v != HEAD_DIM_V:
+        raise ValueError(f"head_dim_v: expected {HEAD_DIM_V}, got {head_dim_v!r}")
     if not 1 <= h_q <= 128:
         raise ValueError(f"q: expected 1 <= h_q <= 128, got {h_q}")
 
     def check_cache(name, cache):
-        _checks.check_tensor(name, cache, ndim=4)
         if is_fp8:
-            if cache.dtype not in (torch.uint8, torch.float8_e4m3fn) or cache.shape[-1] != FP8_KV_BYTES:
-                raise ValueError(f"{name}: expected [num_blocks, page, 1, {FP8_KV_BYTES}] uint8 or float8_e4m3fn "
-                                 f"with is_fp8_kvcache=True (mla_quantize_kv's layout), got {cache.dtype} of shape "
+            _check_fp8_cache(name, cache)
+        else:
+            _checks.check_tensor(name, cache, ndim=4)
+            if cache.dtype != q.dtype or cache.shape[-1] != HEAD_DIM:
+                raise ValueError(f"{name}: expected [num_blocks, page, 1, {HEAD_DIM}] in q's dtype {q.dtype} (or "
+                                 f"is_fp8_kvcache=True for the FP8 layout), got {cache.dtype} of shape "
                                  f"{tuple(cache.shape)}")
-        elif cache.dtype != q.dtype or cache.shape[-1] != HEAD_DIM:
-            raise ValueError(f"{name}: expected [num_blocks, page, 1, {HEAD_DIM}] in q's dtype {q.dtype} (or "
-                             f"is_fp8_kvcache=True for the FP8 layout), got {cache.dtype} of shape "
-                             f"{tuple(cache.shape)}")
         check_page_shape(name, cache, cache.shape[-1])
 
     def check_indices(name, idx, length_name, length):
@@ -861,31 +917,53 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
     if attn_sink is not None:
         _checks.check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
         _checks.check_shape("attn_sink", attn_sink, (h_q,), f"[h_q={h_q}]")
-    if indices is None:
-        if block_table is None or cache_seqlens is None:
-            raise ValueError("block_table, cache_seqlens: expected tensors for a dense decode (or pass indices)")
-        if attn_sink is not None or extra_k_cache is not None or topk_length is not None:
-            raise ValueError("attn_sink, extra_k_cache, topk_length: expected with indices only (sparse decode)")
-        return mla_decode_reference(q, k_cache, block_table, cache_seqlens, HEAD_DIM_V, scale, bool(causal))
     if causal:
         raise ValueError("causal: expected False with indices (a sparse decode attends to what its indices name)")
     check_indices("indices", indices, "topk_length", topk_length)
     if (extra_k_cache is None) != (extra_indices is None):
         raise ValueError("extra_k_cache, extra_indices_in_kvcache: expected both or neither")
+    _check_mode_args(indices, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length)
     if extra_k_cache is not None:
         check_cache("extra_k_cache", extra_k_cache)
         check_indices("extra_indices_in_kvcache", extra_indices, "extra_topk_length", extra_topk_length)
+    _checks.check_same_device(q=q, k_cache=k_cache, indices=indices, topk_length=topk_length, attn_sink=attn_sink,
+                              extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices,
+                              extra_topk_length=extra_topk_length)
     if fp8_sparse_kernels_run(q):
-        _checks.check_same_device(q=q, k_cache=k_cache, indices=indices)
-        sources = [(k_cache, indices.contiguous(), None if topk_length is None else topk_length.contiguous())]
-        if extra_k_cache is not None:
-            _checks.check_same_device(q=q, extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices)
-            sources.append((extra_k_cache, extra_indices.contiguous(),
-                            None if extra_topk_length is None else extra_topk_length.contiguous()))
+        check_interpretable("q", q.dtype)
         for name, cache in (("k_cache", k_cache), ("extra_k_cache", extra_k_cache)):
             if cache is not None:
                 _checks.check_contiguous(name, cache)
         _checks.check_contiguous("q", q, last_dim_only=True)
+    return scale
+
+
+def _sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8, indices, attn_sink, extra_k_cache, extra_indices,
+            topk_length, extra_topk_length):
+    """FlashMLA main's sparse decode (16-bit or FP8 caches), validated, through the custom op where
+    ``torch.compile`` traces, an input needs a gradient, or the inputs hold no values (meta /
+    fake tensors)."""
+    scale = _validate_sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8, indices, attn_sink, extra_k_cache,
+                             extra_indices, topk_length, extra_topk_length)
+    args = (q, k_cache, indices, scale, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length)
+    if (_checks.contents_unreadable(q, k_cache, indices, attn_sink, extra_k_cache, extra_indices, topk_length,
+                                    extra_topk_length) or use_dispatcher(q, k_cache, extra_k_cache, attn_sink)):
+        return _sparse_op(*args)
+    return _sparse_run(*args)
+
+
+def _sparse_run(q, k_cache, indices, scale, attn_sink, extra_k_cache, extra_indices, topk_length, extra_topk_length):
+    """The validated sparse decode: no query token -> empty outputs; where
+    :func:`fp8_sparse_kernels_run`, gather + dense or :func:`_sparse_decode`; otherwise the
+    PyTorch reference."""
+    batch, s_q, h_q, _ = q.shape
+    if batch * s_q == 0:
+        return (q.new_zeros(batch, s_q, h_q, HEAD_DIM_V), q.new_empty(batch, h_q, s_q, dtype=torch.float32))
+    if fp8_sparse_kernels_run(q):
+        sources = [(k_cache, indices.contiguous(), None if topk_length is None else topk_length.contiguous())]
+        if extra_k_cache is not None:
+            sources.append((extra_k_cache, extra_indices.contiguous(),
+                            None if extra_topk_length is None else extra_topk_length.contiguous()))
         sink = attn_sink.contiguous() if attn_sink is not None else None
         if sparse_gather_dense_runs(q, [idx for _, idx, _ in sources]):
             return _sparse_gather_dense(q, scale, sources, sink)
@@ -895,19 +973,38 @@ def _fp8_or_sparse(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_s
                                        extra_topk_length=extra_topk_length)
 
 
-def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
-            head_dim_v: int = HEAD_DIM_V, *_, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
-            **__) -> _dispatch.Choice:
+def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None, cache_seqlens: torch.Tensor | None,
+            head_dim_v: int = HEAD_DIM_V, tile_scheduler_metadata: torch.Tensor | None = None,
+            num_splits: torch.Tensor | None = None, softmax_scale: float | None = None, causal: bool = False, *,
+            check_contents: bool | None = None, is_fp8_kvcache: bool = False, indices: torch.Tensor | None = None,
+            attn_sink: torch.Tensor | None = None, extra_k_cache: torch.Tensor | None = None,
+            extra_indices_in_kvcache: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+            extra_topk_length: torch.Tensor | None = None) -> _dispatch.Choice:
     """The kernel ``flash_mla_with_kvcache(q, k_cache, block_table, ...)`` runs and why
     (``tilefuse.explain``): the measured rule of ``configs.default_variant`` by query rows per KV
-    head (``s_q * h_q``), the cache's length regime and the chip; its launch settings as config."""
-    batch, s_q, h_q = q.shape[:3] if q.dim() == 4 else (0, 0, 0)
+    head (``s_q * h_q``), the cache's length regime and the chip; its launch settings as config.
+    The call's arguments are checked first, as the op checks them (the same ``ValueError``); the
+    metadata and ``num_splits`` may be left out of a dense call."""
+    if indices is not None:
+        _validate_sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
+                         extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+    else:
+        _check_mode_args(indices, attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+        _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                  bool(is_fp8_kvcache), schedule_optional=True)
+        if softmax_scale is not None:
+            _checks.check_float("softmax_scale", softmax_scale)
+        if q.shape[0] and choose_backend(q.device) == "triton" and (not is_fp8_kvcache or fp8_sparse_kernels_run(q)):
+            check_interpretable("q", q.dtype)
+    batch, s_q, h_q = q.shape[:3]
     rows = s_q * h_q
-    page = k_cache.shape[1] if k_cache.dim() == 4 else PAGE_SIZE
+    page = k_cache.shape[1]
     problem = {"batch": batch, "s_q": s_q, "h_q": h_q, "rows": rows,
                "pages": block_table.shape[-1] if block_table is not None else None,
                "page_size": page, "dtype": str(q.dtype).removeprefix("torch."), "device": str(q.device)}
-    if is_fp8_kvcache and indices is None and q.dim() == 4 and fp8_sparse_kernels_run(q):
+    if batch * s_q == 0:
+        return _dispatch.Choice("mla", problem, "reference", None, "no query token: empty outputs, nothing runs")
+    if is_fp8_kvcache and indices is None and fp8_sparse_kernels_run(q):
         variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q), rows, block_table.shape[1], q)
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
         why = ("FP8 layout on Hopper, <= 32 rows: the Gluon FP8 kernel (mla_split_fp8_kernel: pages by TMA, "
@@ -915,14 +1012,14 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
                "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
         return _dispatch.Choice("mla", problem, variant, cfg, why,
                                 (_dispatch.Candidate(variant, cfg, None),))
-    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q, [indices]):
+    if indices is not None and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q, [indices]):
         cfg = configs.launch_config("wgmma", h_q, 1)[0]
         why = ("sparse decode on Hopper where the cost model (configs.sparse_gather_dense_pays: head tiles x "
                "positions) predicts it faster than the sparse kernel: the selected tokens gathered once into a dense "
                "bf16 cache (mla_sparse_gather_kernel), then the Gluon dense kernel over it, a query token per request")
         return _dispatch.Choice("mla", problem, "sparse_gather_dense", cfg, why,
                                 (_dispatch.Candidate("sparse_gather_dense", cfg, None),))
-    if indices is not None and q.dim() == 4 and fp8_sparse_kernels_run(q):
+    if indices is not None and fp8_sparse_kernels_run(q):
         cfg = configs.sparse_config(h_q, gluon=_sparse_gluon_fits(q, [k_cache], [indices]))
         why = ("sparse decode over an FP8 cache on Hopper: the Gluon gather kernel (mla_sparse_gluon_kernel: "
                "cp.async ring, transposed WGMMAs; configs.GLUON_SPARSE_CONFIGS)" if cfg["kernel"] == "gluon" else
@@ -931,7 +1028,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, c
     if is_fp8_kvcache or indices is not None:
         return _dispatch.Choice("mla", problem, "reference", None, "reference: the FP8 and sparse kernels run only "
                                 "on the Triton backend for a 16-bit q (configs.FP8_SPARSE_KERNELS)")
-    if choose_backend(q.device) != "triton" or q.dim() != 4:
+    if choose_backend(q.device) != "triton":
         return _dispatch.Choice("mla", problem, "reference", None, "reference")
     forced = forced_variant("mla")
     max_blocks = block_table.shape[1]

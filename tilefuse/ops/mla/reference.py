@@ -113,24 +113,43 @@ FP8_MAX = 448.0       # the largest finite e4m3 value
 FP8_MIN_SCALE = 1e-4  # scales are at least this, rounded up to a power of two (2^-13)
 
 
-def quantize_kv_reference(latent: torch.Tensor) -> torch.Tensor:
+def check_finite_latent(latent: torch.Tensor) -> None:
+    """Raise ``ValueError`` where ``latent`` holds an inf or NaN (reads it: a host sync)."""
+    if not bool(torch.isfinite(latent).all()):
+        raise ValueError("latent: expected finite values (an inf or NaN makes its group's FP8 scale meaningless)")
+
+
+def _toward_zero_within(values: torch.Tensor, bits: torch.dtype, top: float) -> torch.Tensor:
+    """``values`` (e4m3 or bf16) with each magnitude above ``top`` stepped one code toward zero
+    (the codes of one sign are ordered by magnitude: one less in the integer view ``bits``)."""
+    over = values.float().abs() > top
+    return torch.where(over, values.view(bits) - 1, values.view(bits)).view(values.dtype)
+
+
+def quantize_kv_reference(latent: torch.Tensor, *, check: bool = False) -> torch.Tensor:
     """``latent [..., 576]`` (fp32 / bf16 / fp16) -> ``[..., 656]`` uint8 in the FP8 layout: per
     group of 128 latent values the scale is ``amax / 448`` rounded up to a power of two, at least
     2^-13 (FlashMLA's and DeepSeek-V3.2's convention: a UE8M0-representable scale, so codes times
     scale is exact), codes ``e4m3(x / scale)`` (round to nearest), the RoPE part rounded to
-    bf16. Non-finite latent values raise ``ValueError`` (a scale of inf or NaN would poison the
-    group)."""
+    bf16. An fp16 latent dequantizes within fp16's range: a code or RoPE value that rounding took
+    past 65504 (65504 itself rounds to 65536 both ways) is the next one toward zero instead.
+    A non-finite value makes its group NaN (the RoPE part keeps it); ``check`` raises
+    ``ValueError`` for one instead (a host sync)."""
     if latent.shape[-1] != HEAD_DIM:
         raise ValueError(f"latent: expected [..., {HEAD_DIM}] (512 latent + 64 RoPE), got shape {tuple(latent.shape)}")
     x = latent.float()
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("latent: expected finite values (an inf or NaN makes its group's FP8 scale meaningless)")
+    if check:
+        check_finite_latent(x)
     lead = x.shape[:-1]
     groups = x[..., :HEAD_DIM_V].reshape(*lead, HEAD_DIM_V // FP8_GROUP, FP8_GROUP)
     amax = groups.abs().amax(-1)
     scale = torch.exp2(torch.ceil(torch.log2(torch.clamp_min(amax / FP8_MAX, FP8_MIN_SCALE))))
     codes = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     rope = x[..., HEAD_DIM_V:].to(torch.bfloat16)
+    if latent.dtype == torch.float16:
+        top = torch.finfo(torch.float16).max
+        codes = _toward_zero_within(codes, torch.uint8, top / scale[..., None])   # (scale: a power of two)
+        rope = _toward_zero_within(rope, torch.int16, top)
     return torch.cat([codes.reshape(*lead, HEAD_DIM_V).view(torch.uint8),
                       scale.contiguous().view(torch.uint8).reshape(*lead, 4 * 4),
                       rope.contiguous().view(torch.uint8).reshape(*lead, 2 * (HEAD_DIM - HEAD_DIM_V))], dim=-1)

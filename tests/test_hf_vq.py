@@ -546,3 +546,19 @@ def test_finetune_pv_alternates_code_and_end_to_end_steps(capsys):
                            r"finetune_pv_fraction: expected a number in \(0, 1\]")):
         with pytest.raises(ValueError, match=match):
             patch_vq(ToyModel(), torch.randint(0, 50, (4,)), **kwargs)
+
+
+def test_save_and_load_a_tied_2bit_model(tmp_path):
+    """A model whose output head is tied to its embeddings (SmolLM2's) saves (safetensors refuses
+    shared memory: the tied weight is written once) and loads back with the same logits, tied."""
+    pytest.importorskip("transformers")
+    from tilefuse.bench import hf_models
+    from tilefuse.hf import load_vq, save_vq
+
+    config, model, ids, want = _tiny_2bit_llama(seed=4, tied=True)
+    folder = save_vq(model, tmp_path / "vq")
+    fresh = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=5)
+    load_vq(fresh, folder)
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, want)
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()

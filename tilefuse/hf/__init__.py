@@ -339,7 +339,8 @@ VQ_WEIGHTS = "model.safetensors"
 def save_vq(model: nn.Module, path) -> Path:
     """Save a model patched by :func:`patch_vq` to the directory ``path``: its whole state dict
     (``model.safetensors``; the 2-bit layers under AQLM's names: ``codes``, ``codebooks``,
-    ``scales``) and ``tilefuse_vq.json`` naming the 2-bit modules and their shapes, which
+    ``scales``; a weight tied to another, such as an output head tied to the embeddings, once) and
+    ``tilefuse_vq.json`` naming the 2-bit modules and their shapes and the tied keys, which
     :func:`load_vq` reads to rebuild them. Returns the directory."""
     from tilefuse.nn.vq import VQLinear
 
@@ -350,9 +351,17 @@ def save_vq(model: nn.Module, path) -> Path:
         raise ValueError("model: expected a model patched by tilefuse.hf.patch_vq (no VQLinear module found)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state, first, tied = {}, {}, {}
+    for key, tensor in model.state_dict().items():   # a tied weight (lm_head = embed_tokens) once: safetensors
+        where = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())  # refuses shared memory
+        if tensor.numel() and where in first:
+            tied[key] = first[where]
+            continue
+        first[where] = key
+        state[key] = tensor.detach().contiguous()
     _write_tensors(state, folder / VQ_WEIGHTS)
-    (folder / VQ_FILE).write_text(json.dumps({"format": "aqlm-2x8", "modules": modules}, indent=1, sort_keys=True))
+    (folder / VQ_FILE).write_text(json.dumps({"format": "aqlm-2x8", "modules": modules, "tied": tied}, indent=1,
+                                             sort_keys=True))
     return folder
 
 
@@ -389,6 +398,9 @@ def load_vq(model: nn.Module, path) -> nn.Module:
                                            device=weight.device))
     weights = folder / VQ_WEIGHTS
     state = _read_tensors(weights)
+    for key, source in read_json(spec_path).get("tied", {}).items():    # written once by save_vq
+        if source in state:
+            state.setdefault(key, state[source])
     for name in names:                      # the codes, checked here so that an error names the file
         key = f"{name}.codes"
         if isinstance(state.get(key), torch.Tensor):

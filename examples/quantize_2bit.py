@@ -12,8 +12,9 @@ AQLM's own checkpoint format, and tilefuse.hf.generate continues a prompt (a CUD
 loop on a GPU; step by step on a CPU). The reloaded models must give the same tokens.
 
 On a CPU the ops run their PyTorch reference (fp32); on a GPU the kernels run (fp16). The CPU
-default uses fast quantizer settings (1 iteration): the 2-bit model's text is poor then. For
-quality pass --iters 8 and --finetune (docs/vq_quality.md).
+default uses fast quantizer settings (1 iteration), and SmolLM2's 210 layers still take about an
+hour there (minutes on a GPU); --random-codes skips the quantizer to check the steps in seconds.
+For quality pass --iters 8 and --finetune 50 on a GPU (docs/vq_quality.md).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calib-tokens", type=int, default=None, help="calibration tokens (default 512; 64 tiny)")
     parser.add_argument("--iters", type=int, default=None, help="quantizer iterations (default 8 on CUDA, 1 on CPU)")
     parser.add_argument("--finetune", type=int, default=0, help="Adam steps of block fine-tuning per block")
+    parser.add_argument("--random-codes", action="store_true",
+                        help="fill the codes randomly instead of quantizing: checks the steps in seconds (noise out)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", help="folder for the two checkpoints (default: a temporary one)")
     args = parser.parse_args(argv)
@@ -112,8 +115,11 @@ def main(argv=None) -> int:
     # 1. quantize every q/k/v/o/gate/up/down projection to 2 bits on the model's own activations
     iters = args.iters if args.iters is not None else (8 if device.type == "cuda" else 1)
     start = time.perf_counter()
-    replaced = tilefuse.hf.patch_vq(model, calibration, iters=iters, finetune=args.finetune,
-                                    progress=tokenizer is not None)
+    if args.random_codes:
+        replaced = tilefuse.hf.patch_vq(model, random_codes=True)
+    else:
+        replaced = tilefuse.hf.patch_vq(model, calibration, iters=iters, finetune=args.finetune,
+                                        progress=tokenizer is not None)
     print(f"[example] patch_vq: {replaced} layers to 2 bits in {time.perf_counter() - start:.1f} s")
     quantized = tilefuse.hf.generate(model, prompt, args.new_tokens)
     show("2-bit", quantized, prompt.shape[1], tokenizer)

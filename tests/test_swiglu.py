@@ -283,6 +283,43 @@ def test_compile_in_grad_mode():
     assert x.grad is not None and w.grad is not None
 
 
+def _fresh_compile_state():
+    """As in a fresh process: no cached call plan (a cached plan from an eager call kept tracing
+    out of the planning code) and no compiled graphs."""
+    op._plans.clear()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_compile_before_any_eager_call(backend, dynamic, request):
+    """torch.compile(fullgraph=True) of the first call in the process: tracing once went through
+    the plan, the cost model and the tuned table's file lookup (posix.stat: a graph break);
+    ``triton``: the kernels in the interpreter (CPU), ``reference``: PyTorch. Then a second M."""
+    device = request.getfixturevalue("interpret") if backend == "triton" else torch.device("cpu")
+    _fresh_compile_state()
+    x, w, bias = make_case(3, 64, 40, torch.float16, device, bias=True)
+    with tilefuse.force(backend=backend):
+        fn = torch.compile(lambda x, w, b: tilefuse.swiglu(x, w, b), fullgraph=True, backend="aot_eager",
+                           dynamic=dynamic)
+        out = fn(x, w, bias)
+        _check(out, x, w, bias, torch.float16)
+        x5 = torch.randn(5, 64, dtype=torch.float16, device=device)
+        _check(fn(x5, w, bias), x5, w, bias, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("m", [1, 4, 512])
+def test_compile_before_any_eager_call_on_gpu(m, dynamic):
+    """Inductor, fullgraph, compiled in a fresh state: the same output as the eager call (the same
+    kernel or unfused path runs inside the compiled graph)."""
+    _fresh_compile_state()
+    x, w, _ = make_case(m, 4096, 1024, torch.bfloat16, "cuda")
+    out = torch.compile(lambda x, w: tilefuse.swiglu(x, w), fullgraph=True, dynamic=dynamic)(x, w)
+    torch.testing.assert_close(out, tilefuse.swiglu(x, w), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_fp32_fp64_run_the_reference(dtype):
     x, w, bias = make_case(5, 40, 24, dtype, "cpu", bias=True)

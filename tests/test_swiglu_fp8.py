@@ -271,6 +271,40 @@ def test_reference_backend_on_cpu():
     check_quantized(q, s, reference_fp8_fp64(case))
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, FP8])
+def test_compile_before_any_eager_call(out_dtype, dynamic):
+    """torch.compile(fullgraph=True) of the first call in the process (no cached plan): tracing
+    runs the argument checks only, the op plans when it runs (CPU: the reference, aot_eager)."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    op._plans.clear()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: tilefuse.swiglu_fp8(*a, out_dtype=out_dtype), fullgraph=True, backend="aot_eager",
+                       dynamic=dynamic)
+    for m in (4, 6):
+        case = make_fp8_case(m, 256, 128, "cpu", x_scaling="token", w_scaling="channel")
+        got = fn(*case.args())
+        want = tilefuse.swiglu_fp8(*case.args(), out_dtype=out_dtype)
+        for g, e in zip(got if out_dtype == FP8 else (got,), want if out_dtype == FP8 else (want,)):
+            torch.testing.assert_close(g.float(), e.float(), rtol=0, atol=0)   # the same reference ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("m", [1, 256])
+def test_compile_before_any_eager_call_on_gpu(m, dynamic):
+    """Inductor, fullgraph, fresh state: the same output as the eager call (decode kernel at M = 1,
+    the default fused or unfused path at M = 256)."""
+    from tilefuse.ops.swiglu_fp8 import op
+
+    op._plans.clear()
+    torch._dynamo.reset()
+    case = make_fp8_case(m, 1024, 512, "cuda")
+    out = torch.compile(lambda *a: tilefuse.swiglu_fp8(*a), fullgraph=True, dynamic=dynamic)(*case.args())
+    torch.testing.assert_close(out, tilefuse.swiglu_fp8(*case.args()), rtol=0, atol=0)
+
+
 def test_custom_op_fake_and_compile():
     case = make_fp8_case(4, 128, 128, "cpu")
     fn = torch.compile(lambda *a: tilefuse.swiglu_fp8(*a, out_dtype=FP8), fullgraph=True, backend="aot_eager")

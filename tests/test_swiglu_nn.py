@@ -191,6 +191,43 @@ def test_compile_fullgraph_traces_the_custom_op():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
 
 
+def _fresh_compile_state():
+    """As in a fresh process: no cached call plans of either op, no compiled graphs."""
+    from tilefuse.ops.swiglu import op
+    from tilefuse.ops.swiglu_fp8 import op as fp8_op
+
+    op._plans.clear()
+    fp8_op._plans.clear()
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp16", "fp8"])
+def test_compile_before_any_eager_call(interpret, fp8, dynamic):
+    """FusedSwiGLUMLP compiled (fullgraph) before any eager call of the op: tracing once went
+    through the plan and the tuned table's file lookup (CPU: the kernels in the interpreter, the
+    FP8 module's op on the reference; aot_eager); then a second number of tokens."""
+    _fresh_compile_state()
+    fused = FusedSwiGLUMLP.from_mlp(HFStyleMLP(128, 256, dtype=torch.float16, device=interpret), fp8=fp8)
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    with torch.no_grad():
+        for m in (3, 5):
+            x = torch.randn(m, 128, dtype=torch.float16, device=interpret)
+            torch.testing.assert_close(compiled(x), fused(x), rtol=0, atol=0)   # the same kernels ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compile_before_any_eager_call_on_gpu(fp8, dynamic):
+    _fresh_compile_state()
+    fused = FusedSwiGLUMLP.from_mlp(HFStyleMLP(1024, 2048, dtype=torch.bfloat16, device="cuda"), fp8=fp8)
+    x = torch.randn(4, 1024, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        out = torch.compile(fused, fullgraph=True, dynamic=dynamic)(x)
+        assert rel_err(out, fused(x)) < 1e-3      # same gate/up kernel; Inductor may pick another down GEMM
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compile_and_cuda_graph_on_gpu(dtype):

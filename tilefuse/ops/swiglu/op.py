@@ -505,6 +505,11 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None =
     >>> h = tilefuse.swiglu(x, w)                                       # [..., I]
     >>> y = h @ mlp.down_proj.weight.T
     """
+    if torch.compiler.is_compiling():
+        # traced: argument checks only (metadata); the op plans when it runs, outside tracing, so
+        # tracing reads no tuned table from disk and does not trace the cost model
+        _validate(x, w_gate_up, bias, layout)
+        return _swiglu_op(x, w_gate_up, bias, layout)
     call = _plan_call(x, w_gate_up, bias, layout)
     if use_dispatcher(x, w_gate_up, bias):
         return _swiglu_op(x, w_gate_up, bias, layout)

@@ -69,11 +69,17 @@ def _scale_kind(name: str, scales, grouped: tuple[int, ...], per_row: tuple[tupl
     shape = tuple(scales.shape)
     if scales.dim() == 0:
         return "tensor"
-    if shape in per_row:
+    if any(_same_shape(shape, want) for want in per_row):
         return "row"
-    if shape == grouped:
+    if _same_shape(shape, grouped):
         return "k"
     raise ValueError(f"{name}: expected shape {expected}, got {shape}")
+
+
+def _same_shape(shape: tuple, want: tuple) -> bool:
+    """``shape == want`` size by size: under ``torch.compile(dynamic=True)`` the sizes are symbolic,
+    and a tuple comparison (or ``in``) of symbolic sizes can come out False for equal shapes."""
+    return len(shape) == len(want) and all(a == b for a, b in zip(shape, want))
 
 
 def _as_2d(scales: torch.Tensor, rows: int) -> torch.Tensor:
@@ -405,6 +411,11 @@ def swiglu_fp8(x: torch.Tensor, x_scales: torch.Tensor, w_gate_up: torch.Tensor,
     >>> h = tilefuse.swiglu_fp8(x8, x_s, w, w_s)                         # [M, I] bf16
     >>> h8, h_s = tilefuse.swiglu_fp8(x8, x_s, w, w_s, out_dtype=torch.float8_e4m3fn)
     """
+    if torch.compiler.is_compiling():
+        # traced: argument checks only (metadata); the op plans when it runs, outside tracing
+        _validate(x, x_scales, w_gate_up, w_scales, out_dtype)
+        out, scales = _swiglu_fp8_op(x, x_scales, w_gate_up, w_scales, out_dtype)
+        return (out, scales) if out_dtype == FP8 else out
     call = _plan_call(x, x_scales, w_gate_up, w_scales, out_dtype)
     if use_dispatcher(x, x_scales, w_gate_up, w_scales):
         out, scales = _swiglu_fp8_op(x, x_scales, w_gate_up, w_scales, out_dtype)

@@ -1,22 +1,29 @@
-"""Sweep the Gluon dense FP8 MLA kernel's launch (``configs.FP8_GLUON_CONFIGS``) on a GPU: for each
-tile of query rows, every (STAGES, num_warps) that compiles, timed as CUDA-graph replays of
-``flash_mla_with_kvcache(..., is_fp8_kvcache=True)`` (cold L2) beside the ``tl`` kernels and the
-bf16 decode of the dequantized cache.
+"""A/B of the Gluon dense FP8 MLA kernel's forms on a GPU, in one run: the serial form
+(``configs.FP8_GLUON_SERIAL``), the warp-specialized one (``configs.FP8_GLUON_WS``) and variants of
+it (converter warps, ring slot size), beside the ``tl`` FP8 kernels, the bf16 decode of the
+dequantized cache and the copy bandwidth measured now. Each launch is timed as CUDA-graph
+replays of ``flash_mla_with_kvcache(..., is_fp8_kvcache=True)`` (cold L2); its output is checked
+against the ``tl`` kernel's (relative error) before it is timed.
 
-    python3 tools/mla_fp8_sweep.py [OUT.json]
+    python3 tools/mla_fp8_sweep.py [OUT.json] [--cases issue|all] [--warm --shard I/N]
 
-Cases: 16 rows (b16 h16 s1 32K, b64 h16 s1 8K), 32 rows (b64 h16 s2 8K, b32 h32 s1 16K) and, past
-``configs.FP8_GLUON_MAX_ROWS`` (raised for the run), 48-128 rows on head tiles of 32 (b64 h16 s3 8K,
-b32 h64 s1 16K, b64 h32 s2 8K, b16 h128 s1 8K, b64 h128 s1 4K): each launch's output is checked
-against the ``tl`` kernels' (relative error), which the default takes there. Below 64 rows both
-``tl`` kernels are timed too (``tl_standard_us``, ``tl_transposed_us``).
-Writes ``bench/results/sweeps/mla-fp8-<gpu>.json`` by default. Needs a CUDA GPU.
+``--warm`` runs every launch of the cases ``i % N == I`` once, untimed and unwritten: processes
+started side by side fill Triton's cache (each case's shapes compile kernels of their own), so
+that the timed run after them spends its time timing (``tools/mla_fp8_gpu_check.sh``).
+
+Cases: uniform and uneven lengths (4K-128K), batch 16-128, 8-32 heads, s_q 1-4 (8-64 query rows);
+the forms run past one head tile (``configs.FP8_GLUON_MAX_ROWS`` raised for the run) at 48-64 rows,
+where the default is the ``tl`` standard kernel. Per case: each form's graph_us, the bytes read
+(the FP8 rows of every request, q, out), their rate against the copy bandwidth, and the speed-up
+over the bf16 path. Writes ``bench/results/sweeps/mla-fp8-ws-<gpu>.json`` by default. Needs a
+CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -27,85 +34,148 @@ import tilefuse
 from tilefuse.bench.harness import Timer
 from tilefuse.bench.mla import fp8_paged_cache
 from tilefuse.ops.mla import configs, op
+from tilefuse.ops.mla.reference import FP8_KV_BYTES
 
-CASES = [(16, 16, 1, 32768), (64, 16, 1, 8192), (64, 16, 2, 8192), (32, 32, 1, 16384),
-         (64, 16, 3, 8192), (32, 64, 1, 16384), (64, 32, 2, 8192), (16, 128, 1, 8192), (64, 128, 1, 4096)]
-LAUNCHES = {16: [(2, 4), (3, 4), (2, 8), (3, 8)], 32: [(2, 8), (2, 4)]}
-MAX_REL_ERR = 2e-2    # e4m3 codes dequantized the same way by both; bf16 outputs, different split sums
+
+def _uneven(batch: int, low: int, high: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(low, high) for _ in range(batch)]
+
+
+# (name, lengths, h_q, s_q): the issue's cases, then held-out ones (uneven b48 h24 up to 60K, b96 4K)
+CASES = [
+    ("b32 h16 s1 16K", [16384] * 32, 16, 1),
+    ("b64 h16 s2 8K", [8192] * 64, 16, 2),
+    ("b16 h16 s1 32K", [32768] * 16, 16, 1),
+    ("b32 h32 s1 16K", [16384] * 32, 32, 1),
+    ("b128 h8 s4 16K", [16384] * 128, 8, 4),
+    ("b16 h8 s1 128K", [131072] * 16, 8, 1),
+    ("b64 h16 s1 uneven 4K-128K", _uneven(64, 4096, 131072, 1), 16, 1),
+    ("b128 h32 s1 uneven 4K-16K", _uneven(128, 4096, 16384, 2), 32, 1),
+    ("held-out b48 h24 s1 uneven 1K-60K", _uneven(48, 1024, 61440, 3), 24, 1),
+    ("held-out b96 h16 s1 4K", [4096] * 96, 16, 1),
+    ("b64 h16 s3 8K (48 rows)", [8192] * 64, 16, 3),
+    ("b32 h32 s2 16K (64 rows)", [16384] * 32, 32, 2),
+]
+ISSUE = {"b32 h16 s1 16K", "b64 h16 s2 8K"}
+
+
+def _forms() -> dict[str, dict[int, dict]]:
+    ws = configs.FP8_GLUON_WS
+    return {
+        "serial": configs.FP8_GLUON_SERIAL,
+        "ws": ws,
+        "ws-conv8": {k: dict(v, CONVERTERS=8) for k, v in ws.items()},
+        "ws-slot16": {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"]) for k, v in ws.items()},
+    }
+
+
+MAX_REL_ERR = 2e-2    # e4m3 codes dequantized alike; bf16 outputs, different split sums
+
+
+def _reset() -> None:
+    configs.launch_config.cache_clear()
+    op._plans.clear()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", type=Path, default=None, help="results file")
+    ap.add_argument("--cases", choices=["issue", "all"], default="all")
+    ap.add_argument("--warm", action="store_true", help="run each launch once, untimed; write nothing")
+    ap.add_argument("--shard", default="0/1", help="I/N: only the cases i %% N == I")
     args = ap.parse_args()
+    shard, shards = (int(v) for v in args.shard.split("/"))
     require_gpu()
     device = torch.device("cuda")
-    timer = Timer(device, rep_ms=30.0)
+    timer = Timer(device, rep_ms=25.0)
+    if args.warm:      # one call each, for the compiles: nothing is timed
+        timer.graph_us = lambda fn: (fn(), torch.cuda.synchronize(), 1.0)[-1]
+        timer.gpu_us = timer.graph_us
     shipped = {k: dict(v) for k, v in configs.FP8_GLUON_CONFIGS.items()}
     shipped_max_rows = configs.FP8_GLUON_MAX_ROWS
+    # copy bandwidth now (read + write of 1 GiB each way), the floor's rate
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    copy_gbps = 2 * src.numel() * 2 / timer.gpu_us(lambda: dst.copy_(src)) / 1e3
+    del src, dst
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     rows_out = []
-    for batch, h_q, s_q, ctx in CASES:
+    for i, (name, lens, h_q, s_q) in enumerate(CASES):
+        if (args.cases == "issue" and name not in ISSUE) or i % shards != shard:
+            continue
         rows = s_q * h_q
-        block_h = min((b for b in configs.FP8_GLUON_CONFIGS if rows <= b), default=max(configs.FP8_GLUON_CONFIGS))
-        configs.FP8_GLUON_MAX_ROWS = max(shipped_max_rows, rows)
-        k_cache, block_table = fp8_paged_cache([ctx] * batch, device)
+        batch = len(lens)
+        k_cache, block_table = fp8_paged_cache(lens, device)
         q = torch.randn(batch, s_q, h_q, 576, device=device, dtype=torch.bfloat16)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        meta, splits = tilefuse.get_mla_metadata(lens, rows, 1)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+        meta, splits = tilefuse.get_mla_metadata(seqlens, rows, 1)
+        nbytes = sum(lens) * FP8_KV_BYTES + q.numel() * 2 + batch * rows * 512 * 2
 
         def call():
-            return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
+            return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, meta, splits, causal=True,
                                                    is_fp8_kvcache=True)
 
-        tl_variant = configs.default_variant(rows, block_table.shape[1], False, op._chip_ridge(q))
+        tl_variant = "standard" if rows > configs.FP8_TRANSPOSED_MAX_ROWS else configs.default_variant(
+            rows, block_table.shape[1], False, op._chip_ridge(q))
         with tilefuse.force(variant=tl_variant):
-            tl_meta, tl_splits = tilefuse.get_mla_metadata(lens, rows, 1)
+            tl_meta, tl_splits = tilefuse.get_mla_metadata(seqlens, rows, 1)
 
             def tl_call():
-                return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, tl_meta, tl_splits,
+                return tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, seqlens, 512, tl_meta, tl_splits,
                                                        causal=True, is_fp8_kvcache=True)
             tl_out = tl_call()[0].float()
-        entry = {"batch": batch, "h_q": h_q, "s_q": s_q, "context": ctx, "tl_variant": tl_variant, "launches": {},
+            tl_us = timer.graph_us(tl_call)
+        entry = {"case": name, "batch": batch, "h_q": h_q, "s_q": s_q, "rows": rows, "tokens": sum(lens),
+                 "max_len": max(lens), "bytes": nbytes, "tl_variant": tl_variant, "tl_us": tl_us, "forms": {},
                  "rel_err": {}}
-        for stages, warps in LAUNCHES[block_h]:
-            configs.FP8_GLUON_CONFIGS[block_h] = dict(BLOCK_H=block_h, STAGES=stages, num_warps=warps)
-            configs.launch_config.cache_clear()
-            op._plans.clear()
-            name = f"stages {stages}, warps {warps}"
+        configs.FP8_GLUON_MAX_ROWS = max(shipped_max_rows, rows)
+        for form, cfgs in _forms().items():
+            configs.FP8_GLUON_CONFIGS.clear()
+            configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in cfgs.items()})
+            _reset()
             try:
                 err = float((call()[0].float() - tl_out).norm() / tl_out.norm())
-                entry["rel_err"][name] = err
+                entry["rel_err"][form] = err
                 us = timer.graph_us(call) if err < MAX_REL_ERR else None
             except Exception as exc:          # a launch that does not compile or fit: recorded
                 us = None
-                entry.setdefault("errors", {})[f"{stages}x{warps}"] = str(exc).splitlines()[0][:200]
-            entry["launches"][name] = us
-        configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in shipped.items()})
+                entry.setdefault("errors", {})[form] = str(exc).splitlines()[0][:300]
+            entry["forms"][form] = us
+        configs.FP8_GLUON_CONFIGS.clear()
+        configs.FP8_GLUON_CONFIGS.update(shipped)
         configs.FP8_GLUON_MAX_ROWS = shipped_max_rows
-        configs.launch_config.cache_clear()
-        op._plans.clear()
-        with tilefuse.force(variant=tl_variant):
-            entry["tl_us"] = timer.graph_us(tl_call)
-        if rows < 64:     # both tl kernels below 64 rows (standard: padded to a 64-row tile there)
-            for variant in ("standard", "transposed"):
-                with tilefuse.force(variant=variant):
-                    v_meta, v_splits = tilefuse.get_mla_metadata(lens, rows, 1)
-                    entry[f"tl_{variant}_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
-                        q, k_cache, block_table, lens, 512, v_meta, v_splits, causal=True, is_fp8_kvcache=True))
+        _reset()
         bf16 = tilefuse.mla_dequantize_kv(k_cache, torch.bfloat16)
         entry["bf16_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
-            q, bf16, block_table, lens, 512, meta, splits, causal=True))
+            q, bf16, block_table, seqlens, 512, meta, splits, causal=True))
+        del bf16
+        timed = {f: us for f, us in entry["forms"].items() if us}
+        best = min(timed, key=timed.get) if timed else None
+        entry["best"] = best
+        entry["floor_us"] = nbytes / copy_gbps / 1e3
+        if best:
+            entry["best_copy_frac"] = entry["floor_us"] / timed[best]
+            entry["best_vs_bf16"] = entry["bf16_us"] / timed[best]
+            entry["best_vs_serial"] = (entry["forms"].get("serial") or float("nan")) / timed[best]
+            entry["best_vs_tl"] = tl_us / timed[best]
         rows_out.append(entry)
-        print(entry, flush=True)
-        del k_cache, bf16
+        print(json.dumps({k: v for k, v in entry.items() if k not in ("rel_err",)}), flush=True)
+        forms = " ".join(f"{f} {us:.1f}" if us else f"{f} -" for f, us in entry["forms"].items())
+        print(f"# {name}: {forms} | tl {tl_us:.1f} bf16 {entry['bf16_us']:.1f} floor {entry['floor_us']:.1f} us; "
+              f"best {best}: x{entry.get('best_vs_bf16', 0):.2f} bf16, x{entry.get('best_vs_serial', 0):.2f} serial, "
+              f"{entry.get('best_copy_frac', 0):.2f} of copy bw", flush=True)
+        del k_cache, block_table
         torch.cuda.empty_cache()
+    if args.warm:
+        return
     gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    path = args.out or Path(f"bench/results/sweeps/mla-fp8-{gpu}.json")
+    path = args.out or Path(f"bench/results/sweeps/mla-fp8-ws-{gpu}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
-    path.write_text(json.dumps({"machine": machine, "shipped": shipped, "shipped_max_rows": shipped_max_rows,
-                                "rows": rows_out}, indent=1))
+    path.write_text(json.dumps({"machine": machine, "copy_gbps": copy_gbps, "forms": _forms(),
+                                "shipped": shipped, "shipped_max_rows": shipped_max_rows, "rows": rows_out}, indent=1))
     print(f"wrote {path}")
 
 

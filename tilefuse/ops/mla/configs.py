@@ -50,14 +50,23 @@ LONG_CONTEXT_PAGES = 256
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
 # The Gluon dense FP8 kernel (kernels_gluon_fp8.py: bf16 q, FP8 cache, Hopper) by query rows per
-# KV head: BLOCK_H rows per program (transposed products, nothing padded), its consumer warps and
-# ring slots. One head tile per request up to 32 rows, as the metadata plans (one 64-row tile);
-# above, the tl kernels. Shared memory: Q (BLOCK_H x 1152 B), STAGES x 41 KB of ring, the 64 KB
-# K tile, P^T.
-FP8_GLUON_CONFIGS = {
-    16: dict(BLOCK_H=16, STAGES=2, num_warps=8),
-    32: dict(BLOCK_H=32, STAGES=2, num_warps=8),
+# KV head: BLOCK_H rows per program (transposed products, nothing padded). One head tile per
+# request up to FP8_GLUON_MAX_ROWS rows, as the metadata plans (one 64-row tile); above, the tl
+# kernels. Two forms:
+# * serial (CONVERTERS 0): STAGES ring slots of 64 tokens (41 KB each), one 64 KB K tile that the
+#   num_warps consumer warps convert and multiply in turn;
+# * warp-specialized (CONVERTERS > 0, kernels_gluon_fp8_ws.py): STAGES ring slots of SLOT_N tokens
+#   (SLOT_N x 656 B), CONVERTERS warps filling two 72 KB K buffers, one MMA warpgroup (num_warps 4):
+#   Q (BLOCK_H x 1152 B) + 144 KB + ring + P^T within 227 KB (16 rows: 3 x 32 tokens; 32: 2 x 32).
+FP8_GLUON_SERIAL = {
+    16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, num_warps=8),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, num_warps=8),
 }
+FP8_GLUON_WS = {
+    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=32, CONVERTERS=4, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=32, CONVERTERS=4, num_warps=4),
+}
+FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
 FP8_GLUON_MAX_ROWS = 32
 # Above this many rows a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431

@@ -34,9 +34,10 @@ stops where it does: docs/mla.md ("Dense FP8 decode").
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from tilefuse.ops.gluon_compat import (cp_async, cp_commit, cp_wait, fence_async_shared, mbarrier, smem_reinterpret,
-                                       thread_barrier, tma_load, warpgroup_mma, warpgroup_mma_wait)
+from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier, tma_load,
+                                       warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
+from tilefuse.ops.mla.kernels_gluon_fp8_ws import fp8_ws_converter, fp8_ws_mma, fp8_ws_producer, load_q_rows
 from tilefuse.ops.mla.kernels_gluon_sparse import _softmax_pv_transposed
 from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 
@@ -92,27 +93,6 @@ def _fp8_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k
                 _issue_fp8_tile(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k_ready.index(t % STAGES),
                                 bt_row, start, t % STAGES, last_page, num_blocks, KV_PAGE)
                 t += 1
-
-
-@gluon.jit
-def _load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh,
-                 BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """HBM -> SMEM: a split's BLOCK_H query rows (row r: query token r // h_q, head r % h_q; rows
-    past ``s_q * h_q`` as 0): the RoPE part as it is (cp.async), the 512-wide part through
-    registers, converted to fp16 (the K tile's type; bf16 -> fp16 is exact within fp16's range)."""
-    LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
-    rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
-    q_rows = (q_ptr + req * stride_qb + (rows // h_q) * stride_qs + (rows % h_q) * stride_qh)[:, None]
-    ok = (rows < rows_total)[:, None]
-    cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, LOAD))[None, :]
-    cp_async(q_rope, gl.max_contiguous(gl.multiple_of(q_rows + D_NOPE + cols, [1, 16]), [1, 8]), mask=ok)
-    cp_commit()
-    for c in gl.static_range(0, D_NOPE, D_ROPE):
-        src = gl.max_contiguous(gl.multiple_of(q_rows + c + cols, [1, 16]), [1, 8])
-        q_nope.slice(c, D_ROPE, dim=1).store(gl.load(src, mask=ok, other=0.0).to(q_nope.dtype))
-    cp_wait(0)
-    fence_async_shared()
-    thread_barrier()
 
 
 @gluon.jit
@@ -183,8 +163,8 @@ def _fp8_consumer(q_ptr, q_nope, q_rope, codes_ring, rope_ring, scales_ring, k_n
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             # ---- this split's Q (the last split's products have all been waited for).
-            _load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh,
-                         BLOCK_H, NUM_WARPS)
+            load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh,
+                        BLOCK_H, NUM_WARPS)
             # causal: query token r // h_q of s_q sees keys up to L - s_q + r // h_q
             limit = length - 1 - gl.where(CAUSAL, s_q - 1 - rows // h_q, 0)
             m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS)
@@ -228,26 +208,50 @@ def mla_split_fp8_kernel(
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, SLOT_N: gl.constexpr = 64, CONVERTERS: gl.constexpr = 0,
 ):
     """Attention of BLOCK_H query rows (bf16 q) over the splits of one part of the schedule, from an
-    FP8 cache: a producer warp and ``num_warps`` consumer warps (4, or 8 with the two warpgroups
-    each holding half of the rows).
+    FP8 cache. ``CONVERTERS = 0`` (the serial form): a producer warp and ``num_warps`` consumer
+    warps (4, or 8 with the two warpgroups each holding half of the rows) that convert and multiply
+    in turn, ring slots of 64 tokens (``SLOT_N``). ``CONVERTERS > 0`` (``kernels_gluon_fp8_ws``): a
+    producer warp filling a ring of ``STAGES`` slots of ``SLOT_N`` tokens, ``CONVERTERS`` warps
+    converting into two K buffers, and the ``num_warps = 4`` MMA warpgroup.
 
     Grid: (head tiles, metadata rows - 1); program p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1``.
     codes_desc: TMA descriptor over the cache as ``[num_blocks * KV_PAGE, 656]`` float8_e4m3fn
-    rows, boxes of ``[min(KV_PAGE, 64), 128]`` (the codes at columns 0, 128, 256, 384, the RoPE
+    rows, boxes of ``[min(KV_PAGE, SLOT_N), 128]`` (the codes at columns 0, 128, 256, 384, the RoPE
     bytes at 528); scales_desc: over the same rows as fp32 from byte 512, ``[rows, 4]`` of stride
-    164, boxes of ``[min(KV_PAGE, 64), 4]``. Scores in the log2 domain (``qk_scale = softmax_scale
+    164, boxes of ``[min(KV_PAGE, SLOT_N), 4]``. Scores in the log2 domain (``qk_scale = softmax_scale
     * log2(e)``). Outputs and partials as ``mla_split_ws_kernel``'s."""
-    dtype: gl.constexpr = gl.float16             # the dequantized K tile, Q's 512-wide part, P^T
-    rope_t: gl.constexpr = q_ptr.dtype.element_ty  # bf16: the cache's RoPE part and Q's
     pid_h = gl.program_id(0)
     run = gl.program_id(1)
     slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
     slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
     if slot_first == slot_last:
         return
+    if CONVERTERS > 0:
+        _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
+                     oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
+                     stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb,
+                     stride_lh, pid_h, slot_first, slot_last, CAUSAL, BLOCK_H, STAGES, KV_PAGE, SLOT_N, CONVERTERS)
+    else:
+        _fp8_serial_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
+                         oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens,
+                         qk_scale, stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh,
+                         stride_lb, stride_lh, pid_h, slot_first, slot_last, CAUSAL, BLOCK_H, STAGES, KV_PAGE,
+                         SLOT_N, num_warps)
+
+
+@gluon.jit
+def _fp8_serial_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
+                     oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
+                     stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb,
+                     stride_lh, pid_h, slot_first, slot_last, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr,
+                     STAGES: gl.constexpr, KV_PAGE: gl.constexpr, SLOT_N: gl.constexpr, num_warps: gl.constexpr):
+    """The serial form: ring slots of 64 tokens, consumers that convert, multiply and wait in turn."""
+    gl.static_assert(SLOT_N == BLOCK_N, "the serial form's ring slots are 64-token tiles")
+    dtype: gl.constexpr = gl.float16             # the dequantized K tile, Q's 512-wide part, P^T
+    rope_t: gl.constexpr = q_ptr.dtype.element_ty  # bf16: the cache's RoPE part and Q's
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_NOPE], dtype))
     q_rope = gl.allocate_shared_memory(rope_t, [BLOCK_H, D_ROPE],
@@ -277,3 +281,56 @@ def mla_split_fp8_kernel(
                          stride_btb, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks,
                          slot_first, slot_last, STAGES, KV_PAGE)),
     ], [1], [40])
+
+
+@gluon.jit
+def _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
+                 oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
+                 stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                 pid_h, slot_first, slot_last, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
+                 KV_PAGE: gl.constexpr, SLOT_N: gl.constexpr, CONVERTERS: gl.constexpr):
+    """The warp-specialized form (``kernels_gluon_fp8_ws``): shared memory and barriers, then the
+    MMA warpgroup (default partition), the converters and the producer."""
+    dtype: gl.constexpr = gl.float16
+    rope_t: gl.constexpr = q_ptr.dtype.element_ty
+    gl.static_assert(BLOCK_N % SLOT_N == 0, "a K tile is whole ring slots")
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_NOPE], dtype))
+    q_rope = gl.allocate_shared_memory(rope_t, [BLOCK_H, D_ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, D_ROPE], rope_t))
+    codes_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES * CODE_BOXES, SLOT_N, CODE_BOX], codes_desc.layout)
+    rope_ring = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, SLOT_N, CODE_BOX], codes_desc.layout)
+    scales_ring = gl.allocate_shared_memory(gl.float32, [STAGES, SLOT_N, SCALES], scales_desc.layout)
+    kn_buf = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D_NOPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, D_NOPE], dtype))
+    kr_buf = gl.allocate_shared_memory(rope_t, [2, BLOCK_N, D_ROPE], ROPE_SMEM)
+    p_t = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N],
+                                    gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype))
+    r_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    r_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kb_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kb_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(r_ready.index(i), count=1)
+        mbarrier.init(r_empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(kb_full.index(i), count=1)
+        mbarrier.init(kb_empty.index(i), count=1)
+    fence_async_shared()
+
+    # registers: the converters hold 16 codes (and their fp16 products) at a time; the producer
+    # only addresses; the MMA warpgroup (O^T: BLOCK_H / 2 fp32 registers a thread) the rest
+    CONVERTER_REGS: gl.constexpr = 96 if CONVERTERS > 4 else 128
+    # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
+    gl.warp_specialize([
+        (fp8_ws_mma, (q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, meta_ptr, splits_ptr,
+                      seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
+                      rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob,
+                      stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_H)),
+        (fp8_ws_converter, (codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready, r_empty, kb_full, kb_empty,
+                            meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last,
+                            STAGES, SLOT_N)),
+        (fp8_ws_producer, (codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, r_ready, r_empty, bt_ptr,
+                           stride_btb, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks,
+                           slot_first, slot_last, STAGES, KV_PAGE, SLOT_N)),
+    ], [CONVERTERS, 1], [CONVERTER_REGS, 40])

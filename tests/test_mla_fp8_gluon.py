@@ -1,0 +1,149 @@
+"""The Gluon dense FP8 MLA kernel's two forms (``kernels_gluon_fp8``: serial, and warp-specialized
+with converter warps, ``kernels_gluon_fp8_ws``): their launch configs and TMA boxes on the CPU;
+on Hopper, each form against the fp64 reference on the dequantized cache (the tolerances of
+``tests/test_mla.py``'s ``_check_gpu``: out atol = rtol = 1e-2 for bf16 q and the fp16 rounding of
+the dequantized codes, lse 1e-3) over lengths that end at every boundary the forms have (ring slot,
+K tile, page, split), NaN bytes in every unused slot, runs of splits per program, and CUDA graph
+replay."""
+
+import random
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.mla import configs, op
+from tilefuse.testing.mla import make_case
+from tests.test_mla import _check_gpu, _poison_unused_fp8_slots
+
+FORMS = {
+    "ws": lambda: configs.FP8_GLUON_WS,
+    "serial": lambda: configs.FP8_GLUON_SERIAL,
+    "ws-conv8": lambda: {k: dict(v, CONVERTERS=8) for k, v in configs.FP8_GLUON_WS.items()},
+    "ws-slot16": lambda: {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"]) for k, v in configs.FP8_GLUON_WS.items()},
+}
+
+
+def test_fp8_gluon_config_by_rows():
+    """Rows pick the smallest tile that holds them; each config is one of the two forms; rows
+    outside 1..FP8_GLUON_MAX_ROWS are refused by name."""
+    for rows in (1, 8, 16, 17, 24, 32):
+        cfg = configs.fp8_gluon_config(rows)
+        assert cfg["BLOCK_H"] == (16 if rows <= 16 else 32)
+        if cfg.get("CONVERTERS", 0):
+            assert cfg["num_warps"] == 4 and 64 % cfg["SLOT_N"] == 0
+        else:
+            assert cfg["SLOT_N"] == 64
+    for rows in (0, configs.FP8_GLUON_MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="rows"):
+            configs.fp8_gluon_config(rows)
+
+
+@pytest.mark.parametrize("page,slot_n", [(16, 32), (64, 32), (128, 32), (64, 16), (64, 64)])
+def test_fp8_descriptors_box_is_the_ring_slot(page, slot_n):
+    """The TMA boxes (``op._fp8_descriptors``) are the form's ring slot of ``SLOT_N`` rows, or a
+    page where pages are shorter; without a slot, 64 rows (the serial form's tile)."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    packed = tilefuse.mla_quantize_kv(torch.randn(3 * page, 576).to(torch.bfloat16)).view(3, page, 1, 656)
+    codes, scales = op._fp8_descriptors(packed, slot_n)
+    box = min(page, slot_n)
+    assert codes.block_shape == [box, 128] and scales.block_shape == [box, 4]
+    assert op._fp8_descriptors(packed)[0].block_shape == [min(page, 64), 128]
+
+
+def _use_form(monkeypatch, form: str, max_rows: int | None = None) -> None:
+    monkeypatch.setattr(configs, "FP8_GLUON_CONFIGS", {k: dict(v) for k, v in FORMS[form]().items()})
+    if max_rows is not None:
+        monkeypatch.setattr(configs, "FP8_GLUON_MAX_ROWS", max_rows)
+    configs.launch_config.cache_clear()
+    op._plans.clear()
+
+
+def _decode(lens, s_q, h_q, page, causal=True, graph=False):
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page, nan_tail=False)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+
+    def call():
+        return tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=causal, is_fp8_kvcache=True)
+    choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, inp.q, packed, inp.block_table, inp.cache_seqlens,
+                              is_fp8_kvcache=True)
+    out, lse = call()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            g_out, g_lse = call()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_out, out) and torch.equal(g_lse, lse)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    return inp, out, lse, choice
+
+
+# lengths ending at each boundary: 0, 1, a ring slot of 16 / 32 (+-1), a K tile of 64 (+-1), pages,
+# and long ones that the schedule splits across programs
+EDGES = [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 777, 4000, 20000]
+
+
+def _need_hopper():
+    if not op.wgmma_usable(torch.device("cuda")):
+        pytest.skip("the Gluon FP8 kernel runs on Hopper")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "serial"])
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (8, 4, True), (24, 1, False), (5, 3, True), (1, 1, True)])
+def test_gpu_fp8_gluon_forms(monkeypatch, form, page, h_q, s_q, causal):
+    """Each form at 1-32 query rows (one head tile of 16 or 32, partial tiles included), pages
+    shorter than, equal to and longer than a ring slot and a K tile: the fp64 reference."""
+    _need_hopper()
+    _use_form(monkeypatch, form)
+    inp, out, lse, choice = _decode(EDGES, s_q, h_q, page, causal)
+    assert choice.variant == "wgmma_fp8", choice
+    _check_gpu(out, lse, inp, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws-conv8", "ws-slot16"])
+@pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2)])
+def test_gpu_fp8_gluon_ws_variants(monkeypatch, form, h_q, s_q):
+    """The warp-specialized form's variants the sweep times (8 converter warps; ring slots of 16
+    tokens, twice the slots): the fp64 reference."""
+    _need_hopper()
+    _use_form(monkeypatch, form)
+    inp, out, lse, _ = _decode(EDGES, s_q, h_q, 64)
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "serial"])
+@pytest.mark.parametrize("h_q,s_q", [(16, 3), (32, 2)])
+def test_gpu_fp8_gluon_head_tiles(monkeypatch, form, h_q, s_q):
+    """Past one head tile (FP8_GLUON_MAX_ROWS raised to 64): 48 and 64 rows on tiles of 32, each
+    streaming every page of its part; the fp64 reference."""
+    _need_hopper()
+    _use_form(monkeypatch, form, max_rows=64)
+    inp, out, lse, choice = _decode(EDGES, s_q, h_q, 64)
+    assert choice.variant == "wgmma_fp8", choice
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "serial"])
+def test_gpu_fp8_gluon_runs_of_splits_graph(monkeypatch, form):
+    """An uneven batch of 40 (zeros, short and long requests): programs run several splits each,
+    the ring and the K buffers carried from one split to the next; the same result from a CUDA
+    graph replay as eagerly, and the fp64 reference."""
+    _need_hopper()
+    _use_form(monkeypatch, form)
+    rng = random.Random(7)
+    lens = [rng.choice([0, 1, 65, 300, 2000, 9000]) + rng.randint(0, 70) * (i % 3) for i in range(40)]
+    inp, out, lse, _ = _decode(lens, 1, 16, 64, graph=True)
+    _check_gpu(out, lse, inp, True)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The dense FP8 decode's GPU check in one device call: the GPU tests of the Gluon FP8 kernel
+# (tests/test_mla_fp8_gluon.py, and tests/test_mla.py's FP8 GPU tests) in parallel processes
+# beside compile warm-ups of the A/B sweep's launches (correctness only: they share the GPU), then
+# tools/mla_fp8_sweep.py's timings alone on the GPU. Logs (logs.tgz) and the sweep's JSON go to
+# OUT (default: $OUT, else ./fp8-check). Run from the repository root on the GPU machine.
+#
+#   bash tools/mla_fp8_gpu_check.sh [PYTEST_PROCS] [WARM_SHARDS]      # default: 6 and 6
+set -uo pipefail
+out=${OUT:-fp8-check}
+mkdir -p "$out/logs"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+procs=${1:-6}
+shards=${2:-6}
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
+start=$SECONDS
+ids=$(python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_mla_fp8_gluon.py tests/test_mla.py \
+      -k "test_mla_fp8_gluon or (gpu and fp8)" | grep "::")
+echo "$(echo "$ids" | wc -l) tests in $procs processes, $shards warm-up shards"
+pids=()
+for ((k = 0; k < procs; k++)); do
+    mine=$(echo "$ids" | awk -v k="$k" -v n="$procs" '(NR - 1) % n == k')
+    # shellcheck disable=SC2086
+    python3 -m pytest -q -p no:cacheprovider $mine > "$out/logs/pytest-$k.log" 2>&1 &
+    pids+=($!)
+done
+for ((k = 0; k < shards; k++)); do
+    python3 tools/mla_fp8_sweep.py --warm --shard "$k/$shards" > "$out/logs/warm-$k.log" 2>&1 &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+echo "tests + warm-ups: $((SECONDS - start)) s, status $status"
+grep -h -E "passed|failed|error" "$out"/logs/pytest-*.log | tail -n "$procs"
+grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -40
+grep -h -i -E "error|Traceback" "$out"/logs/warm-*.log | head -10
+python3 tools/mla_fp8_sweep.py "$out/mla-fp8-ws.json" 2>&1 | tee "$out/logs/sweep.log" | grep -v "^{" || status=1
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
+exit $status

@@ -94,6 +94,14 @@ def test_refusals_errors_and_skips_are_reported_never_dropped():
                               modes=("threads",))
     assert rows[0].status == "error" and "illegal memory access" in rows[0].reason and stress.failed(rows) == rows
 
+    def fails_alone():
+        raise RuntimeError("PassManager::run failed")
+
+    rows = stress.run_variant("vq", "mma", [stress.Case("x", lambda: x), stress.Case("bad", fails_alone)], "cpu",
+                              iters=1, reps=1)
+    assert all(r.status == "error" and "bad alone: RuntimeError" in r.reason for r in rows)
+    assert stress.failed(rows) == rows
+
 
 def test_every_registered_variant_is_enumerated_and_reported(no_gpu):
     """Each family has a group, each group lists ``default`` and its family's every variant (the
@@ -111,6 +119,19 @@ def test_every_registered_variant_is_enumerated_and_reported(no_gpu):
     assert {(r.group, r.variant) for r in rows} == {(g, v) for g in stress.GROUPS for v in stress.variants(g)}
     assert len(rows) == len(stress.MODES) * sum(len(stress.variants(g)) for g in stress.GROUPS)
     assert all(r.status == "skipped" and r.reason for r in rows)
+
+
+@pytest.mark.parametrize("group", list(stress.GROUPS))
+def test_every_group_runs_through_the_harness_on_the_reference_path(group):
+    """The groups' real cases (quick), on the CPU's reference path, through every mode a CPU has:
+    the inputs build, each call's outputs are compared, none is wrong (the reference is
+    deterministic)."""
+    cases = stress.cases(group, "cpu", quick=True)
+    assert len(cases) >= 2                                 # a pair of one shape and a pair of two
+    rows = stress.run_variant(group, "default", cases, "cpu", iters=1, reps=1,
+                              modes=("streams", "threads", "after"))
+    assert [(r.status, r.wrong) for r in rows] == [("ok", 0)] * 3, [stress.format_rows(rows)]
+    assert [r.calls for r in rows] == [4, 4, 2] and rows[0].cases == [c.name for c in cases]
 
 
 def test_tolerant_variants_are_the_atomic_split_k_ones():

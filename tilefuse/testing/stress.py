@@ -449,6 +449,10 @@ def run_variant(group: str, variant: str, cases_: list[Case], device, *, iters: 
             except ValueError as exc:
                 refused.append(f"{case.name}: {exc}")
                 continue
+            except Exception as exc:  # the call fails alone: every mode of this variant is an error
+                for row in rows:
+                    row.status, row.reason = "error", f"{case.name} alone: {type(exc).__name__}: {exc}"
+                return rows
             run.append(case)
             expected.append(tuple(t.clone() for t in _flat(out)))
         if device.type == "cuda":

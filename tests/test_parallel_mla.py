@@ -332,3 +332,28 @@ def test_generate_with_cuda_graphs_bf16_nccl(nccl_ranks):
         assert tokens["tp-graph"] == tokens["tp-graph-again"] == tokens["tp-eager"], tokens
         assert result["graphs"] == 1, result
     assert results[0]["tokens"] == results[1]["tokens"]
+
+
+# ----------------------------------------------------------------------------- the benchmark's route
+def job_bench_deepseek() -> tuple[list, dict]:
+    from tilefuse.bench.tp_deepseek import CPU_PLAN, deepseek_rows, deepseek_summary
+
+    rows = deepseek_rows(CPU_PLAN, torch.device("cpu"), torch.float32, dist.get_world_size(), True)
+    return rows, deepseek_summary(rows)
+
+
+def test_bench_deepseek_pipeline_gloo(gloo_ranks):
+    """``tilefuse bench tp``'s DeepSeek part on 2 CPU ranks (tiny model, nothing timed): TP=1 and
+    TP=2 decode after a cache filled with a context, the same tokens, logits within the bound."""
+    for rows, summary in gloo_ranks.run(job_bench_deepseek):
+        assert {(r["tp"], r["impl"], r["mode"]) for r in rows} == {(1, "tilefuse", "eager"), (2, "tilefuse", "eager")}
+        assert not any("error" in r for r in rows), rows
+        assert all(r["tokens_equal_tp1"] and r["logits_rel_err_vs_tp1"] <= LOGITS_TOL for r in rows), rows
+        judged = [g for g in summary["goals"] if g["met"] is not None]
+        assert len(judged) == 2 and all(g["met"] for g in judged), summary["goals"]
+
+
+def test_bench_deepseek_degrees():
+    from tilefuse.bench.tp_deepseek import degrees
+
+    assert degrees(1) == [1] and degrees(2) == [1, 2] and degrees(8) == [1, 2, 4, 8] and degrees(6) == [1, 2]

@@ -7,11 +7,12 @@ their call plans and their tests apply to it unchanged, and the wrapper adds onl
 its layout needs (:mod:`tilefuse.parallel.layers`).
 
 * :func:`shard` -- a full module -> this rank's shard; :func:`shard_model` -- every decoder block
-  of an HF Llama-family model (dense, fused or 2-bit VQ).
+  of an HF Llama-family model (dense, fused or 2-bit VQ) or DeepSeek-V2/V3 model (MLA heads split,
+  for :func:`tilefuse.hf.patch_mla`).
 * :class:`ParallelSwiGLUMLP`, :class:`ColumnParallel`, :class:`RowParallel`,
   :class:`ParallelMLADecodeAttention` -- the sharded modules.
-* :mod:`tilefuse.parallel.hf` -- ``patch_swiglu`` / ``patch_vq`` for models that transformers
-  loaded with ``tp_plan="auto"`` (DTensor weights).
+* :mod:`tilefuse.parallel.hf` -- ``patch_swiglu`` / ``patch_vq`` / ``patch_mla`` for models that
+  transformers loaded with ``tp_plan="auto"`` (DTensor weights).
 * :func:`placement` -- rank and world size in a group; every world-size error comes from
   :func:`tilefuse.parallel.group.split` and names the argument.
 """

@@ -214,3 +214,63 @@ def test_a_family_with_no_case_here_says_so_and_fails(tmp_path, no_gpu, capsys):
     out = capsys.readouterr().out
     assert out.startswith("swiglu_fp8: not run: ") and "sm_90" in out
     assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- tilefuse tune's arguments
+@pytest.fixture
+def tune_cache(tmp_path, monkeypatch):
+    """A private XDG cache folder for ``tilefuse tune`` and the dispatch's caches cleared around the test."""
+    from tilefuse import _dispatch
+    from tilefuse.ops.swiglu import configs
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    _dispatch.reload_tuned()
+    yield tmp_path / "tilefuse" / "tuned-cpu.json"
+    monkeypatch.undo()
+    _dispatch.reload_tuned()
+    configs.decide.cache_clear()
+
+
+def test_tune_tp_shards_explicit_shapes(tune_cache, no_gpu, capsys):
+    from tilefuse.cli import main
+
+    assert main(["tune", "--shapes", "64x32", "--tp", "1,2", "--tokens", "1"]) == 0
+    assert set(json.loads(tune_cache.read_text())["tuned"]["swiglu"]) == {"64,32", "64,16"}
+
+
+@pytest.mark.parametrize("argv,shape", [
+    (["--shapes", "64x32", "--tp", "3"], "--shapes 64x32"),           # 32 / 3
+    (["--shapes", "64x32,64x64", "--tp", "8"], "--shapes 64x32"),     # 32 / 8 = 4: not a multiple of 8
+    (["--model-type", "deepseek-v3", "--tp", "1,3"], "--model-type deepseek-v3"),
+])
+def test_tune_tp_that_does_not_divide_is_an_error(argv, shape, tune_cache, no_gpu, capsys):
+    from tilefuse.cli import main
+
+    assert main(["tune", *argv, "--tokens", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tilefuse tune: --tp: ") and shape in err and "\n" not in err
+    assert not tune_cache.exists()
+
+
+def test_tune_config_errors_name_the_option_and_the_file(tmp_path, tune_cache, no_gpu, capsys):
+    from tilefuse.cli import main
+
+    bad_json, not_object, no_hidden = tmp_path / "bad.json", tmp_path / "list.json", tmp_path / "nohidden.json"
+    bad_json.write_text("{'hidden_size': 8}")
+    not_object.write_text("[1, 2]")
+    no_hidden.write_text('{"intermediate_size": 64}')
+    for path, what in ((tmp_path / "missing.json", "cannot read"), (bad_json, "not valid JSON"),
+                       (not_object, "expected a JSON object"), (no_hidden, "hidden_size")):
+        assert main(["tune", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err                                   # one line, no traceback
+        assert err.startswith("tilefuse tune: --config: ") and str(path) in err and what in err, err
+    assert not tune_cache.exists()
+
+
+def test_tune_errors_say_the_prefix_once(tune_cache, no_gpu, capsys):
+    from tilefuse.cli import main
+
+    assert main(["tune"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("tilefuse tune:") == 1 and "--model-type" in err and "--shapes" in err

@@ -188,18 +188,21 @@ def _triton_version() -> str | None:
 
 def main(model_types=(), config: Path | None = None, shapes: str | None = None, tp: str = "1",
          tokens: str | None = None, out: Path | None = None, rep_ms: float = 25.0) -> int:
-    """The CLI's ``tune``: returns the exit code (0 when a table was written)."""
+    """The CLI's ``tune``: returns the exit code (0 when a table was written). Bad arguments raise
+    ValueError naming the option (the CLI prints it on one line and exits 2)."""
     from tilefuse.testing.corpus import MODELS, swiglu_shapes
 
     tp_degrees = _ints("tp", tp)
     token_list = _ints("tokens", tokens) if tokens else TUNE_M
-    problems: list[tuple[int, int]] = []
+    # (H, I) of each MLP before sharding, with where it came from (for the errors)
+    unsharded: list[tuple[int, int, str]] = []
     for name in model_types:
         if name not in MODELS:
             raise ValueError(f"--model-type: expected one of {sorted(MODELS)}, got {name!r}")
-        problems += [s.dims for s in swiglu_shapes(MODELS[name], tp_degrees)]
+        unsharded += [(*s.dims, f"--model-type {name} (its {s.role} MLP, H x I = {s.dims[0]}x{s.dims[1]})")
+                      for s in swiglu_shapes(MODELS[name], (1,))]
     if config is not None:
-        problems += shapes_from_config(json.loads(Path(config).read_text()), tp_degrees)
+        unsharded += [(h, i, f"--config {config} (H x I = {h}x{i})") for h, i in _config_shapes(Path(config))]
     if shapes:
         for item in shapes.split(","):
             try:
@@ -208,10 +211,10 @@ def main(model_types=(), config: Path | None = None, shapes: str | None = None, 
                 raise ValueError(f"--shapes: expected HxI[,HxI...] (e.g. 7168x2048), got {item!r}") from None
             if h <= 0 or i <= 0 or h % 8 or i % 8:
                 raise ValueError(f"--shapes: expected H and I positive multiples of 8, got {item!r}")
-            problems.append((h, i))
-    if not problems:
-        raise ValueError("tilefuse tune: name a model (--model-type), a config (--config) or --shapes")
-    problems = list(dict.fromkeys(problems))
+            unsharded.append((h, i, f"--shapes {item}"))
+    if not unsharded:
+        raise ValueError("name a model (--model-type), a config (--config) or --shapes")
+    problems = list(dict.fromkeys(_shard(unsharded, tp_degrees)))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = out or _dispatch.tuned_path(_dispatch.gpu_name(device))
     if device.type != "cuda":
@@ -221,6 +224,39 @@ def main(model_types=(), config: Path | None = None, shapes: str | None = None, 
     written = write_table(table, Path(path), device)
     print(f"tilefuse tune: {len(table)} SwiGLU shapes x {len(token_list)} token counts -> {written}")
     return 0
+
+
+def _shard(unsharded, tp_degrees) -> list[tuple[int, int]]:
+    """``(H, I / tp)`` for every shape and tensor-parallel degree (I is what tensor parallelism
+    splits); a degree that does not split I into multiples of 8 (the kernels' I) is an error."""
+    out = []
+    for h, i, source in unsharded:
+        for tp in tp_degrees:
+            if i % tp or (i // tp) % 8:
+                raise ValueError(f"--tp: {tp} does not split I = {i} of {source} into multiples of 8; "
+                                 f"use degrees that do, or leave that shape out")
+            out.append((h, i // tp))
+    return out
+
+
+def _config_shapes(path: Path) -> list[tuple[int, int]]:
+    """(H, I) of the MLPs of the Hugging Face ``config.json`` at ``path`` (unsharded); errors name
+    --config and the file."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config: {path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config: expected a JSON object (a Hugging Face config.json) in {path}, "
+                         f"got a {type(config).__name__}")
+    try:
+        return shapes_from_config(config)
+    except ValueError as exc:
+        raise ValueError(f"--config: {path}: {str(exc).removeprefix('config: ')}") from None
 
 
 def _ints(name: str, text: str) -> tuple[int, ...]:

@@ -150,6 +150,18 @@ def test_partial_outputs_of_every_rank_make_the_full_output(world):
     assert_close(torch.cat([lse for _, lse in outs], 1), lse1, atol=1e-5, rtol=1e-5, name="lse")
 
 
+def test_shards_hold_their_own_memory():
+    """A rank's rows of a weight are copied out of it: dropping the full module frees its memory
+    (a row slice is a view that would keep the whole weight alive)."""
+    dev = torch.device("cpu")
+    layer = make_linear(96, 64, torch.float32, dev)
+    for style in ("column", "row"):
+        local = shard(layer, style=style, rank=1, world_size=2).local
+        for param in local.parameters():
+            assert param.untyped_storage().nbytes() == param.numel() * 4, (style, tuple(param.shape))
+            assert param.data_ptr() != layer.weight.data_ptr()
+
+
 def test_world_sizes_that_do_not_divide_are_refused_naming_the_argument():
     dev = torch.device("cpu")
     with pytest.raises(ValueError, match="world_size: .*intermediate_size=256"):

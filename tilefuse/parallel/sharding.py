@@ -37,13 +37,23 @@ ROW_NAMES = ("o_proj", "down_proj")
 
 
 # ----------------------------------------------------------------------------- local shards
+def _owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` contiguous and in memory of its own: a slice of a larger tensor (a rank's rows
+    of a weight) is copied, so a shard does not keep the full weight alive."""
+    tensor = tensor.contiguous()
+    if tensor.device.type != "meta" and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None, requires_grad: bool = False) -> nn.Linear:
-    """An ``nn.Linear`` holding ``weight [N, K]`` and ``bias [N]`` (no initialization pass)."""
+    """An ``nn.Linear`` holding ``weight [N, K]`` and ``bias [N]`` (no initialization pass), each in
+    memory of its own (a slice of a larger tensor is copied)."""
     out_features, in_features = weight.shape
     layer = nn.Linear(in_features, out_features, bias=bias is not None, device="meta")
-    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=requires_grad)
+    layer.weight = nn.Parameter(_owned(weight), requires_grad=requires_grad)
     if bias is not None:
-        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=requires_grad)
+        layer.bias = nn.Parameter(_owned(bias), requires_grad=requires_grad)
     return layer
 
 

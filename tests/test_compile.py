@@ -12,9 +12,10 @@ then per case resets dynamo and every cached call plan and ``functools`` cache o
 (:func:`fresh`), compiles, runs (``dynamic``: two input sizes through the one compiled function)
 and checks (``dynamic``: the second size must reuse the first graph, no recompile); it prints
 one JSON line per case. The tests run one process per mode and device and
-report each case. On the CPU the reference backend runs (``tilefuse.force(backend="reference")``),
-compiled with ``aot_eager`` (no C++ toolchain needed); on a GPU the kernels, compiled with the
-default backend (Inductor), as a user would.
+report each case. On the CPU the reference backend (``tilefuse.force(backend="reference")``, fp32)
+and the kernels in Triton's interpreter (fp16), compiled with ``aot_eager`` (no C++ toolchain
+needed); on a GPU the kernels (bf16), compiled with the default backend (Inductor), as a user
+would.
 
 Tolerances (each output against the fp64 reference of the same rounded inputs):
 
@@ -54,12 +55,13 @@ TIMEOUT_S = 900
 
 
 # ------------------------------------------------------------------------------------- checks
-def _gpu(t: torch.Tensor) -> bool:
-    return t.device.type == "cuda"
+def _half(t: torch.Tensor) -> bool:
+    """A 16-bit output (the kernels': bf16 on a GPU, fp16 in the interpreter)."""
+    return t.dtype in (torch.bfloat16, torch.float16)
 
 
-def _close(out, ref, *, gpu_tol=(1e-2, 2 ** -7), cpu_tol=(1e-4, 1e-4), name="out"):
-    atol, rtol = gpu_tol if _gpu(out) else cpu_tol
+def _close(out, ref, *, half_tol=(1e-2, 2 ** -7), fp32_tol=(1e-4, 1e-4), name="out"):
+    atol, rtol = half_tol if _half(out) else fp32_tol
     assert_close(out, ref, atol=atol, rtol=rtol, name=name)
 
 
@@ -69,7 +71,7 @@ def _check_mla(result, ref):
     assert out.shape == ro.shape and lse.shape == rl.shape, (out.shape, lse.shape, ro.shape, rl.shape)
     finite = torch.isfinite(rl)
     assert torch.equal(torch.isinf(lse), ~finite.to(lse.device)), "lse: +inf exactly where a row sees no key"
-    if _gpu(out):
+    if _half(out):
         assert cos_diff(out, ro) < 1e-5
         assert_close(out, ro, atol=1e-2, rtol=1e-2)
         assert_close(lse[finite], rl[finite], atol=1e-3, rtol=1e-4, name="lse")
@@ -138,7 +140,7 @@ def _swiglu_fp8(device, dt):
 
     def check(out, a):
         assert out.dtype == torch.bfloat16
-        _close(out, sw.reference_fp8_fp64(sw.SwiGLUFp8Case(*a)), gpu_tol=(1e-3, 2 ** -7), cpu_tol=(1e-3, 2 ** -8))
+        _close(out, sw.reference_fp8_fp64(sw.SwiGLUFp8Case(*a)), half_tol=(1e-3, 2 ** -7))
 
     return lambda x, xs, w, ws: tilefuse.swiglu_fp8(x, xs, w, ws), [args(3), args(5)], check
 
@@ -407,7 +409,7 @@ def fresh() -> None:
                 value.cache_clear()
 
 
-def run_case(case: CompileCase, mode: str, device: torch.device) -> dict:
+def run_case(case: CompileCase, mode: str, device: torch.device, dt: torch.dtype) -> dict:
     """Compile ``case`` in a fresh state and check its outputs; ``{"name", "ok", "error"}``."""
     if device.type == "cuda" and case.needs is not None:
         import importlib
@@ -416,7 +418,6 @@ def run_case(case: CompileCase, mode: str, device: torch.device) -> dict:
         status = importlib.import_module(FAMILIES[family].op_module).kernel_status(device)[variant]
         if not status.startswith("ok"):
             return {"name": case.name, "ok": True, "skipped": status}
-    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
         torch.manual_seed(0)
         fn, inputs, check = case.setup(device, dt)
@@ -448,22 +449,28 @@ def run_case(case: CompileCase, mode: str, device: torch.device) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    mode, device = argv[0], torch.device(argv[1])
-    names = argv[2:] or [case.name for case in CASES]
-    with tilefuse.force(backend="reference" if device.type == "cpu" else None):
+    """``MODE DEVICE BACKEND [CASE ...]``: BACKEND ``reference`` (fp32 inputs) or ``triton`` (bf16 on a
+    GPU; fp16 in the CPU interpreter, which ``TRITON_INTERPRET=1`` must have enabled)."""
+    mode, device, backend = argv[0], torch.device(argv[1]), argv[2]
+    names = argv[3:] or [case.name for case in CASES]
+    dt = torch.float32 if backend == "reference" else torch.bfloat16 if device.type == "cuda" else torch.float16
+    with tilefuse.force(backend=backend):
         for case in CASES:
             if case.name in names:
-                print(json.dumps(run_case(case, mode, device)), flush=True)
+                print(json.dumps(run_case(case, mode, device, dt)), flush=True)
     return 0
 
 
 @functools.lru_cache(maxsize=None)
-def _results(mode: str, device: str) -> dict:
-    """Runs this file as a script once per mode and device: case name -> its result."""
+def _results(mode: str, device: str, backend: str) -> dict:
+    """Runs this file as a script once per mode, device and backend: case name -> its result."""
     env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)           # the CPU cases run the reference backend, compiled
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, device], capture_output=True,
-                          text=True, timeout=TIMEOUT_S, env=env, cwd=Path(__file__).resolve().parents[1])
+    env.pop("TRITON_INTERPRET", None)
+    if device == "cpu" and backend == "triton":
+        env["TRITON_INTERPRET"] = "1"             # before tilefuse (and @triton.jit) is imported
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, device, backend],
+                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
     results = {}
     for line in done.stdout.splitlines():
         if line.startswith("{"):
@@ -475,13 +482,13 @@ def _results(mode: str, device: str) -> dict:
     return results
 
 
-def _assert_case(mode: str, device: str, name: str) -> None:
-    results = _results(mode, device)
+def _assert_case(mode: str, device: str, backend: str, name: str) -> None:
+    results = _results(mode, device, backend)
     row = results.get(name)
     assert row is not None, f"{name}: no result (the runner stopped before it): {results['_stderr']}"
     if row.get("skipped"):
         pytest.skip(row["skipped"])
-    assert row["ok"], f"{name} ({mode}, {device}): {row['error']}\n{row.get('where', '')}"
+    assert row["ok"], f"{name} ({mode}, {device}, {backend}): {row['error']}\n{row.get('where', '')}"
 
 
 # ------------------------------------------------------------------------------------- tests
@@ -507,7 +514,15 @@ def test_fresh_clears_the_plan_caches():
 @pytest.mark.parametrize("name", [case.name for case in CASES])
 def test_compile_cpu_reference(mode, name):
     """CPU: the reference backend, compiled with aot_eager before any eager call."""
-    _assert_case(mode, "cpu", name)
+    _assert_case(mode, "cpu", "reference", name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", [case.name for case in CASES])
+def test_compile_cpu_interpreted_kernels(mode, name):
+    """CPU: the Triton kernels in the interpreter (fp16): the kernel path's Python (plans,
+    configs, the dispatch's tables) traced as on a GPU."""
+    _assert_case(mode, "cpu", "triton", name)
 
 
 @pytest.mark.gpu
@@ -515,7 +530,7 @@ def test_compile_cpu_reference(mode, name):
 @pytest.mark.parametrize("name", [case.name for case in CASES])
 def test_compile_gpu(mode, name):
     """GPU: the kernels as dispatched, compiled with Inductor before any eager call."""
-    _assert_case(mode, "cuda", name)
+    _assert_case(mode, "cuda", "triton", name)
 
 
 if __name__ == "__main__":

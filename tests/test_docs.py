@@ -104,3 +104,75 @@ def test_relative_links_point_at_files(page):
         if not (page.parent / target.split("#")[0]).exists():
             broken.append(target)
     assert not broken, f"{page.name}: broken links {broken}"
+
+
+def _ratios(file: str, baselines: tuple[str, ...], keep=lambda params: True) -> list[float]:
+    """Per case of a committed result file: the fastest of ``baselines``' graph_us over tilefuse's
+    (its default dispatch, the ``tilefuse`` row), CUDA-graph replay."""
+    import json
+
+    rows = json.loads((ROOT / "bench" / "results" / file).read_text())["rows"]
+    cases = {}
+    for row in rows:
+        cases.setdefault(json.dumps(row["params"], sort_keys=True), {})[row["impl"]] = row
+    out = []
+    for key, impls in cases.items():
+        ours = impls.get("tilefuse", {}).get("graph_us")
+        theirs = [impls[b]["graph_us"] for b in baselines if impls.get(b, {}).get("graph_us")]
+        if ours and theirs and keep(json.loads(key)):
+            out.append(min(theirs) / ours)
+    return out
+
+
+def _figure(ratios: list[float]) -> str:
+    import math
+
+    mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    return f"{mean:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}x)"
+
+
+FLASHMLA = ("flashmla@b31bfe7", "flashmla@main")
+HEADLINES = [      # (file, baselines, which cases, how many of them, the words after the figure)
+    ("swiglu-h200.json", ("torch_unfused",), lambda p: True, 56, "faster in {ahead} of {n}"),
+    ("swiglu-h200.json", ("torch_merged",), lambda p: True, 56, "faster in {ahead} of {n}"),
+    ("swiglu_fp8-h200-quick.json", ("unfused",), lambda p: True, 12, "faster in {ahead} of {n}"),
+    ("vq-h200.json", ("fp16_cublas",), lambda p: p["tokens"] == 1, 16, ""),
+    ("mla-h200-quick.json", FLASHMLA, lambda p: p.get("kv") != "fp8", 29, "ahead in {ahead} of {n}"),
+    ("mla-h200-quick.json", FLASHMLA, lambda p: p.get("kv") == "fp8", 7, "ahead in {ahead} of {n}"),
+    ("mla-h200-quick-sparse.json", ("flashmla@main",), lambda p: True, 24, "ahead in {ahead} of {n}"),
+]
+
+
+@pytest.mark.parametrize("file, baselines, keep, n, words", HEADLINES, ids=[f"{h[0]}-{h[1][0]}-{i}" for i, h in
+                                                                           enumerate(HEADLINES)])
+def test_readme_headline_figures_are_the_committed_results(file, baselines, keep, n, words):
+    """Each figure of the README's results table is computed from the file it names: graph
+    replay, tilefuse's default row against the fastest named peer (MLA: attention alone, its
+    metadata planned once). A re-run of the benchmark changes them: copy the new line in."""
+    ratios = _ratios(file, baselines, keep)
+    assert len(ratios) == n, f"{file}: {len(ratios)} cases against {baselines}, the README counts {n}"
+    line = _figure(ratios)
+    if words:
+        line += ", " + words.format(ahead=sum(r > 1 for r in ratios), n=n)
+    readme = (ROOT / "README.md").read_text()
+    assert line in readme, f"README.md: expected the figure {line!r} from {file} (against {baselines})"
+
+
+@pytest.mark.parametrize("page", ["docs/hf_mla.md"])
+def test_doc_examples_run(page):
+    """The Python blocks of these pages run as written on a CPU (the reference path)."""
+    pytest.importorskip("transformers")
+    import tilefuse
+
+    for index, code in enumerate(re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)):
+        with tilefuse.force(backend="reference"):
+            exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": "doc"})
+
+
+def test_model_page_gives_patch_vq_s_signature():
+    import tilefuse.hf
+
+    text = (ROOT / "docs" / "model.md").read_text()
+    block = text[text.index("## `tilefuse.hf.patch_vq`"):].split("```")[1]
+    missing = [name for name in inspect.signature(tilefuse.hf.patch_vq).parameters if name not in block]
+    assert not missing, f"docs/model.md's patch_vq signature lacks {missing}"

@@ -81,7 +81,9 @@ class Case:
 class Row:
     """What one group / variant / mode gave: ``calls`` outputs compared, ``wrong`` of them off,
     ``max_err`` the largest ``|out - alone|`` among the wrong ones (fp32), ``status`` "ok",
-    "wrong", "skipped" or "error", ``reason`` why (skipped / error), ``cases`` the shapes."""
+    "wrong", "skipped" or "error", ``reason`` why (skipped / error), ``cases`` the shapes,
+    ``seconds`` the mode's wall time (the first mode's includes the calls alone, where the kernels
+    compile)."""
     group: str
     variant: str
     mode: str
@@ -91,6 +93,7 @@ class Row:
     status: str = "ok"
     reason: str = ""
     cases: list[str] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 def variants(group: str) -> tuple[str, ...]:
@@ -442,6 +445,7 @@ def run_variant(group: str, variant: str, cases_: list[Case], device, *, iters: 
     device = torch.device(device)
     rows = [Row(group, variant, mode) for mode in modes]
     run, refused, expected = [], [], []
+    start = time.perf_counter()
     with process_pin(group, variant), thread_pin(group, variant):
         for case in cases_:
             try:
@@ -468,6 +472,7 @@ def run_variant(group: str, variant: str, cases_: list[Case], device, *, iters: 
     with process_pin(group, variant):
         for row in rows:
             tally = Tally(expected, exact(group, variant))
+            start = start if row is rows[0] else time.perf_counter()
             try:
                 MODE_RUNNERS[row.mode](run, tally, lambda: thread_pin(group, variant), iters, reps, device)
             except _Skip as exc:
@@ -478,6 +483,7 @@ def run_variant(group: str, variant: str, cases_: list[Case], device, *, iters: 
             finally:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+                row.seconds = round(time.perf_counter() - start, 3)
             row.calls, row.wrong, row.max_err = tally.calls, tally.wrong, tally.max_err
             if row.status == "ok" and row.wrong:
                 row.status = "wrong"
@@ -537,7 +543,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="calls per stream in each round (default 4; 2 with --quick)")
 
 
-HEADER = f"{'group':<11} {'variant':<13} " + " ".join(f"{m:>9}" for m in MODES) + "  wrong/compared per mode"
+HEADER = f"{'group':<11} {'variant':<13} " + " ".join(f"{m:>9}" for m in MODES) + "      s  (wrong/compared per mode)"
 
 
 def format_rows(rows: list[Row]) -> str:
@@ -551,7 +557,8 @@ def format_rows(rows: list[Row]) -> str:
     notes += [f"{r.mode}: {r.status} {r.reason}" for r in rows if r.status in ("error", "skipped")]
     if not notes and first.reason:
         notes.append(first.reason)
-    return f"{first.group:<11} {first.variant:<13} {cells}" + (f"  {'; '.join(notes)}" if notes else "")
+    seconds = sum(r.seconds for r in rows)
+    return f"{first.group:<11} {first.variant:<13} {cells} {seconds:6.1f}" + (f"  {'; '.join(notes)}" if notes else "")
 
 
 def main(args: argparse.Namespace) -> int:

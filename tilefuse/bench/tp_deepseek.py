@@ -44,8 +44,9 @@ Without a GPU (gloo, the tiny DeepSeek of the CPU pipeline check): the same rout
 from __future__ import annotations
 
 import statistics
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -68,9 +69,14 @@ GPU_QUICK_PLAN = DeepSeekPlan(8, 16, 32768, 16, 32, 4)
 CPU_PLAN = DeepSeekPlan(2, 2, 80, 4, 6, 0)
 
 
-def _log(msg: str) -> None:
-    import sys
+def plan_for(quick: bool, cuda: bool, layers: int | None = None) -> DeepSeekPlan:
+    """The plan of a run: GPU (``--quick``: half the decoded tokens) or the CPU pipeline check;
+    ``layers`` (``--layers``) replaces the block count."""
+    plan = (GPU_QUICK_PLAN if quick else GPU_PLAN) if cuda else CPU_PLAN
+    return replace(plan, layers=layers) if layers else plan
 
+
+def _log(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[tp deepseek {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -256,8 +262,10 @@ def deepseek_summary(rows: list[dict]) -> dict:
 
     rows = [r for r in rows if r.get("kind") == "deepseek" and "error" not in r]
     one = {(r["impl"], r["mode"]): r.get("ms_per_token") for r in rows if r["tp"] == 1}
+    flash = {(r["tp"], r["mode"]): r.get("ms_per_token") for r in rows if r["impl"] == "flashmla"}
     table = [{"impl": r["impl"], "tp": r["tp"], "mode": r["mode"], "ms_per_token": r.get("ms_per_token"),
               "ratio_vs_tp1": ratio(r.get("ms_per_token"), one.get((r["impl"], r["mode"]))),
+              "ratio_vs_flashmla": ratio(r.get("ms_per_token"), flash.get((r["tp"], r["mode"]))),
               "tokens_equal_tp1": r.get("tokens_equal_tp1"), "agreement_vs_tp1": r.get("agreement_vs_tp1"),
               "first_difference": r.get("first_difference"), "logits_rel_err_vs_tp1": r.get("logits_rel_err_vs_tp1")}
              for r in rows]
@@ -272,3 +280,16 @@ def deepseek_summary(rows: list[dict]) -> dict:
         goals.append(check(f"DeepSeek-V3 shapes, batch 16, 32K context: TP={degree} / TP=1 decode ms/token, graph",
                            graph[0]["ratio_vs_tp1"] if graph else None, "<=", goal))
     return {"table": table, "goals": goals}
+
+
+def print_deepseek(summary: dict, file=None) -> None:
+    """The table of :func:`deepseek_summary` (its goals are printed with the benchmark's)."""
+    file = file or sys.stdout
+    fmt = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
+    print("deepseek: decode ms/token (slowest rank), x TP=1 = this / TP=1 (same attention and mode), "
+          "x FlashMLA = this / FlashMLA's (same TP and mode)", file=file)
+    for e in summary["table"]:
+        print(f"deepseek {e['impl']:<9} tp={e['tp']} {e['mode']:<5} {fmt(e['ms_per_token'])} ms/token, "
+              f"{fmt(e['ratio_vs_tp1'])} x TP=1, {fmt(e['ratio_vs_flashmla'])} x FlashMLA, tokens equal to TP=1: "
+              f"{e['tokens_equal_tp1']} (first difference {e['first_difference']}), logits rel err "
+              f"{fmt(e['logits_rel_err_vs_tp1'], '.2e')}", file=file)

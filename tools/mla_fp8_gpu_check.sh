@@ -34,6 +34,8 @@ echo "tests + warm-ups: $((SECONDS - start)) s, status $status"
 grep -h -E "passed|failed|error" "$out"/logs/pytest-*.log | tail -n "$procs"
 grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -40
 grep -h -i -E "error|Traceback" "$out"/logs/warm-*.log | head -10
-python3 tools/mla_fp8_sweep.py "$out/mla-fp8-ws.json" 2>&1 | tee "$out/logs/sweep.log" | grep -v "^{" || status=1
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
+# the timed run alone on the GPU (SWEEP_TIMEOUT seconds at most; the JSON is written after each case)
+timeout "${SWEEP_TIMEOUT:-900}" python3 tools/mla_fp8_sweep.py "$out/mla-fp8-ws.json" > "$out/sweep.log" 2>&1 || status=1
+grep -v "^{" "$out/sweep.log"
 exit $status

@@ -101,6 +101,17 @@ def main() -> None:
     del src, dst
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     rows_out = []
+    gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    path = args.out or Path(f"bench/results/sweeps/mla-fp8-ws-{gpu}.json")
+    machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
+
+    def write():         # after every case: a run cut short keeps what it measured
+        if args.warm:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"machine": machine, "copy_gbps": copy_gbps, "forms": _forms(), "shipped": shipped,
+                                    "shipped_max_rows": shipped_max_rows, "rows": rows_out}, indent=1))
     for i, (name, lens, h_q, s_q) in enumerate(CASES):
         if (args.cases == "issue" and name not in ISSUE) or i % shards != shard:
             continue
@@ -165,18 +176,11 @@ def main() -> None:
         print(f"# {name}: {forms} | tl {tl_us:.1f} bf16 {entry['bf16_us']:.1f} floor {entry['floor_us']:.1f} us; "
               f"best {best}: x{entry.get('best_vs_bf16', 0):.2f} bf16, x{entry.get('best_vs_serial', 0):.2f} serial, "
               f"{entry.get('best_copy_frac', 0):.2f} of copy bw", flush=True)
+        write()
         del k_cache, block_table
         torch.cuda.empty_cache()
-    if args.warm:
-        return
-    gpu = torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    path = args.out or Path(f"bench/results/sweeps/mla-fp8-ws-{gpu}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-               "triton": __import__("triton").__version__, "date": time.strftime("%Y-%m-%d")}
-    path.write_text(json.dumps({"machine": machine, "copy_gbps": copy_gbps, "forms": _forms(),
-                                "shipped": shipped, "shipped_max_rows": shipped_max_rows, "rows": rows_out}, indent=1))
-    print(f"wrote {path}")
+    if not args.warm:
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

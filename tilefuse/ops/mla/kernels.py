@@ -364,11 +364,12 @@ def _kv_rows(k_rows, ok, KV_FP8: tl.constexpr, DTYPE: tl.constexpr, KV_SHIFT: tl
         values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32),
                             [k_rows.shape[0], FP8_GROUPS, FP8_GROUP])
         rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
         if KV_SHIFT:
             # ---- fp16: the tile's largest scale out of the values where 448 x it would pass 65504
             s_max = tl.max(tl.max(scales, axis=1), axis=0)
             k_shift = tl.where(s_max * 448.0 > FP16_MAX, s_max, 1.0)
+            rope = rope.to(tl.float32)
             r_shift = _rope_shift(rope)
             scales = scales / k_shift
             rope = rope / r_shift

@@ -176,3 +176,18 @@ def test_model_page_gives_patch_vq_s_signature():
     block = text[text.index("## `tilefuse.hf.patch_vq`"):].split("```")[1]
     missing = [name for name in inspect.signature(tilefuse.hf.patch_vq).parameters if name not in block]
     assert not missing, f"docs/model.md's patch_vq signature lacks {missing}"
+
+
+def test_every_dotted_tilefuse_name_in_the_docs_exists():
+    """``tilefuse.a.b`` in the README, the changelog and docs/ names a module or attribute that
+    exists (a renamed or removed function leaves no stale mention)."""
+    names = set()
+    for page in markdown_files():
+        names |= set(re.findall(r"tilefuse(?:\.[A-Za-z_]\w*)+", page.read_text()))
+    missing = []
+    for name in sorted(names):
+        try:
+            resolve(name)
+        except (AttributeError, ImportError):
+            missing.append(name)
+    assert not missing, f"the docs name {missing}, which do not exist"

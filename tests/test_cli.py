@@ -274,3 +274,46 @@ def test_tune_errors_say_the_prefix_once(tune_cache, no_gpu, capsys):
     assert main(["tune"]) == 2
     err = capsys.readouterr().err
     assert err.count("tilefuse tune:") == 1 and "--model-type" in err and "--shapes" in err
+
+
+# ----------------------------------------------------------------------------- layering
+def _tilefuse_imports(path) -> set[str]:
+    """The tilefuse modules a file imports, at module level or inside functions."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names |= ({f"{node.module}.{a.name}" for a in node.names} if node.module in ("tilefuse", "tilefuse.bench")
+                      else {node.module})
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return {n for n in names if n.startswith("tilefuse")}
+
+
+def test_modules_import_downward_only():
+    """The command line imports the benchmarks, never the reverse, and no two benchmark modules
+    import each other (bench tp and its end-to-end part did; both imported what the other defined)."""
+    from pathlib import Path
+
+    import tilefuse
+
+    package = Path(tilefuse.__file__).parent
+    bench = {f"tilefuse.bench.{p.stem}": _tilefuse_imports(p) for p in (package / "bench").glob("*.py")}
+    upward = {m: sorted(d for d in deps if d == "tilefuse.cli" or d.startswith("tilefuse.cli."))
+              for m, deps in bench.items()}
+    assert not any(upward.values()), f"bench modules import the command line: {upward}"
+    assert _tilefuse_imports(package / "_cmdline.py") == set()
+
+    def cycle(start, at, path):
+        for dep in bench.get(at, ()):
+            if dep == start:
+                return path + [dep]
+            if dep in bench and dep not in path:
+                found = cycle(start, dep, path + [dep])
+                if found:
+                    return found
+        return None
+
+    cycles = [c for c in (cycle(m, m, [m]) for m in bench) if c]
+    assert not cycles, f"benchmark modules import each other: {cycles[0]}"

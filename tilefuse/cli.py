@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
-import os
 import platform
 import sys
 from pathlib import Path
 
+from tilefuse._cmdline import ClosedPipeSafe, positive_float, positive_int, positive_ints, tag_name  # noqa: F401
 from tilefuse._registry import FAMILIES
 
 DESCRIPTION = """\
@@ -43,68 +42,6 @@ Without a CUDA GPU each family runs its PyTorch reference path on toy shapes onc
 check, nothing timed, one line per family; a family with no case here says why (and the command
 exits 1 when nothing ran).
 """
-
-
-class ClosedPipeSafe:
-    """``sys.stdout`` for the command: once its reader has gone (``tilefuse info | head -3``), the
-    rest of the output goes to os.devnull instead of raising BrokenPipeError, so the command ends
-    as it would have (a benchmark still writes its results files)."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except BrokenPipeError:
-            self._drop()
-            return len(text)
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except BrokenPipeError:
-            self._drop()
-
-    def _drop(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
-        try:
-            self._stream.flush()          # what was buffered for the closed pipe goes to devnull
-        except OSError:
-            pass
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
-
-
-def positive_ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(positive_int(part) for part in text.split(","))
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"expected positive whole numbers separated by commas, got {text!r}") from None
-    return values
-
-
-def tag_name(text: str) -> str:
-    if not any(c.isalnum() for c in text):
-        raise argparse.ArgumentTypeError(f"expected letters or digits (it goes into file names), got {text!r}")
-    return text
 
 
 def info() -> int:

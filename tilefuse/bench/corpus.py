@@ -509,7 +509,7 @@ def _main(argv: list[str]) -> int:
     m = sub.add_parser("merge", help="merge results files into OUT")
     m.add_argument("out", type=Path)
     m.add_argument("paths", type=Path, nargs="+")
-    from tilefuse.cli import ClosedPipeSafe
+    from tilefuse._cmdline import ClosedPipeSafe
 
     args = parser.parse_args(argv)
     try:

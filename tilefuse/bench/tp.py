@@ -58,32 +58,11 @@ import torch.nn.functional as F
 
 from tilefuse._launch import capture_graph as capture  # noqa: F401  (the tests capture as the bench does)
 from tilefuse.bench.harness import check, geomean, ratio, tally
+from tilefuse.bench.tp_common import Plan, gather_rows, log  # noqa: F401  (shared with tp_e2e)
 from tilefuse.bench.tp_layers import MLA_DIMS, mla_layer, mlp_layer, shard_vq_mlp, vq_mlp
 
 MLP_SHAPES = {"llama3-8b": (4096, 14336), "llama3-70b": (8192, 28672)}
 FLUSH_BYTES = 256 << 20
-
-
-def log(msg: str) -> None:
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        print(f"[tp {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass(frozen=True)
-class Plan:
-    mlp_tokens: tuple[int, ...]
-    vq_tokens: tuple[int, ...]
-    mla_heads: tuple[int, ...]
-    mla_contexts: tuple[int, ...]
-    mla_batch: int
-    warmup: int
-    reps: int
-    eager_ms: float
-    e2e_layers: int
-    e2e_batches: tuple[int, ...]
-    e2e_prompt: int
-    e2e_tokens: int
 
 
 GPU_PLAN = Plan((1, 4, 16), (1, 4), (128, 32), (16384, 65536), 16, 10, 100, 20.0, 8, (1, 16), 128, 48)
@@ -162,15 +141,6 @@ class TPTimer:
         calls = int(min(2000, max(5, self.plan.eager_ms * 1e3 / max(guess, 1.0))))
         out["eager_us"], out["eager_calls"] = self.eager_us(fn, calls), calls
         return out
-
-
-def gather_rows(local: dict, world: int) -> list[dict]:
-    """Every rank's dict (rank order); on one process just ``[local]``."""
-    if world == 1:
-        return [local]
-    parts: list = [None] * world
-    dist.all_gather_object(parts, local)
-    return parts
 
 
 def merge(per_rank: list[dict]) -> dict:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tilefuse.bench.tp import Plan, gather_rows, log
+from tilefuse.bench.tp_common import Plan, gather_rows, log
 
 
 def e2e_rows(plan: Plan, device, dtype, world: int, cpu: bool) -> list[dict]:

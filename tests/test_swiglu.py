@@ -556,6 +556,32 @@ def test_unfused_path(interpret, m, layout, dtype):
     assert_close(out, spec, **TOL[dtype])
 
 
+def test_unfused_gemm_gets_its_own_cublas_workspace_while_capturing(interpret, monkeypatch):
+    """While a CUDA graph captures, the unfused path's cuBLAS GEMM runs between two drops of
+    PyTorch's cached cuBLAS workspaces (``_scratch.blas``), so it allocates one from the graph's
+    pool and no other graph reuses it (graphs captured on one stream shared one and raced when
+    replayed at once; the GPU test is in test_concurrency.py). Simulated: the capture status and
+    the drop are stubs on a CPU."""
+    from tilefuse import _scratch
+
+    events = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: events.append("gemm") or linear(*a))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: events.append("drop"), raising=False)
+    x, w, _ = make_case(3, 64, 32, torch.float16, interpret)
+    with tilefuse.force(variant="unfused"):
+        tilefuse.swiglu(x, w)
+        assert events == ["gemm"]                            # eager: nothing dropped
+        events.clear()
+        monkeypatch.setattr(_scratch, "_capturing", lambda args: True)
+        tilefuse.swiglu(x, w)
+    assert events == ["drop", "gemm", "drop"]
+    events.clear()
+    with pytest.raises(ZeroDivisionError):                   # dropped again when the call fails
+        _scratch.blas(lambda t: events.append("gemm") or 1 / 0, x)
+    assert events == ["drop", "gemm", "drop"]
+
+
 def test_cost_model_keeps_the_baseline_where_the_kernels_lost():
     """DeepSeek-V3's routed expert (H 7168, I 2048) was measured slower fused than unfused on the
     H200 at M = 48 and 333 (bench/results/sweeps/swiglu-tune-h200.json has M = 64 and 128 in the

@@ -31,6 +31,7 @@ Tolerances (each output against the fp64 reference of the same rounded inputs):
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
@@ -462,23 +463,39 @@ def main(argv: list[str]) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _results(mode: str, device: str, backend: str) -> dict:
-    """Runs this file as a script once per mode, device and backend: case name -> its result."""
+def _runners(device: str, backend: str) -> dict:
+    """This file as a script, one process per mode for ``device`` and ``backend``, all started at
+    once (the modes' compiles overlap): mode -> its process."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     if device == "cpu" and backend == "triton":
         env["TRITON_INTERPRET"] = "1"             # before tilefuse (and @triton.jit) is imported
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode, device, backend],
-                          capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
+    runners = {mode: subprocess.Popen([sys.executable, str(Path(__file__).resolve()), mode, device, backend],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=Path(__file__).resolve().parents[1])
+               for mode in MODES}
+    for process in runners.values():       # a mode no selected test reads is not left running
+        atexit.register(process.kill)
+    return runners
+
+
+@functools.lru_cache(maxsize=None)
+def _results(mode: str, device: str, backend: str) -> dict:
+    """case name -> its result, from the mode's process."""
+    process = _runners(device, backend)[mode]
+    try:
+        stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        stdout, stderr = process.communicate()
     results = {}
-    for line in done.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("{"):
             row = json.loads(line)
             results[row["name"]] = row
     if not results:
-        raise AssertionError(f"the compile runner gave nothing (exit {done.returncode}): {done.stderr[-3000:]}")
-    results["_stderr"] = done.stderr[-3000:]
+        raise AssertionError(f"the compile runner gave nothing (exit {process.returncode}): {stderr[-3000:]}")
+    results["_stderr"] = stderr[-3000:]
     return results
 
 

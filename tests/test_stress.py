@@ -159,6 +159,9 @@ def test_command_writes_every_row_and_fails_when_nothing_ran(no_gpu, tmp_path, c
     assert data["quick"] and data["wrong"] == 0 and data["gpu"] is None
     assert {(r["group"], r["variant"]) for r in data["rows"]} == {
         (g, v) for g in ("vq", "mla_sparse") for v in stress.variants(g)}
+    assert main(["stress", "--group", "swiglu", "--variant", "unfused", "--variant", "default", "--out", str(out)]) == 1
+    assert {(r["group"], r["variant"]) for r in json.loads(out.read_text())["rows"]} == {
+        ("swiglu", "unfused"), ("swiglu", "default")}
 
 
 @pytest.mark.parametrize("argv", [["--iters", "0"], ["--reps", "-1"], ["--iters", "1.5"], ["--group", "nope"],

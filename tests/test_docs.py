@@ -191,3 +191,18 @@ def test_every_dotted_tilefuse_name_in_the_docs_exists():
         except (AttributeError, ImportError):
             missing.append(name)
     assert not missing, f"the docs name {missing}, which do not exist"
+
+
+def test_every_public_module_is_in_the_api_page():
+    """Every module whose dotted name has no private part is named in docs/api.md (those under
+    ``tilefuse.ops`` and ``tilefuse.bench`` by their family and benchmark rows)."""
+    import pkgutil
+
+    import tilefuse
+
+    text = API.read_text()
+    missing = [m.name for m in pkgutil.walk_packages(tilefuse.__path__, "tilefuse.")
+               if not any(part.startswith("_") for part in m.name.split("."))
+               and m.name.split(".")[1] not in ("ops", "bench")
+               and not re.search(re.escape(m.name) + r"(?![\w.])", text)]
+    assert not missing, f"docs/api.md lacks the modules {missing}"

@@ -35,6 +35,7 @@ def test_matches_is_bitwise_or_within_one_output_ulp():
     zero = torch.zeros(4)
     assert not stress.matches(-zero, zero)                     # -0.0 is other bits
     assert not stress.matches((a, a), (a,)) and not stress.matches(a.float(), a)
+    assert stress.difference((a, a), (a,)) == float("inf") and stress.difference(a[:2], a) == float("inf")
     e4m3 = torch.randn(16).to(torch.float8_e4m3fn)
     other = e4m3.clone()
     other.view(torch.uint8)[2] ^= 1

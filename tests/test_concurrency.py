@@ -227,7 +227,11 @@ def blas_paths():
     def mlp(h, i):
         module = FusedSwiGLUMLP(h, i, dtype=DT, device="cuda")
         x = torch.randn(4, h, dtype=DT, device="cuda")
-        return lambda: module(x)
+
+        def call():
+            with torch.no_grad():
+                return module(x)
+        return call
 
     def plain_linear(h, i):                       # PyTorch alone: shows the harness catches the race
         x, w, _ = swiglu_cases.make_case(4, h, i, DT, "cuda")
@@ -245,6 +249,7 @@ def graph_race(build, pair, replays=400, rel=1e-2):
     The count is kept on the GPU (no sync per replay)."""
     fns = [build(h, i) for h, i in pair]
     expected = [fn().float() for fn in fns]                 # eager, alone: warm-up and the answer
+    assert all(torch.isfinite(e).all() and e.abs().max() > 0 for e in expected)
     torch.cuda.synchronize()
     graphs, outs = [], []
     for fn in fns:

@@ -149,8 +149,11 @@ def blas(fn, *args, **kwargs):
     capturing stream, i.e. from the graph's private memory pool, and again after it, so no later
     call (of this graph or another) reuses that address through the cache. Memory: one cuBLAS
     workspace (32 MiB on Hopper by default, ``CUBLAS_WORKSPACE_CONFIG``) per captured graph that
-    runs such a call, in the graph's pool: later calls in the same capture reuse the freed block
-    in stream order, and it is released with the graph. Graphs that share a pool (``pool=``)
+    runs such a call, in the graph's pool: later calls in the same capture take the freed block
+    again (in stream order), and it is released with the graph. The drop is process-wide: an eager
+    cuBLAS call on another stream at that moment keeps its workspace for the launch under way (the
+    block goes back to that stream's free memory, reused only by work queued after it) and
+    allocates a new one on its next call. Graphs that share a pool (``pool=``)
     share it, as they share all their memory (PyTorch allows that only for graphs replayed one
     after the other). Eager calls pay one capture-status query; after a capture they re-create
     their per-stream workspaces once. While ``torch.compile`` traces, ``fn`` is traced as it is

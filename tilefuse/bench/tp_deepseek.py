@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+
+from tilefuse.bench.tp_common import gather_rows, log
 
 TP2_GOAL, TP8_GOAL = 0.6, 0.2
 
@@ -74,11 +75,6 @@ def plan_for(quick: bool, cuda: bool, layers: int | None = None) -> DeepSeekPlan
     ``layers`` (``--layers``) replaces the block count."""
     plan = (GPU_QUICK_PLAN if quick else GPU_PLAN) if cuda else CPU_PLAN
     return replace(plan, layers=layers) if layers else plan
-
-
-def _log(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[tp deepseek {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def degrees(world: int) -> list[int]:
@@ -205,7 +201,7 @@ def deepseek_rows(plan: DeepSeekPlan, device, dtype, world: int, cpu: bool, atte
                 logits = probe_logits(model, plan, prompt, probe)
             except Exception as exc:  # noqa: BLE001 -- recorded; the other rows still run
                 local.append({**head, "mode": "build", "error": f"{type(exc).__name__}: {exc}"[:300]})
-                _log(f"tp={degree} {name}: {local[-1]['error']}")
+                log(f"deepseek tp={degree} {name}: {local[-1]['error']}")
                 continue
             ref = base_logits.setdefault(name, logits)
             rel = float((logits - ref).norm() / ref.norm())
@@ -215,13 +211,13 @@ def deepseek_rows(plan: DeepSeekPlan, device, dtype, world: int, cpu: bool, atte
                     tokens, steps = decode(model, plan, prompt, mode == "graph", device)
                 except Exception as exc:  # noqa: BLE001
                     local.append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
-                    _log(f"tp={degree} {name} {mode}: {local[-1]['error']}")
+                    log(f"deepseek tp={degree} {name} {mode}: {local[-1]['error']}")
                     continue
                 if steps:
                     row["ms_per_token"] = statistics.median(steps)
                 row.update(_agreement(tokens, base_tokens.setdefault((name, mode), tokens)))
                 local.append(row)
-                _log(f"tp={degree} {name} {mode}: " + (f"{row['ms_per_token']:.3f} ms/token" if steps else "ran")
+                log(f"deepseek tp={degree} {name} {mode}: " + (f"{row['ms_per_token']:.3f} ms/token" if steps else "ran")
                      + f", tokens equal to TP=1: {row['tokens_equal_tp1']}, logits rel err {rel:.2e}")
             del model
             if device.type == "cuda":
@@ -232,14 +228,9 @@ def deepseek_rows(plan: DeepSeekPlan, device, dtype, world: int, cpu: bool, atte
 def merge_ranks(local: list[dict], world: int) -> list[dict]:
     """One row per (degree, attention, mode): the slowest rank's ms per token (``rank_ms_per_token``
     lists all), the worst agreement and logits error, any rank's error."""
-    if world == 1:
-        per_rank = [local]
-    else:
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, local)
     merged: dict = {}
-    for rows in per_rank:
-        for row in rows:
+    for part in gather_rows({"rows": local}, world):
+        for row in part["rows"]:
             key = (row["tp"], row["impl"], row["mode"])
             have = merged.setdefault(key, {**row, "rank_ms_per_token": []})
             if "error" in row:

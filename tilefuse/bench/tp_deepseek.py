@@ -217,8 +217,9 @@ def deepseek_rows(plan: DeepSeekPlan, device, dtype, world: int, cpu: bool, atte
                     row["ms_per_token"] = statistics.median(steps)
                 row.update(_agreement(tokens, base_tokens.setdefault((name, mode), tokens)))
                 local.append(row)
-                log(f"deepseek tp={degree} {name} {mode}: " + (f"{row['ms_per_token']:.3f} ms/token" if steps else "ran")
-                     + f", tokens equal to TP=1: {row['tokens_equal_tp1']}, logits rel err {rel:.2e}")
+                timed = f"{row['ms_per_token']:.3f} ms/token" if steps else "ran"
+                log(f"deepseek tp={degree} {name} {mode}: {timed}, tokens equal to TP=1: {row['tokens_equal_tp1']}, "
+                    f"logits rel err {rel:.2e}")
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()

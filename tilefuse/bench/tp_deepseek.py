@@ -53,6 +53,7 @@ import torch.distributed as dist
 from tilefuse.bench.tp_common import gather_rows, log
 
 TP2_GOAL, TP8_GOAL = 0.6, 0.2
+KIND = "deepseek-decode"          # the rows' kind, and `--only deepseek-decode` runs this part alone
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def deepseek_rows(plan: DeepSeekPlan, device, dtype, world: int, cpu: bool, atte
             params = {"model": "tiny-deepseek" if cpu else "deepseek-v3-shapes", "layers": plan.layers,
                       "heads": config.num_attention_heads, "batch": plan.batch, "context": plan.context,
                       "tokens": plan.tokens}
-            head = {"family": "tp", "kind": "deepseek", "tp": degree, "impl": name, "params": params}
+            head = {"family": "tp", "kind": KIND, "tp": degree, "impl": name, "params": params}
             try:   # every rank fails alike (same model, same step), so none is left in a collective
                 model = build(config, device, dtype, group, attention)
                 logits = probe_logits(model, plan, prompt, probe)
@@ -252,7 +253,7 @@ def deepseek_summary(rows: list[dict]) -> dict:
     from tilefuse.bench.harness import check, ratio, tally
     from tilefuse.testing.parallel import rel_tolerance
 
-    rows = [r for r in rows if r.get("kind") == "deepseek" and "error" not in r]
+    rows = [r for r in rows if r.get("kind") == KIND and "error" not in r]
     one = {(r["impl"], r["mode"]): r.get("ms_per_token") for r in rows if r["tp"] == 1}
     flash = {(r["tp"], r["mode"]): r.get("ms_per_token") for r in rows if r["impl"] == "flashmla"}
     table = [{"impl": r["impl"], "tp": r["tp"], "mode": r["mode"], "ms_per_token": r.get("ms_per_token"),

@@ -36,6 +36,11 @@ def test_matches_is_bitwise_or_within_one_output_ulp():
     assert not stress.matches(-zero, zero)                     # -0.0 is other bits
     assert not stress.matches((a, a), (a,)) and not stress.matches(a.float(), a)
     assert stress.difference((a, a), (a,)) == float("inf") and stress.difference(a[:2], a) == float("inf")
+    ints = torch.arange(5, dtype=torch.int32)
+    other_ints = ints.clone()
+    other_ints[2] = 7
+    assert not stress.matches(other_ints, ints, exact_=False) and stress.difference(other_ints, ints) == float("inf")
+    assert stress.matches(torch.empty(0, 4), torch.empty(0, 4))
     e4m3 = torch.randn(16).to(torch.float8_e4m3fn)
     other = e4m3.clone()
     other.view(torch.uint8)[2] ^= 1

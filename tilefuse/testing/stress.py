@@ -118,61 +118,75 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(ints[t.element_size()])
 
 
-def difference(out, alone) -> float:
-    """The largest ``|out - alone|`` over every tensor of a result (fp32; inf where a NaN or inf
-    appears on one side only, or shapes differ)."""
+def mismatch(out, alone, exact_: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether ``out`` differs from ``alone`` -- any bit of any tensor of the result, or with
+    ``exact_=False`` beyond ``ATOL + RTOL |alone|`` elementwise (NaN only where ``alone`` has one)
+    -- and the largest ``|out - alone|`` if it does (fp32; inf for a NaN or inf on one side only),
+    as 0-d tensors on the outputs' device, computed on the current stream: no host sync, so a
+    check enqueued behind the call on its stream runs in order with it."""
     outs, alones = _flat(out), _flat(alone)
-    if len(outs) != len(alones):
-        return math.inf
-    worst = 0.0
+    device = outs[0].device if outs else torch.device("cpu")
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    err = torch.zeros((), dtype=torch.float32, device=device)
+    if len(outs) != len(alones) or any(o.shape != a.shape or o.dtype != a.dtype for o, a in zip(outs, alones)):
+        return bad | True, err + math.inf
     for o, a in zip(outs, alones):
-        if o.shape != a.shape:
-            return math.inf
-        if not o.is_floating_point():
-            worst = max(worst, 0.0 if torch.equal(o, a) else math.inf)
+        if not o.numel():
             continue
-        o, a = o.float(), a.float()
-        same = (o == a) | (o.isnan() & a.isnan())
-        diff = torch.where(same, torch.zeros_like(o), (o - a).abs().nan_to_num(math.inf))
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-    return worst
+        differ = _bits(o) != _bits(a)
+        if not o.is_floating_point():
+            off = differ.any()
+            err = torch.where(off, math.inf, err)
+        else:
+            of, af = o.float(), a.float()
+            gap = (of - af).abs()
+            if exact_:
+                off = differ.any()
+            else:
+                off = ((gap > ATOL + RTOL * af.abs()) | (of.isnan() != af.isnan())).any()
+            size = torch.where(differ, gap.nan_to_num(math.inf), 0.0).max()
+            err = torch.where(off, torch.maximum(err, size), err)
+        bad = bad | off
+    return bad, err
 
 
 def matches(out, alone, exact_: bool = True) -> bool:
-    """``out`` equals ``alone`` bit for bit (every tensor of the result), or with ``exact_=False``
-    within ``ATOL + RTOL |alone|`` elementwise (NaN only where ``alone`` has one)."""
-    outs, alones = _flat(out), _flat(alone)
-    if len(outs) != len(alones):
-        return False
-    for o, a in zip(outs, alones):
-        if o.shape != a.shape or o.dtype != a.dtype:
-            return False
-        if torch.equal(_bits(o), _bits(a)):
-            continue
-        if exact_ or not o.is_floating_point():
-            return False
-        o, a = o.float(), a.float()
-        if not bool(((o - a).abs() <= ATOL + RTOL * a.abs()).logical_or_(o.isnan() & a.isnan()).all()):
-            return False
-    return True
+    """``out`` equals ``alone`` (:func:`mismatch`'s rule; reads the answer back: a host sync)."""
+    return not bool(mismatch(out, alone, exact_)[0])
+
+
+def difference(out, alone) -> float:
+    """The largest ``|out - alone|`` over every tensor of a result where bits differ (fp32; inf
+    where a NaN or inf appears on one side only, or shapes differ); a host sync."""
+    return float(mismatch(out, alone, True)[1])
 
 
 class Tally:
-    """Counts of compared outputs and wrong ones for one row (thread-safe)."""
+    """Outputs compared and wrong ones for one row. :meth:`check` enqueues the comparison on the
+    current stream (call it on the stream that made ``out``, before ``out`` is freed or
+    overwritten: stream order keeps the two apart) and keeps its 0-d answer on the device;
+    :meth:`flush`, after the streams are synchronized, adds them up. Thread-safe."""
 
     def __init__(self, expected: list, exact_: bool):
         self.expected, self.exact, self.calls, self.wrong, self.max_err = expected, exact_, 0, 0, 0.0
+        self._pending = []
         self._lock = threading.Lock()
 
-    def check(self, index: int, out) -> bool:
-        ok = matches(out, self.expected[index], self.exact)
-        err = 0.0 if ok else difference(out, self.expected[index])
+    def check(self, index: int, out) -> None:
+        answer = mismatch(out, self.expected[index], self.exact)
         with self._lock:
-            self.calls += 1
-            if not ok:
-                self.wrong += 1
-                self.max_err = max(self.max_err, err)
-        return ok
+            self._pending.append(answer)
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        bad = torch.stack([b for b, _ in pending]).cpu()
+        err = torch.stack([e for _, e in pending]).cpu()
+        self.calls += len(pending)
+        self.wrong += int(bad.sum())
+        self.max_err = max(self.max_err, float(err.max()))
 
 
 def run_threads(work: Callable[[int], None], threads: int = 2) -> None:
@@ -337,48 +351,46 @@ def _sync(stream):
 
 
 # ------------------------------------------------------------------------------------- modes
-def mode_streams(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, device) -> None:
-    """One thread, two streams: per pair, the first call ``reps`` times on one stream and the
-    second on the other, interleaved, then both checked."""
+# Each mode enqueues every call's check behind it on its stream and synchronizes only at its end
+# (:class:`Tally`), so the rounds run back to back and the two sides overlap for the whole mode.
+def _side_streams(device: torch.device) -> list:
     streams = [_stream(device), _stream(device)]
     for s in streams:
         if s is not None:
-            s.wait_stream(torch.cuda.current_stream(device))
+            s.wait_stream(torch.cuda.current_stream(device))    # the inputs are ready
+    return streams
+
+
+def mode_streams(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, device) -> None:
+    """One thread, two streams: per pair and round, the two sides' calls alternate between the
+    streams, ``reps`` each."""
+    streams = _side_streams(device)
     with pin():
         for _ in range(iters):
             for pair in pairs(len(cases_)):
-                outs = []
                 for _ in range(reps):
                     for s, index in zip(streams, pair):
                         with _on(s):
-                            outs.append((index, cases_[index].call()))
-                for s in streams:
-                    _sync(s)
-                for index, out in outs:
-                    tally.check(index, out)
+                            tally.check(index, cases_[index].call())
+    for s in streams:
+        _sync(s)
 
 
 def mode_threads(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, device) -> None:
-    """Two Python threads, a stream each, started together per pair (a barrier), each calling its
-    side of the pair ``reps`` times, then checking its outputs."""
+    """Two Python threads, a stream each, starting each pair's round together (a barrier), each
+    calling its side of the pair ``reps`` times."""
     barrier = threading.Barrier(2)
-    streams = [_stream(device), _stream(device)]
-    for s in streams:
-        if s is not None:
-            s.wait_stream(torch.cuda.current_stream(device))
+    streams = _side_streams(device)
 
     def work(side: int):
         try:
-            with pin():
+            with pin(), _on(streams[side]):
                 for _ in range(iters):
                     for pair in pairs(len(cases_)):
-                        index = pair[side]
                         barrier.wait()
-                        with _on(streams[side]):
-                            outs = [cases_[index].call() for _ in range(reps)]
-                        _sync(streams[side])
-                        for out in outs:
-                            tally.check(index, out)
+                        for _ in range(reps):
+                            tally.check(pair[side], cases_[pair[side]].call())
+            _sync(streams[side])
         except BaseException:
             barrier.abort()        # the other thread stops waiting
             raise
@@ -387,13 +399,13 @@ def mode_threads(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, d
 
 
 def mode_graphs(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, device) -> None:
-    """Per pair, two CUDA graphs, each captured on its own (``reps`` calls of its side), then
-    replayed at once on two streams ``iters`` times; the graphs' outputs checked after each. The
-    expected outputs here are each call's own graph replayed alone (a dispatch may pick another
-    path under capture: the sparse MLA decode's cost model drops the eager host floor)."""
+    """Per pair, two CUDA graphs, each captured on its own with ``torch.cuda.graph`` (``reps``
+    calls of its side), then replayed at once on two streams ``iters`` times, each replay's
+    outputs checked on its stream before the next replay overwrites them. The expected outputs
+    here are each call's own graph replayed alone (a dispatch may pick another path under capture:
+    the sparse MLA decode's cost model drops the eager host floor)."""
     if device.type != "cuda":
         raise _Skip("CUDA graphs need a CUDA GPU")
-    streams = [_stream(device), _stream(device)]
     with pin():
         alone = []
         for case in cases_:
@@ -403,7 +415,7 @@ def mode_graphs(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, de
             graph.replay()
             torch.cuda.synchronize(device)
             alone.append(tuple(t.clone() for t in _flat(out)))
-            del graph
+            del graph, out
         tally.expected = alone
         for pair in pairs(len(cases_)):
             graphs = []
@@ -412,17 +424,15 @@ def mode_graphs(cases_: list[Case], tally: Tally, pin, iters: int, reps: int, de
                 with torch.cuda.graph(graph):
                     outs = [cases_[index].call() for _ in range(reps)]
                 graphs.append((graph, index, outs))
-            for s in streams:
-                s.wait_stream(torch.cuda.current_stream(device))
+            streams = _side_streams(device)
             for _ in range(iters):
-                for s, (graph, _, _) in zip(streams, graphs):
+                for s, (graph, index, outs) in zip(streams, graphs):
                     with torch.cuda.stream(s):
                         graph.replay()
-                for s in streams:
-                    s.synchronize()
-                for _, index, outs in graphs:
-                    for out in outs:
-                        tally.check(index, out)
+                        for out in outs:
+                            tally.check(index, out)
+            for s in streams:
+                s.synchronize()
             del graphs
 
 
@@ -487,6 +497,11 @@ def run_variant(group: str, variant: str, cases_: list[Case], device, *, iters: 
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 row.seconds = round(time.perf_counter() - start, 3)
+            try:
+                tally.flush()
+            except Exception as exc:  # the device failed: the checks cannot be read back
+                if row.status == "ok":
+                    row.status, row.reason = "error", f"{type(exc).__name__}: {exc}"
             row.calls, row.wrong, row.max_err = tally.calls, tally.wrong, tally.max_err
             if row.status == "ok" and row.wrong:
                 row.status = "wrong"

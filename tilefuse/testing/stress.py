@@ -512,10 +512,10 @@ def run(groups: tuple[str, ...] | None = None, variants_: tuple[str, ...] | None
         iters: int | None = None, reps: int | None = None, device=None, log=None) -> list[Row]:
     """The stress of ``groups`` (default: all) at ``variants_`` (default: each group's
     :func:`variants`; names a group lacks are skipped for it); ``iters`` rounds of ``reps`` calls
-    per stream (defaults 12 x 4; ``quick`` 3 x 2). Returns one :class:`Row` per group, variant and
+    per stream (defaults 25 x 4; ``quick`` 8 x 2). Returns one :class:`Row` per group, variant and
     mode; ``log(rows)`` is called with each variant's rows as it finishes."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    iters = iters or (3 if quick else 12)
+    iters = iters or (8 if quick else 25)
     reps = reps or (2 if quick else 4)
     rows = []
     for group in groups or tuple(GROUPS):
@@ -549,14 +549,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``tilefuse stress``'s options (the command line in ``tilefuse.cli``)."""
     from tilefuse.cli import positive_int
 
-    parser.add_argument("--quick", action="store_true", help="two shapes per group, 3 rounds of 2 calls per stream")
+    parser.add_argument("--quick", action="store_true", help="two shapes per group, 8 rounds of 2 calls per stream")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON to this file")
     parser.add_argument("--group", action="append", choices=tuple(GROUPS), default=None, metavar="GROUP",
                         help=f"only these groups (repeatable): {', '.join(GROUPS)}")
     parser.add_argument("--variant", action="append", default=None, metavar="NAME",
                         help="only these variants (repeatable): default, a family's force() variant, "
                              + ", ".join(v for extra in EXTRA_PINS.values() for v in extra))
-    parser.add_argument("--iters", type=positive_int, default=None, help="rounds per mode (default 12; 3 with --quick)")
+    parser.add_argument("--iters", type=positive_int, default=None, help="rounds per mode (default 25; 8 with --quick)")
     parser.add_argument("--reps", type=positive_int, default=None,
                         help="calls per stream in each round (default 4; 2 with --quick)")
 

@@ -268,6 +268,9 @@ def test_shards_of_every_rank_make_the_one_device_attention():
             parts.append(part(hidden, position_embeddings=rope, attention_mask=mask)[0])
     assert parts[0].shape == want.shape
     torch.testing.assert_close(sum(parts), want, rtol=0, atol=LOGITS_TOL * float(want.abs().max()))
+    # a shard is not cut again (kv_b_proj stays an nn.Linear, which a second cut would halve)
+    rows = part.kv_b_proj.weight.shape[0]
+    assert mla_attention_of(part, placement(rank=0, world_size=4), 8) == 0 and part.kv_b_proj.weight.shape[0] == rows
 
 
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL

@@ -224,22 +224,25 @@ def mla_attention_of(attn: nn.Module, where: Placement, num_heads: int) -> int:
       per token) is shared by all heads, so every rank computes it and caches all of it.
 
     transformers' attention reshapes with ``-1`` heads and :func:`tilefuse.hf.patch_mla` counts the
-    heads from ``kv_b_proj``, so both run on the rank's heads unchanged. Raises ValueError naming
+    heads from ``kv_b_proj``, so both run on the rank's heads unchanged. An attention already cut
+    (its ``o_proj`` a :class:`RowParallel`) is left as it is: returns 0. Raises ValueError naming
     ``world_size`` when it does not divide ``num_heads``.
     """
+    if isinstance(getattr(attn, "o_proj", None), RowParallel):
+        return 0
     split(num_heads, where.world_size, "config.num_attention_heads",
           why="each rank runs num_attention_heads / world_size MLA query heads")
+    for name, want in (("kv_b_proj", nn.Linear), ("o_proj", (nn.Linear, VQLinear))):
+        if not isinstance(getattr(attn, name, None), want):
+            raise ValueError(f"model: expected {type(attn).__name__}.{name} to be an "
+                             f"{'nn.Linear' if want is nn.Linear else 'nn.Linear or VQLinear'}, "
+                             f"got {type(getattr(attn, name, None)).__name__}")
     replaced = 0
     for name in MLA_HEAD_ROWS:
         proj = getattr(attn, name, None)
         if isinstance(proj, (nn.Linear, VQLinear)):
             setattr(attn, name, ColumnParallel(rows_of(proj, where), where))
             replaced += 1
-    for name, want in (("kv_b_proj", nn.Linear), ("o_proj", (nn.Linear, VQLinear))):
-        if not isinstance(getattr(attn, name, None), want):
-            raise ValueError(f"model: expected {type(attn).__name__}.{name} to be an "
-                             f"{'nn.Linear' if want is nn.Linear else 'nn.Linear or VQLinear'}, "
-                             f"got {type(getattr(attn, name, None)).__name__}")
     attn.kv_b_proj = rows_of(attn.kv_b_proj, where)
     attn.o_proj = RowParallel(columns_of(attn.o_proj, where), where)
     return replaced + 2

@@ -10,6 +10,8 @@
 * Two GPUs (NCCL, ``-m gpu``; skipped with fewer): the same at the benchmark's shapes with the
   kernels, CUDA-graph replay of a layer holding its all-reduce, and the ``tp_plan`` route.
 
+DeepSeek models under tensor parallelism (``patch_mla``, both routes): ``test_parallel_mla.py``.
+
 Tolerance: ``|y_tp - y_1| <= factor * |x| @ |W|^T`` (fp64), ``factor`` from
 :func:`tilefuse.testing.parallel.tp_tolerance` (derived there): 4u for column splits, 6u for row
 splits (each rank's partial sum and the all-reduce round once more), 8u for the fused MLP (plus a

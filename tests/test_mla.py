@@ -425,7 +425,10 @@ def test_mla_empty_batch(interpret, backend):
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens[:0], 16, 1, num_sm_parts=4)
         out, lse = tilefuse.flash_mla_with_kvcache(q, inp.k_cache, inp.block_table[:0], inp.cache_seqlens[:0],
                                                    512, meta, splits, causal=True)
+        choice = tilefuse.explain(tilefuse.flash_mla_with_kvcache, q, inp.k_cache, inp.block_table[:0],
+                                  inp.cache_seqlens[:0], 512, meta, splits)
     assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 16, 1) and splits.tolist() == [0]
+    assert choice.variant == "reference"        # nothing runs
 
 
 def test_mla_gradient_request_is_refused(interpret):
@@ -546,19 +549,22 @@ def test_mla_compile_fullgraph_with_content_checks():
             step(q, k_cache, block_table, lens - 100)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("check", [False, True])
-def test_mla_meta_and_fake_tensors_get_shapes(check):
+def test_mla_meta_and_fake_tensors_get_shapes(check, fp8):
     """Meta tensors (and FakeTensorMode) give the outputs' shapes and dtypes, with or without
-    content checks, instead of "Cannot copy out of meta tensor"."""
+    content checks, on a 16-bit or an FP8 cache, instead of "Cannot copy out of meta tensor"."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    inp = make_case([70, 5], 2, 16, torch.float16, "cpu")
+    inp = make_case([70, 5], 2, 16, torch.float16, "cpu", nan_tail=not fp8)
+    if fp8:
+        inp.k_cache = tilefuse.mla_quantize_kv(inp.k_cache)
 
     def shapes(q, k_cache, block_table, lens):
         meta, splits = tilefuse.get_mla_metadata(lens, 32, 1, num_sm_parts=4, check_contents=check)
         assert meta.shape == (op.metadata_slots(4, 2), 8) and splits.shape == (3,)
         out, lse = tilefuse.flash_mla_with_kvcache(q, k_cache, block_table, lens, 512, meta, splits, causal=True,
-                                                   check_contents=check)
+                                                   check_contents=check, is_fp8_kvcache=fp8)
         assert out.shape == (2, 2, 16, 512) and out.dtype == torch.float16
         assert lse.shape == (2, 16, 2) and lse.dtype == torch.float32
         return out
@@ -1642,15 +1648,16 @@ def test_nan_in_unused_slots_never_reaches_the_output(interpret, backend, path):
 
 
 # ------------------------------------------------------------------ torch.compile, meta tensors
-def _compile_cases(kind):
-    """(step function, its tensor arguments) of each public MLA call for the compile tests (CPU)."""
+def _compile_cases(kind, lens=(70, 5)):
+    """(step function, its tensor arguments) of each public MLA call for the compile tests (CPU),
+    for requests of lengths ``lens``."""
+    lens = list(lens)
     if kind == "get_mla_metadata":
-        lens = torch.tensor([70, 5], dtype=torch.int32)
-        return (lambda lens: tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)), (lens,)
+        return (lambda lens: tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=4)), (torch.tensor(lens).int(),)
     if kind == "mla_quantize_kv":
-        return (lambda x: tilefuse.mla_quantize_kv(x)), (torch.randn(3, 2, 576).half(),)
+        return (lambda x: tilefuse.mla_quantize_kv(x)), (torch.randn(len(lens), 7, 576).half(),)
     dtype = torch.bfloat16 if kind == "dense_bf16" else torch.float16
-    inp = make_case([70, 5], 1, 16, dtype, "cpu", page_size=16, nan_tail=False)
+    inp = make_case(lens, 1, 16, dtype, "cpu", page_size=16, nan_tail=False)
     if kind in ("dense_bf16", "dense_fp16", "fp8_dense"):
         cache = tilefuse.mla_quantize_kv(inp.k_cache) if kind == "fp8_dense" else inp.k_cache
 
@@ -1661,12 +1668,12 @@ def _compile_cases(kind):
         return dense, (inp.q, cache, inp.block_table, inp.cache_seqlens)
     fp8 = kind == "fp8_sparse"
     cache = tilefuse.mla_quantize_kv(inp.k_cache) if fp8 else inp.k_cache
-    idx = _sparse(inp, [list(range(0, 70, 2)), [0, 3]], 40)
+    idx = _sparse(inp, [list(range(0, n, 2)) for n in lens], 104)
 
     def sparse(q, k_cache, indices, length, sink):
         return tilefuse.flash_mla_with_kvcache(q, k_cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
                                                indices=indices, topk_length=length, attn_sink=sink)
-    return sparse, (inp.q, cache, idx, torch.tensor([30, 2], dtype=torch.int32), torch.randn(16))
+    return sparse, (inp.q, cache, idx, torch.tensor([30] * len(lens), dtype=torch.int32), torch.randn(16))
 
 
 COMPILE_KINDS = ["dense_bf16", "dense_fp16", "fp8_dense", "sparse", "fp8_sparse", "get_mla_metadata",
@@ -1677,15 +1684,22 @@ COMPILE_KINDS = ["dense_bf16", "dense_fp16", "fp8_dense", "sparse", "fp8_sparse"
 @pytest.mark.parametrize("kind", COMPILE_KINDS)
 def test_mla_compile_every_path(kind, dynamic):
     """Each public MLA call traces through its registered custom op under
-    torch.compile(fullgraph=True), static and dynamic, compiled before any eager call (the FP8
-    and sparse decodes bypassed their ops and failed to compile); the compiled result equals the
-    eager one (CPU: aot_eager, reference backend)."""
+    torch.compile(fullgraph=True), static and dynamic (one graph for two batch sizes: the checks'
+    messages specialized the batch), compiled before any eager call (the FP8 and sparse decodes
+    bypassed their ops and failed to compile); the compiled result equals the eager one (CPU:
+    aot_eager, reference backend)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
-    step, args = _compile_cases(kind)
+    counter = CompileCounterWithBackend("aot_eager")
     with tilefuse.force(backend="reference"):
-        compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")(*args)
-        eager = step(*args)
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+        for lens in ((70, 5), (200, 64, 1)):      # dynamic=True: one graph for both batches
+            step, args = _compile_cases(kind, lens)
+            compiled = torch.compile(step, fullgraph=True, dynamic=dynamic, backend=counter)(*args)
+            eager = step(*args)
+            torch.testing.assert_close(compiled, eager, rtol=0, atol=0, equal_nan=True)
+            if dynamic:
+                assert counter.frame_count == 1, "dynamic=True recompiled for another batch (a size was specialized)"
 
 
 @pytest.mark.parametrize("kind", ["dense_fp16", "fp8_dense", "sparse", "fp8_sparse"])

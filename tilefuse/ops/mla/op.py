@@ -466,7 +466,8 @@ _plans = PlanCache()
 
 def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, softmax_scale, causal,
                fp8: bool = False) -> _Call:
-    key = plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
+    tracing = torch.compiler.is_compiling()
+    key = None if tracing else plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
     try:
         key = key + (head_dim_v, softmax_scale, causal, fp8) if key is not None else None
         call = _plans.get(key) if key is not None else None
@@ -476,6 +477,12 @@ def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spl
         return call
     _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8)
     scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
+    if tracing:
+        # torch.compile: the checks and the scale only; the op plans its launch when it runs (a plan
+        # here, cached or computed, would specialize the traced sizes: dynamic=True would recompile)
+        call = _Call()
+        call.reference, call.scale, call.causal = None, scale, bool(causal)
+        return call
     # no query token, the reference backend, or an FP8 cache the kernels do not take (an fp32 q): the reference
     if q.shape[0] == 0 or choose_backend(q.device) != "triton" or (fp8 and not fp8_sparse_kernels_run(q)):
         call = _Call()
@@ -540,6 +547,15 @@ def check_schedule(cache_seqlens: torch.Tensor, meta: torch.Tensor, num_splits: 
                          f"to {splits[-1]}, got {starts[:8]}")
 
 
+def _check_shape(name: str, value: torch.Tensor, expected, what: str, *sizes) -> None:
+    """``_checks.check_shape`` with ``what`` formatted (``what.format(*sizes)``) only on a mismatch:
+    formatting a size into text while ``torch.compile`` traces specializes it (``dynamic=True``
+    would recompile for every batch)."""
+    shape = tuple(value.shape)
+    if len(shape) != len(expected) or any(e is not None and e != s for e, s in zip(expected, shape)):
+        _checks.check_shape(name, value, expected, what.format(*sizes))
+
+
 def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_splits, fp8: bool = False,
               schedule_optional: bool = False) -> None:
     """The dense decode's argument checks (metadata only). ``schedule_optional``: the metadata and
@@ -560,10 +576,10 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
     _checks.check_shape("k_cache", k_cache, (None, None, 1, width), f"[num_blocks, page, 1, {width}]")
     if k_cache.shape[0] < 1:
         raise ValueError(f"k_cache: expected at least one page, got shape {tuple(k_cache.shape)}")
-    _checks.check_shape("block_table", block_table, (batch, None), f"[b={batch}, max_blocks]")
+    _check_shape("block_table", block_table, (batch, None), "[b={}, max_blocks]", batch)
     if block_table.shape[1] < 1:
         raise ValueError(f"block_table: expected at least one page per request, got shape {tuple(block_table.shape)}")
-    _checks.check_shape("cache_seqlens", cache_seqlens, (batch,), f"[b={batch}]")
+    _check_shape("cache_seqlens", cache_seqlens, (batch,), "[b={}]", batch)
     if not (schedule_optional and meta is None and num_splits is None):
         _checks.check_tensor("tile_scheduler_metadata", meta, dtypes=(torch.int32,), ndim=2)
         _checks.check_shape("tile_scheduler_metadata", meta, (None, 8), "[slots, 8] (get_mla_metadata's)")
@@ -572,7 +588,7 @@ def _validate(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spli
                              f"on the same batch), got {meta.shape[0]}")
         _checks.check_contiguous("tile_scheduler_metadata", meta)
         _checks.check_tensor("num_splits", num_splits, dtypes=(torch.int32,), ndim=1)
-        _checks.check_shape("num_splits", num_splits, (batch + 1,), f"[b + 1 = {batch + 1}]")
+        _check_shape("num_splits", num_splits, (batch + 1,), "[b + 1 = {}]", batch + 1)
         _checks.check_contiguous("num_splits", num_splits)
     if h_q < 1 or h_q > 128 or s_q < 1 or s_q * h_q > 512:
         raise ValueError(f"q: expected 1 <= h_q <= 128, s_q >= 1 and s_q * h_q <= 512, got h_q={h_q}, s_q={s_q}")
@@ -910,13 +926,13 @@ def _validate_sparse(q, k_cache, head_dim_v, softmax_scale, causal, is_fp8, indi
             raise ValueError(f"{name}: expected [b={batch}, s_q={s_q}, topk], got shape {tuple(idx.shape)}")
         if length is not None:
             _checks.check_tensor(length_name, length, dtypes=(torch.int32, torch.int64), ndim=1)
-            _checks.check_shape(length_name, length, (batch,), f"[b={batch}]")
+            _check_shape(length_name, length, (batch,), "[b={}]", batch)
 
     check_cache("k_cache", k_cache)
     scale = HEAD_DIM ** -0.5 if softmax_scale is None else _checks.check_float("softmax_scale", softmax_scale)
     if attn_sink is not None:
         _checks.check_tensor("attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1)
-        _checks.check_shape("attn_sink", attn_sink, (h_q,), f"[h_q={h_q}]")
+        _check_shape("attn_sink", attn_sink, (h_q,), "[h_q={}]", h_q)
     if causal:
         raise ValueError("causal: expected False with indices (a sparse decode attends to what its indices name)")
     check_indices("indices", indices, "topk_length", topk_length)

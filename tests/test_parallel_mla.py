@@ -32,7 +32,7 @@ transformers = pytest.importorskip("transformers")
 
 from tilefuse.testing.parallel import Ranks  # noqa: E402
 
-VOCAB, PAD = 97, 0
+VOCAB, PAD = 96, 0
 LOGITS_TOL = 2.0 ** -16          # of the largest |logit| (module docstring)
 PROMPTS = [7, 11, 4]             # left-padded prompt lengths of the batch
 
@@ -136,8 +136,9 @@ def compare(one: torch.nn.Module, tp: torch.nn.Module) -> dict:
 
 # ----------------------------------------------------------------------------- jobs run on every rank
 @torch.no_grad()
-def job_shard_model(variant: str, order: str) -> dict:
-    """shard_model and patch_mla (in ``order``) on a full model, against patch_mla alone."""
+def job_shard_model(variant: str, order: str, lm_head: bool) -> dict:
+    """shard_model (``lm_head``: cut by the vocabulary too) and patch_mla (in ``order``) on a full
+    model, against patch_mla alone."""
     from tilefuse.hf import patch_mla
     from tilefuse.parallel import ParallelSwiGLUMLP, RowParallel, shard_model
 
@@ -147,11 +148,11 @@ def job_shard_model(variant: str, order: str) -> dict:
     patch_mla(one)
     tp = full
     if order == "shard-then-patch":
-        replaced = shard_model(tp)
+        replaced = shard_model(tp, lm_head=lm_head)
         patch_mla(tp)
     else:
         patch_mla(tp)
-        replaced = shard_model(tp)
+        replaced = shard_model(tp, lm_head=lm_head)
     attn = tp.model.layers[0].self_attn
     heads = attn.kv_b_proj.weight.shape[0] // (config.qk_nope_head_dim + config.v_head_dim)
     out = compare(one, tp)
@@ -208,14 +209,15 @@ def check(results: list[dict]) -> None:
     assert results[0]["unseeded"] == results[1]["unseeded"]    # sampled with a seed drawn on each rank
 
 
-@pytest.mark.parametrize("variant, order", [("v3-dense", "shard-then-patch"), ("v3-moe", "patch-then-shard"),
-                                            ("v2-lite", "shard-then-patch")])
-def test_shard_model_deepseek_decodes_like_one_process_gloo(gloo_ranks, variant, order):
-    results = gloo_ranks.run(job_shard_model, variant, order)
+@pytest.mark.parametrize("variant, order, lm_head", [("v3-dense", "shard-then-patch", True),
+                                                     ("v3-moe", "patch-then-shard", False),
+                                                     ("v2-lite", "shard-then-patch", True)])
+def test_shard_model_deepseek_decodes_like_one_process_gloo(gloo_ranks, variant, order, lm_head):
+    results = gloo_ranks.run(job_shard_model, variant, order, lm_head)
     check(results)
     blocks = config_of(variant).num_hidden_layers
-    # per block: q_b_proj (q_proj) + kv_b_proj + o_proj + the dense MLP or the shared expert
-    assert all(r["replaced"] == 4 * blocks and r["local_heads"] == 2 for r in results), results
+    # per block: q_b_proj (q_proj) + kv_b_proj + o_proj + the dense MLP or the shared expert; lm_head
+    assert all(r["replaced"] == 4 * blocks + lm_head and r["local_heads"] == 2 for r in results), results
 
 
 @pytest.mark.parametrize("variant, swiglu", [("v3-dense", True), ("v3-moe", False)])
@@ -243,6 +245,12 @@ def test_heads_the_world_size_does_not_cut_are_refused():
         shard_model(model, rank=0, world_size=3)
     with pytest.raises(ValueError, match="world_size: .*config.num_attention_heads=4 .*MLA query heads"):
         mla_attention_of(model.model.layers[0].self_attn, placement(rank=0, world_size=8), 4)
+    with pytest.raises(ValueError, match="world_size: .*lm_head.out_features=99"):
+        shard_model(model_of(transformers.DeepseekV3Config(**{**config_of("v3-dense").to_dict(), "vocab_size": 99})),
+                    rank=0, world_size=2, lm_head=True)
+    with pytest.raises(ValueError, match="lm_head: expected model.lm_head to be an nn.Linear"):
+        shard_model(model.model, rank=0, world_size=2, lm_head=True)
+    assert type(model.model.layers[0].mlp).__name__ == "DeepseekV3MLP"          # refused before any change
 
 
 def test_shards_of_every_rank_make_the_one_device_attention():

@@ -6,9 +6,9 @@ MLA with 128 heads, q LoRA 1536, KV LoRA 512, every block a dense 18432 SwiGLU M
 8 blocks (``--layers``), random weights from one seed, bf16, the MLPs fused
 (:func:`tilefuse.hf.patch_swiglu`) at every degree. At TP=d it is cut by
 :func:`tilefuse.parallel.shard_model` (``128 / d`` heads per rank: ``q_b_proj`` and ``kv_b_proj``
-by rows, ``o_proj`` row-parallel; the MLP a :class:`~tilefuse.parallel.ParallelSwiGLUMLP`), then
-patched by ``patch_mla``; each rank holds a :class:`tilefuse.hf.PagedMLACache` of the whole
-latent.
+by rows, ``o_proj`` row-parallel; the MLP a :class:`~tilefuse.parallel.ParallelSwiGLUMLP`;
+``lm_head`` cut by the vocabulary, its logits all-gathered), then patched by ``patch_mla``; each
+rank holds a :class:`tilefuse.hf.PagedMLACache` of the whole latent.
 
 Degrees: 1, then every power of two up to the launch's world size (``torchrun --nproc-per-node
 8``: 1, 2, 4, 8). At degree d the ranks form ``world / d`` groups of d (``new_subgroups``) that
@@ -118,7 +118,7 @@ def context_cache(model, batch: int, max_tokens: int, context: int, seed: int = 
 
 def build(config, device, dtype, group, attention) -> torch.nn.Module:
     """The model at this rank's degree, its MLPs fused: full (group None) or cut by shard_model
-    over ``group``, then patched by patch_mla with ``attention``."""
+    over ``group`` (``lm_head`` by the vocabulary too), then patched by patch_mla with ``attention``."""
     from tilefuse.bench.hf_models import random_model
     from tilefuse.hf import patch_mla, patch_swiglu
     from tilefuse.parallel import shard_model
@@ -126,7 +126,7 @@ def build(config, device, dtype, group, attention) -> torch.nn.Module:
     model = random_model(config, device, dtype)
     patch_swiglu(model)
     if group is not None:
-        shard_model(model, group)
+        shard_model(model, group, lm_head=True)
     patch_mla(model, attention=attention)
     return model
 

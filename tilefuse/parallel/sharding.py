@@ -255,7 +255,8 @@ def _check_heads(config, world: int) -> None:
             split(heads, world, f"config.{name}", why="each rank runs its share of the attention heads")
 
 
-def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_size: int | None = None) -> int:
+def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_size: int | None = None,
+                lm_head: bool = False) -> int:
     """Shard every decoder block of an HF Llama / Mistral / Qwen2 / Qwen3 or DeepSeek-V2 / V3
     model in place.
 
@@ -266,15 +267,27 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
     ``VQLinear`` (after :func:`tilefuse.hf.patch_vq`) gets gate/up column- and down row-parallel.
     DeepSeek's MLA attention is cut by heads (:func:`mla_attention_of`: ``q_b_proj`` / ``q_proj``
     and ``kv_b_proj`` by rows, ``o_proj`` row-parallel, the latent path replicated), its dense
-    MLPs and shared experts as above; routed experts stay replicated. Embeddings, norms and
-    ``lm_head`` stay replicated. Returns the number of modules replaced.
+    MLPs and shared experts as above; routed experts stay replicated. Embeddings and norms stay
+    replicated; ``lm_head`` too, unless ``lm_head=True``: then it is cut by the vocabulary
+    (:class:`ColumnParallel` with ``gather_output``: each rank reads ``vocab / world_size`` rows of
+    the weight and the logits are all-gathered, so every rank still picks from all of them), as
+    transformers' own plan does. Returns the number of modules replaced.
 
     Every rank must hold the same full model. Raises ValueError naming ``world_size`` when it does
-    not divide ``config.num_attention_heads``, ``config.num_key_value_heads`` or a projection's size.
+    not divide ``config.num_attention_heads``, ``config.num_key_value_heads``, a projection's size
+    or (``lm_head=True``) the vocabulary; naming ``lm_head`` for a model without an ``nn.Linear`` one.
     """
     where = placement(group, rank, world_size)
     mlp_class = swiglu_mlp_class(model, require_silu=False)
     _check_heads(model.config, where.world_size)
+    head = getattr(model, "lm_head", None)
+    cut_head = bool(lm_head) and not isinstance(head, ColumnParallel)      # (a ColumnParallel one is cut already)
+    if cut_head:
+        if not isinstance(head, nn.Linear):
+            raise ValueError(f"lm_head: expected model.lm_head to be an nn.Linear to cut by the vocabulary, "
+                             f"got {type(head).__name__}")
+        split(head.out_features, where.world_size, "lm_head.out_features",
+              why="lm_head=True: each rank holds vocab / world_size rows of lm_head")
     done: list[str] = []                      # replaced modules: their children are left alone
     count = 0
     for name, module in list(model.named_modules()):
@@ -296,5 +309,8 @@ def shard_model(model: nn.Module, group=None, *, rank: int | None = None, world_
             continue
         model.set_submodule(name, new)
         done.append(name)
+        count += 1
+    if cut_head:
+        model.lm_head = ColumnParallel(rows_of(head, where), where, gather_output=True)
         count += 1
     return count

@@ -8,6 +8,7 @@ plain call (the code before the fix), then as it is; writes the counts to a JSON
     python tools/swiglu_graph_race.py bench/results/sweeps/swiglu-graph-race-<gpu>.json
 """
 
+import argparse
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "tests")]
 
 import tilefuse  # noqa: E402
 from tilefuse import _scratch  # noqa: E402
@@ -54,4 +55,9 @@ def build_args(shape):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " (needs a CUDA GPU)")
+    cli.add_argument("out", help="JSON file to write, e.g. bench/results/sweeps/swiglu-graph-race-h100.json")
+    args = cli.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tools/swiglu_graph_race.py: needs a CUDA GPU; torch sees none here")
+    main(args.out)

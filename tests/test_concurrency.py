@@ -196,7 +196,7 @@ def test_default_paths_never_sync_with_the_host():
 # each other's partials (an H100 gave 73 and 37 wrong outputs of 800 at the shapes below, on the
 # unfused path the dispatch picks there). Every tilefuse path that runs cuBLAS is checked: the
 # default pick, a pinned unfused swiglu, the FP8 pipeline's ``torch._scaled_mm``, the fp32 reference
-# (cuBLAS GEMMs) and FusedSwiGLUMLP (its down projection).
+# (cuBLAS GEMMs), FusedSwiGLUMLP (its down projection) and VQ's dequantize + cuBLAS path.
 BLAS_SHAPES = ((8192, 1024), (16384, 512))       # M = 4: split-K GEMMs in cuBLAS
 
 
@@ -233,13 +233,21 @@ def blas_paths():
                 return module(x)
         return call
 
+    def vq_dequant(h, i):                         # dequantize + cuBLAS: the VQ path that runs a GEMM
+        case = vq_cases.make_case(4, i, h, torch.float16, "cuda")
+
+        def call():
+            with tilefuse.force(variant="dequant", family="vq"):
+                return tilefuse.vq_matmul(*case.args())
+        return call
+
     def plain_linear(h, i):                       # PyTorch alone: shows the harness catches the race
         x, w, _ = swiglu_cases.make_case(4, h, i, DT, "cuda")
         return lambda: torch.nn.functional.linear(x, w)
 
     return {"swiglu default": swiglu(DT), "swiglu unfused pinned": swiglu(DT, "unfused"),
             "swiglu_fp8 unfused pinned": fp8, "swiglu fp32 reference": swiglu(torch.float32),
-            "FusedSwiGLUMLP": mlp, "plain F.linear": plain_linear}
+            "FusedSwiGLUMLP": mlp, "vq dequant pinned": vq_dequant, "plain F.linear": plain_linear}
 
 
 def graph_race(build, pair, replays=400, rel=1e-2):
@@ -271,7 +279,7 @@ def graph_race(build, pair, replays=400, rel=1e-2):
 
 @pytest.mark.parametrize("pair", [BLAS_SHAPES, BLAS_SHAPES[1:] * 2], ids=["two shapes", "one shape twice"])
 @pytest.mark.parametrize("path", ["swiglu default", "swiglu unfused pinned", "swiglu_fp8 unfused pinned",
-                                  "swiglu fp32 reference", "FusedSwiGLUMLP"])
+                                  "swiglu fp32 reference", "FusedSwiGLUMLP", "vq dequant pinned"])
 def test_graphs_on_the_shared_capture_stream_replayed_at_once(path, pair):
     wrong, total = graph_race(blas_paths()[path], pair)
     assert wrong == 0, f"{path}: {wrong} of {total} outputs wrong"

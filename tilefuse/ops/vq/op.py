@@ -531,10 +531,11 @@ def launch_dequant(x2d, codes, codebooks, scales, bias, out, *, block_n: int = D
 
 
 def _matmul_dequantized(x2d, w, bias, out) -> torch.Tensor:
-    """cuBLAS on the dequantized weight: ``out = x2d @ w^T (+ bias)``."""
+    """cuBLAS on the dequantized weight: ``out = x2d @ w^T (+ bias)``; through ``_scratch.blas``, so a
+    CUDA graph that captures it holds a cuBLAS workspace of its own (graphs replayed at once)."""
     if bias is None:
-        return torch.mm(x2d, w.t(), out=out)
-    return torch.addmm(bias.to(x2d.dtype), x2d, w.t(), out=out)
+        return _scratch.blas(torch.mm, x2d, w.t(), out=out)
+    return _scratch.blas(torch.addmm, bias.to(x2d.dtype), x2d, w.t(), out=out)
 
 
 def choose_variant(m: int, k: int = 0, device: torch.device | None = None, n: int | None = None) -> str:

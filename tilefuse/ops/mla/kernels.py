@@ -363,18 +363,19 @@ def _kv_rows(k_rows, ok, KV_FP8: tl.constexpr, DTYPE: tl.constexpr, KV_SHIFT: tl
         scales = tl.load(scale_rows[:, None] + tl.arange(0, FP8_GROUPS)[None, :], mask=ok[:, None], other=0.0)
         values = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32),
                             [k_rows.shape[0], FP8_GROUPS, FP8_GROUP])
-        rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
-        rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
         if KV_SHIFT:
             # ---- fp16: the tile's largest scale out of the values where 448 x it would pass 65504
             s_max = tl.max(tl.max(scales, axis=1), axis=0)
             k_shift = tl.where(s_max * 448.0 > FP16_MAX, s_max, 1.0)
-            rope = rope.to(tl.float32)
-            r_shift = _rope_shift(rope)
             scales = scales / k_shift
-            rope = rope / r_shift
         k_nope = tl.reshape(values * scales[:, :, None], [k_rows.shape[0], D_NOPE]).to(DTYPE)
-        k_rope = rope.to(DTYPE)
+        rope_rows = (k_rows + D_NOPE + 4 * FP8_GROUPS).to(tl.pointer_type(tl.bfloat16))
+        k_rope = tl.load(rope_rows[:, None] + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
+        if KV_SHIFT:    # ---- fp16: RoPE values past 65504 divided by a power of two
+            k_rope = k_rope.to(tl.float32)
+            r_shift = _rope_shift(k_rope)
+            k_rope = k_rope / r_shift
+        k_rope = k_rope.to(DTYPE)
     else:
         k_nope = tl.load(k_rows[:, None] + tl.arange(0, D_NOPE)[None, :], mask=ok[:, None], other=0.0)
         k_rope = tl.load(k_rows[:, None] + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=ok[:, None], other=0.0)
@@ -462,13 +463,14 @@ def mla_split_standard_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-    KV_SHIFT: tl.constexpr = False,
 ):
     """Heads as the MMA's M dimension: S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]).
 
     BLOCK_H = 64 query rows per program so Hopper's WGMMA (M = 64) applies; the [64, 512] fp32
     accumulator is 128 registers per thread at num_warps = 8.
     """
+    # an FP8 cache read as fp16 (q's dtype): values kept within fp16's range (_kv_rows)
+    KV_SHIFT: tl.constexpr = KV_FP8 and q_ptr.dtype.element_ty == tl.float16
     pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
     valid, req, tok_begin, tok_end, length, n_part, first_part, part_idx = _slot_work(
@@ -513,7 +515,6 @@ def mla_split_transposed_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     FUSED_COMBINE: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, KV_PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-    KV_SHIFT: tl.constexpr = False,
 ):
     """ETAP: the KV length as the MMA's M dimension. S^T = K Q^T ([BLOCK_N, BLOCK_H]), softmax over
     axis 0, O^T = V^T P^T ([512, BLOCK_H]). For s_q * h_q < 64 nothing is padded to 64 rows: the
@@ -521,6 +522,8 @@ def mla_split_transposed_kernel(
 
     A deliberate twin of :func:`mla_split_standard_kernel`: the same prologue and page loop, every
     tile transposed; two kernels so that each reads as one orientation."""
+    # an FP8 cache read as fp16 (q's dtype): values kept within fp16's range (_kv_rows)
+    KV_SHIFT: tl.constexpr = KV_FP8 and q_ptr.dtype.element_ty == tl.float16
     pid_part = tl.program_id(0)                 # a part of a slot (SLOT_PROGRAMS parts per slot)
     pid_h = tl.program_id(1)
     valid, req, tok_begin, tok_end, length, n_part, first_part, part_idx = _slot_work(
@@ -668,7 +671,7 @@ def mla_sparse_split_kernel(
     h_q, s_q, topk, num_tokens, page, chunk_base, num_chunks, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_kp, stride_kt, stride_ib, stride_is,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, HAS_LEN: tl.constexpr,
-    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr, KV_SHIFT: tl.constexpr = False,
+    KV_FP8: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Sparse (top-k) decode, one part: the BLOCK_H heads of tile ``pid 2`` of one query token
     (``pid 1`` = request x s_q + token) over the positions ``pid 0 x CHUNK ..`` of its index list
@@ -678,8 +681,11 @@ def mla_sparse_split_kernel(
     them. S = Q K^T ([BLOCK_H, BLOCK_N]), O = P V ([BLOCK_H, 512]), the 512-wide part in the FP8
     layout's four groups of 128 so that each group's scale multiplies S's and P's columns (BLOCK_N
     values per group) rather than the 512 values of every token: a gather kernel at few heads is
-    bound by the work per gathered byte, not by the MMAs. ``KV_SHIFT`` (an FP8 cache, fp16 q):
-    the RoPE part and P x scale kept within fp16's range (:func:`_rope_shift`, :func:`_output_group`)."""
+    bound by the work per gathered byte, not by the MMAs. An FP8 cache with an fp16 q
+    (``KV_SHIFT``): the RoPE part and P x scale kept within fp16's range (:func:`_rope_shift`,
+    :func:`_output_group`)."""
+    # an FP8 cache read as fp16 (q's dtype): RoPE values and P x scale kept within fp16's range
+    KV_SHIFT: tl.constexpr = KV_FP8 and q_ptr.dtype.element_ty == tl.float16
     chunk = tl.program_id(0)
     unit = tl.program_id(1)
     pid_h = tl.program_id(2)

@@ -357,8 +357,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *q.stride()[:3], k_cache.stride(0), k_cache.stride(1), block_table.stride(0),
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8,
-                         KV_SHIFT=fp8 and q.dtype == torch.float16, **cfg)
+                         FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
     call.combine_grid = None if fused else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
@@ -782,7 +781,7 @@ def _sparse_decode(q, scale, sources, attn_sink, config: dict | None = None):
             scalars = (h_q, s_q, topk, num_tokens, cache.shape[1], base, num_chunks, scale * LOG2E, *q.stride()[:3],
                        cache.stride(0), cache.stride(1), idx.stride(0), idx.stride(1))
             meta = dict(cfg, CHUNK=chunk, HAS_LEN=length is not None, KV_FP8=fp8,
-                        KV_SHIFT=fp8 and q.dtype == torch.float16, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
         tensors = (q, cache, idx, length if length is not None else idx, o_acc, lse_acc)
         key = (kernel, scalars, tuple(meta.items()), q.dtype, cache.dtype, idx.dtype,
                *(t.data_ptr() % 16 for t in tensors))

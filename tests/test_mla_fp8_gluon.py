@@ -19,8 +19,9 @@ from tests.test_mla import _check_gpu, _poison_unused_fp8_slots
 FORMS = {
     "ws": lambda: configs.FP8_GLUON_WS,
     "serial": lambda: configs.FP8_GLUON_SERIAL,
-    "ws-conv8": lambda: {k: dict(v, CONVERTERS=8) for k, v in configs.FP8_GLUON_WS.items()},
+    "ws-conv4": lambda: {k: dict(v, CONVERTERS=4) for k, v in configs.FP8_GLUON_WS.items()},
     "ws-slot16": lambda: {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"]) for k, v in configs.FP8_GLUON_WS.items()},
+    "ws-ahead": lambda: {k: dict(v, MMA_AHEAD=1) for k, v in configs.FP8_GLUON_WS.items()},
 }
 
 
@@ -97,7 +98,7 @@ def _need_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (8, 4, True), (24, 1, False), (5, 3, True), (1, 1, True)])
 def test_gpu_fp8_gluon_forms(monkeypatch, form, page, h_q, s_q, causal):
@@ -111,11 +112,11 @@ def test_gpu_fp8_gluon_forms(monkeypatch, form, page, h_q, s_q, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws-conv8", "ws-slot16"])
+@pytest.mark.parametrize("form", ["ws-conv4", "ws-slot16", "ws-ahead"])
 @pytest.mark.parametrize("h_q,s_q", [(16, 1), (16, 2)])
 def test_gpu_fp8_gluon_ws_variants(monkeypatch, form, h_q, s_q):
-    """The warp-specialized form's variants the sweep times (8 converter warps; ring slots of 16
-    tokens, twice the slots): the fp64 reference."""
+    """The warp-specialized form's variants the sweep times (4 converter warps; ring slots of 16
+    tokens, twice the slots; the next tile's S^T issued behind P V): the fp64 reference."""
     _need_hopper()
     _use_form(monkeypatch, form)
     inp, out, lse, _ = _decode(EDGES, s_q, h_q, 64)
@@ -123,11 +124,11 @@ def test_gpu_fp8_gluon_ws_variants(monkeypatch, form, h_q, s_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
 @pytest.mark.parametrize("h_q,s_q", [(16, 3), (32, 2)])
 def test_gpu_fp8_gluon_head_tiles(monkeypatch, form, h_q, s_q):
-    """Past one head tile (FP8_GLUON_MAX_ROWS raised to 64): 48 and 64 rows on tiles of 32, each
-    streaming every page of its part; the fp64 reference."""
+    """Past one head tile (48 and 64 rows, FP8_GLUON_MAX_ROWS 64): tiles of 32, each streaming
+    every page of its part; the fp64 reference."""
     _need_hopper()
     _use_form(monkeypatch, form, max_rows=64)
     inp, out, lse, choice = _decode(EDGES, s_q, h_q, 64)
@@ -136,7 +137,7 @@ def test_gpu_fp8_gluon_head_tiles(monkeypatch, form, h_q, s_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
 def test_gpu_fp8_gluon_runs_of_splits_graph(monkeypatch, form):
     """An uneven batch of 40 (zeros, short and long requests): programs run several splits each,
     the ring and the K buffers carried from one split to the next; the same result from a CUDA

@@ -5,13 +5,13 @@
 # tools/mla_fp8_sweep.py's timings alone on the GPU. Logs (logs.tgz) and the sweep's JSON go to
 # OUT (default: $OUT, else ./fp8-check). Run from the repository root on the GPU machine.
 #
-#   bash tools/mla_fp8_gpu_check.sh [PYTEST_PROCS] [WARM_SHARDS]      # default: 6 and 6
+#   bash tools/mla_fp8_gpu_check.sh [PYTEST_PROCS] [WARM_SHARDS]      # default: 6 and 4
 set -uo pipefail
 out=${OUT:-fp8-check}
 mkdir -p "$out/logs"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 procs=${1:-6}
-shards=${2:-6}
+shards=${2:-4}
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 start=$SECONDS
 ids=$(python3 -m pytest -q --collect-only -p no:cacheprovider tests/test_mla_fp8_gluon.py tests/test_mla.py \

@@ -15,7 +15,8 @@ Cases: uniform and uneven lengths (4K-128K), batch 16-128, 8-32 heads, s_q 1-4 (
 the forms run past one head tile (``configs.FP8_GLUON_MAX_ROWS`` raised for the run) at 48-64 rows,
 where the default is the ``tl`` standard kernel. Per case: each form's graph_us, the bytes read
 (the FP8 rows of every request, q, out), their rate against the copy bandwidth, and the speed-up
-over the bf16 path. Writes ``bench/results/sweeps/mla-fp8-ws-<gpu>.json`` by default. Needs a
+over the bf16 path. On three cases the warp-specialized form also runs with stages left out
+(``SKIP``: timing only), which shows which partition bounds it. Writes ``bench/results/sweeps/mla-fp8-ws-<gpu>.json`` by default. Needs a
 CUDA GPU.
 """
 
@@ -65,9 +66,16 @@ def _forms() -> dict[str, dict[int, dict]]:
     return {
         "serial": configs.FP8_GLUON_SERIAL,
         "ws": ws,
-        "ws-conv8": {k: dict(v, CONVERTERS=8) for k, v in ws.items()},
-        "ws-slot16": {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"]) for k, v in ws.items()},
+        "ws-conv4": {k: dict(v, CONVERTERS=4) for k, v in ws.items()},
+        "ws-ahead": {k: dict(v, MMA_AHEAD=1) for k, v in ws.items()},
     }
+
+
+# The warp-specialized form with stages left out (timing only, outputs not checked): what the
+# producer and the converters take without the products (skip-mma), the producer and the
+# products without the conversion (skip-convert), the producer alone (skip-both: the TMA ring).
+ABLATIONS = {"skip-convert": 1, "skip-mma": 2, "skip-both": 3}
+ABLATED = {"b32 h16 s1 16K", "b32 h32 s1 16K", "b16 h8 s1 128K"}
 
 
 MAX_REL_ERR = 2e-2    # e4m3 codes dequantized alike; bf16 outputs, different split sums
@@ -141,14 +149,19 @@ def main() -> None:
                  "max_len": max(lens), "bytes": nbytes, "tl_variant": tl_variant, "tl_us": tl_us, "forms": {},
                  "rel_err": {}}
         configs.FP8_GLUON_MAX_ROWS = max(shipped_max_rows, rows)
-        for form, cfgs in _forms().items():
+        forms = dict(_forms())
+        if name in ABLATED:
+            forms.update({f"ws-{k}": {r: dict(c, SKIP=v) for r, c in configs.FP8_GLUON_WS.items()}
+                          for k, v in ABLATIONS.items()})
+        for form, cfgs in forms.items():
             configs.FP8_GLUON_CONFIGS.clear()
             configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in cfgs.items()})
             _reset()
             try:
                 err = float((call()[0].float() - tl_out).norm() / tl_out.norm())
                 entry["rel_err"][form] = err
-                us = timer.graph_us(call) if err < MAX_REL_ERR else None
+                ablated = "-skip-" in form
+                us = timer.graph_us(call) if err < MAX_REL_ERR or ablated else None
             except Exception as exc:          # a launch that does not compile or fit: recorded
                 us = None
                 entry.setdefault("errors", {})[form] = str(exc).splitlines()[0][:300]
@@ -161,7 +174,7 @@ def main() -> None:
         entry["bf16_us"] = timer.graph_us(lambda: tilefuse.flash_mla_with_kvcache(
             q, bf16, block_table, seqlens, 512, meta, splits, causal=True))
         del bf16
-        timed = {f: us for f, us in entry["forms"].items() if us}
+        timed = {f: us for f, us in entry["forms"].items() if us and "-skip-" not in f}
         best = min(timed, key=timed.get) if timed else None
         entry["best"] = best
         entry["floor_us"] = nbytes / copy_gbps / 1e3
@@ -172,8 +185,8 @@ def main() -> None:
             entry["best_vs_tl"] = tl_us / timed[best]
         rows_out.append(entry)
         print(json.dumps({k: v for k, v in entry.items() if k not in ("rel_err",)}), flush=True)
-        forms = " ".join(f"{f} {us:.1f}" if us else f"{f} -" for f, us in entry["forms"].items())
-        print(f"# {name}: {forms} | tl {tl_us:.1f} bf16 {entry['bf16_us']:.1f} floor {entry['floor_us']:.1f} us; "
+        forms_us = " ".join(f"{f} {us:.1f}" if us else f"{f} -" for f, us in entry["forms"].items())
+        print(f"# {name}: {forms_us} | tl {tl_us:.1f} bf16 {entry['bf16_us']:.1f} floor {entry['floor_us']:.1f} us; "
               f"best {best}: x{entry.get('best_vs_bf16', 0):.2f} bf16, x{entry.get('best_vs_serial', 0):.2f} serial, "
               f"{entry.get('best_copy_frac', 0):.2f} of copy bw", flush=True)
         write()

@@ -50,29 +50,35 @@ LONG_CONTEXT_PAGES = 256
 # shape; the tl rule below serves elsewhere.
 WGMMA_FROM_ROWS = 1
 # The Gluon dense FP8 kernel (kernels_gluon_fp8.py: bf16 q, FP8 cache, Hopper) by query rows per
-# KV head: BLOCK_H rows per program (transposed products, nothing padded). One head tile per
-# request up to FP8_GLUON_MAX_ROWS rows, as the metadata plans (one 64-row tile); above, the tl
-# kernels. Two forms:
+# KV head: BLOCK_H rows per program (transposed products, nothing padded); up to
+# FP8_GLUON_MAX_ROWS rows, past 32 as head tiles of 32 (each streaming its part's pages); above,
+# the tl kernels. Two forms:
 # * serial (CONVERTERS 0): STAGES ring slots of 64 tokens (41 KB each), one 64 KB K tile that the
 #   num_warps consumer warps convert and multiply in turn;
 # * warp-specialized (CONVERTERS > 0, kernels_gluon_fp8_ws.py): STAGES ring slots of SLOT_N tokens
-#   (SLOT_N x 656 B), CONVERTERS warps filling two 72 KB K buffers, one MMA warpgroup (num_warps 4):
-#   Q (BLOCK_H x 1152 B) + 144 KB + ring + P^T within 227 KB (16 rows: 3 x 32 tokens; 32: 2 x 32).
+#   (SLOT_N x 656 B), CONVERTERS warps filling two 72 KB K buffers, one MMA warpgroup (num_warps 4;
+#   MMA_AHEAD: the next tile's S^T issued behind P V): Q (BLOCK_H x 1152 B) + 144 KB + ring + P^T
+#   within 227 KB (16 rows: 3 slots of 32 tokens; 32: 2). SKIP is for timing only (results wrong).
+# Measured on the H100 (bench/results/sweeps/mla-fp8-ws-nvidia-h100-80gb-hbm3.json, one run): the
+# warp-specialized form with 8 converter warps is the fastest on every case at 8-64 rows, 1.20-1.32x
+# the serial form; 4 converter warps 2-6 % slower, slots of 16 tokens 15-25 % slower.
 FP8_GLUON_SERIAL = {
-    16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, num_warps=8),
-    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, num_warps=8),
+    16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
 }
 FP8_GLUON_WS = {
-    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=32, CONVERTERS=4, num_warps=4),
-    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=32, CONVERTERS=4, num_warps=4),
+    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, num_warps=4),
 }
 FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
-FP8_GLUON_MAX_ROWS = 32
-# Above this many rows a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
+# Two 32-row head tiles of the warp-specialized form beat the tl standard kernel's 64-row tile on
+# the H100 (same file: 365 against 437 us at 48 rows, b64 h16 s3 8K; 371 against 387 at 64, b32
+# h32 s2 16K); above 64 rows (not measured with this form) the tl kernel serves.
+FP8_GLUON_MAX_ROWS = 64
+# Above 32 rows, where the Gluon FP8 kernel does not serve (fp16 q, other GPUs, past
+# FP8_GLUON_MAX_ROWS), a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431
-# against 973 us (and the Gluon FP8 kernel's two 32-row tiles 460 us) on the H200,
-# bench/results/sweeps/mla-fp8-h200.json. The Gluon FP8 kernel's head tiles lose to the standard
-# tile from 48 rows on (460-467 against 351-431 us at 48-128 rows), so it stops at one tile.
+# against 973 us on the H200, bench/results/sweeps/mla-fp8-h200.json.
 FP8_TRANSPOSED_MAX_ROWS = 32
 
 

@@ -208,14 +208,17 @@ def mla_split_fp8_kernel(
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
-    num_warps: gl.constexpr, SLOT_N: gl.constexpr = 64, CONVERTERS: gl.constexpr = 0,
+    num_warps: gl.constexpr, SLOT_N: gl.constexpr = 64, CONVERTERS: gl.constexpr = 0, MMA_AHEAD: gl.constexpr = 0,
+    SKIP: gl.constexpr = 0,
 ):
     """Attention of BLOCK_H query rows (bf16 q) over the splits of one part of the schedule, from an
     FP8 cache. ``CONVERTERS = 0`` (the serial form): a producer warp and ``num_warps`` consumer
     warps (4, or 8 with the two warpgroups each holding half of the rows) that convert and multiply
     in turn, ring slots of 64 tokens (``SLOT_N``). ``CONVERTERS > 0`` (``kernels_gluon_fp8_ws``): a
     producer warp filling a ring of ``STAGES`` slots of ``SLOT_N`` tokens, ``CONVERTERS`` warps
-    converting into two K buffers, and the ``num_warps = 4`` MMA warpgroup.
+    converting into two K buffers, and the ``num_warps = 4`` MMA warpgroup (``MMA_AHEAD``: the next
+    tile's ``S^T`` issued behind ``P V``). ``SKIP`` (timing only, results wrong): 1 leaves out the
+    conversion, 2 the products, 3 both, so that what remains is timed alone.
 
     Grid: (head tiles, metadata rows - 1); program p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1``.
     codes_desc: TMA descriptor over the cache as ``[num_blocks * KV_PAGE, 656]`` float8_e4m3fn
@@ -233,7 +236,8 @@ def mla_split_fp8_kernel(
         _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
                      oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
                      stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb,
-                     stride_lh, pid_h, slot_first, slot_last, CAUSAL, BLOCK_H, STAGES, KV_PAGE, SLOT_N, CONVERTERS)
+                     stride_lh, pid_h, slot_first, slot_last, CAUSAL, BLOCK_H, STAGES, KV_PAGE, SLOT_N, CONVERTERS,
+                     MMA_AHEAD, SKIP)
     else:
         _fp8_serial_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
                          oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens,
@@ -288,7 +292,8 @@ def _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, 
                  oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
                  stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                  pid_h, slot_first, slot_last, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-                 KV_PAGE: gl.constexpr, SLOT_N: gl.constexpr, CONVERTERS: gl.constexpr):
+                 KV_PAGE: gl.constexpr, SLOT_N: gl.constexpr, CONVERTERS: gl.constexpr, MMA_AHEAD: gl.constexpr,
+                 SKIP: gl.constexpr):
     """The warp-specialized form (``kernels_gluon_fp8_ws``): shared memory and barriers, then the
     MMA warpgroup (default partition), the converters and the producer."""
     dtype: gl.constexpr = gl.float16
@@ -326,10 +331,10 @@ def _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, 
         (fp8_ws_mma, (q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, meta_ptr, splits_ptr,
                       seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
                       rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob,
-                      stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_H)),
+                      stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_H, MMA_AHEAD, SKIP)),
         (fp8_ws_converter, (codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready, r_empty, kb_full, kb_empty,
                             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last,
-                            STAGES, SLOT_N)),
+                            STAGES, SLOT_N, SKIP)),
         (fp8_ws_producer, (codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, r_ready, r_empty, bt_ptr,
                            stride_btb, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks,
                            slot_first, slot_last, STAGES, KV_PAGE, SLOT_N)),

@@ -112,7 +112,7 @@ def fp8_ws_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring,
 @gluon.jit
 def fp8_ws_converter(codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready, r_empty, kb_full, kb_empty,
                      meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last,
-                     STAGES: gl.constexpr, SLOT_N: gl.constexpr):
+                     STAGES: gl.constexpr, SLOT_N: gl.constexpr, SKIP: gl.constexpr):
     # Each thread converts 16 codes of a row (8 threads walk 8 rows at the same columns, so each
     # 16-byte access of a phase lands in a different swizzled bank group); warps down the rows,
     # two across the 128 codes of a group where the slot has fewer rows than 8 per warp.
@@ -138,30 +138,51 @@ def fp8_ws_converter(codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready
                 for h in gl.static_range(BLOCK_N // SLOT_N):
                     s = r % STAGES
                     mbarrier.wait(r_ready.index(s), (r // STAGES) & 1)
-                    scale32 = smem_reinterpret(scales_ring.index(s), gl.float32, [SLOT_N, SCALES], FLAT)
-                    rope = smem_reinterpret(rope_ring.index(s), kr.dtype, [SLOT_N, D_ROPE], ROPE_SMEM)
-                    for r0 in gl.static_range(0, SLOT_N, ROWS):
-                        # ---- codes -> fp16 (exact, one conversion per two codes) x the group's
-                        #      scale, rounded once; rows past the length as 0 (NaN bytes there)
-                        pos = start + h * SLOT_N + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, CODES_L))
-                        keep = (pos < length)[:, None]
-                        for g in gl.static_range(CODE_BOXES):
-                            scale = scale32.slice(r0, ROWS, dim=0).slice(g, 1, dim=1).load(CODES_L)
-                            codes = codes_ring.index(s * CODE_BOXES + g).slice(r0, ROWS, dim=0).load(CODES_L)
-                            v = codes.to(gl.float16) * scale.to(gl.float16)
-                            v = gl.where(keep, v, gl.zeros_like(v))
-                            kn.slice(h * SLOT_N + r0, ROWS, dim=0).slice(g * CODE_BOX, CODE_BOX, dim=1).store(v)
-                        # ---- RoPE bytes (bf16 as they landed) -> the K buffer's RoPE rows
-                        pos_r = start + h * SLOT_N + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROPE_L))
-                        rv = rope.slice(r0, ROWS, dim=0).load(ROPE_L)
-                        rv = gl.where((pos_r < length)[:, None], rv, gl.zeros_like(rv))
-                        kr.slice(h * SLOT_N + r0, ROWS, dim=0).store(rv)
+                    if SKIP % 2 == 0:      # (SKIP odd, timing only: no conversion)
+                        _convert_slot(codes_ring, rope_ring, scales_ring, kn, kr, s, start + h * SLOT_N, length,
+                                      h * SLOT_N, SLOT_N, ROWS, CODES_L, ROPE_L)
                     mbarrier.arrive(r_empty.index(s))      # read: the producer may refill the slot
                     r += 1
                 # the tile's stores visible to the tensor cores, then handed over
                 fence_async_shared()
                 mbarrier.arrive(kb_full.index(b))
                 t += 1
+
+
+@gluon.jit
+def _convert_slot(codes_ring, rope_ring, scales_ring, kn, kr, s, first, length, row0: gl.constexpr, SLOT_N: gl.constexpr,
+                  ROWS: gl.constexpr, CODES_L: gl.constexpr, ROPE_L: gl.constexpr):
+    """SMEM -> registers -> SMEM: ring slot ``s`` (tokens ``first ..``) into rows ``row0 ..`` of the
+    K buffer ``kn`` / ``kr``, ``ROWS`` rows at a time."""
+    scale32 = smem_reinterpret(scales_ring.index(s), gl.float32, [SLOT_N, SCALES], FLAT)
+    rope = smem_reinterpret(rope_ring.index(s), kr.dtype, [SLOT_N, D_ROPE], ROPE_SMEM)
+    for r0 in gl.static_range(0, SLOT_N, ROWS):
+        # ---- codes -> fp16 (exact, one conversion per two codes) x the group's scale, rounded
+        #      once; rows past the length as 0 (NaN bytes there)
+        pos = first + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, CODES_L))
+        keep = (pos < length)[:, None]
+        for g in gl.static_range(CODE_BOXES):
+            scale = scale32.slice(r0, ROWS, dim=0).slice(g, 1, dim=1).load(CODES_L)
+            codes = codes_ring.index(s * CODE_BOXES + g).slice(r0, ROWS, dim=0).load(CODES_L)
+            v = codes.to(gl.float16) * scale.to(gl.float16)
+            v = gl.where(keep, v, gl.zeros_like(v))
+            kn.slice(row0 + r0, ROWS, dim=0).slice(g * CODE_BOX, CODE_BOX, dim=1).store(v)
+        # ---- RoPE bytes (bf16 as they landed) -> the K buffer's RoPE rows
+        pos_r = first + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, ROPE_L))
+        rv = rope.slice(r0, ROWS, dim=0).load(ROPE_L)
+        rv = gl.where((pos_r < length)[:, None], rv, gl.zeros_like(rv))
+        kr.slice(row0 + r0, ROWS, dim=0).store(rv)
+
+
+@gluon.jit
+def _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t, S_L: gl.constexpr, BLOCK_H: gl.constexpr):
+    """SMEM -> tensor cores: ``S^T = K Q^T`` of the program's tile ``t`` issued asynchronously, once
+    the converters have filled its K buffer (``t % 2``); the RoPE part into the same accumulator."""
+    b = t % 2
+    mbarrier.wait(kb_full.index(b), (t // 2) & 1)
+    s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, S_L)
+    s = warpgroup_mma(kn_buf.index(b), q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
+    return warpgroup_mma(kr_buf.index(b), q_rope.permute((1, 0)), s, is_async=True)
 
 
 @gluon.jit
@@ -198,7 +219,7 @@ def _store_out(o, stage, has_tiles, pid_h, req, part_idx, n_part, rows_total, h_
 def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, meta_ptr, splits_ptr, seqlens_ptr, batch,
                num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total, out_ptr, lse_ptr,
                oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb,
-               stride_lh, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr):
+               stride_lh, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, MMA_AHEAD: gl.constexpr, SKIP: gl.constexpr):
     # S^T and O^T as one warpgroup's WGMMA accumulates them: all BLOCK_H rows as N.
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_H, 16])
@@ -218,20 +239,49 @@ def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, me
             m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS)
             l_i = gl.zeros([BLOCK_H], gl.float32, ROWS)
             acc = gl.zeros([D_NOPE, BLOCK_H], gl.float32, S_L)
+            s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, S_L)
             for start in range(tok_begin, tok_end, BLOCK_N):
                 b = t % 2
                 kn = kn_buf.index(b)
-                mbarrier.wait(kb_full.index(b), (t // 2) & 1)
-                # ---- S^T = K Q^T: [64, 576] x [576, BLOCK_H], both parts from the K buffer.
-                s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, S_L)
-                s = warpgroup_mma(kn, q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
-                s = warpgroup_mma(kr_buf.index(b), q_rope.permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s,))
-                # ---- online softmax down the token axis (keys past the length or the causal
-                #      limit score -inf), then O^T = O^T alpha + V^T P^T.
-                pos = start + gl.arange(0, BLOCK_N, layout=TOKENS)
-                m_i, l_i, acc = _softmax_pv_transposed(s, pos[:, None] <= limit[None, :], qk_scale, m_i, l_i, acc,
-                                                       kn, p_t)
+                if SKIP >= 2:          # timing only: no products (the hand-offs alone)
+                    mbarrier.wait(kb_full.index(b), (t // 2) & 1)
+                else:
+                    # ---- S^T = K Q^T: [64, 576] x [576, BLOCK_H], both parts from the K buffer
+                    #      (MMA_AHEAD: issued during the previous tile, after its P V).
+                    if MMA_AHEAD:
+                        if start == tok_begin:
+                            s = warpgroup_mma_wait(0, deps=(_issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full,
+                                                                          t, S_L, BLOCK_H),))
+                        s = warpgroup_mma_wait(0, deps=(s,))
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(_issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t,
+                                                                      S_L, BLOCK_H),))
+                    # ---- online softmax down the token axis (keys past the length or the causal
+                    #      limit score -inf; the row sum from the fp32 probabilities), P^T -> SMEM.
+                    pos = start + gl.arange(0, BLOCK_N, layout=TOKENS)
+                    s = gl.where(pos[:, None] <= limit[None, :], s * qk_scale, float("-inf"))
+                    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+                    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = gl.exp2(m_i - m_safe)
+                    p = gl.exp2(s - m_safe[None, :])
+                    l_i = l_i * alpha + gl.sum(p, axis=0)
+                    m_i = m_new
+                    p_t.store(gl.permute(p.to(p_t.dtype), (1, 0)))
+                    fence_async_shared()
+                    thread_barrier()
+                    # ---- O^T = O^T alpha + V^T P^T (V^T: the K buffer read transposed); with
+                    #      MMA_AHEAD the next tile's S^T is issued behind it, so the tensor cores
+                    #      run it while this warpgroup waits for P V and releases the buffer.
+                    pv = warpgroup_mma(kn.permute((1, 0)), p_t.permute((1, 0)), acc * alpha[None, :], is_async=True)
+                    if MMA_AHEAD:
+                        if start + BLOCK_N < tok_end:
+                            s_next = _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t + 1, S_L, BLOCK_H)
+                            # P V done (the groups retire in order); the next S^T may still run
+                            acc, s = warpgroup_mma_wait(1, deps=(pv, s_next))
+                        else:
+                            acc = warpgroup_mma_wait(0, deps=(pv,))
+                    else:
+                        acc = warpgroup_mma_wait(0, deps=(pv,))
                 # the buffer goes back to the converters, except the split's last: the output
                 # leaves through it first
                 mbarrier.arrive(kb_empty.index(b), pred=start + BLOCK_N < tok_end)

@@ -20,15 +20,33 @@ FORMS = {
     "ws": lambda: configs.FP8_GLUON_WS,
     "serial": lambda: configs.FP8_GLUON_SERIAL,
     "ws-conv4": lambda: {k: dict(v, CONVERTERS=4) for k, v in configs.FP8_GLUON_WS.items()},
-    "ws-slot16": lambda: {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"]) for k, v in configs.FP8_GLUON_WS.items()},
+    "ws-slot16": lambda: {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"], CONVERTERS=4)
+                          for k, v in configs.FP8_GLUON_WS.items()},
     "ws-ahead": lambda: {k: dict(v, MMA_AHEAD=1) for k, v in configs.FP8_GLUON_WS.items()},
 }
+
+
+def _converter_layout_fits(cfg: dict) -> bool:
+    """The converters' layout (kernels_gluon_fp8_ws.fp8_ws_converter): warps down the slot's rows,
+    8 rows each, and at most 2 warps across a 128-code group."""
+    warps, slot = cfg["CONVERTERS"], cfg["SLOT_N"]
+    return warps // min(warps, slot // 8) <= 2
+
+
+def test_fp8_gluon_forms_fit_the_converter_layout():
+    """Every warp-specialized launch the configs and the sweep use fits the converters' layout
+    (the kernel's static_assert; 8 converter warps need slots of 32 tokens or more)."""
+    for name, form in FORMS.items():
+        for cfg in form().values():
+            if cfg["CONVERTERS"]:
+                assert _converter_layout_fits(cfg), (name, cfg)
+    assert not _converter_layout_fits(dict(CONVERTERS=8, SLOT_N=16))
 
 
 def test_fp8_gluon_config_by_rows():
     """Rows pick the smallest tile that holds them; each config is one of the two forms; rows
     outside 1..FP8_GLUON_MAX_ROWS are refused by name."""
-    for rows in (1, 8, 16, 17, 24, 32):
+    for rows in (1, 8, 16, 17, 24, 32, 48, 64):
         cfg = configs.fp8_gluon_config(rows)
         assert cfg["BLOCK_H"] == (16 if rows <= 16 else 32)
         if cfg.get("CONVERTERS", 0):

@@ -60,8 +60,9 @@ WGMMA_FROM_ROWS = 1
 #   MMA_AHEAD: the next tile's S^T issued behind P V): Q (BLOCK_H x 1152 B) + 144 KB + ring + P^T
 #   within 227 KB (16 rows: 3 slots of 32 tokens; 32: 2). SKIP is for timing only (results wrong).
 # Measured on the H100 (bench/results/sweeps/mla-fp8-ws-nvidia-h100-80gb-hbm3.json, one run): the
-# warp-specialized form with 8 converter warps is the fastest on every case at 8-64 rows, 1.20-1.32x
-# the serial form; 4 converter warps 2-6 % slower, slots of 16 tokens 15-25 % slower.
+# warp-specialized form with 8 converter warps is the fastest on every case at 8-64 rows, 1.20-1.31x
+# the serial form; 4 converter warps 2-7 % slower, MMA_AHEAD 2-13 % slower (an earlier run: slots of
+# 16 tokens 13-26 % slower than slots of 32). 8 converter warps need slots of >= 32 tokens.
 FP8_GLUON_SERIAL = {
     16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
     32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
@@ -72,7 +73,7 @@ FP8_GLUON_WS = {
 }
 FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
 # Two 32-row head tiles of the warp-specialized form beat the tl standard kernel's 64-row tile on
-# the H100 (same file: 365 against 437 us at 48 rows, b64 h16 s3 8K; 371 against 387 at 64, b32
+# the H100 (same file: 366 against 437 us at 48 rows, b64 h16 s3 8K; 366 against 387 at 64, b32
 # h32 s2 16K); above 64 rows (not measured with this form) the tl kernel serves.
 FP8_GLUON_MAX_ROWS = 64
 # Above 32 rows, where the Gluon FP8 kernel does not serve (fp16 q, other GPUs, past

@@ -230,6 +230,18 @@ def test_older_rows_are_read_without_inventing_eager_times():
     assert upgrade_rows(new_rows := [dict(new, legacy_schema=False)]) == new_rows  # new rows pass through
 
 
+def test_a_case_whose_inputs_cannot_be_built_is_an_error_row():
+    """A case whose setup raises (a cache too large for the GPU) is recorded and the run goes on."""
+    from tilefuse.bench.harness import Case, run_case
+
+    def setup():
+        raise RuntimeError("CUDA out of memory. Tried to allocate 72.00 GiB")
+
+    rows = run_case(Case({"batch": 256}, 1.0, 2.0, setup), "mla", Timer(torch.device("cpu")), Ceilings(None, None))
+    assert rows == [{"family": "mla", "impl": "setup", "params": {"batch": 256}, "flops": 1.0, "bytes": 2.0,
+                     "error": "RuntimeError: CUDA out of memory. Tried to allocate 72.00 GiB"}]
+
+
 def test_eager_timer_loops_long_enough():
     """A call that takes 1 ms of a fake clock, 5 ms loops: warm-up 1 call, calibration 1 then
     max(2, ceil(1.2 x 1 x 5 / 1)) = 6 calls (6 ms >= 5 ms), then two more loops of 6."""

@@ -221,9 +221,16 @@ def time_impl(fn: Callable[[], object], timer: Timer) -> dict:
 
 
 def run_case(case: Case, family: str, timer: Timer, ceilings: Ceilings) -> list[dict]:
-    """Time every implementation of ``case``; one result row per implementation."""
+    """Time every implementation of ``case``; one result row per implementation (one error row,
+    impl ``setup``, where the case's inputs cannot be built, e.g. out of memory)."""
     rows = []
-    impls = case.setup()
+    try:
+        impls = case.setup()
+    except Exception as exc:  # inputs that cannot be built (a cache too large for this GPU): record, go on
+        if timer.on_gpu:
+            torch.cuda.empty_cache()
+        return [{"family": family, "impl": "setup", "params": dict(case.params), "flops": case.flops,
+                 "bytes": case.bytes, "error": f"{type(exc).__name__}: {exc}"[:300]}]
     extras = {}
     if case.extras is not None:
         try:

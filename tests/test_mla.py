@@ -1735,6 +1735,9 @@ def test_mla_sparse_and_quantizer_on_meta_tensors(fp8):
     q, cache, idx, length, _, _, sink = _sparse_kernel_case(1, 16, fp8, 64, seed=4)
     packed = tilefuse.mla_quantize_kv(torch.randn(5, 576, device="meta"), check_contents=True)
     assert packed.shape == (5, 656) and packed.dtype == torch.uint8 and packed.is_meta
+    assert tilefuse.mla_dequantize_kv(packed).shape == (5, 576)
+    tilefuse.mla_scatter_kv(torch.randn(3, 576, device="meta"), torch.zeros(4, 16, 1, 656, dtype=torch.uint8,
+                            device="meta"), torch.zeros(3, dtype=torch.int64, device="meta"), check_contents=True)
     out, lse = tilefuse.flash_mla_with_kvcache(q.to("meta"), cache.to("meta"), None, None, 512, None, None,
                                                is_fp8_kvcache=fp8, indices=idx.to("meta"),
                                                topk_length=length.to("meta"), attn_sink=sink.to("meta"))

@@ -155,15 +155,15 @@ def mla_scatter_kv(latent: torch.Tensor, k_cache: torch.Tensor, slot_mapping: to
         raise ValueError(f"slot_mapping: expected [T={latent.shape[0]}] like latent, got shape "
                          f"{tuple(slot_mapping.shape)}")
     _checks.check_same_device(latent=latent, k_cache=k_cache, slot_mapping=slot_mapping)
-    if _check_contents(check_contents) and slot_mapping.numel() \
-            and not _checks.contents_unreadable(latent, slot_mapping):
+    no_data = _checks.contents_unreadable(latent, k_cache, slot_mapping)
+    if _check_contents(check_contents) and slot_mapping.numel() and not no_data:
         if width == FP8_KV_BYTES:
             check_finite_latent(latent)
         top = k_cache.shape[0] * k_cache.shape[1]
         if int(slot_mapping.max()) >= top or int(slot_mapping.min()) < -1:
             raise ValueError(f"slot_mapping: expected slots in [0, {top}) or -1, got "
                              f"[{int(slot_mapping.min())}, {int(slot_mapping.max())}]")
-    if use_dispatcher(latent):
+    if no_data or use_dispatcher(latent):     # (meta / fake tensors: the op's fake, nothing to write)
         _scatter_op(latent, k_cache, slot_mapping)
     else:
         _scatter(latent, k_cache, slot_mapping)

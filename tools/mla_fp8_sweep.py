@@ -12,12 +12,12 @@ started side by side fill Triton's cache (each case's shapes compile kernels of 
 that the timed run after them spends its time timing (``tools/mla_fp8_gpu_check.sh``).
 
 Cases: uniform and uneven lengths (4K-128K), batch 16-128, 8-32 heads, s_q 1-4 (8-64 query rows);
-the forms run past one head tile (``configs.FP8_GLUON_MAX_ROWS`` raised for the run) at 48-64 rows,
-where the default is the ``tl`` standard kernel. Per case: each form's graph_us, the bytes read
+at 48-64 rows the forms run as head tiles of 32 (``configs.FP8_GLUON_MAX_ROWS`` raised for the run
+where it is lower), beside the ``tl`` standard kernel. Per case: each form's graph_us, the bytes read
 (the FP8 rows of every request, q, out), their rate against the copy bandwidth, and the speed-up
 over the bf16 path. On three cases the warp-specialized form also runs with stages left out
-(``SKIP``: timing only), which shows which partition bounds it. Writes ``bench/results/sweeps/mla-fp8-ws-<gpu>.json`` by default. Needs a
-CUDA GPU.
+(``SKIP``: timing only), which shows which partition bounds it. Writes
+``bench/results/sweeps/mla-fp8-ws-<gpu>.json`` by default. Needs a CUDA GPU.
 """
 
 from __future__ import annotations

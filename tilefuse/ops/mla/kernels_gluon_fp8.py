@@ -24,11 +24,16 @@ bf16 Gluon kernel's time on the same lengths). Here the copies run ahead of the 
   tile read transposed and P^T through SMEM. At 16-32 query rows a 64-row tile would do 2-4x the
   MMA work and turn the 656-byte read compute-bound; transposed, the work is the rows'.
 
+Two forms of one kernel (``CONVERTERS``): the serial one described above (one consumer partition
+converts a tile, then multiplies it), and the warp-specialized one of ``kernels_gluon_fp8_ws``
+(the default: converter warps fill two K buffers while one MMA warpgroup works on the other),
+which has its own ring of smaller slots.
+
 Grid and schedule are the bf16 Gluon kernel's (``kernels_gluon.mla_split_ws_kernel``): one program
-per (head tile, run of splits in the metadata's column 7), one head tile of BLOCK_H = 16 or 32
-query rows per request (up to 32 rows, as the metadata plans one 64-row tile); a request with
-several splits writes partials that ``kernels.mla_combine_kernel`` merges. Measured, and why it
-stops where it does: docs/mla.md ("Dense FP8 decode").
+per (head tile, run of splits in the metadata's column 7), head tiles of BLOCK_H = 16 or 32 query
+rows (up to ``configs.FP8_GLUON_MAX_ROWS``: past 32 rows, several tiles, each streaming its part's
+pages); a request with several splits writes partials that ``kernels.mla_combine_kernel`` merges.
+Measured, and why it stops where it does: docs/mla.md ("Dense FP8 decode").
 """
 
 from triton.experimental import gluon

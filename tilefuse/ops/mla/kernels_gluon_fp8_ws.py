@@ -23,6 +23,12 @@ One MMA warpgroup holds all of the tile's query rows (``N = BLOCK_H``), so each 
 Shared memory at ``BLOCK_H`` rows: two K buffers (2 x 72 KB: fp16 ``[64, 512]`` + bf16 ``[64,
 64]``), Q (``BLOCK_H x 1152`` B), P^T, and a ring of ``STAGES`` slots of ``SLOT_N x 656`` B: 16
 rows with 3 slots of 32 tokens, 32 rows with 2 (or 4 of 16 tokens), within 227 KB.
+
+Measured on the H100 (docs/mla.md, "Dense FP8 decode"): 1.20-1.31x the serial form, 0.59-0.76 of
+the copy bandwidth. With stages left out (``SKIP``, timing only) the producer alone reaches about
+0.8 of it at 16K, and the converters and the MMA warpgroup each hide under it alone but cost about
+a fifth together: two K buffers let the converters run one tile ahead, and both partitions share
+the shared-memory pipe (about 290 KB per 64-token tile).
 """
 
 from triton.experimental import gluon
@@ -150,8 +156,8 @@ def fp8_ws_converter(codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready
 
 
 @gluon.jit
-def _convert_slot(codes_ring, rope_ring, scales_ring, kn, kr, s, first, length, row0: gl.constexpr, SLOT_N: gl.constexpr,
-                  ROWS: gl.constexpr, CODES_L: gl.constexpr, ROPE_L: gl.constexpr):
+def _convert_slot(codes_ring, rope_ring, scales_ring, kn, kr, s, first, length, row0: gl.constexpr,
+                  SLOT_N: gl.constexpr, ROWS: gl.constexpr, CODES_L: gl.constexpr, ROPE_L: gl.constexpr):
     """SMEM -> registers -> SMEM: ring slot ``s`` (tokens ``first ..``) into rows ``row0 ..`` of the
     K buffer ``kn`` / ``kr``, ``ROWS`` rows at a time."""
     scale32 = smem_reinterpret(scales_ring.index(s), gl.float32, [SLOT_N, SCALES], FLAT)

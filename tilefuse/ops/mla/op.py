@@ -1022,8 +1022,9 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | 
     if is_fp8_kvcache and indices is None and fp8_sparse_kernels_run(q):
         variant = _fp8_variant(choose_variant(rows, block_table.shape[1], q), rows, block_table.shape[1], q)
         cfg = configs.launch_config(variant, rows, block_table.shape[1])[0]
-        why = ("FP8 layout on Hopper, <= 32 rows: the Gluon FP8 kernel (mla_split_fp8_kernel: pages by TMA, "
-               "dequantized in SMEM, transposed WGMMAs; configs.FP8_GLUON_CONFIGS)" if variant == "wgmma_fp8" else
+        why = (f"FP8 layout on Hopper, <= {configs.FP8_GLUON_MAX_ROWS} rows: the Gluon FP8 kernel "
+               "(mla_split_fp8_kernel: pages by TMA, converter warps dequantizing into SMEM beside the MMA "
+               "warpgroup, transposed WGMMAs; configs.FP8_GLUON_CONFIGS)" if variant == "wgmma_fp8" else
                "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
         return _dispatch.Choice("mla", problem, variant, cfg, why,
                                 (_dispatch.Candidate(variant, cfg, None),))

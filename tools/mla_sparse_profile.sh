@@ -16,7 +16,8 @@ ncu --clock-control none --section SpeedOfLight --section WarpStateStats --secti
   --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats \
   --section SourceCounters -k "regex:mla_sparse_(split|gluon)" -c 2 python3 -c "
 import torch, tilefuse
-from tilefuse.bench.mla import fp8_paged_cache, sparse_indices
+from tilefuse.bench.mla import fp8_paged_cache
+from tilefuse.testing.mla import sparse_indices
 for batch in (16, 128):
     lens = [32768] * batch
     cache, table = fp8_paged_cache(lens, 'cuda')

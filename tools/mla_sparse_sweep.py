@@ -22,7 +22,8 @@ import torch
 
 from sweep_common import require_gpu, sweep_path
 from tilefuse.bench.harness import Timer
-from tilefuse.bench.mla import _sparse_peers, fp8_paged_cache, sparse_indices
+from tilefuse.bench.mla import _sparse_peers, fp8_paged_cache
+from tilefuse.testing.mla import sparse_indices
 from tilefuse.ops.mla import configs, op
 
 # (batch, h_q, s_q): V3.2 under tensor parallelism 16 / 8 (8, 16 heads), 64 and 128 heads

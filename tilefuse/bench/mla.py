@@ -43,7 +43,7 @@ from tilefuse.ops.mla import configs as _mla_configs
 from tilefuse.ops.mla import op as _mla_op
 from tilefuse.bench.harness import (Case, Goal, PlotSpec, check, compare, geomean, group_rows, host_goal, ratio,
                                     tally, upgrade_rows)
-from tilefuse.testing.mla import flops_bytes, paged_cache
+from tilefuse.testing.mla import flops_bytes, paged_cache, sparse_indices
 
 H20 = {"tflops": 148.0, "tbps": 4.0}
 _CACHE: dict = {}
@@ -284,23 +284,6 @@ def fp8_paged_cache(seqlens: list[int], device, page: int = 64) -> tuple[torch.T
         packed[first:last] = mla_quantize_kv(torch.randn(last - first, page, 1, 576, device=device))
     block_table = torch.randperm(num_blocks).view(len(seqlens), max_blocks).to(torch.int32).to(device)
     return packed, block_table
-
-
-def sparse_indices(seqlens: list[int], s_q: int, topk: int, block_table: torch.Tensor, page: int,
-                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(indices [b, s_q, topk] int32, topk_length [b] int32)``: each query token's top-k as an
-    indexer gives it, ``min(topk, L)`` distinct positions of its request drawn at random (as cache
-    slots ``page * page_size + offset``), then -1; ``topk_length`` = the count of valid ones."""
-    table = block_table.cpu().long()
-    idx = torch.full((len(seqlens), s_q, topk), -1, dtype=torch.int32)
-    for i, n in enumerate(seqlens):
-        k = min(topk, n)
-        if k == 0:
-            continue
-        pos = torch.rand(s_q, n, generator=gen).argsort(-1)[:, :k]
-        idx[i, :, :k] = (table[i, pos // page] * page + pos % page).int()
-    lengths = torch.tensor([min(topk, n) for n in seqlens], dtype=torch.int32)
-    return idx.to(block_table.device), lengths.to(block_table.device)
 
 
 def _sparse_peers() -> dict:

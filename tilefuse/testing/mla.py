@@ -42,7 +42,12 @@ def paged_cache(seqlens: list[int], dtype: torch.dtype, device, *, extra_blocks:
     need = max([(n + page_size - 1) // page_size for n in seqlens] + [1])
     max_blocks = max(max_blocks or need, need)
     num_blocks = batch * max_blocks + extra_blocks
-    k_cache = torch.randn(num_blocks, page_size, 1, HEAD_DIM, dtype=torch.float32, device=device).to(dtype)
+    # drawn in fp32 a few thousand pages at a time: a whole fp32 temporary of a large serving mix
+    # (256 requests up to 128K tokens) would need about twice the cache itself on the GPU
+    k_cache = torch.empty(num_blocks, page_size, 1, HEAD_DIM, dtype=dtype, device=device)
+    for first in range(0, num_blocks, 4096):
+        last = min(first + 4096, num_blocks)
+        k_cache[first:last] = torch.randn(last - first, page_size, 1, HEAD_DIM, dtype=torch.float32, device=device)
     order = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
     block_table = order[: batch * max_blocks].view(batch, max_blocks).to(torch.int32).to(device)
     if nan_tail:
@@ -78,3 +83,20 @@ def flops_bytes(seqlens: list[int], s_q: int, h_q: int, elem_bytes: int = 2) -> 
     flops = 2.0 * s_q * total * h_q * (HEAD_DIM + HEAD_DIM_V)
     nbytes = (total * HEAD_DIM + len(seqlens) * s_q * h_q * (HEAD_DIM + HEAD_DIM_V)) * elem_bytes
     return flops, nbytes
+
+
+def sparse_indices(seqlens: list[int], s_q: int, topk: int, block_table: torch.Tensor, page: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices [b, s_q, topk] int32, topk_length [b] int32)``: each query token's top-k as an
+    indexer gives it, ``min(topk, L)`` distinct positions of its request drawn at random (as cache
+    slots ``page * page_size + offset``), then -1; ``topk_length`` = the count of valid ones."""
+    table = block_table.cpu().long()
+    idx = torch.full((len(seqlens), s_q, topk), -1, dtype=torch.int32)
+    for i, n in enumerate(seqlens):
+        k = min(topk, n)
+        if k == 0:
+            continue
+        pos = torch.rand(s_q, n, generator=gen).argsort(-1)[:, :k]
+        idx[i, :, :k] = (table[i, pos // page] * page + pos % page).int()
+    lengths = torch.tensor([min(topk, n) for n in seqlens], dtype=torch.int32)
+    return idx.to(block_table.device), lengths.to(block_table.device)

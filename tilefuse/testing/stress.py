@@ -268,7 +268,7 @@ def cases(group: str, device, quick: bool = False) -> list[Case]:
             out.append(Case(f"lens={lens} s_q={s_q} h_q={h_q}", call))
         return out
     if group == "mla_sparse":
-        from tilefuse.bench.mla import sparse_indices
+        from tilefuse.testing.mla import sparse_indices
         from tilefuse.testing import mla as mc
 
         shapes = [([8192, 3000, 8192, 100], 1, 16, 2048), ([8192, 3000], 2, 128, 2048)]

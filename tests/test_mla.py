@@ -1306,7 +1306,21 @@ def test_sparse_gather_block_table_is_one_growing_tensor(monkeypatch):
         table = op._unit_pages(cpu, units, pages)
         assert table.dtype == torch.int32 and table.is_contiguous()
         assert torch.equal(table, torch.arange(units * pages, dtype=torch.int32).view(units, pages))
-    assert {key[1]: t.shape for key, t in op._unit_tables.items()} == {4: (16, 4), 32: (1, 32)}
+    assert {key[-1]: t.shape for key, t in op._unit_tables.items()} == {4: (16, 4), 32: (1, 32)}
+
+
+@pytest.mark.gpu
+def test_sparse_gather_block_table_per_stream():
+    """Two streams never share the cached table: one stream writes it, and growing it frees the old
+    tensor, so a shared table could be read before it is written or after its memory is reused."""
+    dev = torch.device("cuda")
+    side = torch.cuda.Stream()
+    main_table = op._unit_pages(dev, 3, 4)
+    with torch.cuda.stream(side):
+        side_table = op._unit_pages(dev, 3, 4)
+    assert main_table.data_ptr() != side_table.data_ptr()
+    torch.cuda.synchronize()
+    assert torch.equal(main_table, side_table)
 
 
 def test_sparse_gather_dense_cost_model():

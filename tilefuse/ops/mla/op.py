@@ -810,7 +810,7 @@ def sparse_gather_dense_runs(q: torch.Tensor, indices) -> bool:
                                                  eager=not torch.cuda.is_current_stream_capturing()))
 
 
-_unit_tables: dict = {}   # (device, pages) -> the block table of the most query tokens asked so far
+_unit_tables: dict = {}   # (device, stream, pages) -> the block table of the most query tokens asked so far
 
 
 def _unit_pages(device: torch.device, units: int, pages: int) -> torch.Tensor:
@@ -818,10 +818,15 @@ def _unit_pages(device: torch.device, units: int, pages: int) -> torch.Tensor:
     ``u x pages ..``. One table per device and page count, grown to the next power of two of the
     query tokens asked and returned as its first ``units`` rows (the same rows for any count), so
     the cache stays one tensor whatever batch sizes come; while a CUDA graph captures, the graph
-    computes its own."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
-    key = (device, pages)
+    computes its own. One table per CUDA stream: the table is written on the stream that asks
+    first, and a grown table frees the old one, so a table shared by two streams could be read
+    before it is written or after its memory went to another tensor."""
+    stream = 0
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.arange(units * pages, dtype=torch.int32, device=device).view(units, pages)
+        stream = torch.cuda.current_stream(device).cuda_stream
+    key = (device, stream, pages)
     table = _unit_tables.get(key)
     if table is None or table.shape[0] < units:
         rows = 1 << max(units - 1, 0).bit_length()

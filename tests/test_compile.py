@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import functools
 import json
-import math
 import os
 import subprocess
 import sys

@@ -39,45 +39,21 @@ Measured, and why it stops where it does: docs/mla.md ("Dense FP8 decode").
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier, tma_load,
+from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier,
                                        warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
-from tilefuse.ops.mla.kernels_gluon_fp8_ws import fp8_ws_converter, fp8_ws_mma, fp8_ws_producer, load_q_rows
+from tilefuse.ops.mla.kernels_gluon_fp8_ws import _issue_slot, fp8_ws_converter, fp8_ws_mma, fp8_ws_producer, load_q_rows
 from tilefuse.ops.mla.kernels_gluon_sparse import _softmax_pv_transposed
-from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
+from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V
 
-PAGE = gl.constexpr(PAGE_SIZE)                  # the metadata's planning unit (tokens)
 D_NOPE = gl.constexpr(HEAD_DIM_V)
 D_ROPE = gl.constexpr(HEAD_DIM - HEAD_DIM_V)
 BLOCK_N = gl.constexpr(64)                      # cached tokens per tile: WGMMA's M
 CODE_BOX = gl.constexpr(FP8_GROUP)              # codes per box: one scale group, one 128-byte row
 CODE_BOXES = gl.constexpr(HEAD_DIM_V // FP8_GROUP)
-ROPE_BYTE = gl.constexpr(HEAD_DIM_V + 16)       # RoPE after the codes and the 4 fp32 scales
 SCALES = gl.constexpr(HEAD_DIM_V // FP8_GROUP)
 FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 ROPE_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-
-
-@gluon.jit
-def _issue_fp8_tile(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, bar, bt_row, start, s, last_page,
-                    num_blocks, KV_PAGE: gl.constexpr):
-    """HBM -> SMEM: TMA copies of tokens ``start .. start + 63`` into ring slot ``s`` (codes,
-    RoPE, scales); ``bar`` flips when every byte has landed. Pages from the block table (column
-    clamped to the split's last page, entry to the cache); pages shorter than the tile land as
-    boxes of a page each."""
-    BOX: gl.constexpr = KV_PAGE if KV_PAGE < BLOCK_N else BLOCK_N
-    mbarrier.expect(bar, (BLOCK_N // BOX) * ((CODE_BOXES + 1) * codes_desc.block_type.nbytes
-                                             + scales_desc.block_type.nbytes))
-    for sub in gl.static_range(BLOCK_N // BOX):
-        token = start + sub * BOX
-        page = gl.load(bt_row + gl.minimum(token // KV_PAGE, last_page))
-        page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-        row = page * KV_PAGE + token % KV_PAGE
-        for b in gl.static_range(CODE_BOXES):
-            tma_load(codes_desc, [row, b * CODE_BOX], bar,
-                     codes_ring.index(s * CODE_BOXES + b).slice(sub * BOX, BOX, dim=0))
-        tma_load(codes_desc, [row, ROPE_BYTE], bar, rope_ring.index(s).slice(sub * BOX, BOX, dim=0))
-        tma_load(scales_desc, [row, 0], bar, scales_ring.index(s).slice(sub * BOX, BOX, dim=0))
 
 
 @gluon.jit
@@ -95,8 +71,8 @@ def _fp8_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k
                 # slot t % STAGES is free once the consumers released tile t - STAGES (a fresh
                 # barrier passes the parity-1 wait: the first round finds every slot free)
                 mbarrier.wait(k_empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-                _issue_fp8_tile(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k_ready.index(t % STAGES),
-                                bt_row, start, t % STAGES, last_page, num_blocks, KV_PAGE)
+                _issue_slot(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k_ready.index(t % STAGES),
+                            bt_row, start, t % STAGES, last_page, num_blocks, KV_PAGE, BLOCK_N)
                 t += 1
 
 

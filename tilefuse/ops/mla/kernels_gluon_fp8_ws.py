@@ -37,7 +37,6 @@ from triton.experimental.gluon import language as gl
 from tilefuse.ops.gluon_compat import (cp_async, cp_commit, cp_wait, fence_async_shared, mbarrier, smem_reinterpret,
                                        thread_barrier, tma_load, warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
-from tilefuse.ops.mla.kernels_gluon_sparse import _softmax_pv_transposed
 from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V
 
 D_NOPE = gl.constexpr(HEAD_DIM_V)

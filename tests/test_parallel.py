@@ -457,3 +457,7 @@ def test_bench_tp_pipeline_gloo(gloo_ranks, tmp_path):
     e2e = data["summary"]["e2e"]
     assert {e["impl"] for e in e2e} >= {"stock", "tilefuse-swiglu", "shard_model", "shard_model+swiglu"}
     assert all(e["agreement_vs_tp1_stock"] == 1.0 for e in e2e), e2e
+    # the DeepSeek part (tilefuse.bench.tp_deepseek): TP=1 and TP=2 decode the same tokens
+    assert {("deepseek-decode", 1, "tilefuse"), ("deepseek-decode", 2, "tilefuse")} <= impls
+    deepseek = data["summary"]["deepseek"]
+    assert deepseek["table"] and all(e["tokens_equal_tp1"] for e in deepseek["table"]), deepseek

@@ -35,6 +35,11 @@ step and eagerly, batch 1 and 16: stock and fused (``tilefuse.hf.patch_swiglu``)
 :func:`tilefuse.parallel.shard_model` (dense and fused) and, where ``accelerate`` is installed,
 transformers' own ``tp_plan="auto"`` (stock, and with :func:`tilefuse.parallel.hf.patch_swiglu`).
 
+DeepSeek (``deepseek-decode``, :mod:`tilefuse.bench.tp_deepseek`; ``--only deepseek-decode`` runs it
+alone): greedy decoding of a DeepSeek-V3-shaped model (8 dense blocks, 128 heads) through
+``patch_mla`` at TP=1 and every power of two up to N, batch 16 after a 32K-token context, graph
+and eager, tilefuse's attention and FlashMLA's where built.
+
 Results: ``<out>/tp-<gpu>x<N>[-quick][-<tag>].json`` (rows, summary with the TP=N / TP=1 ratios
 and goals, machine with every rank's GPU, NCCL version). Goals: 70B MLP at M 1-16 and the
 128-head MLA layer at >= 16K context, TP=N layer time over TP=1 <= 0.6 and <= 0.55 (graph and
@@ -320,7 +325,7 @@ def summarize(rows: list[dict], world: int) -> dict:
     accuracy against TP=1, and the goals."""
     table: dict = {}
     for row in rows:
-        if row["kind"] != "e2e":
+        if row["kind"] not in ("e2e", "deepseek-decode"):
             table.setdefault((row["kind"], json.dumps(row["params"], sort_keys=True)), {})[(row["tp"], row["impl"])] = row
     cases, goals = [], {"mlp": [], "mla": []}
     for (kind, params), impls in table.items():
@@ -391,6 +396,10 @@ def print_summary(summary: dict, world: int, file=None) -> None:
         print(f"e2e {e['impl']:<34} tp={e['tp']} b={e['batch']:<3} {e['mode']:<5} {fmt(e['ms_per_token'], '.3f')} "
               f"ms/token, {fmt(e['speedup_over_tp1_stock'])}x TP=1 stock, agreement {e['agreement_vs_tp1_stock']}",
               file=file)
+    if summary.get("deepseek"):
+        from tilefuse.bench.tp_deepseek import print_deepseek
+
+        print_deepseek(summary["deepseek"], file)
     for goal in summary["goals"]:
         state = {True: "ok", False: "FAIL", None: "not measured"}[goal["met"]]
         measured = f"met in {goal['met_in']}/{goal['of']}" if "met_in" in goal else f"{goal['measured']}"
@@ -469,7 +478,8 @@ def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | 
     if only:
         cases = [c for c in cases if only in json.dumps({"kind": c.kind, **c.params})]
     run_e2e = not only or only in "e2e"
-    if not cases and not run_e2e:
+    run_deepseek = not only or only in "deepseek-decode"
+    if not cases and not run_e2e and not run_deepseek:
         log(f"--only {only!r}: no tp case matches")
         return 2
     if world == 1:
@@ -506,14 +516,23 @@ def run(quick: bool = False, out_dir: Path = Path("bench/results"), only: str | 
 
         rows.extend(e2e_rows(plan, device, dtype, world, not cuda))
         save()
+    if run_deepseek:
+        from tilefuse.bench.tp_deepseek import deepseek_rows, deepseek_summary, plan_for
+
+        rows.extend(deepseek_rows(plan_for(quick, cuda, layers), device, dtype, world, not cuda))
+        save()
     summary = summarize(rows, world)
+    if run_deepseek:
+        summary["deepseek"] = deepseek_summary(rows)
+        summary["goals"] += summary["deepseek"]["goals"]
     if not cuda:
         from tilefuse.bench.runner import pipeline_line
 
         failed = [f"{r['kind']} tp={r['tp']} {r['impl']} {json.dumps(r['params'])}: "
                   f"{r.get('error') or r.get('tolerance_error')}" for r in rows
                   if r.get("error") or r.get("tolerance_error")]
-        summary["pipeline_check"] = {"cases": len(cases) + bool(run_e2e), "calls": len(rows), "failed": failed}
+        checked = len(cases) + bool(run_e2e) + bool(run_deepseek)
+        summary["pipeline_check"] = {"cases": checked, "calls": len(rows), "failed": failed}
     save(summary)
     if rank == 0:
         if cuda:

@@ -18,7 +18,6 @@ partial sum is off by O(1) or inf.
 """
 
 import random
-import threading
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from tilefuse.testing import assert_close, cos_diff, run_without_host_sync
 from tilefuse.testing import mla as mla_cases
 from tilefuse.testing import swiglu as swiglu_cases
 from tilefuse.testing import vq as vq_cases
+from tilefuse.testing.stress import run_threads
 
 pytestmark = pytest.mark.gpu
 DT = torch.bfloat16
@@ -77,24 +77,6 @@ def calls():
     return calls, expected
 
 
-def _run_threads(work, threads=2):
-    errors = []
-
-    def guarded(index):
-        try:
-            work(index)
-        except BaseException as exc:  # surfaced in the main thread
-            errors.append(exc)
-
-    pool = [threading.Thread(target=guarded, args=(i,)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 def _rerun_alone(calls, expected):
     for name, (fn, _, exact) in calls.items():
         assert _matches(fn(), expected[name], exact), f"{name}: wrong when run alone afterwards (dirty state)"
@@ -119,7 +101,7 @@ def test_streams_and_threads_eager(calls):
                 stream.synchronize()
             mismatches.extend(name for name, out in outs if not _matches(out, expected[name], calls[name][2]))
 
-    _run_threads(work)
+    run_threads(work)
     assert not mismatches, f"{len(mismatches)} wrong outputs of {2 * 2 * len(names) * rounds}: {sorted(set(mismatches))}"
     _rerun_alone(calls, expected)
 
@@ -147,7 +129,7 @@ def test_streams_and_threads_graph_replay(calls):
                 stream.synchronize()
                 mismatches.extend(name for name, out in outs if not _matches(out, expected[name], calls[name][2]))
 
-    _run_threads(work)
+    run_threads(work)
     assert not mismatches, f"{len(mismatches)} wrong outputs of {4 * 10 * replays}: {sorted(set(mismatches))}"
     _rerun_alone(calls, expected)
 

@@ -1584,23 +1584,28 @@ def _fp16_overflow_case(device, page=16):
     return inp, packed.to(device), inp.q.to(device)
 
 
+def _fp16_overflow_run(device, variant):
+    """The decode of :func:`_fp16_overflow_case` with ``variant`` pinned ("sparse": the sparse
+    decode, the tl kernel) and its fp64 reference: ``(out, lse, ref_out, ref_lse)``."""
+    inp, packed, q = _fp16_overflow_case(device)
+    lens, table = inp.cache_seqlens.to(device), inp.block_table.to(device)
+    with tilefuse.force(variant="standard" if variant == "sparse" else variant):
+        if variant == "sparse":
+            idx = _sparse(inp, [list(range(70)), list(range(5))], 80).to(device)
+            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
+                                                       indices=idx)
+            return (out, lse, *mla_sparse_decode_reference(q, packed, idx, compute_dtype=torch.float64))
+        meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
+        out, lse = tilefuse.flash_mla_with_kvcache(q, packed, table, lens, 512, meta, splits, is_fp8_kvcache=True)
+        return (out, lse, *mla_decode_reference(q, packed, table, lens, 512, compute_dtype=torch.float64))
+
+
 @pytest.mark.parametrize("variant", ["standard", "transposed", "sparse"])
 def test_fp8_cache_with_fp16_query_never_overflows(interpret, variant):
     """An fp16 q over FP8 caches whose values pass fp16's 65504 (e4m3 x a large scale, bf16 RoPE
     values): the tl kernels (dense, both orientations; sparse) compute with the tile's shifts, so
     the result is the fp64 reference's (finite) where the fp16 conversion of the values gave NaN."""
-    inp, packed, q = _fp16_overflow_case(interpret)
-    lens, table = inp.cache_seqlens.to(interpret), inp.block_table.to(interpret)
-    with tilefuse.force(backend="triton", variant="standard" if variant == "sparse" else variant):
-        if variant == "sparse":
-            idx = _sparse(inp, [list(range(70)), list(range(5))], 80).to(interpret)
-            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
-                                                       indices=idx)
-            ro, rl = mla_sparse_decode_reference(q, packed, idx, compute_dtype=torch.float64)
-        else:
-            meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
-            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, table, lens, 512, meta, splits, is_fp8_kvcache=True)
-            ro, rl = mla_decode_reference(q, packed, table, lens, 512, compute_dtype=torch.float64)
+    out, lse, ro, rl = _fp16_overflow_run(interpret, variant)
     assert torch.isfinite(ro).all() and torch.isfinite(out).all()
     assert_close(out, ro, atol=2e-3, rtol=2e-3)
     assert_close(lse, rl, atol=1e-3, rtol=1e-5, name="lse")
@@ -1611,19 +1616,7 @@ def test_fp8_cache_with_fp16_query_never_overflows(interpret, variant):
 def test_gpu_fp8_cache_with_fp16_query_never_overflows(variant):
     """test_fp8_cache_with_fp16_query_never_overflows compiled (fp16 q: the tl kernels; None: the
     default dispatch, whichever kernel it picks for an fp16 q)."""
-    inp, packed, q = _fp16_overflow_case("cuda")
-    lens, table = inp.cache_seqlens.cuda(), inp.block_table.cuda()
-    pin = "standard" if variant == "sparse" else variant
-    with tilefuse.force(variant=pin):
-        if variant == "sparse":
-            idx = _sparse(inp, [list(range(70)), list(range(5))], 80).cuda()
-            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, None, None, 512, None, None, is_fp8_kvcache=True,
-                                                       indices=idx)
-            ro, rl = mla_sparse_decode_reference(q, packed, idx, compute_dtype=torch.float64)
-        else:
-            meta, splits = tilefuse.get_mla_metadata(lens, 16, 1, num_sm_parts=3)
-            out, lse = tilefuse.flash_mla_with_kvcache(q, packed, table, lens, 512, meta, splits, is_fp8_kvcache=True)
-            ro, rl = mla_decode_reference(q, packed, table, lens, 512, compute_dtype=torch.float64)
+    out, lse, ro, rl = _fp16_overflow_run(torch.device("cuda"), variant)
     assert torch.isfinite(ro).all() and torch.isfinite(out).all()
     assert_close(out, ro, atol=1e-2, rtol=1e-2)
     assert_close(lse, rl, atol=1e-3, rtol=1e-5, name="lse")

@@ -45,3 +45,16 @@ def interpret():
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks():
+    """Two processes joined by NCCL, one GPU each (``tilefuse.testing.parallel.Ranks``), shared by a
+    test module's multi-GPU tests; skipped where fewer than two GPUs are visible."""
+    from tilefuse.testing.parallel import Ranks
+
+    if not (HAS_CUDA and torch.cuda.device_count() >= 2):
+        pytest.skip("needs 2 CUDA GPUs")
+    ranks = Ranks(2, "nccl", timeout=300)
+    yield ranks
+    ranks.close()

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import tilefuse
 from tilefuse.bench.tp import capture
 from tilefuse.nn.mla import MLADecodeAttention
 from tilefuse.nn.swiglu import FusedSwiGLUMLP
@@ -372,17 +371,7 @@ def check_tp_plan(results: list[dict], tol: float) -> None:
 
 
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-
-
-@pytest.fixture(scope="module")
-def nccl_ranks():
-    if not _two_gpus():
-        pytest.skip("needs 2 CUDA GPUs")
-    ranks = Ranks(2, "nccl", timeout=150)
-    yield ranks
-    ranks.close()
+# the nccl_ranks fixture (two processes, one GPU each) is in conftest.py
 
 
 # (M, H, I, N_vq, K_vq, MLA heads, lengths): the benchmark's 70B / 8B MLP, a 70B VQ down projection,

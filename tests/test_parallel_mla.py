@@ -282,17 +282,7 @@ def test_shards_of_every_rank_make_the_one_device_attention():
 
 
 # ----------------------------------------------------------------------------- 2 GPUs, NCCL
-def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
-
-
-@pytest.fixture(scope="module")
-def nccl_ranks():
-    if not _two_gpus():
-        pytest.skip("needs 2 CUDA GPUs")
-    ranks = Ranks(2, "nccl", timeout=300)
-    yield ranks
-    ranks.close()
+# the nccl_ranks fixture (two processes, one GPU each) is in conftest.py
 
 
 @torch.no_grad()

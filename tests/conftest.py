@@ -48,6 +48,17 @@ def device():
 
 
 @pytest.fixture(scope="module")
+def gloo_ranks():
+    """Two CPU processes joined by gloo (``tilefuse.testing.parallel.Ranks``), shared by a test
+    module's two-process tests."""
+    from tilefuse.testing.parallel import Ranks
+
+    ranks = Ranks(2, "gloo", timeout=180)
+    yield ranks
+    ranks.close()
+
+
+@pytest.fixture(scope="module")
 def nccl_ranks():
     """Two processes joined by NCCL, one GPU each (``tilefuse.testing.parallel.Ranks``), shared by a
     test module's multi-GPU tests; skipped where fewer than two GPUs are visible."""

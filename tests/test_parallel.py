@@ -35,7 +35,7 @@ from tilefuse.parallel import (ColumnParallel, ParallelMLADecodeAttention, Paral
                                shard, shard_model)
 from tilefuse.testing.compare import assert_close, cos_diff
 from tilefuse.testing.mla import make_case as mla_case
-from tilefuse.testing.parallel import Ranks, check_within, error_scale, tp_tolerance
+from tilefuse.testing.parallel import check_within, error_scale, tp_tolerance
 from tilefuse.testing.vq import make_weight
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -327,11 +327,7 @@ def job_tp_plan(path: str, dtype) -> dict:
 
 
 # ----------------------------------------------------------------------------- CPU, 2 processes
-@pytest.fixture(scope="module")
-def gloo_ranks():
-    ranks = Ranks(2, "gloo", timeout=120)
-    yield ranks
-    ranks.close()
+# the gloo_ranks fixture (two CPU processes) is in conftest.py
 
 
 CPU_SIZES = (3, 64, 256, 96, 128, 8, [100, 0, 37])

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from tilefuse.testing.parallel import Ranks  # noqa: E402
 
 VOCAB, PAD = 96, 0
 LOGITS_TOL = 2.0 ** -16          # of the largest |logit| (module docstring)
@@ -193,11 +192,7 @@ def job_tp_plan(path: str, swiglu: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- CPU, 2 processes
-@pytest.fixture(scope="module")
-def gloo_ranks():
-    ranks = Ranks(2, "gloo", timeout=180)
-    yield ranks
-    ranks.close()
+# the gloo_ranks fixture (two CPU processes) is in conftest.py
 
 
 def check(results: list[dict]) -> None:

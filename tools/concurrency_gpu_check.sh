@@ -18,7 +18,7 @@ trap 'tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$logs"' EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$logs/gpu.txt"
 date -u +%FT%TZ >> "$logs/gpu.txt"
-timeout 60 python3 tools/swiglu_graph_race.py "$logs/swiglu-graph-race.json" > "$logs/race.log" 2>&1
+timeout 240 python3 tools/swiglu_graph_race.py "$logs/swiglu-graph-race.json" > "$logs/race.log" 2>&1
 echo "graph race rc=$?"; tail -12 "$logs/race.log"
 timeout 150 python3 -m tilefuse stress --quick --out "$logs/stress-quick.json" > "$logs/stress.log" 2>&1
 echo "stress rc=$?"; tail -25 "$logs/stress.log"

@@ -10,8 +10,10 @@ heads with uneven lengths, batch 128 at 1K, and 32/64 heads at 16K. Implementati
   graph;
 * ``tilefuse:transposed`` / ``tilefuse:standard``: ``tilefuse`` with one ``tl`` kernel forced
   (below 64 query rows, where both apply);
-* ``tilefuse:wgmma``: the standard orientation's Gluon kernel forced (the default on Hopper), at
-  every case;
+* ``tilefuse:wgmma``: the standard orientation's Gluon kernel forced (the default on Hopper; its
+  64-row head tiles, ``configs.TRANSPOSED_GLUON_MAX_ROWS`` 0 for the call), at every case;
+* ``tilefuse:wgmma-t``: the Gluon kernel's transposed form (``kernels_gluon_t``; the switch at 32
+  rows for the call), at up to 32 query rows on Hopper;
 * ``torch_naive``: gather the pages, bmm, softmax, bmm (equal lengths, where it fits in memory);
 * ``flashmla`` / ``flashmla+metadata``: the same two for FlashMLA, where ``flash_mla`` is importable;
   with ``TILEFUSE_FLASHMLA=b31bfe7=DIR,main=DIR`` each named build instead, as ``flashmla@b31bfe7``,
@@ -129,6 +131,19 @@ def _attention_impls(lib, name: str, q, k_cache, block_table, lens, rows: int) -
             f"{name}+metadata": step}
 
 
+def _gluon_form(attention, max_rows: int):
+    """``attention`` with ``configs.TRANSPOSED_GLUON_MAX_ROWS`` set to ``max_rows`` for the call (0:
+    the Gluon kernel's 64-row head tiles; 32: its transposed form up to 32 rows); the op plans
+    per value of the switch, so nothing is re-planned per call."""
+    def run():
+        saved, _mla_configs.TRANSPOSED_GLUON_MAX_ROWS = _mla_configs.TRANSPOSED_GLUON_MAX_ROWS, max_rows
+        try:
+            return attention()
+        finally:
+            _mla_configs.TRANSPOSED_GLUON_MAX_ROWS = saved
+    return run
+
+
 def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, mixed: bool = False,
              naive: bool = True, accuracy: bool = False, page: int = 64, label: str | None = None) -> Case:
     """One case: ``batch`` requests of ``seqlens`` tokens, ``h_q`` heads x ``s_q`` query tokens,
@@ -166,8 +181,11 @@ def mla_case(batch: int, h_q: int, s_q: int, seqlens: list[int], device, dtype, 
         if device.type == "cuda" and rows < 64:   # every kernel applies: time each
             impls["tilefuse:transposed"] = forced("transposed")
             impls["tilefuse:standard"] = forced("standard")
-        if device.type == "cuda":   # the Gluon kernel, at every case
-            impls["tilefuse:wgmma"] = forced("wgmma")
+        if device.type == "cuda":   # the Gluon kernel (its 64-row head tiles), at every case
+            impls["tilefuse:wgmma"] = _gluon_form(forced("wgmma"), 0)
+        if device.type == "cuda" and rows <= 32 and _mla_op.wgmma_usable(device):
+            # the Gluon kernel's transposed form (kernels_gluon_t), where it applies
+            impls["tilefuse:wgmma-t"] = _gluon_form(forced("wgmma"), 32)
         if naive and not mixed:
             impls["torch_naive"] = lambda: _naive(q, k_cache, block_table, seqlens, True)
         if device.type == "cuda" and page == 64:   # peer builds, only where present (never built by tilefuse)
@@ -727,9 +745,10 @@ def print_family_extra(summary: dict, file) -> None:
 def _orientations(table: dict) -> dict:
     """Geomean time ratios of the kernels forced side by side, eager and graph: ``"a/b"`` = a's
     time over b's (below 1: a faster), and in how many cases b is faster. The tl kernels are
-    forced below 64 rows, the Gluon kernel (``wgmma``) everywhere."""
+    forced below 64 rows, the Gluon kernel (``wgmma``: its 64-row head tiles) everywhere, its
+    transposed form (``wgmma-t``) up to 32 rows."""
     out = {}
-    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed")):
+    for a, b in (("standard", "transposed"), ("wgmma", "standard"), ("wgmma", "transposed"), ("wgmma-t", "wgmma")):
         for mode, key in (("eager", "eager_us"), ("graph", "graph_us")):
             pairs = [((impls.get(f"tilefuse:{a}") or {}).get(key), (impls.get(f"tilefuse:{b}") or {}).get(key))
                      for impls in table.values()]

@@ -81,6 +81,32 @@ FP8_GLUON_MAX_ROWS = 64
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431
 # against 973 us on the H200, bench/results/sweeps/mla-fp8-h200.json.
 FP8_TRANSPOSED_MAX_ROWS = 32
+# The Gluon 16-bit kernel's transposed form (kernels_gluon_t.py: cached tokens as WGMMA's M, the
+# query rows as N, one MMA warpgroup, a producer warp filling two 72 KB K buffers by TMA) for
+# s_q * h_q up to TRANSPOSED_GLUON_MAX_ROWS where the Gluon kernel runs (0: never; the 64-row
+# head tiles of kernels_gluon.py serve every row count). Its tiles: BLOCK_H 16 or 32 rows. The
+# "wgmma_t_max_rows" key of TILEFUSE_CONFIGS' "mla" section sets it for a run.
+TRANSPOSED_GLUON_MAX_ROWS = 0
+TRANSPOSED_GLUON_CONFIGS = {
+    16: dict(BLOCK_H=16, BLOCK_N=64, STAGES=2, num_warps=4),
+    32: dict(BLOCK_H=32, BLOCK_N=64, STAGES=2, num_warps=4),
+}
+
+
+def transposed_gluon_config(rows: int) -> dict:
+    """The transposed Gluon kernel's launch for ``1 <= rows <= 32`` query rows per KV head: the
+    smallest tile of :data:`TRANSPOSED_GLUON_CONFIGS` that holds them."""
+    tiles = [b for b in TRANSPOSED_GLUON_CONFIGS if rows <= b]
+    if rows < 1 or not tiles:
+        raise ValueError(f"rows: the transposed Gluon kernel takes 1-{max(TRANSPOSED_GLUON_CONFIGS)} query rows, "
+                         f"got {rows}")
+    return dict(TRANSPOSED_GLUON_CONFIGS[min(tiles)])
+
+
+def transposed_gluon(rows: int, fp8: bool = False) -> bool:
+    """A 16-bit cache's decode of ``rows`` query rows, where the Gluon kernel was chosen, runs its
+    transposed form (:data:`TRANSPOSED_GLUON_MAX_ROWS`, within its largest tile)."""
+    return not fp8 and 1 <= rows <= min(TRANSPOSED_GLUON_MAX_ROWS, max(TRANSPOSED_GLUON_CONFIGS))
 
 
 def fp8_gluon_config(rows: int) -> dict:
@@ -315,6 +341,7 @@ SMALL_ROWS_VARIANT = {"short": "standard", "long": "standard"}
 
 _overrides = dict(_env.settings.configs.get("mla", {}))
 SMALL_ROWS_VARIANT.update(_overrides.pop("small_rows_variant", {}))
+TRANSPOSED_GLUON_MAX_ROWS = int(_overrides.pop("wgmma_t_max_rows", TRANSPOSED_GLUON_MAX_ROWS))
 CONFIGS.update(_overrides)
 
 
@@ -363,6 +390,9 @@ def launch_config(variant: str, rows: int, max_blocks: int, elem_bytes: int = 2)
     (tuning code that edits ``CONFIGS`` calls ``launch_config.cache_clear()``)."""
     if variant == "wgmma_fp8":       # the Gluon FP8 kernel: head tiles of <= 32 rows; one program per part
         cfg = fp8_gluon_config(rows)
+        return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
+    if variant == "wgmma_t":         # the Gluon 16-bit kernel's transposed form: one head tile of <= 32 rows
+        cfg = transposed_gluon_config(rows)
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     key = "standard_small" if variant == "standard" and rows < 64 else variant
     cfg = dict(CONFIGS.get(f"{key}:{regime(max_blocks)}", CONFIGS[key]))

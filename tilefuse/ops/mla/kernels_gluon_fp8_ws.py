@@ -36,7 +36,7 @@ from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import (cp_async, cp_commit, cp_wait, fence_async_shared, mbarrier, smem_reinterpret,
                                        thread_barrier, tma_load, warpgroup_mma, warpgroup_mma_wait)
-from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
+from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse, _zero_rows_past
 from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V
 
 D_NOPE = gl.constexpr(HEAD_DIM_V)
@@ -180,11 +180,22 @@ def _convert_slot(codes_ring, rope_ring, scales_ring, kn, kr, s, first, length, 
 
 
 @gluon.jit
-def _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t, S_L: gl.constexpr, BLOCK_H: gl.constexpr):
-    """SMEM -> tensor cores: ``S^T = K Q^T`` of the program's tile ``t`` issued asynchronously, once
-    the converters have filled its K buffer (``t % 2``); the RoPE part into the same accumulator."""
+def _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t, start, length, S_L: gl.constexpr,
+                  BLOCK_H: gl.constexpr, ZERO_TAIL: gl.constexpr):
+    """SMEM -> tensor cores: ``S^T = K Q^T`` of the program's tile ``t`` (tokens from ``start``)
+    issued asynchronously, once its K buffer (``t % 2``) is full; the RoPE part into the same
+    accumulator. ``ZERO_TAIL`` (a buffer filled by TMA straight from a 16-bit cache, not by the
+    converters, which zero them): the request's last tile has its rows past ``length`` zeroed
+    first (whatever the cache held there, NaN included, must not reach ``0 x NaN`` in P V)."""
     b = t % 2
     mbarrier.wait(kb_full.index(b), (t // 2) & 1)
+    if ZERO_TAIL:
+        if start + BLOCK_N > length:
+            LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+            _zero_rows_past(kn_buf.index(b), start, length, BLOCK_N, D_NOPE, LOAD, 128)
+            _zero_rows_past(kr_buf.index(b), start, length, BLOCK_N, D_ROPE, LOAD, D_ROPE)
+            fence_async_shared()
+            thread_barrier()
     s = gl.zeros([BLOCK_N, BLOCK_H], gl.float32, S_L)
     s = warpgroup_mma(kn_buf.index(b), q_nope.permute((1, 0)), s, use_acc=False, is_async=True)
     return warpgroup_mma(kr_buf.index(b), q_rope.permute((1, 0)), s, is_async=True)
@@ -224,7 +235,10 @@ def _store_out(o, stage, has_tiles, pid_h, req, part_idx, n_part, rows_total, h_
 def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, meta_ptr, splits_ptr, seqlens_ptr, batch,
                num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total, out_ptr, lse_ptr,
                oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb,
-               stride_lh, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, MMA_AHEAD: gl.constexpr, SKIP: gl.constexpr):
+               stride_lh, CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, MMA_AHEAD: gl.constexpr, SKIP: gl.constexpr,
+               ZERO_TAIL: gl.constexpr):
+    # (also the MMA warpgroup of kernels_gluon_t's 16-bit kernel, whose producer fills the K
+    # buffers by TMA: ZERO_TAIL clears a request's last tile past its length before its products)
     # S^T and O^T as one warpgroup's WGMMA accumulates them: all BLOCK_H rows as N.
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_H, 16])
@@ -256,11 +270,12 @@ def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, me
                     if MMA_AHEAD:
                         if start == tok_begin:
                             s = warpgroup_mma_wait(0, deps=(_issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full,
-                                                                          t, S_L, BLOCK_H),))
+                                                                          t, start, length, S_L, BLOCK_H,
+                                                                          ZERO_TAIL),))
                         s = warpgroup_mma_wait(0, deps=(s,))
                     else:
                         s = warpgroup_mma_wait(0, deps=(_issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t,
-                                                                      S_L, BLOCK_H),))
+                                                                      start, length, S_L, BLOCK_H, ZERO_TAIL),))
                     # ---- online softmax down the token axis (keys past the length or the causal
                     #      limit score -inf; the row sum from the fp32 probabilities), P^T -> SMEM.
                     pos = start + gl.arange(0, BLOCK_N, layout=TOKENS)
@@ -280,7 +295,8 @@ def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, me
                     pv = warpgroup_mma(kn.permute((1, 0)), p_t.permute((1, 0)), acc * alpha[None, :], is_async=True)
                     if MMA_AHEAD:
                         if start + BLOCK_N < tok_end:
-                            s_next = _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t + 1, S_L, BLOCK_H)
+                            s_next = _issue_scores(kn_buf, kr_buf, q_nope, q_rope, kb_full, t + 1, start + BLOCK_N,
+                                                   length, S_L, BLOCK_H, ZERO_TAIL)
                             # P V done (the groups retire in order); the next S^T may still run
                             acc, s = warpgroup_mma_wait(1, deps=(pv, s_next))
                         else:

@@ -130,6 +130,7 @@ def _kernels():
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
                 wgmma=wgmma,
                 wgmma_fp8=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_fp8", "mla_split_fp8_kernel"),
+                wgmma_t=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_t", "mla_split_t_kernel"),
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
 
@@ -326,6 +327,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     call.variant = variant or choose_variant(rows, max_blocks, q)
     if fp8:
         call.variant = _fp8_variant(call.variant, rows, max_blocks, q)
+    call.variant = _gluon_form(call.variant, rows, fp8)
     # a cache view that TMA cannot address (base not 16-byte aligned), or a q whose rows the
     # Gluon kernels' 16-byte copies cannot address (strides not multiples of 8 elements, base not
     # 16-byte aligned), takes the tl kernel
@@ -393,7 +395,17 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 # the Gluon kernels (TMA descriptors, one program per head tile and run of slots)
-_GLUON = (*configs.GLUON_VARIANTS, "wgmma_fp8")
+_GLUON = (*configs.GLUON_VARIANTS, "wgmma_fp8", "wgmma_t")
+
+
+def _gluon_form(variant: str, rows: int, fp8: bool) -> str:
+    """The Gluon 16-bit kernel's form for ``rows`` query rows: its transposed form ``wgmma_t``
+    (``kernels_gluon_t``) where ``configs.transposed_gluon`` says so and it imports, else
+    ``variant`` as it is."""
+    if variant in configs.GLUON_VARIANTS and configs.transposed_gluon(rows, fp8) \
+            and _kernels().get("wgmma_t") is not None:
+        return "wgmma_t"
+    return variant
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
 
 
@@ -468,7 +480,9 @@ def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spl
     tracing = torch.compiler.is_compiling()
     key = None if tracing else plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
     try:
-        key = key + (head_dim_v, softmax_scale, causal, fp8) if key is not None else None
+        # (the transposed Gluon form's switch too: a run that changes it re-plans)
+        key = key + (head_dim_v, softmax_scale, causal, fp8, configs.TRANSPOSED_GLUON_MAX_ROWS) \
+            if key is not None else None
         call = _plans.get(key) if key is not None else None
     except TypeError:       # an unhashable argument: validated (and refused) below
         key = call = None
@@ -1054,9 +1068,15 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | 
     forced = forced_variant("mla")
     max_blocks = block_table.shape[1]
     variant = choose_variant(rows, max_blocks, q)
+    chosen = variant
+    variant = _gluon_form(variant, rows, False)
     cfg = configs.launch_config(variant, rows, max_blocks, q.element_size())[0]
     source = "forced" if forced else "measured rule (configs.default_variant: rows per KV head, length, chip)"
-    if forced and forced != variant:
+    if variant != chosen:
+        source += (f"; <= {configs.TRANSPOSED_GLUON_MAX_ROWS} rows: the Gluon kernel's transposed form "
+                   "(mla_split_t_kernel: cached tokens as WGMMA's M, one MMA warpgroup; "
+                   "configs.TRANSPOSED_GLUON_MAX_ROWS)")
+    if forced and forced != chosen:
         source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"
     return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))
 

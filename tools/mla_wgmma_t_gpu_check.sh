@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The Gluon MLA kernel's transposed form (kernels_gluon_t) in one device call, inside DEADLINE
+# seconds (default 300):
+#   1. the FlashMLA peers (main's dense decode and b31bfe7, sources in .peers/ as
+#      flashmla-main.tar.xz / flashmla-b31bfe7.tar.xz) build on the CPU in the background, while
+#      the GPU runs the form's GPU tests (tests/test_mla_wgmma_t.py) beside a warm-up of the
+#      per-layer bench's compiles (correctness only: they share the GPU);
+#   2. the held-out A/B (tools/mla_wgmma_t_ab.py) with the peers, alone on the GPU;
+#   3. the per-layer bench (tools/mla_perlayer_bench.py: tilefuse bench mla --quick's 16-bit dense
+#      cases with tilefuse:wgmma-t beside the default and both peers) until the deadline.
+# Logs (logs.tgz) and the JSON results go to OUT (default: $OUT, else ./wgmma-t-check). Run from
+# the repository root on the GPU machine.
+#
+#   DEADLINE=300 bash tools/mla_wgmma_t_gpu_check.sh
+set -uo pipefail
+out=${OUT:-wgmma-t-check}
+mkdir -p "$out/logs" "$out/results"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+deadline=${DEADLINE:-300}
+t0=$SECONDS
+el() { echo "[$((SECONDS - t0))s] $*" | tee -a "$out/logs/steps.log"; }
+left() { echo $((deadline - (SECONDS - t0))); }
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > "$out/logs/gpu.txt" 2>&1
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$out/logs/steps.log"
+
+peers=/tmp/flashmla-peers
+builds=()
+if [ -f .peers/flashmla-main.tar.xz ] && [ -f .peers/flashmla-b31bfe7.tar.xz ]; then
+    mkdir -p $peers
+    tar -xJf .peers/flashmla-main.tar.xz -C $peers && tar -xJf .peers/flashmla-b31bfe7.tar.xz -C $peers
+    (cd $peers/main && CPATH=$CUDA_HOME/include/cccl:${CPATH:-} FLASH_MLA_DISABLE_FP16=1 FLASH_MLA_DISABLE_SM100=1 \
+        NVCC_THREADS=4 MAX_JOBS=8 timeout 170 python3 setup.py build_ext --inplace > "$out/logs/build-main.log" 2>&1;
+        echo "build main rc $?" >> "$out/logs/steps.log") &
+    builds+=($!)
+    (cd $peers/b31 && CPATH=$CUDA_HOME/include/cccl:${CPATH:-} FLASH_MLA_DISABLE_FP16=TRUE NVCC_THREADS=4 MAX_JOBS=4 \
+        timeout 170 python3 setup.py build_ext --inplace > "$out/logs/build-b31.log" 2>&1;
+        echo "build b31 rc $?" >> "$out/logs/steps.log") &
+    builds+=($!)
+fi
+el "peer builds started: ${#builds[@]}"
+
+# 1. GPU tests (two processes) and the bench's compiles, beside the builds
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges" \
+    > "$out/logs/pytest-edges.log" 2>&1 &
+t1=$!
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
+    > "$out/logs/pytest-rest.log" 2>&1 &
+t2=$!
+timeout 150 python3 tools/mla_perlayer_bench.py --warm > "$out/logs/warm.log" 2>&1 &
+t3=$!
+wait $t1; r1=$?
+wait $t2; r2=$?
+el "gpu tests done: rc $r1 $r2: $(grep -h -E '(passed|failed)' "$out"/logs/pytest-*.log | tr '\n' ' ')"
+grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -20
+wait $t3
+el "warm-up done"
+for pid in "${builds[@]}"; do wait "$pid"; done
+el "builds done"
+fm=""
+for b in main:main b31bfe7:b31; do
+    dir=$peers/${b#*:}
+    if [ -d "$dir" ] && (cd /tmp && PYTHONPATH=$dir python3 -c "import flash_mla" >> "$out/logs/steps.log" 2>&1); then
+        fm="$fm,${b%%:*}=$dir"
+    fi
+done
+export TILEFUSE_FLASHMLA=${fm#,}
+el "TILEFUSE_FLASHMLA=$TILEFUSE_FLASHMLA"
+
+# 2. the held-out A/B, alone on the GPU
+timeout 60 python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 10 > "$out/logs/ab.log" 2>&1
+el "held-out A/B rc $?"
+grep "^#" "$out/logs/ab.log"
+
+# 3. the per-layer bench until the deadline (its rows are saved after every case)
+budget=$(( $(left) - 8 ))
+[ $budget -lt 20 ] && budget=20
+timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 \
+    > "$out/logs/bench.log" 2>&1
+el "bench rc $? (timeout $budget s)"
+grep -c "^\[mla " "$out/logs/bench.log"
+tail -5 "$out/logs/bench.log"
+tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
+ls -la "$out" "$out/results"

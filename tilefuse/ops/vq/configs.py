@@ -59,6 +59,12 @@ PREFILL = _with_overrides("prefill", dict(block_n=128, tokens=128, block_k=64, n
 # warp-specialized form (a TMA producer warp, two consumer warpgroups: 128 rows).
 WGMMA_PREFILL = _with_overrides("prefill_wgmma", dict(num_warps=8, block_m=0, stages=0, fixed_steps=8, ws=1))
 WGMMA_PREFILL_SMEM = 196608      # bytes of shared memory the codebook copies and the x ring may take
+# The small-layer kernel (``kernels_small``: a program owns 16 * row_tiles rows and the whole of K,
+# split over its warps): K step (krep * 32 inputs), copies of each codebook entry in shared memory
+# (1-8), the most K slices (warps) per program, row tiles per program, and the fixed cost of a
+# program in K steps' worth, which the slice choice weighs (``small_config``).
+SMALL = _with_overrides("small", dict(krep=4, copies=8, max_slices=8, row_tiles=1, fixed_steps=2))
+SMALL_MAX_TOKENS = 16            # the cost model offers the small-layer kernel up to here (forced: token tiles)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -169,6 +175,47 @@ def wgmma_prefill_config(m: int, n: int, k: int, num_sms: int, block_m: int = 0,
                 groups_per_split=8 * steps_per_split, grid=(_cdiv(m, block_m), row_blocks, split_k), ws=ws)
 
 
+@functools.lru_cache(maxsize=4096)
+def small_config(m: int, n: int, k: int, on_gpu: bool, num_sms: int, slices: int = 0, copies: int = 0,
+                 krep: int = 0, tokens: int = 0, row_tiles: int = 0) -> dict:
+    """Tiles and in-program K split of the small-layer kernel (``kernels_small``).
+
+    ``tokens`` per program (8 up to 8 tokens, else 16; token tiles above), ``rows = 16 x row_tiles``
+    output rows per program, K in ``slices`` warps' slices of ``groups_per_slice`` groups (a
+    multiple of the ``4 x krep``-group step): the fewest slices (1, 2, 4, 8) that bring the
+    estimated time ``waves x (steps per warp + fixed_steps)`` to within 10 % of the most slices'
+    (a warp's steps run one after the other; every warp of a program shares the SM's shared-memory
+    pipe with the program's other warps; at least 2). Explicit arguments override (tuning and tests). On the CPU
+    interpreter (``on_gpu`` False): the ``tl`` twin with 4-group steps, so small tests cross steps
+    and slices."""
+    groups = k // 8
+    row_tiles = row_tiles or (SMALL["row_tiles"] if on_gpu else 1)
+    krep = krep or (SMALL["krep"] if on_gpu else 1)
+    tokens = tokens or ((8 if m <= 8 else 16) if on_gpu else 16)
+    copies = copies or SMALL["copies"]
+    bg = 4 * krep
+    steps = _cdiv(max(groups, 1), bg)
+    rows = 16 * row_tiles
+    programs = _cdiv(n, rows) * _cdiv(m, tokens)
+    if not slices:
+        # at least 2 warps: with one, ptxas spills the kernel (its register heuristic for 32 threads)
+        options = [s for s in (2, 4, 8) if s <= SMALL["max_slices"] and s * row_tiles <= 16]
+        if not on_gpu:
+            options = [s for s in options if s <= 4]
+
+        def cost(s):
+            # programs resident per SM: 64 warps and the shared memory of the copies
+            per_sm = max(1, min(64 // (s * row_tiles), (227 * 1024) // (copies * 8192 + 16 * s * rows * 4)))
+            return _cdiv(programs, per_sm * num_sms) * (_cdiv(steps, s) + SMALL["fixed_steps"])
+
+        best = min(cost(s) for s in options)
+        slices = min(s for s in options if cost(s) <= 1.1 * best)
+    groups_per_slice = _cdiv(steps, slices) * bg      # slices past K's end (a power of two of warps) add nothing
+    return dict(tokens=tokens, krep=krep, row_tiles=row_tiles, slices=slices, copies=copies, rows=rows,
+                groups_per_slice=groups_per_slice, even=groups == slices * groups_per_slice,
+                grid=(_cdiv(n, rows), _cdiv(m, tokens), 1), num_warps=row_tiles * slices)
+
+
 def wgmma_prefill_meta(cfg: dict, has_bias: bool) -> dict:
     """The WGMMA prefill kernel's constexprs and launch warps (``num_warps``) for ``cfg`` (from
     :func:`wgmma_prefill_config`). The warp-specialized form's consumers get 232 registers for
@@ -209,6 +256,8 @@ COST = {
     "mma": dict(fixed=10.1, codes=0.0, mma=0.0167),            # M <= 16: 16-token tiles
     "prefill": dict(fixed=11.6, busiest=0.326, stream=4.16),
     "dequant": dict(fixed=1.63, dense=1.66, gemm=0.805),
+    # M <= 16, the small-layer kernel: ``steps`` = programs per SM (rounded up) x K steps per warp
+    "small": dict(fixed=10.5, steps=0.5, codes=1.0),
 }
 # A kernel runs in place of the dequant + cuBLAS baseline only if predicted faster by this much:
 # the model's spread above; with it, no measured point of the sweep is more than 1.35x the
@@ -219,7 +268,7 @@ MARGIN = 0.10
 def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None = None) -> float | None:
     """Predicted graph-replay time (us) of ``variant`` on ``x [m, k] @ W[n, k]^T``, fp16/bf16, on
     ``chip`` (``_dispatch.Chip``); None where the variant does not take ``m`` tokens (decode
-    above 2 or with an odd number of 8-wide groups, mma above 16, the WGMMA prefill above
+    above 2 or with an odd number of 8-wide groups, mma and small above 16, the WGMMA prefill above
     ``PREFILL_MAX_TOKENS`` or K not a multiple of 64)."""
     from tilefuse import _dispatch
 
@@ -234,6 +283,14 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
         return c["fixed"] + c["codes"] * codes + c["mma"] * m * n * k / 1e6
     if variant == "mma":
         return None if m > MMA_SWITCH_TOKENS else c["fixed"] + c["mma"] * 16 * _cdiv(m, 16) * n * k / 1e6
+    if variant == "small":
+        if m > SMALL_MAX_TOKENS:
+            return None
+        sms = num_sms or chip.sms
+        cfg = small_config(m, n, k, True, sms)
+        programs = cfg["grid"][0] * cfg["grid"][1]
+        steps = _cdiv(programs, sms) * cfg["groups_per_slice"] // (4 * cfg["krep"])
+        return c["fixed"] + c["steps"] * steps + c["codes"] * codes
     if variant == "prefill":
         if m > PREFILL_MAX_TOKENS or k % 64:
             return None
@@ -255,7 +312,7 @@ def decide(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sms: int 
     from tilefuse import _dispatch
 
     chip = chip or _dispatch.CHIPS["H200"]
-    names = ("decode", "mma", "prefill", "dequant") if wgmma_prefill else ("decode", "mma", "dequant")
+    names = ("decode", "mma", "small", "prefill", "dequant") if wgmma_prefill else ("decode", "mma", "small", "dequant")
     weighed = tuple(_dispatch.Candidate(v, None, predict_us(v, m, n, k, chip, num_sms),
                                         "dequantize into a scratch weight, then cuBLAS" if v == "dequant" else "")
                     for v in names)

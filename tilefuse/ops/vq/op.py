@@ -19,11 +19,14 @@ Variants (``tilefuse.force(variant=...)``):
 * ``"prefill"``   -- one launch, prefill tiles: on Hopper the WGMMA kernel (``kernels_prefill.py``:
   weight tiles dequantized into the tensor-core instruction's register operand, x and codes through
   a TMA ring, split-K where the tiles leave SMs idle); elsewhere the ``tl`` MMA kernel
+* ``"small"``     -- one launch for small layers (``kernels_small.py``): a program owns 16 rows and
+  the whole of K, split over its warps and summed in shared memory in a fixed order (no workspace,
+  no atomics; Gluon); the ``tl`` twin under the interpreter
 * ``"dequant"``   -- dequantize the layer into a scratch weight (one kernel), then cuBLAS
 
 Default dispatch (``configs.decide``): a cost model fitted to every variant's measured times on
-corpus layers picks, per (M, N, K), the fastest kernel that takes M tokens (decode <= 2, mma <= 16,
-the WGMMA prefill <= 512) where it beats dequant + cuBLAS by a margin, else dequant + cuBLAS. fp16
+corpus layers picks, per (M, N, K), the fastest kernel that takes M tokens (decode <= 2, mma and
+small <= 16, the WGMMA prefill <= 512) where it beats dequant + cuBLAS by a margin, else dequant + cuBLAS. fp16
 and bf16 inputs run the kernels on CUDA; fp32 / fp64 inputs run the reference (dequantize, then a
 cuBLAS GEMM on a GPU) on every device.
 
@@ -76,7 +79,7 @@ def kernel_status(device: torch.device) -> dict[str, str]:
     if device.type != "cuda":
         why = "ok (interpreter)" if interpreting() else "needs CUDA or TRITON_INTERPRET=1"
         return {"decode": why + "; tl schedule", "decode_tl": why, "mma": why + "; tl kernel", "prefill": why,
-                "dequant": why}
+                "small": why + "; tl twin", "dequant": why}
     major, _ = torch.cuda.get_device_capability(device)
     mma_ok = "ok" if major >= 8 else f"needs sm_80+ (got sm_{major}x)"
     return {
@@ -85,6 +88,7 @@ def kernel_status(device: torch.device) -> dict[str, str]:
         "mma": mma_ok if _mma_decode() is not None else "Gluon not importable: falls back to the tl kernel",
         "prefill": ("ok (WGMMA kernel; K a multiple of 64, else the tl kernel)" if major == 9 and
                     _wgmma_prefill() is not None else mma_ok + " (the tl kernel: the WGMMA kernel needs sm_90)"),
+        "small": mma_ok if _small_kernel() is not None else "Gluon not importable: falls back to the tl twin",
         "dequant": "ok",
     }
 
@@ -129,7 +133,7 @@ class _Call:
     (with the pointers' alignment)."""
 
     __slots__ = ("reference", "out_shape", "m", "variant", "resident", "grid", "scratch", "scalars", "meta",
-                 "copies", "impl", "mma", "prefill", "block")
+                 "copies", "impl", "mma", "prefill", "block", "small")
 
 
 def _resident_call(m: int, n: int, k: int, device: torch.device, has_bias: bool) -> _Call:
@@ -215,6 +219,22 @@ class BoundDecode:
         return out
 
 
+class BoundSmall(BoundDecode):
+    """:class:`BoundDecode` for the small-layer kernel, whose arguments have no workspace and no
+    arrival counters (nothing to take per call but the output)."""
+
+    __slots__ = ()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        args = list(self.args)
+        args[3] = torch._C._cuda_getCurrentRawStream(self.device_index)
+        args[self.x_at] = x.data_ptr()
+        args[self.out_at] = out.data_ptr()
+        self.launch(*args)
+        return out
+
+
 class BoundDequant(BoundDecode):
     """The dequantize + cuBLAS path bound the same way (where the cost model picks it at decode
     sizes: small layers, e.g. 256 x 1536 key/value projections): one dequantize launch into a fresh
@@ -254,6 +274,10 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
         return _bind_dequant(x, call, codes, codebooks, scales, bias)
     if call.resident:                           # _launch_resident's launch
         launch_call, kernel, code_view = call, _resident_decode(), _code_words(codes)
+    elif call.small is not None:                # _launch_small's (no workspace, no counters)
+        if call.small.impl != "gluon":
+            return None
+        launch_call, kernel, code_view = call.small, _small_kernel(), _code_pairs(codes)
     elif call.prefill is None and call.mma is not None:       # _launch_mma's
         launch_call, kernel, code_view = call.mma, _mma_kernel(call.mma), _code_pairs(codes)
     else:
@@ -262,13 +286,14 @@ def bind_decode(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, s
     if compiled is None:
         return None
     launch, head, tail = compiled
-    bound = BoundDecode()
+    bound = BoundSmall() if call.small is not None else BoundDecode()
     bound._bind(x, (codes, codebooks, scales, bias), call.out_shape)
     bound.scratch = launch_call.scratch
     # the launcher's arguments: grid, stream, head, then the kernel's (x, codes, codebooks, scales,
-    # bias or scales, out, ws, cnt, scalars..., constexprs...) as both launchers pass them
+    # bias or scales, out, ws, cnt, scalars..., constexprs...) as both launchers pass them (the
+    # small-layer kernel has no ws and cnt)
     tensors = [None, code_view.data_ptr(), codebooks.data_ptr(), scales.data_ptr(),
-               (bias if bias is not None else scales).data_ptr(), None, None, None]
+               (bias if bias is not None else scales).data_ptr(), None] + ([] if call.small is not None else [None, None])
     bound.args = (*launch_call.grid, None, *head, *tensors, *launch_call.scalars, *tail)
     bound.x_at = 4 + len(head)
     bound.out_at = bound.x_at + 5
@@ -413,6 +438,52 @@ def _launch_mma(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.
     _mma_kernel(call).launch(key, call.grid, x2d.device.index,
                              (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out, ws, cnt),
                              call.scalars, call.meta)
+    return out
+
+
+def _small_kernel():
+    """The Gluon small-layer kernel (``kernels_small.py``), or None."""
+    return _kernel("kernels_small", "vq_small_kernel")
+
+
+def launch_small(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto", **override) -> torch.Tensor:
+    """The small-layer kernel, one launch: ``out = x2d @ W^T (+ bias)``, no workspace.
+
+    x2d: [M, K] (any M: more than 16 tokens run token tiles); codes: [N, K/8, 2] uint8/int8
+    contiguous; scales: [N]; out: [M, N] (any contents). impl: "auto" (the Gluon kernel on CUDA,
+    the ``tl`` twin under the interpreter), "gluon" or "tl". ``override`` (``slices``, ``copies``,
+    ``krep``, ``tokens``) replaces entries of ``configs.small_config`` (tuning and tests)."""
+    m, k = x2d.shape
+    call = _small_call(m, codes.shape[0], k, x2d.device, bias is not None, impl, x2d.stride(0), out.stride(0),
+                       **override)
+    return _launch_small(call, x2d, codes, codebooks, scales, bias, out)
+
+
+def _small_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, impl: str, x_stride: int,
+                out_stride: int, **override) -> _Call:
+    """The small-layer kernel's launch for M rows of K in (row stride ``x_stride``), M rows of N out."""
+    if impl == "auto":
+        impl = "gluon" if device.type == "cuda" and _small_kernel() is not None else "tl"
+    if impl not in ("gluon", "tl"):
+        raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
+    cfg = configs.small_config(m, n, k, impl == "gluon", num_sms(device),
+                               **{key: int(v) for key, v in override.items() if v is not None})
+    call = _Call()
+    call.m, call.variant, call.resident, call.impl = m, "small", False, impl
+    call.grid = cfg["grid"]
+    call.scratch = None
+    call.scalars = (m, n, k // 8, cfg["groups_per_slice"], x_stride, k // 8, out_stride)
+    call.meta = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
+                     COPIES=cfg["copies"], HAS_BIAS=has_bias, EVEN=cfg["even"], num_warps=cfg["num_warps"])
+    return call
+
+
+def _launch_small(call: _Call, x2d, codes, codebooks, scales, bias, out) -> torch.Tensor:
+    codes16 = _code_pairs(codes)
+    key = _decode_key(call, x2d.data_ptr() % 16, codes16, codebooks, scales, bias, out.data_ptr() % 16)
+    kernel = _small_kernel() if call.impl == "gluon" else _kernel("kernels_small", "vq_small_tl_kernel")
+    kernel.launch(key, call.grid, x2d.device.index,
+                  (x2d, codes16, codebooks, scales, bias if bias is not None else scales, out), call.scalars, call.meta)
     return out
 
 
@@ -639,6 +710,7 @@ def _plan_call(x, codes, codebooks, scales, bias) -> _Call:
                     if variant == "prefill" and wgmma_prefill_applies(k, x.device) else None)
     call.mma = (_mma_call(m, n, k, x.device, bias is not None, "auto" if variant == "mma" else "tl", k, n)
                 if variant in ("mma", "prefill") and call.prefill is None else None)
+    call.small = _small_call(m, n, k, x.device, bias is not None, "auto", k, n) if variant == "small" else None
     call.reference = reference
     call.out_shape = (*x.shape[:-1], n)
     # the kernels read codes, codebooks, scales and bias as dense arrays
@@ -651,7 +723,7 @@ def _empty_call(x: torch.Tensor, n: int) -> _Call:
     ``[..., N]`` in x's dtype; the cost model is not consulted (it has no time for no work)."""
     call = _Call()
     call.m, call.variant, call.resident, call.reference, call.copies = 0, "empty", False, False, False
-    call.prefill = call.mma = None
+    call.prefill = call.mma = call.small = None
     call.out_shape = (*x.shape[:-1], n)
     return call
 
@@ -673,7 +745,9 @@ def _run(call: _Call, x, codes, codebooks, scales, bias) -> torch.Tensor:
         launch_dequant(x2d, codes, codebooks, scales, bias, out2d)     # scales: N contiguous values
         return out
     scales_1d = scales.view(n)
-    if call.prefill is not None:
+    if call.small is not None:
+        _launch_small(call.small, x2d, codes, codebooks, scales_1d, bias, out2d)
+    elif call.prefill is not None:
         _launch_prefill(call.prefill, x2d, codes, codebooks, scales_1d, bias, out2d)
     elif call.mma is not None:
         _launch_mma(call.mma, x2d, codes, codebooks, scales_1d, bias, out2d)

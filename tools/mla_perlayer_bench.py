@@ -3,11 +3,14 @@
 file like the CLI writes it (``bench/results/mla-<gpu>-quick-<tag>.json`` + PNG, the rows saved
 after every case). ``--only`` cannot pick these: every case's params hold ``"dtype": "bfloat16"``.
 
-    python3 tools/mla_perlayer_bench.py [--out DIR] [--tag perlayer] [--rep-ms 10] [--warm] [--first N]
+    python3 tools/mla_perlayer_bench.py [--out DIR] [--tag perlayer] [--rep-ms 10] [--eager-ms 20] [--lean]
+                                        [--warm] [--first N]
 
 ``--warm`` calls each case's tilefuse implementations once, untimed, and writes nothing: run
 beside a build of the FlashMLA peers, it fills Triton's cache so that the timed run spends its
-time timing. ``--first N``: the first N cases only. FlashMLA builds come from
+time timing. ``--first N``: the first N cases only. ``--lean`` leaves out the implementations the
+per-layer headline does not read (the ``tl`` kernels forced, ``tilefuse:transposed`` and
+``tilefuse:standard``, and ``torch_naive``), so that a time-boxed run covers more cases. FlashMLA builds come from
 ``TILEFUSE_FLASHMLA`` as in the CLI.
 """
 
@@ -28,11 +31,26 @@ def dense_cases(device: torch.device) -> list:
     return [c for c in mla.cases(device, quick=True) if "kv" not in c.params and "topk" not in c.params]
 
 
+LEAN_DROPS = ("tilefuse:transposed", "tilefuse:standard", "torch_naive")
+
+
+def lean(case):
+    """``case`` without the implementations of :data:`LEAN_DROPS`."""
+    setup = case.setup
+
+    def lean_setup():
+        return {name: fn for name, fn in setup().items() if name not in LEAN_DROPS}
+    case.setup = lean_setup
+    return case
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--tag", default="perlayer")
     ap.add_argument("--rep-ms", type=float, default=10.0)
+    ap.add_argument("--eager-ms", type=float, default=runner.EAGER_LOOP_MS)
+    ap.add_argument("--lean", action="store_true")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--first", type=int, default=None)
     args = ap.parse_args()
@@ -41,6 +59,8 @@ def main() -> int:
         return 1
     device = torch.device("cuda")
     cases = dense_cases(device)[: args.first]
+    if args.lean:
+        cases = [lean(case) for case in cases]
     if args.warm:
         for i, case in enumerate(cases, 1):
             try:
@@ -57,7 +77,7 @@ def main() -> int:
             torch.cuda.empty_cache()
         return 0
     ceilings = measure_ceilings(device, quick=True)
-    timer = Timer(device, rep_ms=args.rep_ms, eager_ms=runner.EAGER_LOOP_MS)
+    timer = Timer(device, rep_ms=args.rep_ms, eager_ms=args.eager_ms)
     head = runner.header(device, ceilings, timer)
     print(f"machine: {head['machine']}; ceilings {ceilings}", file=sys.stderr, flush=True)
 

@@ -6,8 +6,9 @@
 #      the GPU runs the form's GPU tests (tests/test_mla_wgmma_t.py) beside a warm-up of the
 #      per-layer bench's compiles (correctness only: they share the GPU);
 #   2. the held-out A/B (tools/mla_wgmma_t_ab.py) with the peers, alone on the GPU;
-#   3. the per-layer bench (tools/mla_perlayer_bench.py: tilefuse bench mla --quick's 16-bit dense
-#      cases with tilefuse:wgmma-t beside the default and both peers) until the deadline.
+#   3. the per-layer bench (tools/mla_perlayer_bench.py --lean: tilefuse bench mla --quick's 16-bit
+#      dense cases with tilefuse:wgmma-t beside the default and both peers; the forced tl kernels
+#      and torch_naive left out) until the deadline; its rows are saved after every case.
 # Logs (logs.tgz) and the JSON results go to OUT (default: $OUT, else ./wgmma-t-check). Run from
 # the repository root on the GPU machine.
 #
@@ -31,31 +32,34 @@ if [ -f .peers/flashmla-main.tar.xz ] && [ -f .peers/flashmla-b31bfe7.tar.xz ]; 
     mkdir -p $peers
     tar -xJf .peers/flashmla-main.tar.xz -C $peers && tar -xJf .peers/flashmla-b31bfe7.tar.xz -C $peers
     (cd $peers/main && CPATH=$CUDA_HOME/include/cccl:${CPATH:-} FLASH_MLA_DISABLE_FP16=1 FLASH_MLA_DISABLE_SM100=1 \
-        NVCC_THREADS=4 MAX_JOBS=8 timeout 170 python3 setup.py build_ext --inplace > "$out/logs/build-main.log" 2>&1;
+        NVCC_THREADS=4 MAX_JOBS=8 timeout 150 python3 setup.py build_ext --inplace > "$out/logs/build-main.log" 2>&1;
         echo "build main rc $?" >> "$out/logs/steps.log") &
     builds+=($!)
     (cd $peers/b31 && CPATH=$CUDA_HOME/include/cccl:${CPATH:-} FLASH_MLA_DISABLE_FP16=TRUE NVCC_THREADS=4 MAX_JOBS=4 \
-        timeout 170 python3 setup.py build_ext --inplace > "$out/logs/build-b31.log" 2>&1;
+        timeout 150 python3 setup.py build_ext --inplace > "$out/logs/build-b31.log" 2>&1;
         echo "build b31 rc $?" >> "$out/logs/steps.log") &
     builds+=($!)
 fi
 el "peer builds started: ${#builds[@]}"
 
 # 1. GPU tests (two processes) and the bench's compiles, beside the builds
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges" \
+timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges" \
     > "$out/logs/pytest-edges.log" 2>&1 &
 t1=$!
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
+timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
     > "$out/logs/pytest-rest.log" 2>&1 &
 t2=$!
-timeout 150 python3 tools/mla_perlayer_bench.py --warm > "$out/logs/warm.log" 2>&1 &
+timeout 100 python3 tools/mla_perlayer_bench.py --warm --lean > "$out/logs/warm.log" 2>&1 &
 t3=$!
 wait $t1; r1=$?
 wait $t2; r2=$?
 el "gpu tests done: rc $r1 $r2: $(grep -h -E '(passed|failed)' "$out"/logs/pytest-*.log | tr '\n' ' ')"
 grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -20
 wait $t3
-el "warm-up done"
+el "warm-up done: $(grep -c '^\[warm' "$out/logs/warm.log") cases"
+
+# 2. the held-out A/B (lever against the default), alone on the GPU; FlashMLA beside it where
+#    the builds are done by then
 for pid in "${builds[@]}"; do wait "$pid"; done
 el "builds done"
 fm=""
@@ -67,17 +71,15 @@ for b in main:main b31bfe7:b31; do
 done
 export TILEFUSE_FLASHMLA=${fm#,}
 el "TILEFUSE_FLASHMLA=$TILEFUSE_FLASHMLA"
-
-# 2. the held-out A/B, alone on the GPU
-timeout 60 python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 10 > "$out/logs/ab.log" 2>&1
+timeout 50 python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 10 > "$out/logs/ab.log" 2>&1
 el "held-out A/B rc $?"
 grep "^#" "$out/logs/ab.log"
 
 # 3. the per-layer bench until the deadline (its rows are saved after every case)
 budget=$(( $(left) - 8 ))
 [ $budget -lt 20 ] && budget=20
-timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 \
-    > "$out/logs/bench.log" 2>&1
+timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 --eager-ms 10 \
+    --lean > "$out/logs/bench.log" 2>&1
 el "bench rc $? (timeout $budget s)"
 grep -c "^\[mla " "$out/logs/bench.log"
 tail -5 "$out/logs/bench.log"

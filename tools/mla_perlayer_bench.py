@@ -4,11 +4,12 @@ file like the CLI writes it (``bench/results/mla-<gpu>-quick-<tag>.json`` + PNG,
 after every case). ``--only`` cannot pick these: every case's params hold ``"dtype": "bfloat16"``.
 
     python3 tools/mla_perlayer_bench.py [--out DIR] [--tag perlayer] [--rep-ms 10] [--eager-ms 20] [--lean]
-                                        [--warm] [--first N]
+                                        [--warm] [--first N] [--few-rows-first]
 
 ``--warm`` calls each case's tilefuse implementations once, untimed, and writes nothing: run
 beside a build of the FlashMLA peers, it fills Triton's cache so that the timed run spends its
-time timing. ``--first N``: the first N cases only. ``--lean`` leaves out the implementations the
+time timing. ``--first N``: the first N cases only; ``--few-rows-first``: the cases
+of at most 32 query rows first (a time-boxed A/B of the transposed form). ``--lean`` leaves out the implementations the
 per-layer headline does not read (the ``tl`` kernels forced, ``tilefuse:transposed`` and
 ``tilefuse:standard``, and ``torch_naive``), so that a time-boxed run covers more cases. FlashMLA builds come from
 ``TILEFUSE_FLASHMLA`` as in the CLI.
@@ -53,12 +54,17 @@ def main() -> int:
     ap.add_argument("--lean", action="store_true")
     ap.add_argument("--warm", action="store_true")
     ap.add_argument("--first", type=int, default=None)
+    ap.add_argument("--few-rows-first", action="store_true",
+                    help="the cases of <= 32 query rows first (where the Gluon kernel's transposed form applies)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
     device = torch.device("cuda")
-    cases = dense_cases(device)[: args.first]
+    cases = dense_cases(device)
+    if args.few_rows_first:
+        cases.sort(key=lambda c: c.params["h_q"] * c.params["s_q"] > 32)
+    cases = cases[: args.first]
     if args.lean:
         cases = [lean(case) for case in cases]
     if args.warm:

@@ -1,6 +1,6 @@
 """Small-layer VQ timings: the 2-bit layer against fp16 cuBLAS at 1-128 tokens, every path.
 
-    python3 tools/vq_small_sweep.py [OUT_DIR] [--quick] [--settings] [--workers N]
+    python3 tools/vq_small_sweep.py [OUT_DIR] [--quick] [--settings] [--workers N] [--compile-only]
 
 One run gives, per layer (MoE experts, k/v and o projections, two large layers and held-out
 shapes) and per token count (1, 2, 4, 8, 16, 32, 128), CUDA-graph replay times (cold L2, the
@@ -36,8 +36,9 @@ LAYERS = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (4096, 4096), (14
 HELD_OUT = [(1408, 2048), (2048, 1408)]          # no setting or fit of the dispatch saw these
 SMALL = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (1408, 2048), (2048, 1408)]
 TOKENS = (1, 2, 4, 8, 16, 32, 128)
-SETTINGS = [dict(slices=s, copies=c, krep=r) for s, c, r in itertools.product((2, 4, 8), (1, 2, 4, 8), (2, 4))] + \
-    [dict(slices=s, copies=c, krep=4, row_tiles=2) for s, c in itertools.product((2, 4), (2, 8))]
+SETTINGS = [dict(slices=s, copies=c, krep=4) for s, c in itertools.product((2, 4, 8), (2, 8))] + \
+    [dict(slices=8, copies=1, krep=4), dict(slices=8, copies=4, krep=4), dict(slices=4, copies=2, krep=2),
+     dict(slices=4, copies=2, krep=4, row_tiles=2)]
 SETTING_TOKENS = (1, 16)
 
 
@@ -122,7 +123,9 @@ def _warm(job):
 def main(argv=None) -> None:
     args = sweep_common.parse_args(__doc__, argv, workers=True, configs=False,
                                    **{"--settings": dict(action="store_true", help="time every small-kernel setting"),
-                                      "--workers": dict(type=int, default=12, help="compile processes")})
+                                      "--workers": dict(type=int, default=12, help="compile processes"),
+                                      "--compile-only": dict(action="store_true",
+                                                             help="compile every kernel (Triton's cache), time nothing")})
     import torch
 
     from tilefuse import _dispatch
@@ -135,6 +138,8 @@ def main(argv=None) -> None:
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
             errors = [e for e in pool.map(_warm, jobs, chunksize=1) if e]
         print(f"compiled in {time.time() - t0:.0f} s ({len(errors)} failures: {errors[:3]})", file=sys.stderr)
+    if args.compile_only:
+        return
     record = sweep_common.GraphRecorder(max_rel_err=5e-3, rep_ms=10)
     device = torch.device("cuda")
     chip, sms = _dispatch.chip(device), torch.cuda.get_device_properties(device).multi_processor_count

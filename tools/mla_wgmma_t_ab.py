@@ -1,12 +1,13 @@
 """Same-run A/B of the Gluon MLA kernel's transposed form (``kernels_gluon_t``, up to 32 query rows)
-against its 64-row head tiles (the default) on batches the benchmark does not hold: uneven,
-Zipf-distributed and one-long-many-short lengths, s_q 1-4, 1-32 query rows per KV head. Each
+against its 64-row head tiles (the default) on tilefuse bench mla's cases of <= 32 query rows and
+on batches the benchmark does not hold: uneven, Zipf-distributed and one-long-many-short lengths,
+s_q 1-4, 1-32 query rows per KV head. Each
 is the attention call alone (its metadata computed once, as a model runs every layer after one
 metadata call), timed as CUDA-graph replays (cold L2, do_bench median), with the FlashMLA builds
 named in ``TILEFUSE_FLASHMLA`` (``tilefuse.bench.mla.flashmla_peers``) timed the same way beside
 it; the transposed form's output is checked against the default's first (relative error).
 
-    python3 tools/mla_wgmma_t_ab.py [OUT.json] [--rep-ms MS]
+    python3 tools/mla_wgmma_t_ab.py [OUT.json] [--rep-ms MS] [--no-bench-cases]
 
 Writes ``bench/results/sweeps/mla-wgmma-t-<gpu>.json`` by default (after every case: a run cut
 short keeps what it measured). Needs a CUDA GPU (Hopper for the Gluon kernels).
@@ -38,7 +39,17 @@ def _zipf(batch: int, top: int, power: float) -> list[int]:
     return [max(1, int(top / (i + 1) ** power)) for i in range(batch)]
 
 
-# (name, lengths, h_q, s_q): none of them in tilefuse bench mla's grid
+# (name, lengths, h_q, s_q): tilefuse bench mla's cases of <= 32 query rows (page 64), then batches
+# that are not in its grid
+BENCH_CASES = [
+    ("bench b16 h16 s1 4096", [4096] * 16, 16, 1),
+    ("bench b16 h16 s1 65536", [65536] * 16, 16, 1),
+    ("bench b64 h16 s1 4096", [4096] * 64, 16, 1),
+    ("bench b32 h32 s1 16384", [16384] * 32, 32, 1),
+    ("bench b64 h16 s2 8192 each", [8192] * 64, 16, 2),
+    ("bench b3 h8 s4 1,300,70000", [1, 300, 70000], 8, 4),
+    ("bench b128 h16 s1 1024", [1024] * 128, 16, 1),
+]
 CASES = [
     ("b200 h16 s1 Zipf 128K / i^1.1", _zipf(200, 131072, 1.1), 16, 1),
     ("b32 h16 s1 uneven 1K-40K", _uneven(32, 1024, 40960, 1), 16, 1),
@@ -87,6 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", type=Path, default=None, help="results file")
     ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench window per measurement (ms)")
+    ap.add_argument("--no-bench-cases", action="store_true", help="the held-out batches only")
     args = ap.parse_args()
     require_gpu()
     device = torch.device("cuda")
@@ -111,7 +123,7 @@ def main() -> None:
             "attention alone (metadata once), CUDA-graph replay, cold L2, do_bench median over rep_ms"),
             "rep_ms": args.rep_ms, "summary": summary, "rows": rows}, indent=1) + "\n")
 
-    for name, lens, h_q, s_q in CASES:
+    for name, lens, h_q, s_q in ([] if args.no_bench_cases else BENCH_CASES) + CASES:
         rows_q = s_q * h_q
         cache, table = _compact_cache(lens, device)
         q = torch.randn(len(lens), s_q, h_q, 576, device=device, dtype=torch.bfloat16)

@@ -13,6 +13,7 @@
 # the repository root on the GPU machine.
 #
 #   DEADLINE=300 bash tools/mla_wgmma_t_gpu_check.sh
+#   PEERS=0 AB_TIMEOUT=60 bash tools/mla_wgmma_t_gpu_check.sh     # tests and the A/B alone (no FlashMLA, no bench)
 set -uo pipefail
 out=${OUT:-wgmma-t-check}
 mkdir -p "$out/logs" "$out/results"
@@ -28,7 +29,7 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', t
 
 peers=/tmp/flashmla-peers
 builds=()
-if [ -f .peers/flashmla-main.tar.xz ] && [ -f .peers/flashmla-b31bfe7.tar.xz ]; then
+if [ "${PEERS:-1}" = 1 ] && [ -f .peers/flashmla-main.tar.xz ] && [ -f .peers/flashmla-b31bfe7.tar.xz ]; then
     mkdir -p $peers
     tar -xJf .peers/flashmla-main.tar.xz -C $peers && tar -xJf .peers/flashmla-b31bfe7.tar.xz -C $peers
     (cd $peers/main && CPATH=$CUDA_HOME/include/cccl:${CPATH:-} FLASH_MLA_DISABLE_FP16=1 FLASH_MLA_DISABLE_SM100=1 \
@@ -43,24 +44,29 @@ fi
 el "peer builds started: ${#builds[@]}"
 
 # 1. GPU tests (two processes) and the bench's compiles, beside the builds
-timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges and (16 or 32-)" \
+timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges and (16 or 32-)" \
     > "$out/logs/pytest-edges1.log" 2>&1 &
 t1=$!
-timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges and not (16 or 32-)" \
+timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges and not (16 or 32-)" \
     > "$out/logs/pytest-edges2.log" 2>&1 &
 t2=$!
-timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
+timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
     > "$out/logs/pytest-rest.log" 2>&1 &
 t4=$!
-timeout 90 python3 tools/mla_perlayer_bench.py --warm --lean --few-rows-first > "$out/logs/warm.log" 2>&1 &
-t3=$!
+t3=
+if [ "${PEERS:-1}" = 1 ]; then
+    timeout 90 python3 tools/mla_perlayer_bench.py --warm --lean --few-rows-first > "$out/logs/warm.log" 2>&1 &
+    t3=$!
+fi
 wait $t1; r1=$?
 wait $t2; r2=$?
 wait $t4; r4=$?
 el "gpu tests done: rc $r1 $r2 $r4: $(grep -h -E '(passed|failed)' "$out"/logs/pytest-*.log | tr '\n' ' ')"
 grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -20
-wait $t3
-el "warm-up done: $(grep -c '^\[warm' "$out/logs/warm.log") cases"
+if [ -n "$t3" ]; then
+    wait $t3
+    el "warm-up done: $(grep -c '^\[warm' "$out/logs/warm.log") cases"
+fi
 
 # 2. the held-out A/B (the transposed form against the default), alone on the GPU while the peers
 #    may still build (FlashMLA beside it only where PEERS_IN_AB=1: it then waits for the builds)
@@ -81,15 +87,17 @@ ab_peers() {
 timeout ${AB_TIMEOUT:-40} python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 5 > "$out/logs/ab.log" 2>&1
 el "held-out A/B rc $?"
 grep "^#" "$out/logs/ab.log"
-[ "${PEERS_IN_AB:-0}" = 1 ] || ab_peers
+[ "${PEERS_IN_AB:-0}" = 1 ] || [ "${PEERS:-1}" != 1 ] || ab_peers
 
-# 3. the per-layer bench until the deadline (its rows are saved after every case)
-budget=$(( $(left) - 8 ))
-[ $budget -lt 20 ] && budget=20
-timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 --eager-ms 10 \
-    --lean --few-rows-first > "$out/logs/bench.log" 2>&1
-el "bench rc $? (timeout $budget s)"
-grep -c "^\[mla " "$out/logs/bench.log"
-tail -5 "$out/logs/bench.log"
+# 3. the per-layer bench until the deadline (its rows are saved after every case); PEERS=0: none
+if [ "${PEERS:-1}" = 1 ]; then
+    budget=$(( $(left) - 8 ))
+    [ $budget -lt 20 ] && budget=20
+    timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 --eager-ms 10 \
+        --lean --few-rows-first > "$out/logs/bench.log" 2>&1
+    el "bench rc $? (timeout $budget s)"
+    grep -c "^\[mla " "$out/logs/bench.log"
+    tail -5 "$out/logs/bench.log"
+fi
 tar czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"
 ls -la "$out" "$out/results"

@@ -86,6 +86,10 @@ FP8_TRANSPOSED_MAX_ROWS = 32
 # s_q * h_q up to TRANSPOSED_GLUON_MAX_ROWS where the Gluon kernel runs (0: never; the 64-row
 # head tiles of kernels_gluon.py serve every row count). Its tiles: BLOCK_H 16 or 32 rows. The
 # "wgmma_t_max_rows" key of TILEFUSE_CONFIGS' "mla" section sets it for a run.
+# Measured on an H200 against the 64-row tiles (tools/mla_wgmma_t_ab.py, graph replay, the
+# benchmark's <= 32-row cases and 10 held-out batches; bench/results/sweeps/mla-wgmma-t-nvidia-h200.json):
+# slower in 16 of 17 (0.84-0.985x their speed, geomean 0.937; level at 2 rows), so it stays off;
+# kept for chips whose ridge point is below the padded tile's (the H20: not measured).
 TRANSPOSED_GLUON_MAX_ROWS = 0
 TRANSPOSED_GLUON_CONFIGS = {
     16: dict(BLOCK_H=16, BLOCK_N=64, STAGES=2, num_warps=4),

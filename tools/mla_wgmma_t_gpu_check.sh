@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Gluon MLA kernel's transposed form (kernels_gluon_t) in one device call, inside DEADLINE
-# seconds (default 300; AB_TIMEOUT for the A/B, default 40):
+# seconds (default 300; AB_TIMEOUT for the A/B, default 40; TESTS=0 / AB=0 / PEERS=0 leave a step out):
 #   1. the FlashMLA peers (main's dense decode and b31bfe7, sources in .peers/ as
 #      flashmla-main.tar.xz / flashmla-b31bfe7.tar.xz) build on the CPU in the background, while
 #      the GPU runs the form's GPU tests (tests/test_mla_wgmma_t.py) beside a warm-up of the
@@ -14,6 +14,7 @@
 #
 #   DEADLINE=300 bash tools/mla_wgmma_t_gpu_check.sh
 #   PEERS=0 AB_TIMEOUT=60 bash tools/mla_wgmma_t_gpu_check.sh     # tests and the A/B alone (no FlashMLA, no bench)
+#   TESTS=0 AB=0 DEADLINE=560 BENCH_FLAGS=--lean bash tools/mla_wgmma_t_gpu_check.sh   # the per-layer bench alone
 set -uo pipefail
 out=${OUT:-wgmma-t-check}
 mkdir -p "$out/logs" "$out/results"
@@ -43,7 +44,9 @@ if [ "${PEERS:-1}" = 1 ] && [ -f .peers/flashmla-main.tar.xz ] && [ -f .peers/fl
 fi
 el "peer builds started: ${#builds[@]}"
 
-# 1. GPU tests (two processes) and the bench's compiles, beside the builds
+# 1. GPU tests (three processes; TESTS=0: none) and the bench's compiles, beside the builds
+t1= t2= t4=
+if [ "${TESTS:-1}" = 1 ]; then
 timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "edges and (16 or 32-)" \
     > "$out/logs/pytest-edges1.log" 2>&1 &
 t1=$!
@@ -53,16 +56,19 @@ t2=$!
 timeout ${TEST_TIMEOUT:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_mla_wgmma_t.py -k "not edges" \
     > "$out/logs/pytest-rest.log" 2>&1 &
 t4=$!
+fi
 t3=
 if [ "${PEERS:-1}" = 1 ]; then
-    timeout 90 python3 tools/mla_perlayer_bench.py --warm --lean --few-rows-first > "$out/logs/warm.log" 2>&1 &
+    timeout 90 python3 tools/mla_perlayer_bench.py --warm ${BENCH_FLAGS:---lean --few-rows-first} > "$out/logs/warm.log" 2>&1 &
     t3=$!
 fi
-wait $t1; r1=$?
-wait $t2; r2=$?
-wait $t4; r4=$?
-el "gpu tests done: rc $r1 $r2 $r4: $(grep -h -E '(passed|failed)' "$out"/logs/pytest-*.log | tr '\n' ' ')"
-grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -20
+if [ "${TESTS:-1}" = 1 ]; then
+    wait $t1; r1=$?
+    wait $t2; r2=$?
+    wait $t4; r4=$?
+    el "gpu tests done: rc $r1 $r2 $r4: $(grep -h -E '(passed|failed)' "$out"/logs/pytest-*.log | tr '\n' ' ')"
+    grep -h -E "^(FAILED|ERROR)" "$out"/logs/pytest-*.log | head -20
+fi
 if [ -n "$t3" ]; then
     wait $t3
     el "warm-up done: $(grep -c '^\[warm' "$out/logs/warm.log") cases"
@@ -84,9 +90,12 @@ ab_peers() {
     el "TILEFUSE_FLASHMLA=$TILEFUSE_FLASHMLA"
 }
 [ "${PEERS_IN_AB:-0}" = 1 ] && ab_peers
-timeout ${AB_TIMEOUT:-40} python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 5 > "$out/logs/ab.log" 2>&1
-el "held-out A/B rc $?"
-grep "^#" "$out/logs/ab.log"
+if [ "${AB:-1}" = 1 ]; then
+    timeout ${AB_TIMEOUT:-40} python3 tools/mla_wgmma_t_ab.py "$out/results/mla-wgmma-t.json" --rep-ms 5 \
+        > "$out/logs/ab.log" 2>&1
+    el "held-out A/B rc $?"
+    grep "^#" "$out/logs/ab.log"
+fi
 [ "${PEERS_IN_AB:-0}" = 1 ] || [ "${PEERS:-1}" != 1 ] || ab_peers
 
 # 3. the per-layer bench until the deadline (its rows are saved after every case); PEERS=0: none
@@ -94,7 +103,7 @@ if [ "${PEERS:-1}" = 1 ]; then
     budget=$(( $(left) - 8 ))
     [ $budget -lt 20 ] && budget=20
     timeout $budget python3 tools/mla_perlayer_bench.py --out "$out/results" --tag perlayer --rep-ms 10 --eager-ms 10 \
-        --lean --few-rows-first > "$out/logs/bench.log" 2>&1
+        ${BENCH_FLAGS:---lean --few-rows-first} > "$out/logs/bench.log" 2>&1
     el "bench rc $? (timeout $budget s)"
     grep -c "^\[mla " "$out/logs/bench.log"
     tail -5 "$out/logs/bench.log"

@@ -128,13 +128,13 @@ def test_int8_codes_match_uint8(interpret, m):
 @pytest.mark.parametrize("m", [1, 2, 3, 17])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
     """x: [..., K] with leading dims; the path is the cost model's for (M, N, K) (a layer this
-    small: dequant + GEMM, the kernels' fixed cost is not repaid), checked with its tolerance."""
+    small: the small-layer kernel up to 16 tokens, dequant + GEMM above), checked with its tolerance."""
     case = make_case(m, 24, 64, torch.float16, interpret, bias=True)
     x3 = case.x.reshape(1, m, 64)
     y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 24)
     variant = vq_op.choose_variant(m, 64, case.x.device, 24)
-    assert variant == vq_op.configs.decide(m, 24, 64, False).variant == "dequant"
+    assert variant == vq_op.configs.decide(m, 24, 64, False).variant == ("small" if m <= 16 else "dequant")
     _check(y.reshape(m, 24), case, variant)
     with tilefuse.force(variant="mma"):
         _check(tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias).reshape(m, 24), case, "mma")
@@ -186,7 +186,7 @@ def test_wide_codes_are_narrowed_and_checked(interpret):
     case = make_case(1, 8, 64, torch.float16, interpret)
     wide = case.codes.to(torch.int32)
     y = tilefuse.vq_matmul(case.x, wide, case.codebooks, case.scales, check_contents=True)
-    _check(y, case, "decode")
+    _check(y, case, "small")
     wide[0, 0, 1] = 256
     with pytest.raises(ValueError, match="codes"):
         tilefuse.vq_matmul(case.x, wide, case.codebooks, case.scales, check_contents=True)
@@ -529,7 +529,7 @@ def test_fp32_codebooks_from_the_quantizer_are_taken(interpret):
     """quantize() returns fp32 codebooks: fp16 activations (kernels) and fp32 ones (reference)."""
     case = make_case(1, 16, 64, torch.float16, interpret)
     case.codebooks = case.codebooks.float()
-    _check(tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales), case, "decode")
+    _check(tilefuse.vq_matmul(case.x, case.codes, case.codebooks, case.scales), case, "small")
     y32 = tilefuse.vq_matmul(case.x.float(), case.codes, case.codebooks, case.scales.float())
     assert y32.dtype == torch.float32
     assert_close(y32, reference_fp64(case), atol=1e-5, rtol=1e-5)
@@ -657,11 +657,11 @@ def test_non_contiguous_weights_are_copied(interpret):
 
 
 def test_explain_names_the_cost_model(interpret):
-    for m, variant in ((1, "decode"), (5, "mma"), (600, "dequant")):
+    for m, variant in ((1, "small"), (5, "small"), (600, "dequant")):
         case = make_case(m, 4096, 1024, torch.float16, interpret)
         choice = tilefuse.explain(tilefuse.vq_matmul, case.x, case.codes, case.codebooks, case.scales.reshape(4096))
         assert (choice.family, choice.variant, choice.source) == ("vq", variant, "cost model"), str(choice)
-        assert {c.variant for c in choice.candidates} == {"decode", "mma", "dequant"}   # no WGMMA on a CPU
+        assert {c.variant for c in choice.candidates} == {"decode", "mma", "small", "dequant"}   # no WGMMA on a CPU
     case = make_case(3, 40, 64, torch.float16, interpret)
     with tilefuse.force(variant="dequant"):
         forced = tilefuse.explain("vq_matmul", case.x, case.codes, case.codebooks, case.scales.reshape(40))

@@ -108,5 +108,6 @@ def tolerance(dtype: torch.dtype, variant: str) -> dict:
     whose fp16/bf16 reductions PyTorch lets run in reduced precision: ``2u + 2^-14``.
     """
     ulp = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
-    scale = 2.0 ** -14 + {"prefill": ulp / 2, "mma": ulp / 2, "mma_gluon": ulp / 2, "dequant": ulp}.get(variant, 0.0)
+    scale = 2.0 ** -14 + {"prefill": ulp / 2, "mma": ulp / 2, "mma_gluon": ulp / 2, "small": ulp / 2,
+                             "dequant": ulp}.get(variant, 0.0)
     return dict(rtol=ulp, scale=scale)

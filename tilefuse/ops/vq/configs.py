@@ -253,11 +253,19 @@ def default_variant(m: int, wgmma_prefill: bool = False) -> str:
 # 0.6-1.3x (the prefill kernel's wave steps are the worst); hence the margin below.
 COST = {
     "decode": dict(fixed=10.3, codes=0.457, mma=0.109),        # M <= 2: M x N x K work
-    "mma": dict(fixed=10.1, codes=0.0, mma=0.0167),            # M <= 16: 16-token tiles
+    # M <= 16: 16-token tiles, plus a term in the tokens themselves (x^T loads and split-K partials
+    # grow with them): refitted on the 120 MMA points at <= 16 tokens of vq-variants-h200.json and
+    # vq-small-h200.json (median 0.97, range 0.75-1.27; without the token term it underestimated
+    # 16 tokens by up to 20 %: 4096 x 4096, 14.6 predicted against 17.8 measured)
+    "mma": dict(fixed=10.19, codes=0.0, mma=0.01477, tokens=0.00601),
     "prefill": dict(fixed=11.6, busiest=0.326, stream=4.16),
     "dequant": dict(fixed=1.63, dense=1.66, gemm=0.805),
-    # M <= 16, the small-layer kernel: ``steps`` = programs per SM (rounded up) x K steps per warp
-    "small": dict(fixed=10.5, steps=0.5, codes=1.0),
+    # M <= 16, the small-layer kernel (``small_config``'s tiles): ``steps`` = waves of programs x K
+    # steps per warp, ``x`` = waves x M x K / 10^6 (the x^T a program reads: every program reads all
+    # of K); fitted on tools/vq_small_sweep.py's H200 run (bench/results/sweeps/vq-small-h200.json:
+    # 6 layers from 512 x 2048 to 14336 x 4096 at 1-16 tokens, the two held-out shapes excluded):
+    # predictions 0.85-1.07x of the measured points, 0.88-0.98x of the held-out ones
+    "small": dict(fixed=6.79, steps=0.662, x=38.1),
 }
 # A kernel runs in place of the dequant + cuBLAS baseline only if predicted faster by this much:
 # the model's spread above; with it, no measured point of the sweep is more than 1.35x the
@@ -282,15 +290,16 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
             return None
         return c["fixed"] + c["codes"] * codes + c["mma"] * m * n * k / 1e6
     if variant == "mma":
-        return None if m > MMA_SWITCH_TOKENS else c["fixed"] + c["mma"] * 16 * _cdiv(m, 16) * n * k / 1e6
+        if m > MMA_SWITCH_TOKENS:
+            return None
+        return c["fixed"] + (c["mma"] * 16 * _cdiv(m, 16) + c["tokens"] * m) * n * k / 1e6
     if variant == "small":
         if m > SMALL_MAX_TOKENS:
             return None
         sms = num_sms or chip.sms
         cfg = small_config(m, n, k, True, sms)
-        programs = cfg["grid"][0] * cfg["grid"][1]
-        steps = _cdiv(programs, sms) * cfg["groups_per_slice"] // (4 * cfg["krep"])
-        return c["fixed"] + c["steps"] * steps + c["codes"] * codes
+        waves = _cdiv(cfg["grid"][0] * cfg["grid"][1], sms)
+        return c["fixed"] + c["steps"] * waves * cfg["groups_per_slice"] // (4 * cfg["krep"]) + c["x"] * waves * m * k / 1e6
     if variant == "prefill":
         if m > PREFILL_MAX_TOKENS or k % 64:
             return None

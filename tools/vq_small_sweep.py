@@ -22,7 +22,6 @@ processes at once (Triton's disk cache then serves the timed process).
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import sys
 import time
@@ -36,9 +35,11 @@ LAYERS = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (4096, 4096), (14
 HELD_OUT = [(1408, 2048), (2048, 1408)]          # no setting or fit of the dispatch saw these
 SMALL = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (1408, 2048), (2048, 1408)]
 TOKENS = (1, 2, 4, 8, 16, 32, 128)
-SETTINGS = [dict(slices=s, copies=c, krep=4) for s, c in itertools.product((2, 4, 8), (2, 8))] + \
-    [dict(slices=8, copies=1, krep=4), dict(slices=8, copies=4, krep=4), dict(slices=4, copies=2, krep=2),
-     dict(slices=4, copies=2, krep=4, row_tiles=2)]
+# the first run (vq-small-h200.json) timed 2-8 slices x 1-8 copies, a 64-input step and 32-row
+# programs: 8 slices won, copies within noise of each other; these are the next candidates (16
+# slices; 8-token tiles at 9-16 tokens, which halve the x^T a program reads and double the programs)
+SETTINGS = [dict(slices=8, copies=8, krep=4), dict(slices=16, copies=8, krep=4), dict(slices=8, copies=8, krep=4, tokens=8),
+            dict(slices=16, copies=8, krep=4, tokens=8), dict(slices=8, copies=2, krep=4), dict(slices=16, copies=2, krep=4)]
 SETTING_TOKENS = (1, 16)
 
 
@@ -74,7 +75,8 @@ def _paths(case, w, m):
         paths["decode"] = forced("decode")
     if m <= 16:
         paths["mma"] = forced("mma")
-        paths["small"] = forced("small")
+    if m <= 32:
+        paths["small"] = forced("small")        # above 16 tokens: 16-token tiles
     if m > 2 and torch.cuda.get_device_capability()[0] == 9:
         paths["prefill"] = forced("prefill")
     return paths

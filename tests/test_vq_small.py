@@ -261,3 +261,31 @@ def test_gpu_small_matches_dense_weight():
     want = torch.nn.functional.linear(case.x.double(), w, case.bias.double())
     got = _run(case, impl="gluon").double()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_dispatch_picks_the_fastest_measured_kernel_of_the_small_layer_sweep():
+    """On every layer and token count of the committed H200 sweep (``tools/vq_small_sweep.py``) the
+    cost model's pick is the kernel that measured fastest there, never slower than what the
+    dispatch picked before the small-layer kernel."""
+    import json
+    from collections import defaultdict
+    from pathlib import Path
+
+    from tilefuse import _dispatch
+
+    path = Path(__file__).resolve().parents[1] / "bench/results/sweeps/vq-small-h200.json"
+    rows = json.loads(path.read_text())["results"]
+    times = defaultdict(dict)
+    for row in rows:
+        if row["us"] and row["tokens"]:
+            times[(row["N"], row["K"], row["tokens"])][row["impl"]] = row["us"]
+    checked = 0
+    for (n, k, m), t in times.items():
+        if m > configs.SMALL_MAX_TOKENS:
+            continue
+        pick = configs.decide(m, n, k, True, _dispatch.CHIPS["H200"], 132).variant
+        kernels = {v: t[v] for v in ("decode", "mma", "small", "prefill", "dequant") if v in t}
+        assert kernels[pick] == min(kernels.values()), (n, k, m, pick, kernels)
+        assert kernels[pick] <= t["default"] * 1.05, (n, k, m, pick, t["default"])
+        checked += 1
+    assert checked == 40

@@ -91,6 +91,16 @@ def test_small_nan_in_x_propagates(interpret):
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
 
 
+def test_launch_small_refuses_unknown_impl_and_gluon_off_the_gpu(interpret):
+    case = make_case(1, 16, 64, torch.float16, interpret)
+    out = torch.empty(1, 16, dtype=torch.float16, device=interpret)
+    with pytest.raises(ValueError, match="impl"):
+        vq_op.launch_small(*_args(case), out, impl="wgmma")
+    if interpret.type == "cpu":
+        with pytest.raises(ValueError, match="impl"):
+            vq_op.launch_small(*_args(case), out, impl="gluon")
+
+
 def test_small_config_covers_k_with_power_of_two_warps():
     for m in (1, 8, 9, 16, 40):
         for n, k in [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (4096, 4096), (14336, 4096), (1, 64),

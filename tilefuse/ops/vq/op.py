@@ -466,6 +466,8 @@ def _small_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, im
         impl = "gluon" if device.type == "cuda" and _small_kernel() is not None else "tl"
     if impl not in ("gluon", "tl"):
         raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
+    if impl == "gluon" and (device.type != "cuda" or _small_kernel() is None):
+        raise ValueError(f"impl: the Gluon small-layer kernel needs a CUDA GPU and Gluon, got {device}")
     cfg = configs.small_config(m, n, k, impl == "gluon", num_sms(device),
                                **{key: int(v) for key, v in override.items() if v is not None})
     call = _Call()

@@ -282,7 +282,8 @@ SMALL_BIAS = 0.10
 def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None = None) -> float | None:
     """Predicted graph-replay time (us) of ``variant`` on ``x [m, k] @ W[n, k]^T``, fp16/bf16, on
     ``chip`` (``_dispatch.Chip``); None where the variant does not take ``m`` tokens (decode
-    above 2 or with an odd number of 8-wide groups, mma and small above 16, the WGMMA prefill above
+    above 2 or with an odd number of 8-wide groups, mma above 16, small above 16 or with N or K not a
+    multiple of 128, the WGMMA prefill above
     ``PREFILL_MAX_TOKENS`` or K not a multiple of 64)."""
     from tilefuse import _dispatch
 
@@ -300,7 +301,10 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
             return None
         return c["fixed"] + (c["mma"] * 16 * _cdiv(m, 16) + c["tokens"] * m) * n * k / 1e6
     if variant == "small":
-        if m > SMALL_MAX_TOKENS:
+        # offered where its GPU runs cover the shape: N and K multiples of 128, as in every model
+        # layer (bench/results/sweeps/vq-small-h200.json checks each output it times); other sizes
+        # keep the older kernels unless the variant is forced
+        if m > SMALL_MAX_TOKENS or n % 128 or k % 128:
             return None
         sms = num_sms or chip.sms
         cfg = small_config(m, n, k, True, sms)

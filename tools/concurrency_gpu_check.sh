@@ -4,10 +4,10 @@
 # tilefuse's paths), `tilefuse stress --quick` (every family and variant on two streams, two
 # threads and two graphs), then the GPU tests of concurrency, compile (fullgraph, static and
 # dynamic, before any eager call), no-token calls and the FP8 / sparse MLA paths, then the rest
-# of the MLA GPU tests. Logs and JSON go to OUT (default: $OUT, else ./concurrency-check) as
-# logs.tgz. Run from the repository root on the GPU machine:
+# of the MLA GPU tests, then those of the newest kernels (small-layer VQ, transposed MLA). Logs
+# and JSON go to OUT (default: $OUT, else ./concurrency-check) as logs.tgz. Run from the repository root on the GPU machine:
 #
-#   bash tools/concurrency_gpu_check.sh [PYTEST_PROCS]        # default 8; about 8 minutes cold
+#   bash tools/concurrency_gpu_check.sh [PYTEST_PROCS]        # default 8; about 6-9 minutes cold
 set -uo pipefail
 out=${OUT:-concurrency-check}
 logs=$out/logs
@@ -32,3 +32,8 @@ echo "picked GPU tests rc=$?"; grep -E "passed|failed|FAILED|rror" "$logs/picked
 timeout 150 python3 -m pytest -q -n "$procs" -m gpu -p no:cacheprovider tests/test_mla.py -k "not ($picked)" \
     > "$logs/mla.log" 2>&1
 echo "other MLA GPU tests rc=$?"; grep -E "passed|failed|FAILED" "$logs/mla.log" | tail -8
+# the kernels newest to the GPU: the small-layer VQ kernel (every GPU test: sizes, settings, odd
+# shapes, int8 codes, fp32 codebooks, overflow and NaN) and the transposed MLA form
+timeout 150 python3 -m pytest -q -n "$procs" -m gpu -p no:cacheprovider tests/test_vq_small.py tests/test_mla_wgmma_t.py \
+    > "$logs/newest.log" 2>&1
+echo "newest kernels' GPU tests rc=$?"; grep -E "passed|failed|FAILED" "$logs/newest.log" | tail -8

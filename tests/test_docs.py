@@ -163,6 +163,31 @@ def test_readme_headline_figures_are_the_committed_results(file, baselines, keep
     assert line in readme, f"README.md: expected the figure {line!r} from {file} (against {baselines})"
 
 
+def test_readme_small_layer_figure_is_the_committed_sweep():
+    """The README's small-layer VQ figure: per (N, K, tokens) of the sweep with N x K <= 4096 x
+    4096, fp16 cuBLAS's time over that of the kernel the dispatch picks (each kernel was timed in
+    the same run), geomean and range at 1-16 tokens, geomean at 32 and 128."""
+    import json
+    import math
+
+    from tilefuse import _dispatch
+    from tilefuse.ops.vq import configs
+
+    data = json.loads((ROOT / "bench" / "results" / "sweeps" / "vq-small-h200.json").read_text())
+    times = {}
+    for row in data["results"]:
+        times.setdefault((row["N"], row["K"], row["tokens"]), {})[row["impl"]] = row["us"]
+    few, many = [], []
+    for (n, k, m), us in times.items():
+        if n and n * k <= 4096 * 4096:
+            pick = configs.decide(m, n, k, True, _dispatch.CHIPS["H200"], data["sms"]).variant
+            (few if m <= 16 else many).append(us["fp16"] / us[pick])
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    line = f"{_figure(few)} fp16 cuBLAS, faster in {sum(r > 1 for r in few)} of {len(few)}"
+    assert line in readme, f"README.md: expected {line!r}"
+    assert f"stay slower ({math.exp(sum(map(math.log, many)) / len(many)):.2f}x)" in readme
+
+
 @pytest.mark.parametrize("page", ["docs/hf_mla.md"])
 def test_doc_examples_run(page):
     """The Python blocks of these pages run as written on a CPU (the reference path)."""

@@ -178,6 +178,26 @@ def _vq_matmul(device, dt):
     return lambda x, c, b, s, bias: tilefuse.vq_matmul(x, c, b, s, bias), [args(3), args(5)], check
 
 
+def _vq_swiglu(device, dt):
+    from tilefuse.ops.vq.reference import vq_swiglu_reference
+    from tilefuse.testing import vq as vqc
+
+    gate = vqc.make_case(1, 64, 128, dt, device, bias=True)
+    up = vqc.make_case(1, 64, 128, dt, device, bias=True)
+    weights = (gate.codes, gate.codebooks, gate.scales, up.codes, up.codebooks, up.scales, gate.bias, up.bias)
+
+    def args(m):
+        return (torch.randn(m, 128, device=device).to(dt), *weights)
+
+    def check(out, a):
+        x, *w = a
+        ref = vq_swiglu_reference(x.double(), w[0], w[1].double(), w[2].double(), w[3], w[4].double(),
+                                  w[5].double(), w[6].double(), w[7].double(), compute_dtype=torch.float64)
+        _close(out, ref)
+
+    return lambda x, *w: tilefuse.vq_swiglu(x, *w), [args(3), args(5)], check
+
+
 def _mla_inputs(device, dt, lens, s_q=1, h_q=16, **kw):
     from tilefuse.testing import mla as mc
 
@@ -370,6 +390,7 @@ CASES = [
     CompileCase("swiglu_fp8", "swiglu_fp8", _swiglu_fp8, needs=FP8),
     CompileCase("swiglu_fp8-e4m3-out", "swiglu_fp8", _swiglu_fp8_e4m3, needs=FP8),
     CompileCase("vq_matmul", "vq_matmul", _vq_matmul),
+    CompileCase("vq_swiglu", "vq_swiglu", _vq_swiglu),
     CompileCase("get_mla_metadata", "get_mla_metadata", _get_mla_metadata),
     CompileCase("flash_mla_with_kvcache-dense", "flash_mla_with_kvcache", _flash_mla("dense")),
     CompileCase("flash_mla_with_kvcache-fp8", "flash_mla_with_kvcache", _flash_mla("fp8")),

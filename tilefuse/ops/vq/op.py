@@ -875,3 +875,224 @@ def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scale
     candidates = tuple(_dispatch.Candidate(c.variant, c.config, c.predicted_us, detail if c.variant == variant else c.note)
                        for c in choice.candidates)
     return _dispatch.Choice("vq", problem, variant, None, source, candidates)
+
+
+# --------------------------------------------------------------------------------------------------
+# tilefuse.vq_swiglu: the 2-bit gate/up projection with the SwiGLU epilogue in one launch
+# (kernels_swiglu.py). Not in the cost model and not used by patch_vq yet: its GPU time is unmeasured.
+
+from tilefuse._library import no_backward  # noqa: E402
+from tilefuse.ops.vq.reference import vq_swiglu_reference  # noqa: E402
+
+# copies of each codebook entry per weight in shared memory: two weights' four codebooks at 4
+# copies take the 64 KB the small-layer kernel's 8 copies take (a first guess: unmeasured)
+SWIGLU_COPIES = 4
+# the fused kernel takes up to this many tokens (one token tile, as the small-layer kernel in the
+# cost model); more tokens run the two projections through vq_matmul's dispatch, then SiLU * up
+SWIGLU_MAX_TOKENS = configs.SMALL_MAX_TOKENS
+
+
+def _swiglu_kernel():
+    """The Gluon fused gate/up kernel (``kernels_swiglu.py``), or None."""
+    return _kernel("kernels_swiglu", "vq_swiglu_kernel")
+
+
+class _SwiGLUCall:
+    """A ``vq_swiglu`` call's plan per argument layout: the reference or not, the output shape, the
+    token count, whether the fused kernel runs (``fused``: its launch's grid, scalars, constexprs)."""
+
+    __slots__ = ("reference", "out_shape", "m", "fused", "impl", "grid", "scalars", "meta")
+
+
+def _swiglu_call(m: int, n: int, k: int, device: torch.device, gate_bias: bool, up_bias: bool, impl: str,
+                 x_stride: int, out_stride: int, **override) -> _SwiGLUCall:
+    """The fused kernel's launch for M rows of K in (row stride ``x_stride``), M rows of N out: the
+    small-layer kernel's tiles (``configs.small_config``) with :data:`SWIGLU_COPIES` copies."""
+    if impl == "auto":
+        impl = "gluon" if device.type == "cuda" and _swiglu_kernel() is not None else "tl"
+    if impl not in ("gluon", "tl"):
+        raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
+    if impl == "gluon" and (device.type != "cuda" or _swiglu_kernel() is None):
+        raise ValueError(f"impl: the Gluon fused gate/up kernel needs a CUDA GPU and Gluon, got {device}")
+    override = {key: int(v) for key, v in override.items() if v is not None}
+    override.setdefault("copies", SWIGLU_COPIES)
+    cfg = configs.small_config(m, n, k, impl == "gluon", num_sms(device), **override)
+    call = _SwiGLUCall()
+    call.reference, call.m, call.fused, call.impl = False, m, True, impl
+    call.out_shape = (m, n)
+    call.grid = cfg["grid"]
+    call.scalars = (m, n, k // 8, cfg["groups_per_slice"], x_stride, k // 8, out_stride)
+    call.meta = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
+                     COPIES=cfg["copies"], GATE_BIAS=gate_bias, UP_BIAS=up_bias, EVEN=cfg["even"],
+                     num_warps=cfg["num_warps"])
+    return call
+
+
+def _launch_swiglu(call: _SwiGLUCall, x2d, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks,
+                   up_scales, gate_bias, up_bias, out) -> torch.Tensor:
+    """x2d: [M, K] unit column stride; codes contiguous; scales: N contiguous; out: [M, N]."""
+    tensors = (x2d, _code_pairs(gate_codes), gate_codebooks, gate_scales,
+               gate_bias if gate_bias is not None else gate_scales, _code_pairs(up_codes), up_codebooks, up_scales,
+               up_bias if up_bias is not None else up_scales, out)
+    key = (call, *(t.data_ptr() % 16 for t in tensors))     # the plan pins dtypes and strides
+    kernel = _swiglu_kernel() if call.impl == "gluon" else _kernel("kernels_swiglu", "vq_swiglu_tl_kernel")
+    kernel.launch(key, call.grid, x2d.device.index, tensors, call.scalars, call.meta)
+    return out
+
+
+def launch_swiglu(x2d, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias,
+                  up_bias, out, *, impl: str = "auto", **override) -> torch.Tensor:
+    """The fused gate/up kernel, one launch: ``out = silu(x2d Wg^T + bg) * (x2d Wu^T + bu)``.
+
+    x2d: [M, K] (any M: more than 16 tokens run token tiles); codes: [N, K/8, 2] uint8/int8
+    contiguous, both weights' the same shape; scales: [N]; biases: [N] or None; out: [M, N] (any
+    contents). impl: "auto" (the Gluon kernel on CUDA, the ``tl`` twin under the interpreter),
+    "gluon" or "tl". ``override`` (``slices``, ``copies``, ``krep``, ``tokens``, ``row_tiles``)
+    replaces entries of the launch settings (tuning and tests)."""
+    m, k = x2d.shape
+    call = _swiglu_call(m, gate_codes.shape[0], k, x2d.device, gate_bias is not None, up_bias is not None, impl,
+                        x2d.stride(0), out.stride(0), **override)
+    return _launch_swiglu(call, x2d, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales,
+                          gate_bias, up_bias, out)
+
+
+_WEIGHT_ARGS = ("codes", "codebooks", "scales", "bias")
+
+
+def _validate_swiglu(x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias,
+                     up_bias) -> None:
+    """:func:`_validate` per projection, its errors naming ``gate_*`` / ``up_*``; the up projection's
+    N must be the gate's (checked before the rest of the up weight; K is x's for both)."""
+    for prefix, weight in (("gate", (gate_codes, gate_codebooks, gate_scales, gate_bias)),
+                           ("up", (up_codes, up_codebooks, up_scales, up_bias))):
+        if prefix == "up" and isinstance(up_codes, torch.Tensor) and up_codes.dim() >= 1 \
+                and up_codes.shape[0] != gate_codes.shape[0]:
+            raise ValueError(f"up_codes: expected N={gate_codes.shape[0]} rows as gate_codes has (gate and up "
+                             f"project to the same N), got shape {tuple(up_codes.shape)}")
+        try:
+            _validate(x, *weight)
+        except ValueError as err:
+            name, _, rest = str(err).partition(": ")
+            raise ValueError(f"{prefix}_{name}: {rest}" if name in _WEIGHT_ARGS else str(err)) from None
+
+
+def _swiglu_reference(x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias,
+                      up_bias):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return vq_swiglu_reference(x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales,
+                               gate_bias, up_bias, compute_dtype=compute)
+
+
+def _vq_swiglu_fake(x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias,
+                    up_bias):
+    return x.new_empty(*x.shape[:-1], gate_codes.shape[0])
+
+
+_swiglu_plans = PlanCache()
+
+
+def _plan_swiglu(x, *weights) -> _SwiGLUCall:
+    key = plan_key(x, *weights)
+    call = _swiglu_plans.get(key) if key is not None else None
+    if call is not None:
+        return call
+    _validate_swiglu(x, *weights)
+    n, k = weights[0].shape[0], x.shape[-1]
+    m = x.numel() // k if k else 0
+    reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
+    if not reference and m:
+        check_interpretable("x", x.dtype)
+    if reference or m == 0 or m > SWIGLU_MAX_TOKENS:     # the reference, no tokens, or two vq_matmul calls
+        call = _SwiGLUCall()
+        call.reference, call.m, call.fused = reference, m, False
+    else:
+        gate_bias, up_bias = weights[6], weights[7]
+        call = _swiglu_call(m, n, k, x.device, gate_bias is not None, up_bias is not None, "auto", k, n)
+    call.out_shape = (*x.shape[:-1], n)
+    return _swiglu_plans.remember(key, call)
+
+
+def _run_swiglu(call: _SwiGLUCall, x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales,
+                gate_bias, up_bias) -> torch.Tensor:
+    weights = (gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias)
+    if call.reference:
+        return _swiglu_reference(x, *weights)
+    if call.m == 0:     # no tokens (an MoE expert no token was routed to): an empty output, no launch
+        return torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
+    k, n = x.shape[-1], gate_codes.shape[0]
+    x2d = x.reshape(call.m, k)
+    if not x2d.is_contiguous():
+        x2d = x2d.contiguous()
+    if not call.fused:      # more tokens than the fused kernel's tile: each projection by vq_matmul's dispatch
+        gate = vq_matmul(x2d, gate_codes, gate_codebooks, gate_scales, gate_bias).float()
+        up = vq_matmul(x2d, up_codes, up_codebooks, up_scales, up_bias).float()
+        return (gate * torch.sigmoid(gate) * up).to(x.dtype).reshape(call.out_shape)
+    out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
+    _launch_swiglu(call, x2d, gate_codes, gate_codebooks, gate_scales.view(n), up_codes, up_codebooks,
+                   up_scales.view(n), gate_bias, up_bias, out.view(call.m, n))
+    return out
+
+
+@tilefuse_op("vq_swiglu", fake=_vq_swiglu_fake,
+             backward=no_backward("tilefuse.vq_swiglu", "the fused 2-bit gate/up projection"))
+def _vq_swiglu_op(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor, gate_scales: torch.Tensor,
+                  up_codes: torch.Tensor, up_codebooks: torch.Tensor, up_scales: torch.Tensor,
+                  gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
+    weights = (gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias)
+    return _run_swiglu(_plan_swiglu(x, *weights), x, *weights)
+
+
+def vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor, gate_scales: torch.Tensor,
+              up_codes: torch.Tensor, up_codebooks: torch.Tensor, up_scales: torch.Tensor,
+              gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None, *,
+              check_contents: bool | None = None) -> torch.Tensor:
+    """``silu(x @ Wg^T + bg) * (x @ Wu^T + bu)`` for two 2-bit weights in AQLM's 2x8 format (a gated
+    MLP's gate and up projections), in one launch at decode sizes: x is read once, the ``[M, 2N]``
+    gate/up intermediate never reaches memory.
+
+    Each weight as :func:`vq_matmul` takes it: ``W[n, 8g:8g+8] = scales[n] * (C0[codes[n, g, 0]] +
+    C1[codes[n, g, 1]])``.
+
+    Parameters
+    ----------
+    x : [..., K], K a multiple of 8. fp16 or bf16 run the kernels on CUDA; fp32 / fp64 run the
+        PyTorch reference on every device.
+    gate_codes, up_codes : [N, K/8, 2] uint8 or int8 (AQLM's), or a wider integer dtype with values
+        in [0, 256); both the same N.
+    gate_codebooks, up_codebooks : [2, 256, 1, 8], any floating dtype (each weight its own).
+    gate_scales, up_scales : [N, 1, 1, 1] (or [N]) floating point.
+    gate_bias, up_bias : [N] floating point or None (each independently).
+    check_contents : read wide codes back to check their range (a host sync); default ``TILEFUSE_DEBUG``.
+
+    Returns
+    -------
+    [..., N] in x's dtype. Up to 16 tokens one kernel (``kernels_swiglu.py``: a program owns 16
+    rows of both weights and all of K, split over its warps and summed in shared memory in a fixed
+    order; no workspace, no atomics): each weight ``C0[a] + C1[b]`` rounded once to x's dtype, fp32
+    sums, the row scales and biases, then SiLU times up in fp32 and one rounding. More tokens: each
+    projection by :func:`vq_matmul` (rounded to x's dtype), then SiLU times up in fp32. No tokens:
+    an empty ``[..., N]``, no launch. No gradient (call it under ``torch.no_grad()``).
+    """
+    weights = [gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias]
+    if not all(isinstance(t, torch.Tensor) for t in (x, *weights[:6], *(b for b in weights[6:] if b is not None))):
+        _validate_swiglu(x, *weights)       # raises, naming the argument
+    for i in (0, 3):
+        if weights[i].dtype in WIDE_CODE_DTYPES:
+            _validate_swiglu(x, *weights)
+            checks = _env.settings.debug if check_contents is None else check_contents
+            if checks and not _checks.contents_unreadable(weights[i]):
+                try:
+                    check_code_range(weights[i])
+                except ValueError as err:
+                    raise ValueError(f"{('gate', '', '', 'up')[i]}_{err}") from None
+            weights[i] = weights[i].to(torch.uint8)
+    if torch.compiler.is_compiling():
+        # traced: metadata checks and the custom op only; the op plans on concrete sizes when it runs
+        _validate_swiglu(x, *weights)
+        return _vq_swiglu_op(x, *(t if t is None else t.contiguous() for t in weights))
+    # the kernels read codes, codebooks, scales and biases as dense arrays (no copy when they are)
+    weights = [t if t is None or t.is_contiguous() else t.contiguous() for t in weights]
+    call = _plan_swiglu(x, *weights)
+    if use_dispatcher(x, *weights):
+        return _vq_swiglu_op(x, *weights)
+    return _run_swiglu(call, x, *weights)

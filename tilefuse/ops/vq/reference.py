@@ -41,3 +41,19 @@ def vq_matmul_reference(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.T
     if bias is not None:
         out = out + bias.to(compute_dtype)
     return out.to(out_dtype or x.dtype)
+
+
+def vq_swiglu_reference(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor,
+                        gate_scales: torch.Tensor, up_codes: torch.Tensor, up_codebooks: torch.Tensor,
+                        up_scales: torch.Tensor, gate_bias: torch.Tensor | None = None,
+                        up_bias: torch.Tensor | None = None, *, compute_dtype: torch.dtype = torch.float32,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``silu(x @ Wg^T + bg) * (x @ Wu^T + bu)`` for two 2x8 weights (the spec of ``tilefuse.vq_swiglu``):
+    both weights dequantized and both projections computed in ``compute_dtype``, SiLU times up in
+    ``compute_dtype``, one rounding to ``out_dtype`` (x's dtype by default). x: [..., K]; returns [..., N]."""
+    xc = x.to(compute_dtype)
+    gate = torch.nn.functional.linear(xc, dequantize(gate_codes, gate_codebooks, gate_scales, dtype=compute_dtype),
+                                      None if gate_bias is None else gate_bias.to(compute_dtype))
+    up = torch.nn.functional.linear(xc, dequantize(up_codes, up_codebooks, up_scales, dtype=compute_dtype),
+                                    None if up_bias is None else up_bias.to(compute_dtype))
+    return (gate * torch.sigmoid(gate) * up).to(out_dtype or x.dtype)

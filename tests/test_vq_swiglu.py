@@ -116,15 +116,34 @@ def test_swiglu_two_row_tiles_and_8_token_tiles(interpret):
 
 
 def test_swiglu_public_op_fused_batch_dims_and_no_tokens(interpret):
-    case = _Case(6, 24, 136, torch.float16, interpret, gate_bias=True, up_bias=True)
-    x = case.x.reshape(2, 3, 136)
+    """A size where vq_matmul would run the small-layer kernel (N, K multiples of 128): one fused
+    launch; leading dims kept; no tokens give an empty output."""
+    case = _Case(6, 128, 128, torch.float16, interpret, gate_bias=True, up_bias=True)
+    x = case.x.reshape(2, 3, 128)
     y = tilefuse.vq_swiglu(*case.args(x))
     assert vq_op._plan_swiglu(*case.args(x)).fused
-    assert y.shape == (2, 3, 24)
-    _check(y.reshape(6, 24), case)
-    for empty in (case.x[:0], case.x.reshape(2, 3, 136)[:, :0]):
+    assert y.shape == (2, 3, 128)
+    _check(y.reshape(6, 128), case)
+    for empty in (case.x[:0], case.x.reshape(2, 3, 128)[:, :0]):
         out = tilefuse.vq_swiglu(*case.args(empty))
-        assert out.shape == (*empty.shape[:-1], 24) and out.dtype == torch.float16
+        assert out.shape == (*empty.shape[:-1], 128) and out.dtype == torch.float16
+
+
+def test_swiglu_fuses_where_vq_matmul_picks_the_small_kernel_or_it_is_forced(interpret):
+    """Fused exactly where vq_matmul's own decision (or force) is the small-layer kernel: an odd
+    size runs the two projections on their picks unless ``force(variant="small")``; another
+    pinned variant runs both projections on it."""
+    case = _Case(6, 24, 136, torch.float16, interpret, gate_bias=True, up_bias=True)
+    assert vq_op.choose_variant(6, 136, case.x.device, 24) != "small"
+    assert not vq_op._plan_swiglu(*case.args()).fused
+    _check(tilefuse.vq_swiglu(*case.args()), case, rounded=True)
+    with tilefuse.force(variant="small"):
+        assert vq_op._plan_swiglu(*case.args()).fused
+        _check(tilefuse.vq_swiglu(*case.args()), case)
+    big = _Case(2, 128, 128, torch.float16, interpret)
+    with tilefuse.force(variant="dequant"):
+        assert not vq_op._plan_swiglu(*big.args()).fused
+        _check(tilefuse.vq_swiglu(*big.args()), big, rounded=True)
 
 
 def test_swiglu_public_op_above_16_tokens_runs_the_projections_unfused(interpret):

@@ -1002,7 +1002,11 @@ def _plan_swiglu(x, *weights) -> _SwiGLUCall:
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference and m:
         check_interpretable("x", x.dtype)
-    if reference or m == 0 or m > SWIGLU_MAX_TOKENS:     # the reference, no tokens, or two vq_matmul calls
+    # fused where vq_matmul would run the small-layer kernel on this size (its decision, or a
+    # force(variant="small")): elsewhere (large layers, odd sizes, more tokens, another pinned
+    # variant) two vq_matmul calls on their own picks are the faster candidate
+    fused = not reference and 0 < m <= SWIGLU_MAX_TOKENS and choose_variant(m, k, x.device, n) == "small"
+    if not fused:     # the reference, no tokens, or two vq_matmul calls
         call = _SwiGLUCall()
         call.reference, call.m, call.fused = reference, m, False
     else:

@@ -248,6 +248,12 @@ def cases(group: str, device, quick: bool = False) -> list[Case]:
         for m, n, k in shapes:
             c = vqc.make_case(m, n, k, DT, device, bias=True)
             out.append(Case(f"x[{m},{k}] N={n}", lambda c=c: tilefuse.vq_matmul(*c.args())))
+        # a 2-bit MoE expert's gate/up with the SwiGLU epilogue (fused where vq_matmul picks the
+        # small-layer kernel, else two vq_matmul calls on the pinned variant)
+        gate = vqc.make_case(2, 768, 2048, DT, device)
+        up_codes, up_books, up_scales = vqc.make_weight(768, 2048, DT, device)
+        out.append(Case("vq_swiglu x[2,2048] N=768", lambda g=gate, c=up_codes, b=up_books, s=up_scales:
+                        tilefuse.vq_swiglu(g.x, g.codes, g.codebooks, g.scales, c, b, s)))
         return out
     if group in ("mla", "mla_fp8"):
         from tilefuse.testing import mla as mc

@@ -98,6 +98,39 @@ def _epilogue_layout(tokens, num_warps):
 
 
 @gluon.jit
+def _step_operands(x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE: gl.constexpr, ROWS: gl.constexpr,
+                   KREP: gl.constexpr, TOKENS: gl.constexpr, COPIES: gl.constexpr, SLICES: gl.constexpr,
+                   ROW_TILES: gl.constexpr, L_TG: gl.constexpr, B_OP: gl.constexpr):
+    """The per-element constants of a program's A tiles ([TILE, BG], ``L_TG``) and its x pointers
+    at step 0 ([BK, TOKENS], ``B_OP``), shared by every weight the program looks up: (the byte
+    offset of the codebook copy a lane reads -- lane % 8 = (tg % 4) + 4 * (row % 2) --, the group
+    tile group tg holds at step 0, the end of the tile row's K slice, the warp's K slice start in
+    inputs, x's column of each (tile group, j) after the group permutation (the MMA decode
+    kernel's), x's pointers, which tokens exist)."""
+    BG: gl.constexpr = 4 * KREP
+    BK: gl.constexpr = 8 * BG
+    tr = gl.arange(0, TILE, layout=gl.SliceLayout(1, L_TG))[:, None]
+    tg = gl.arange(0, BG, layout=gl.SliceLayout(0, L_TG))[None, :]
+    copy_off = (((tg % 4) + 4 * (tr % 2)) % COPIES) * 16
+    t_start = (tr // ROWS) * GROUPS_PER_SLICE
+    t_end = gl.minimum(t_start + GROUPS_PER_SLICE, NUM_GROUPS)
+    t_grp = t_start + (tg % 4) * KREP + tg // 4       # the group that tile group tg holds at step 0
+    xk = gl.arange(0, BK, layout=gl.SliceLayout(1, B_OP))
+    x_col = (((xk // 8) % 4) * KREP + xk // 32) * 8 + xk % 8
+    x_col = gl.max_contiguous(gl.multiple_of(x_col, 8), 8)[:, None]
+    xt = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))[None, :]
+    # the warp's K slice start (inputs): per warp, read from %tid (the operand is warp-replicated)
+    k_first = gl.zeros([BK, TOKENS], gl.int32, B_OP)
+    if SLICES > 1:
+        k_first = gl.inline_asm_elementwise(_slice_offset_ptx(ROW_TILES), "=r,r", [k_first + GROUPS_PER_SLICE * 8],
+                                            gl.int32, True, 1)
+        # one value per warp, a multiple of the step: x's loads stay 16-byte vectors
+        k_first = gl.multiple_of(gl.max_constancy(k_first, [BK, TOKENS]), [8, 8])
+    x_ptrs = x_ptr + xt * stride_xm + k_first + x_col
+    return copy_off, t_grp, t_end, k_first, x_col, x_ptrs, xt < M
+
+
+@gluon.jit
 def _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse, HAS_BIAS: gl.constexpr):
     """``total`` ([ROWS, TOKENS] fp32 sums over K) times the row scale and ``1 / f``, plus the bias,
     into ``out[toks, rows]`` (rows past N and tokens past M are not written)."""
@@ -171,28 +204,11 @@ def vq_small_kernel(
         cb_smem.store((entries * factor.to(entries.dtype)).to(dtype))
         thread_barrier()
 
-    # per-element constants of the A tile: the copy a lane reads (lane % 8 = (tg % 4) + 4 * (row % 2))
-    # as a byte offset, the tile row's slice, and x's column of each (tile group, j) after the
-    # group permutation (the MMA decode kernel's)
-    tr = gl.arange(0, TILE, layout=gl.SliceLayout(1, L_TG))[:, None]
-    tg = gl.arange(0, BG, layout=gl.SliceLayout(0, L_TG))[None, :]
-    copy_off = (((tg % 4) + 4 * (tr % 2)) % COPIES) * 16
-    t_start = (tr // ROWS) * GROUPS_PER_SLICE
-    t_end = gl.minimum(t_start + GROUPS_PER_SLICE, NUM_GROUPS)
-    t_grp = t_start + (tg % 4) * KREP + tg // 4       # the group that tile group tg holds at step 0
-    xk = gl.arange(0, BK, layout=gl.SliceLayout(1, B_OP))
-    x_col = (((xk // 8) % 4) * KREP + xk // 32) * 8 + xk % 8
-    x_col = gl.max_contiguous(gl.multiple_of(x_col, 8), 8)[:, None]
-    xt = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))[None, :]
-    # the warp's K slice start (inputs): per warp, read from %tid (the operand is warp-replicated)
-    k_first = gl.zeros([BK, TOKENS], gl.int32, B_OP)
-    if SLICES > 1:
-        k_first = gl.inline_asm_elementwise(_slice_offset_ptx(ROW_TILES), "=r,r", [k_first + GROUPS_PER_SLICE * 8],
-                                            gl.int32, True, 1)
-        # one value per warp, a multiple of the step: x's loads stay 16-byte vectors
-        k_first = gl.multiple_of(gl.max_constancy(k_first, [BK, TOKENS]), [8, 8])
-    x_ptrs = x_ptr + xt * stride_xm + k_first + x_col
-    x_tok_ok = xt < M
+    # per-element constants of the A tile and x's pointers (the copy a lane reads, the tile row's
+    # slice, x's permuted columns, the warp's K slice start)
+    copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_tok_ok = _step_operands(
+        x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE, ROWS, KREP, TOKENS, COPIES, SLICES, ROW_TILES,
+        L_TG, B_OP)
 
     acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)
     for step in range(0, GROUPS_PER_SLICE, BG):

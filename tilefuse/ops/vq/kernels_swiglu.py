@@ -43,7 +43,7 @@ from tilefuse.ops.vq.kernels import _mma_steps
 from tilefuse.ops.vq.kernels import codebook_factor as tl_codebook_factor
 from tilefuse.ops.vq.kernels_mma import _codes_layout, _tile_layout, codebook_factor, codebook_peaks, codebook_scan
 from tilefuse.ops.vq.kernels_small import (DEQUANT_CON, _copies_layout, _dequant_ptx, _epilogue_layout,
-                                           _slice_offset_ptx)
+                                           _step_operands)
 
 
 @gluon.jit
@@ -183,26 +183,10 @@ def vq_swiglu_kernel(
         _rescale_codebooks(u_cb_ptr, cb_smem.slice(512, 512), u_factor, dtype, COPIES, NUM_WARPS)
         thread_barrier()
 
-    # per-element constants of the A tiles (shared by both weights): the copy a lane reads as a
-    # byte offset, the tile row's slice, x's column of each (tile group, j) after the permutation
-    tr = gl.arange(0, TILE, layout=gl.SliceLayout(1, L_TG))[:, None]
-    tg = gl.arange(0, BG, layout=gl.SliceLayout(0, L_TG))[None, :]
-    copy_off = (((tg % 4) + 4 * (tr % 2)) % COPIES) * 16
-    t_start = (tr // ROWS) * GROUPS_PER_SLICE
-    t_end = gl.minimum(t_start + GROUPS_PER_SLICE, NUM_GROUPS)
-    t_grp = t_start + (tg % 4) * KREP + tg // 4       # the group that tile group tg holds at step 0
-    xk = gl.arange(0, BK, layout=gl.SliceLayout(1, B_OP))
-    x_col = (((xk // 8) % 4) * KREP + xk // 32) * 8 + xk % 8
-    x_col = gl.max_contiguous(gl.multiple_of(x_col, 8), 8)[:, None]
-    xt = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))[None, :]
-    # the warp's K slice start (inputs): per warp, read from %tid (the operand is warp-replicated)
-    k_first = gl.zeros([BK, TOKENS], gl.int32, B_OP)
-    if SLICES > 1:
-        k_first = gl.inline_asm_elementwise(_slice_offset_ptx(ROW_TILES), "=r,r", [k_first + GROUPS_PER_SLICE * 8],
-                                            gl.int32, True, 1)
-        k_first = gl.multiple_of(gl.max_constancy(k_first, [BK, TOKENS]), [8, 8])
-    x_ptrs = x_ptr + xt * stride_xm + k_first + x_col
-    x_tok_ok = xt < M
+    # per-element constants of the A tiles (shared by both weights) and x's pointers
+    copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_tok_ok = _step_operands(
+        x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE, ROWS, KREP, TOKENS, COPIES, SLICES, ROW_TILES,
+        L_TG, B_OP)
 
     g_acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)
     u_acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)

@@ -262,6 +262,27 @@ def vq_small_kernel(
 
 
 @triton.jit
+def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
+                   ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr):
+    """One weight's ``[ROWS, TOKENS]`` fp32 sums over K in ``SLICES`` slices added in slice order
+    (the ``tl`` twins' loop), and its ``1 / f``."""
+    factor, inverse = tl_codebook_factor(cb_ptr, x_ptr.dtype.element_ty)
+    total = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
+    for s in tl.static_range(SLICES):
+        g_begin = s * GROUPS_PER_SLICE
+        g_end = tl.minimum(g_begin + GROUPS_PER_SLICE, NUM_GROUPS)
+        c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + tl.arange(0, BG)[None, :]
+        x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + tl.arange(0, 8 * BG)[:, None]
+        part = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
+        if factor == 1.0:
+            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, False)
+        else:
+            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, True)
+        total += part
+    return total, inverse
+
+
+@triton.jit
 def vq_small_tl_kernel(
     x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, NUM_GROUPS, GROUPS_PER_SLICE,
@@ -278,19 +299,8 @@ def vq_small_tl_kernel(
     BG: tl.constexpr = 4 * KREP
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     toks = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    factor, inverse = tl_codebook_factor(cb_ptr, x_ptr.dtype.element_ty)
-    total = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
-    for s in tl.static_range(SLICES):
-        g_begin = s * GROUPS_PER_SLICE
-        g_end = tl.minimum(g_begin + GROUPS_PER_SLICE, NUM_GROUPS)
-        c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + tl.arange(0, BG)[None, :]
-        x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + tl.arange(0, 8 * BG)[:, None]
-        part = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
-        if factor == 1.0:
-            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, False)
-        else:
-            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, True)
-        total += part
+    total, inverse = _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+                                    stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
     scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * inverse
     total = total * scale[:, None]
     if HAS_BIAS:

@@ -39,11 +39,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from tilefuse.ops.gluon_compat import thread_barrier
-from tilefuse.ops.vq.kernels import _mma_steps
-from tilefuse.ops.vq.kernels import codebook_factor as tl_codebook_factor
 from tilefuse.ops.vq.kernels_mma import _codes_layout, _tile_layout, codebook_factor, codebook_peaks, codebook_scan
 from tilefuse.ops.vq.kernels_small import (DEQUANT_CON, _copies_layout, _dequant_ptx, _epilogue_layout,
-                                           _step_operands)
+                                           _step_operands, _tl_projection)
 
 
 @gluon.jit
@@ -242,27 +240,6 @@ def vq_swiglu_kernel(
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
         _swiglu_finish(g_acc, u_acc, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
                        stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
-
-
-@triton.jit
-def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
-                   ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr):
-    """One weight's ``[ROWS, TOKENS]`` fp32 sums over K in ``SLICES`` slices added in slice order
-    (``kernels_small.vq_small_tl_kernel``'s loop), and its ``1 / f``."""
-    factor, inverse = tl_codebook_factor(cb_ptr, x_ptr.dtype.element_ty)
-    total = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
-    for s in tl.static_range(SLICES):
-        g_begin = s * GROUPS_PER_SLICE
-        g_end = tl.minimum(g_begin + GROUPS_PER_SLICE, NUM_GROUPS)
-        c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + tl.arange(0, BG)[None, :]
-        x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + tl.arange(0, 8 * BG)[:, None]
-        part = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
-        if factor == 1.0:
-            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, False)
-        else:
-            part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, True)
-        total += part
-    return total, inverse
 
 
 @triton.jit

@@ -15,7 +15,7 @@ import torch
 import tilefuse
 from tilefuse.ops.vq import configs, op as vq_op
 from tilefuse.ops.vq.reference import dequantize
-from tilefuse.testing import poisoned
+from tilefuse.testing import poisoned, repeats_and_replays_identical
 from tilefuse.testing.vq import error_scale, make_case, make_overflow_case, reference_fp64, tolerance
 
 
@@ -227,22 +227,7 @@ def test_gpu_small_bit_identical_repeats_and_graph_replays(m):
     """No atomics: every launch, eager or replayed, gives the same bits."""
     case = make_case(m, 768, 2048, torch.bfloat16, "cuda", bias=True)
     with tilefuse.force(variant="small"):
-        first = tilefuse.vq_matmul(*case.args())
-        for _ in range(3):
-            assert torch.equal(tilefuse.vq_matmul(*case.args()), first)
-        static = {}
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            tilefuse.vq_matmul(*case.args())
-            with torch.cuda.graph(graph, stream=stream):
-                static["y"] = tilefuse.vq_matmul(*case.args())
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(static["y"], first)
+        first = repeats_and_replays_identical(lambda: tilefuse.vq_matmul(*case.args()))
     _check(first, case)
 
 

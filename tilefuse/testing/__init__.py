@@ -10,6 +10,7 @@ from tilefuse.testing.compare import (  # noqa: F401
     frac_beyond_ulp,
     poisoned,
     rel_err,
+    repeats_and_replays_identical,
     run_without_host_sync,
     ulp,
 )

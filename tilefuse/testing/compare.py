@@ -96,3 +96,26 @@ def run_without_host_sync(fn):
         return fn()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def repeats_and_replays_identical(call, repeats: int = 3) -> torch.Tensor:
+    """Run ``call()`` (a CUDA op returning one tensor) ``repeats`` more times eagerly and as a CUDA
+    graph captured on a side stream and replayed ``repeats`` times; assert every result equals the
+    first call's bit for bit (a kernel without atomics or order-dependent sums). Returns the first."""
+    first = call()
+    for _ in range(repeats):
+        assert torch.equal(call(), first), "an eager repeat differs from the first call"
+    static = {}
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()                                    # warm-up on the capture stream
+        with torch.cuda.graph(graph, stream=stream):
+            static["out"] = call()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(repeats):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static["out"], first), "a graph replay differs from the first call"
+    return first

@@ -131,6 +131,35 @@ def _step_operands(x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE: 
 
 
 @gluon.jit
+def _weight_tile(cw, copy_off, base, dtype: gl.constexpr, TILE: gl.constexpr, KREP: gl.constexpr,
+                 COPIES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Stage 2 for one weight: code pairs ``cw`` (``[TILE, BG]`` int16, memory order) -> the weight
+    tile ``[TILE, BK]`` in the A-operand layout, ``C0[a] + C1[b]`` rounded once to x's dtype, read
+    from the copies ``base`` bytes into ``global_smem`` (0: the small-layer kernel's and the gate's,
+    ``512 * COPIES * 16``: the up's)."""
+    BG: gl.constexpr = 4 * KREP
+    BK: gl.constexpr = 8 * BG
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    L3: gl.constexpr = _tile_layout(TILE, KREP, NUM_WARPS)
+    L_TG: gl.constexpr = gl.SliceLayout(2, L3)
+    # tile order (the MMA decode kernel's group permutation), byte offsets of both entries' copies
+    pair = gl.reshape(gl.permute(gl.reshape(cw.to(gl.int32) & 0xFFFF, [TILE, 4, KREP]), [0, 2, 1]), [TILE, BG])
+    pair = gl.convert_layout(pair, L_TG)
+    a0 = (pair & 0xFF) * (COPIES * 16) + copy_off + base
+    a1 = (pair >> 8) * (COPIES * 16) + copy_off + base
+    a0 = gl.convert_layout(gl.reshape(gl.broadcast(a0[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
+                                      [TILE, BK]), A_OP)
+    a1 = gl.convert_layout(gl.reshape(gl.broadcast(a1[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
+                                      [TILE, BK]), A_OP)
+    if dtype == gl.float16:
+        w = gl.inline_asm_elementwise(_dequant_ptx(True, COPIES), DEQUANT_CON, [a0, a1], gl.float16, True, 8)
+    else:
+        w = gl.inline_asm_elementwise(_dequant_ptx(False, COPIES), DEQUANT_CON, [a0, a1], gl.bfloat16, True, 8)
+    return w
+
+
+@gluon.jit
 def _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse, HAS_BIAS: gl.constexpr):
     """``total`` ([ROWS, TOKENS] fp32 sums over K) times the row scale and ``1 / f``, plus the bias,
     into ``out[toks, rows]`` (rows past N and tokens past M are not written)."""
@@ -215,19 +244,8 @@ def vq_small_kernel(
         # next step's codes first: their HBM latency hides behind this step's lookups and MMAs
         c_ptrs += BG
         cw_next = gl.load(c_ptrs, mask=(c_grp + (step + BG)) < c_end[:, None], other=0)
-        # tile order, byte offsets of both entries' copies in the SMEM codebooks
-        pair = gl.reshape(gl.permute(gl.reshape(cw.to(gl.int32) & 0xFFFF, [TILE, 4, KREP]), [0, 2, 1]), [TILE, BG])
-        pair = gl.convert_layout(pair, L_TG)
-        a0 = (pair & 0xFF) * (COPIES * 16) + copy_off
-        a1 = (pair >> 8) * (COPIES * 16) + copy_off
-        a0 = gl.convert_layout(gl.reshape(gl.broadcast(a0[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
-                                          [TILE, BK]), A_OP)
-        a1 = gl.convert_layout(gl.reshape(gl.broadcast(a1[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
-                                          [TILE, BK]), A_OP)
-        if dtype == gl.float16:
-            w = gl.inline_asm_elementwise(_dequant_ptx(True, COPIES), DEQUANT_CON, [a0, a1], gl.float16, True, 8)
-        else:
-            w = gl.inline_asm_elementwise(_dequant_ptx(False, COPIES), DEQUANT_CON, [a0, a1], gl.bfloat16, True, 8)
+        # the step's weight tile from the SMEM codebook copies (code pairs -> C0[a] + C1[b])
+        w = _weight_tile(cw, copy_off, 0, dtype, TILE, KREP, COPIES, NUM_WARPS)
         if EVEN:
             xv = gl.load(x_ptrs, mask=x_tok_ok, other=0.0)
         else:

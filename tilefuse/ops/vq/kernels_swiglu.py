@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from tilefuse.ops.gluon_compat import thread_barrier
 from tilefuse.ops.vq.kernels_mma import _codes_layout, _tile_layout, codebook_factor, codebook_peaks, codebook_scan
-from tilefuse.ops.vq.kernels_small import (DEQUANT_CON, _copies_layout, _dequant_ptx, _epilogue_layout,
-                                           _step_operands, _tl_projection)
+from tilefuse.ops.vq.kernels_small import (_copies_layout, _epilogue_layout, _step_operands, _tl_projection,
+                                           _weight_tile)
 
 
 @gluon.jit
@@ -66,34 +66,6 @@ def _rescale_codebooks(cb_ptr, cb_smem, factor, dtype: gl.constexpr, COPIES: gl.
     cc = gl.arange(0, COPIES, layout=gl.SliceLayout(0, gl.SliceLayout(2, CB)))[None, :, None]
     entries = gl.load(cb_ptr + ce * 8 + cj + cc * 0)
     cb_smem.store((entries * factor.to(entries.dtype)).to(dtype))
-
-
-@gluon.jit
-def _weight_tile(cw, copy_off, base, dtype: gl.constexpr, TILE: gl.constexpr, KREP: gl.constexpr,
-                 COPIES: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Stage 2 for one weight: code pairs ``cw`` (``[TILE, BG]`` int16, memory order) -> the weight
-    tile ``[TILE, BK]`` in the A-operand layout, ``C0[a] + C1[b]`` rounded once to x's dtype, read
-    from the copies ``base`` bytes into ``global_smem`` (0: the gate's, ``512 * COPIES * 16``: the up's)."""
-    BG: gl.constexpr = 4 * KREP
-    BK: gl.constexpr = 8 * BG
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
-    A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
-    L3: gl.constexpr = _tile_layout(TILE, KREP, NUM_WARPS)
-    L_TG: gl.constexpr = gl.SliceLayout(2, L3)
-    # tile order (the MMA decode kernel's group permutation), byte offsets of both entries' copies
-    pair = gl.reshape(gl.permute(gl.reshape(cw.to(gl.int32) & 0xFFFF, [TILE, 4, KREP]), [0, 2, 1]), [TILE, BG])
-    pair = gl.convert_layout(pair, L_TG)
-    a0 = (pair & 0xFF) * (COPIES * 16) + copy_off + base
-    a1 = (pair >> 8) * (COPIES * 16) + copy_off + base
-    a0 = gl.convert_layout(gl.reshape(gl.broadcast(a0[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
-                                      [TILE, BK]), A_OP)
-    a1 = gl.convert_layout(gl.reshape(gl.broadcast(a1[:, :, None], gl.zeros([TILE, BG, 8], gl.int32, L3))[0],
-                                      [TILE, BK]), A_OP)
-    if dtype == gl.float16:
-        w = gl.inline_asm_elementwise(_dequant_ptx(True, COPIES), DEQUANT_CON, [a0, a1], gl.float16, True, 8)
-    else:
-        w = gl.inline_asm_elementwise(_dequant_ptx(False, COPIES), DEQUANT_CON, [a0, a1], gl.bfloat16, True, 8)
-    return w
 
 
 @gluon.jit

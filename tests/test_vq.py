@@ -12,7 +12,8 @@ import torch
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
 from tilefuse.testing import assert_close, poisoned
-from tilefuse.testing.vq import SHAPES, error_scale, make_case, make_overflow_case, reference_fp64, tolerance
+from tilefuse.testing.vq import SHAPES, make_case, make_overflow_case, reference_fp64
+from tilefuse.testing.vq import check as _check
 
 LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="auto"),
           "decode_resident": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="resident"),
@@ -29,19 +30,6 @@ LAUNCH = {"decode": lambda c, out: vq_op.launch_decode(*_args(c), out, impl="aut
 def _args(case):
     n = case.codes.shape[0]
     return case.x, case.codes, case.codebooks, case.scales.reshape(n), case.bias
-
-
-def _check(out, case, variant):
-    ref = reference_fp64(case)
-    tol = tolerance(out.dtype, variant)
-    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
-    err = (out.double() - ref).abs()
-    bound = tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{variant}: {int(bad.sum())} of {out.numel()} outputs off; first {i}: "
-                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
 
 
 def _run_poisoned(case, variant):

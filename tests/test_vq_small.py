@@ -16,7 +16,7 @@ import tilefuse
 from tilefuse.ops.vq import configs, op as vq_op
 from tilefuse.ops.vq.reference import dequantize
 from tilefuse.testing import poisoned, repeats_and_replays_identical
-from tilefuse.testing.vq import error_scale, make_case, make_overflow_case, reference_fp64, tolerance
+from tilefuse.testing.vq import check, make_case, make_overflow_case
 
 
 def _args(case):
@@ -25,16 +25,7 @@ def _args(case):
 
 
 def _check(out, case):
-    ref = reference_fp64(case)
-    tol = tolerance(out.dtype, "mma")
-    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
-    err = (out.double() - ref).abs()
-    bound = tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
-                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+    check(out, case, "mma")
 
 
 def _run(case, **override):

@@ -111,3 +111,18 @@ def tolerance(dtype: torch.dtype, variant: str) -> dict:
     scale = 2.0 ** -14 + {"prefill": ulp / 2, "mma": ulp / 2, "mma_gluon": ulp / 2, "small": ulp / 2,
                              "dequant": ulp}.get(variant, 0.0)
     return dict(rtol=ulp, scale=scale)
+
+
+def check(out: torch.Tensor, case: VQCase, variant: str) -> None:
+    """Assert ``out`` (no NaN: poisoned outputs left unwritten show) is within ``variant``'s
+    :func:`tolerance` of the fp64 spec on ``case``, naming the first output off and its bound."""
+    ref = reference_fp64(case)
+    tol = tolerance(out.dtype, variant)
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
+    err = (out.double() - ref).abs()
+    bound = tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case)
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{variant}: {int(bad.sum())} of {out.numel()} outputs off; first {i}: "
+                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")

@@ -371,6 +371,25 @@ def _vq_linear(device, dt):
     return layer, [(torch.randn(3, 128, device=device).to(dt),), (torch.randn(5, 128, device=device).to(dt),)], check
 
 
+def _vq_swiglu_mlp(device, dt):
+    from tilefuse.nn import VQLinear, VQSwiGLUMLP
+    from tilefuse.ops.vq.reference import vq_swiglu_reference
+    from tilefuse.testing import vq as vqc
+
+    gate, up = (VQLinear(128, 64, dtype=dt, device=device).load_quantized(c.codes, c.codebooks, c.scales, c.bias)
+                for c in (vqc.make_case(1, 64, 128, dt, device, bias=True) for _ in range(2)))
+    down = torch.nn.Linear(64, 128, bias=False, dtype=dt, device=device)
+    mlp = VQSwiGLUMLP(gate, up, down)
+
+    def check(out, a):
+        h = vq_swiglu_reference(a[0].double(), gate.codes, gate.codebooks.double(), gate.scales.double(), up.codes,
+                                up.codebooks.double(), up.scales.double(), gate.bias.double(), up.bias.double(),
+                                compute_dtype=torch.float64)
+        _check_mlp(out, h @ down.weight.detach().double().T)
+
+    return mlp, [(torch.randn(3, 128, device=device).to(dt),), (torch.randn(5, 128, device=device).to(dt),)], check
+
+
 def _mla_module(device, dt):
     from tilefuse.nn import MLADecodeAttention
     from tilefuse.testing import mla as mc
@@ -402,6 +421,7 @@ CASES = [
     CompileCase("FusedSwiGLUMLP-packed", "FusedSwiGLUMLP", _fused_mlp("packed")),
     CompileCase("FusedSwiGLUMLP-fp8", "FusedSwiGLUMLP", _fused_mlp_fp8, needs=FP8),
     CompileCase("VQLinear", "VQLinear", _vq_linear),
+    CompileCase("VQSwiGLUMLP", "VQSwiGLUMLP", _vq_swiglu_mlp),
     CompileCase("MLADecodeAttention", "MLADecodeAttention", _mla_module),
 ]
 

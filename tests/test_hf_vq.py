@@ -562,3 +562,31 @@ def test_save_and_load_a_tied_2bit_model(tmp_path):
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=ids).logits, want)
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_patch_vq_fuses_each_swiglu_mlp_unless_told_not_to(fuse):
+    """patch_vq's fuse_gate_up (default on): every LlamaMLP becomes a VQSwiGLUMLP over the same
+    VQLinear layers (state-dict keys unchanged; save_vq / load_vq see the same 2-bit modules); the
+    fp32 model (the reference on every device) gives the unfused model's logits within fp32
+    rounding (the fused spec computes ``silu(g) u`` in one expression); fuse_vq_mlps again swaps
+    nothing."""
+    pytest.importorskip("transformers")
+    from tilefuse.bench import hf_models
+    from tilefuse.hf import fuse_vq_mlps
+    from tilefuse.nn import VQSwiGLUMLP
+
+    config = hf_models.tiny_llama_config(2)
+    model = hf_models.random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    twin = copy.deepcopy(model)
+    assert patch_vq(model, random_codes=True, fuse_gate_up=fuse) == 2 * len(VQ_PROJECTIONS)
+    assert patch_vq(twin, random_codes=True, fuse_gate_up=False) == 2 * len(VQ_PROJECTIONS)
+    mlps = [type(layer.mlp) for layer in model.model.layers]
+    assert mlps == [VQSwiGLUMLP if fuse else type(twin.model.layers[0].mlp)] * 2
+    assert list(model.state_dict()) == list(twin.state_dict())
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, twin(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+    assert fuse_vq_mlps(model) == 0 if fuse else fuse_vq_mlps(model) == 2
+    with pytest.raises(ValueError, match="fuse_gate_up: expected True or False"):
+        patch_vq(twin, random_codes=True, fuse_gate_up="yes")

@@ -301,3 +301,65 @@ def test_empty_batch(interpret, lead):
     layer.load_quantized(*make_weight(24, 64, torch.float16, "cpu"))
     y = layer(torch.randn(*lead, 64, device=interpret).half())
     assert y.shape == (*lead, 24) and y.dtype == torch.float16 and y.device.type == interpret.type
+
+
+class _GatedMLP(nn.Module):
+    """An HF-style SwiGLU MLP (LlamaMLP's attribute names) of 2-bit gate/up and a dense down."""
+
+    def __init__(self, hidden=64, inter=48, dtype=torch.float16, act=None, bias=False):
+        super().__init__()
+        self.gate_proj = VQLinear(hidden, inter, bias=bias, dtype=dtype)
+        self.up_proj = VQLinear(hidden, inter, bias=bias, dtype=dtype)
+        for layer in (self.gate_proj, self.up_proj):
+            layer.load_quantized(*make_weight(inter, hidden, dtype, "cpu"))
+            if bias:
+                layer.bias.copy_(torch.randn(inter).to(dtype))
+        self.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+        self.act_fn = act or nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_vq_swiglu_mlp_is_the_mlp_with_one_gate_up_call(interpret, bias, monkeypatch):
+    """VQSwiGLUMLP shares the MLP's layers, keeps its state-dict keys, runs gate/up through one
+    vq_swiglu call (never the layers' own forward) and gives the MLP's output: fp64 spec of both
+    (``silu(g) u`` rounded once vs the MLP's g, u, silu(g) and the product each rounded to fp16,
+    then the same dense down_proj): within 4 fp16 ulps of the hidden values times |W_down|."""
+    from tilefuse.nn import VQSwiGLUMLP
+
+    torch.manual_seed(0)
+    mlp = _GatedMLP(bias=bias).to(interpret)
+    fused = VQSwiGLUMLP.from_mlp(mlp)
+    assert fused.gate_proj is mlp.gate_proj and fused.down_proj is mlp.down_proj
+    assert list(fused.state_dict()) == list(mlp.state_dict())
+    calls = []
+    monkeypatch.setattr(VQLinear, "forward", lambda self, x: calls.append(self) or pytest.fail("a layer's forward"))
+    x = torch.randn(2, 3, 64).half().to(interpret)
+    got = fused(x)
+    assert not calls and got.shape == (2, 3, 64) and got.dtype == torch.float16
+    monkeypatch.undo()
+    want = mlp(x)
+    h = nn.functional.silu(mlp.gate_proj(x).float()) * mlp.up_proj(x).float()
+    bound = 4 * 2 ** -10 * (h.abs() @ mlp.down_proj.weight.float().abs().T) + 1e-3
+    assert ((got.float() - want.float()).abs() <= bound).all()
+
+
+def test_vq_swiglu_mlp_refuses_what_it_cannot_fuse():
+    from tilefuse.nn import VQSwiGLUMLP
+    from tilefuse.nn.vq import unfusable_mlp
+
+    assert unfusable_mlp(_GatedMLP()) is None
+    with pytest.raises(ValueError, match="mlp: expected a SiLU act_fn.*GELU"):
+        VQSwiGLUMLP.from_mlp(_GatedMLP(act=nn.GELU()))
+    dense_gate = _GatedMLP()
+    dense_gate.gate_proj = nn.Linear(64, 48)
+    with pytest.raises(ValueError, match="mlp: expected gate_proj to be a VQLinear.*got Linear"):
+        VQSwiGLUMLP.from_mlp(dense_gate)
+    odd = _GatedMLP()
+    odd.up_proj = VQLinear(64, 40)
+    with pytest.raises(ValueError, match="one shape, got 48x64 and 40x64"):
+        VQSwiGLUMLP.from_mlp(odd)
+    with pytest.raises(ValueError, match="has no \\['gate_proj'"):
+        VQSwiGLUMLP.from_mlp(nn.Linear(8, 8))

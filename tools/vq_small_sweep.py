@@ -1,6 +1,6 @@
 """Small-layer VQ timings: the 2-bit layer against fp16 cuBLAS at 1-128 tokens, every path.
 
-    python3 tools/vq_small_sweep.py [OUT_DIR] [--quick] [--settings] [--workers N] [--compile-only]
+    python3 tools/vq_small_sweep.py [OUT_DIR] [--quick] [--settings] [--swiglu] [--workers N] [--compile-only]
 
 One run gives, per layer (MoE experts, k/v and o projections, two large layers and held-out
 shapes) and per token count (1, 2, 4, 8, 16, 32, 128), CUDA-graph replay times (cold L2, the
@@ -9,10 +9,14 @@ median of ``triton.testing.do_bench`` over replays, ``tilefuse.bench.harness.Tim
 * ``fp16``: cuBLAS on the dense fp16 weight (``F.linear`` on the dequantized weight),
 * ``dequant``: dequantize + cuBLAS (``force(variant="dequant")``), the baseline of a 2-bit weight,
 * ``default``: ``vq_matmul`` as dispatched, with the variant the dispatch picked,
-* every kernel forced (``decode`` up to 2 tokens, ``mma`` and ``small`` up to 16, ``prefill``),
+* every kernel forced (``decode`` up to 2 tokens, ``mma`` up to 16, ``small``, ``prefill``),
 * ``null``: a graph of one one-element kernel (the replay's own floor in this timing),
 
-and with ``--settings`` the small-layer kernel at every setting of :data:`SETTINGS` (K slices,
+with ``--swiglu`` (instead of the above, into ``vq-swiglu-<gpu>.json``) the 2-bit gate/up projection with its SwiGLU epilogue (``vq_swiglu``, the weight
+shape ``N x K`` is each of gate and up) against ``silu(g) * u`` from two fp16 cuBLAS calls, one fp16
+cuBLAS call on the concatenated ``[2N, K]`` weight (what a merged gate/up checkpoint runs), two
+``vq_matmul`` calls as dispatched and two forced ``small`` calls (rows ``swiglu:<path>``), and with
+``--settings`` the small-layer kernel at every setting of :data:`SETTINGS` (K slices,
 codebook copies, K step, row tiles) on the small layers at 1 and 16 tokens. Each output is checked
 against fp32 ``F.linear`` on the dequantized weight before it is timed (a wrong one gets no time).
 Timings go to ``OUT_DIR/vq-small-<gpu>.json`` (default ``bench/results/sweeps/``), with the
@@ -41,6 +45,10 @@ TOKENS = (1, 2, 4, 8, 16, 32, 128)
 SETTINGS = [dict(slices=8, copies=8, krep=4), dict(slices=16, copies=8, krep=4), dict(slices=8, copies=8, krep=4, tokens=8),
             dict(slices=16, copies=8, krep=4, tokens=8), dict(slices=8, copies=2, krep=4), dict(slices=16, copies=2, krep=4)]
 SETTING_TOKENS = (1, 16)
+# gate/up weights N x K (intermediate x hidden): Qwen3-30B-A3B and DeepSeek-V2-Lite experts, a
+# small dense MLP, Llama-3-8B; held out: OLMoE's experts (1024 x 2048)
+SWIGLU_LAYERS = [(768, 2048), (1408, 2048), (2048, 768), (14336, 4096), (1024, 2048)]
+SWIGLU_TOKENS = (1, 2, 4, 8, 16, 32)
 
 
 def _case(n, k, m):
@@ -75,10 +83,53 @@ def _paths(case, w, m):
         paths["decode"] = forced("decode")
     if m <= 16:
         paths["mma"] = forced("mma")
-    if m <= 32:
-        paths["small"] = forced("small")        # above 16 tokens: 16-token tiles
+    paths["small"] = forced("small")            # above 16 tokens: 16-token tiles
     if m > 2 and torch.cuda.get_device_capability()[0] == 9:
         paths["prefill"] = forced("prefill")
+    return paths
+
+
+def _swiglu_case(n, k, m):
+    import torch
+
+    from tilefuse.ops.vq.reference import dequantize
+    from tilefuse.testing.vq import make_case, make_weight
+
+    gate = make_case(m, n, k, torch.float16, "cuda")
+    up = make_weight(n, k, torch.float16, "cuda")
+    weights = (gate.codes, gate.codebooks, gate.scales, *up)
+    wg = dequantize(gate.codes, gate.codebooks, gate.scales, dtype=torch.float16)
+    wu = dequantize(*up, dtype=torch.float16)
+    return gate.x, weights, wg, wu
+
+
+def _swiglu_paths(x, weights, wg, wu):
+    """{impl: zero-argument call} of every gate/up path."""
+    import torch
+    import torch.nn.functional as F
+
+    import tilefuse
+
+    gate, up = weights[:3], weights[3:]
+    w_cat = torch.cat([wg, wu])
+    n = wg.shape[0]
+
+    def merged():
+        h = F.linear(x, w_cat)
+        return F.silu(h[:, :n]) * h[:, n:]
+
+    def two(variant=None):
+        def call():
+            if variant is None:
+                return F.silu(tilefuse.vq_matmul(x, *gate)) * tilefuse.vq_matmul(x, *up)
+            with tilefuse.force(variant=variant):
+                return F.silu(tilefuse.vq_matmul(x, *gate)) * tilefuse.vq_matmul(x, *up)
+        return call
+
+    paths = {"swiglu:fp16": lambda: F.silu(F.linear(x, wg)) * F.linear(x, wu), "swiglu:fp16_merged": merged,
+             "swiglu:two_vq": two(), "swiglu:fused": lambda: tilefuse.vq_swiglu(x, *weights)}
+    if x.shape[0] <= 16:
+        paths["swiglu:two_small"] = two("small")
     return paths
 
 
@@ -93,7 +144,9 @@ def _setting_call(case, m, setting):
                                       impl="gluon", **setting)
 
 
-def _jobs(settings: bool, quick: bool):
+def _jobs(settings: bool, quick: bool, swiglu: bool = False):
+    if swiglu:
+        return [("swiglu", n, k, m, None) for (n, k) in SWIGLU_LAYERS for m in SWIGLU_TOKENS]
     layers = (LAYERS[:4] + HELD_OUT[:1]) if quick else LAYERS + HELD_OUT
     jobs = [("paths", n, k, m, None) for (n, k) in layers for m in TOKENS]
     if settings:
@@ -109,8 +162,11 @@ def _warm(job):
     kind, n, k, m, setting = job
     try:
         torch.manual_seed(0)
-        case, w = _case(n, k, m)
-        calls = _paths(case, w, m).values() if kind == "paths" else [_setting_call(case, m, setting)]
+        if kind == "swiglu":
+            calls = _swiglu_paths(*_swiglu_case(n, k, m)).values()
+        else:
+            case, w = _case(n, k, m)
+            calls = _paths(case, w, m).values() if kind == "paths" else [_setting_call(case, m, setting)]
         for call in calls:
             try:
                 call()
@@ -125,6 +181,7 @@ def _warm(job):
 def main(argv=None) -> None:
     args = sweep_common.parse_args(__doc__, argv, workers=True, configs=False,
                                    **{"--settings": dict(action="store_true", help="time every small-kernel setting"),
+                                      "--swiglu": dict(action="store_true", help="time the fused 2-bit gate/up"),
                                       "--workers": dict(type=int, default=12, help="compile processes"),
                                       "--compile-only": dict(action="store_true",
                                                              help="compile every kernel (Triton's cache), time nothing")})
@@ -134,7 +191,7 @@ def main(argv=None) -> None:
     from tilefuse.ops.vq import configs
     from tilefuse.ops.vq import op as vq_op
 
-    jobs = _jobs(args.settings, args.quick)
+    jobs = _jobs(args.settings, args.quick, args.swiglu)
     t0 = time.time()
     if args.workers > 1:
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
@@ -150,12 +207,20 @@ def main(argv=None) -> None:
                             rel_err=0.0))
     print(f"null graph: {record.rows[-1]['us']:.2f} us", file=sys.stderr)
     last = None
-    path = sweep_common.sweep_path("vq-small", args.out_dir)
+    path = sweep_common.sweep_path("vq-swiglu" if args.swiglu else "vq-small", args.out_dir)
     about = dict(quick=args.quick, timing="CUDA-graph replay, cold L2, median of triton.testing.do_bench (rep 10 ms); "
                  "fp16 inputs", chip=chip.name, sms=sms)
     for i, (kind, n, k, m, setting) in enumerate(jobs):
         if i % 40 == 39:        # a run cut short keeps what it timed
             sweep_common.write_json(path, record.rows, **about, complete=False)
+        if kind == "swiglu":
+            torch.manual_seed(n * 131 + k * 7 + m)
+            x, weights, wg, wu = _swiglu_case(n, k, m)
+            ref = torch.nn.functional.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+            for impl, call in _swiglu_paths(x, weights, wg, wu).items():
+                record(n, k, m, impl, call, ref)
+            last = None
+            continue
         if (n, k, m) != last:
             torch.manual_seed(n * 131 + k * 7 + m)
             case, w = _case(n, k, m)

@@ -82,7 +82,8 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              finetune: int = 0, finetune_lr: float = 1e-4, finetune_e2e: int = 0, finetune_e2e_lr: float = 3e-4,
              finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_e2e_schedule: str = "constant",
              finetune_pv: int = 0,
-             finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, **quantize_opts) -> int:
+             finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, fuse_gate_up: bool = True,
+             **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -144,6 +145,10 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         the KL falls), then ``finetune_e2e`` more Adam steps on the codebooks and scales. 0: none.
         (Not yet measured on a real model: docs/vq_quality.md.)
     finetune_pv_step, finetune_pv_fraction : the code step's settings (above).
+    fuse_gate_up : after the projections are 2-bit, every SwiGLU MLP whose gate and up projections
+        both became VQLinear runs them as one :func:`tilefuse.vq_swiglu` call
+        (:func:`fuse_vq_mlps`: a :class:`tilefuse.nn.VQSwiGLUMLP` holding the same layers, so the
+        state dict keeps its keys). False keeps the MLP modules as they are.
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -154,6 +159,8 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     >>> patch_vq(model, tokenizer(text, return_tensors="pt").input_ids)     # calibrated, 2 bits/weight
     >>> patch_vq(model, random_codes=True)                                  # speed runs
     """
+    if not isinstance(fuse_gate_up, bool):
+        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
     windows = _calibration_windows(calibration, random_codes)
     layers = _vq_targets(model, targets)
     if progress is None:
@@ -196,7 +203,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         dense_inputs = head_inputs(model, windows)           # before any layer is replaced
         fitted = windows[:len(windows) - finetune_e2e_held_out]  # held-out windows calibrate nothing
         replaced = patch_vq(model, fitted, targets=targets, seed=seed, progress=progress, finetune=finetune,
-                            finetune_lr=finetune_lr, **quantize_opts)
+                            finetune_lr=finetune_lr, fuse_gate_up=False, **quantize_opts)
         tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
                         norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out,
                         schedule=finetune_e2e_schedule)
@@ -206,12 +213,17 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
             tune_end_to_end(model, windows, dense_inputs, steps=finetune_e2e, lr=float(finetune_e2e_lr),
                             norms=bool(finetune_norms), progress=progress, held_out=finetune_e2e_held_out,
                             schedule=finetune_e2e_schedule)
+        if fuse_gate_up:
+            fuse_vq_mlps(model)
         return replaced
     if finetune:
         from tilefuse.hf.vq_sequential import quantize_sequential
 
-        return quantize_sequential(model, layers, windows, steps=finetune, lr=float(finetune_lr), seed=seed,
-                                   progress=progress, quantize_opts=quantize_opts)[0]
+        replaced = quantize_sequential(model, layers, windows, steps=finetune, lr=float(finetune_lr), seed=seed,
+                                       progress=progress, quantize_opts=quantize_opts)[0]
+        if fuse_gate_up:
+            fuse_vq_mlps(model)
+        return replaced
     begin = time.perf_counter()
     if windows:
         if progress:
@@ -244,7 +256,27 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
             print(f"patch_vq [{i}/{len(layers)}] {name} {linear.out_features}x{linear.in_features} "
                   f"({now - start:.2f} s; {now - begin:.1f} s so far, about {left:.0f} s left)",
                   file=sys.stderr, flush=True)
+    if fuse_gate_up:
+        fuse_vq_mlps(model)
     return len(layers)
+
+
+def fuse_vq_mlps(model: nn.Module) -> int:
+    """Swap every SwiGLU MLP of ``model`` whose ``gate_proj`` and ``up_proj`` are
+    :class:`tilefuse.nn.VQLinear` layers of one shape (and whose ``act_fn`` is SiLU) for a
+    :class:`tilefuse.nn.VQSwiGLUMLP` holding the same three layers, in place: the gate/up
+    projections and SiLU·mul then run as one :func:`tilefuse.vq_swiglu` call. The state dict keeps
+    its keys. Other modules are left alone. Returns the number of MLPs swapped (0 is not an error:
+    a model without such MLPs, or one already fused)."""
+    from tilefuse.nn.vq import VQSwiGLUMLP, unfusable_mlp
+
+    targets = [name for name, mod in model.named_modules()
+               if not isinstance(mod, VQSwiGLUMLP) and hasattr(mod, "gate_proj") and unfusable_mlp(mod) is None]
+    for name in targets:
+        fused = VQSwiGLUMLP.from_mlp(model.get_submodule(name))
+        if name:
+            model.set_submodule(name, fused)
+    return len([name for name in targets if name])
 
 
 def _calibration_windows(calibration, random_codes: bool) -> list[torch.Tensor]:
@@ -365,13 +397,16 @@ def save_vq(model: nn.Module, path) -> Path:
     return folder
 
 
-def load_vq(model: nn.Module, path) -> nn.Module:
+def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
     """Load what :func:`save_vq` wrote into ``model``, a freshly built model of the same config
     (``from_config``, or ``from_pretrained`` of the dense checkpoint): the modules named in
     ``tilefuse_vq.json`` become :class:`tilefuse.nn.VQLinear` shells, then the whole state dict
     is loaded (strictly: every key must match). Returns ``model``. A directory that is not what
     ``save_vq`` writes (a missing or malformed ``tilefuse_vq.json``, codes of another dtype or out
-    of [0, 256), weights that do not match the model) raises ValueError naming the file."""
+    of [0, 256), weights that do not match the model) raises ValueError naming the file.
+    ``fuse_gate_up``: as :func:`patch_vq`'s (:func:`fuse_vq_mlps` after the load)."""
+    if not isinstance(fuse_gate_up, bool):
+        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
     folder = Path(path)
     spec_path = folder / VQ_FILE
     if not spec_path.exists():
@@ -407,6 +442,8 @@ def load_vq(model: nn.Module, path) -> nn.Module:
             state[key] = _as_code_dtype(state[key], getattr(torch, modules[name]["codes_dtype"]),
                                         f"path: {weights}: tensor {key!r}")
     load_strict(model, state, weights)
+    if fuse_gate_up:
+        fuse_vq_mlps(model)
     return model
 
 

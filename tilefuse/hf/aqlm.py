@@ -66,7 +66,7 @@ def save_aqlm(model: nn.Module, path) -> Path:
     return folder
 
 
-def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.Module:
+def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu", fuse_gate_up: bool = True) -> nn.Module:
     """Build the model of an AQLM 2x8 checkpoint directory ``path`` (``config.json`` with AQLM's
     ``quantization_config``, safetensors weights in one file or shards with an index) with a
     :class:`tilefuse.nn.VQLinear` for every layer the checkpoint holds ``codes`` for, load its
@@ -74,12 +74,16 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     on ``device``. ``dtype``: the dense weights' and the codebooks' dtype. The model is built on
     the CPU without initialising its weights (the dense shells of the 2-bit layers are never
     written, so they take address space rather than memory), the 2-bit layers replace them, the
-    checkpoint is loaded, then the model moves to ``device``."""
+    checkpoint is loaded, then the model moves to ``device``. ``fuse_gate_up``: SwiGLU MLPs whose
+    gate and up projections are both 2-bit run them as one :func:`tilefuse.vq_swiglu` call
+    (:func:`tilefuse.hf.fuse_vq_mlps`; the state dict keeps its keys)."""
     import transformers
 
     from tilefuse.hf import load_strict
     from tilefuse.nn.vq import VQLinear, _as_code_dtype
 
+    if not isinstance(fuse_gate_up, bool):
+        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.exists():
@@ -126,6 +130,10 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu") -> nn.M
     load_strict(model, state, f"{source} ({type(model).__name__} with its 2-bit layers)", ignore_missing=tied)
     if tied:
         model.tie_weights()
+    if fuse_gate_up:
+        from tilefuse.hf import fuse_vq_mlps
+
+        fuse_vq_mlps(model)
     return model.to(device).eval()
 
 

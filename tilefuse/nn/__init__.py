@@ -5,6 +5,7 @@ from tilefuse._lazy import lazy_attribute
 _PUBLIC = {
     "FusedSwiGLUMLP": "tilefuse.nn.swiglu",
     "VQLinear": "tilefuse.nn.vq",
+    "VQSwiGLUMLP": "tilefuse.nn.vq",
     "MLADecodeAttention": "tilefuse.nn.mla",
 }
 

@@ -1,4 +1,6 @@
-"""``VQLinear``: a 2-bit linear layer in AQLM's 2x8 format, running :func:`tilefuse.vq_matmul`.
+"""``VQLinear``: a 2-bit linear layer in AQLM's 2x8 format, running :func:`tilefuse.vq_matmul`;
+``VQSwiGLUMLP``: a gated MLP of such layers whose gate/up projections and SiLU·mul run as one
+:func:`tilefuse.vq_swiglu` call.
 
 Buffers carry AQLM's names and shapes, so the state dict of an AQLM 2x8 ``QuantizedLinear``
 (``codes`` [N, K/8, 2] int8, ``codebooks`` [2, 256, 1, 8], ``scales`` [N, 1, 1, 1], ``bias`` [N])
@@ -10,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tilefuse.ops.vq.op import bind_decode, vq_matmul
+from tilefuse.ops.vq.op import bind_decode, vq_matmul, vq_swiglu
 
 
 class VQLinear(nn.Module):
@@ -122,6 +124,82 @@ class VQLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, format=AQLM 2x8 (2 bits/weight)")
+
+
+class VQSwiGLUMLP(nn.Module):
+    """``y = down_proj(silu(gate_proj(x)) * up_proj(x))`` with 2-bit gate and up projections run by one
+    :func:`tilefuse.vq_swiglu` call: at decode sizes one kernel reads x once for both weights and
+    writes only ``silu(g) * u`` (where ``vq_matmul`` would run its small-layer kernel; elsewhere the
+    two projections' own kernels, then SiLU·mul in one pass).
+
+    The children keep the names of the MLP it replaces -- ``gate_proj`` and ``up_proj``
+    (:class:`VQLinear`, the same ``in_features`` and ``out_features``), ``down_proj`` (any module:
+    a VQLinear or a dense Linear) -- so the state dict, :func:`tilefuse.hf.save_vq` and
+    :func:`tilefuse.hf.save_aqlm` see the same keys as before the swap.
+
+    Shapes: ``x [..., H]`` -> ``[..., H_out]`` (``down_proj``'s); fp16/bf16 run the kernels on
+    CUDA, fp32 the PyTorch reference. Where a gradient is wanted (grad mode on and x, a codebook,
+    scale or bias requiring one: fine-tuning) the two layers run on their own, as in the MLP
+    replaced, since ``vq_swiglu`` has no backward.
+
+    >>> mlp = VQSwiGLUMLP.from_mlp(model.model.layers[0].mlp)     # gate/up already VQLinear
+    """
+
+    def __init__(self, gate_proj: VQLinear, up_proj: VQLinear, down_proj: nn.Module):
+        super().__init__()
+        reason = _unfusable(gate_proj, up_proj)
+        if reason:
+            raise ValueError(reason)
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    @classmethod
+    def from_mlp(cls, mlp: nn.Module) -> "VQSwiGLUMLP":
+        """The fused form of an MLP with ``gate_proj``, ``up_proj`` (VQLinear), ``down_proj`` and a
+        SiLU ``act_fn`` (Llama, Mistral, Qwen2/3 and their MoE models' shared and per-expert MLPs);
+        shares its layers. ValueError naming what does not fit otherwise (:func:`unfusable_mlp`)."""
+        reason = unfusable_mlp(mlp)
+        if reason:
+            raise ValueError(f"mlp: {reason}")
+        return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj, self.up_proj
+        if torch.is_grad_enabled() and _needs_grad(x, gate, up):
+            # training or tuning (vq_swiglu has no backward): the layers' own ops, which have one
+            return self.down_proj(nn.functional.silu(gate(x)) * up(x))
+        h = vq_swiglu(x, gate.codes, gate.codebooks, gate.scales, up.codes, up.codebooks, up.scales, gate.bias, up.bias)
+        return self.down_proj(h)
+
+    def extra_repr(self) -> str:
+        return "gate_proj and up_proj with silu(gate) * up in one tilefuse.vq_swiglu call"
+
+
+def _needs_grad(x: torch.Tensor, *layers: VQLinear) -> bool:
+    return x.requires_grad or any(t is not None and t.requires_grad for layer in layers
+                                  for t in (layer.codebooks, layer.scales, layer.bias))
+
+
+def unfusable_mlp(mlp: nn.Module) -> str | None:
+    """Why ``mlp`` cannot become a :class:`VQSwiGLUMLP` (None when it can): it needs ``gate_proj``
+    and ``up_proj`` VQLinear layers of one shape, a ``down_proj`` and a SiLU ``act_fn``."""
+    from tilefuse.nn.swiglu import is_silu
+
+    missing = [name for name in ("gate_proj", "up_proj", "down_proj", "act_fn") if not hasattr(mlp, name)]
+    if missing:
+        return f"expected gate_proj, up_proj, down_proj and act_fn, {type(mlp).__name__} has no {missing}"
+    if not is_silu(mlp.act_fn):
+        return f"expected a SiLU act_fn (SwiGLU), got {type(mlp.act_fn).__name__}"
+    return _unfusable(mlp.gate_proj, mlp.up_proj)
+
+
+def _unfusable(gate_proj, up_proj) -> str | None:
+    for name, layer in (("gate_proj", gate_proj), ("up_proj", up_proj)):
+        if not isinstance(layer, VQLinear):
+            return f"expected {name} to be a VQLinear (tilefuse.hf.patch_vq), got {type(layer).__name__}"
+    if (gate_proj.in_features, gate_proj.out_features) != (up_proj.in_features, up_proj.out_features):
+        return (f"expected gate_proj and up_proj of one shape, got {gate_proj.out_features}x{gate_proj.in_features} "
+                f"and {up_proj.out_features}x{up_proj.in_features}")
+    return None
 
 
 def _as_code_dtype(codes: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:

@@ -244,3 +244,17 @@ def vq_swiglu_tl_kernel(
     h = g / (1.0 + tl.exp(-g)) * u
     ok = (rows[:, None] < N) & (toks[None, :] < M)
     tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def vq_swiglu_epilogue_kernel(g_ptr, u_ptr, out_ptr, NUMEL, BLOCK: tl.constexpr):
+    """The unfused path's epilogue (more tokens than the fused kernel's tiles, or a layer where two
+    ``vq_matmul`` calls are faster): ``out = silu(g) * u`` over two projections' outputs ``g``,
+    ``u`` (``[M, N]`` contiguous, x's dtype), flat, ``BLOCK`` elements per program. One launch where
+    PyTorch's ``silu(g) * u`` takes two, and the product in fp32 with one rounding."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < NUMEL
+    # both projections' outputs (HBM -> registers), SiLU times up in fp32 (registers -> HBM)
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)

@@ -897,6 +897,14 @@ def _swiglu_kernel():
     return _kernel("kernels_swiglu", "vq_swiglu_kernel")
 
 
+def _swiglu_epilogue_kernel():
+    """The unfused path's ``silu(g) * u`` pass (``kernels_swiglu.vq_swiglu_epilogue_kernel``)."""
+    return _kernel("kernels_swiglu", "vq_swiglu_epilogue_kernel")
+
+
+SWIGLU_EPILOGUE_BLOCK = 1024    # elements per program of the unfused path's epilogue
+
+
 class _SwiGLUCall:
     """A ``vq_swiglu`` call's plan per argument layout: the reference or not, the output shape, the
     token count, whether the fused kernel runs (``fused``: its launch's grid, scalars, constexprs)."""
@@ -1028,9 +1036,15 @@ def _run_swiglu(call: _SwiGLUCall, x, gate_codes, gate_codebooks, gate_scales, u
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
     if not call.fused:      # more tokens than the fused kernel's tile: each projection by vq_matmul's dispatch
-        gate = vq_matmul(x2d, gate_codes, gate_codebooks, gate_scales, gate_bias).float()
-        up = vq_matmul(x2d, up_codes, up_codebooks, up_scales, up_bias).float()
-        return (gate * torch.sigmoid(gate) * up).to(x.dtype).reshape(call.out_shape)
+        gate = vq_matmul(x2d, gate_codes, gate_codebooks, gate_scales, gate_bias)
+        up = vq_matmul(x2d, up_codes, up_codebooks, up_scales, up_bias)
+        out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
+        numel = gate.numel()
+        grid = (-(-numel // SWIGLU_EPILOGUE_BLOCK), 1, 1)
+        _swiglu_epilogue_kernel().launch((numel % 16 == 0, gate.data_ptr() % 16, up.data_ptr() % 16,
+                                          out.data_ptr() % 16, x.dtype), grid, x.device.index, (gate, up, out),
+                                         (numel,), dict(BLOCK=SWIGLU_EPILOGUE_BLOCK, num_warps=4))
+        return out
     out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
     _launch_swiglu(call, x2d, gate_codes, gate_codebooks, gate_scales.view(n), up_codes, up_codebooks,
                    up_scales.view(n), gate_bias, up_bias, out.view(call.m, n))
@@ -1074,7 +1088,8 @@ def vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.T
     rows of both weights and all of K, split over its warps and summed in shared memory in a fixed
     order; no workspace, no atomics): each weight ``C0[a] + C1[b]`` rounded once to x's dtype, fp32
     sums, the row scales and biases, then SiLU times up in fp32 and one rounding. More tokens: each
-    projection by :func:`vq_matmul` (rounded to x's dtype), then SiLU times up in fp32. No tokens:
+    projection by :func:`vq_matmul` (rounded to x's dtype), then SiLU times up in fp32 in one pass
+    (``kernels_swiglu.vq_swiglu_epilogue_kernel``: one launch where ``silu(g) * up`` takes two). No tokens:
     an empty ``[..., N]``, no launch. No gradient (call it under ``torch.no_grad()``).
     """
     weights = [gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias]

@@ -220,8 +220,10 @@ def test_summary_goals():
 def test_only_selects_cases_like_the_kernel_benches(tmp_path):
     models = ["llama3-8b", "smollm2-135m"]
     assert bench_model.select(models, None) == {m: list(bench_model.VARIANTS) for m in models}
-    assert bench_model.select(models, "vq2") == {m: ["stock", "vq2"] for m in models}
-    assert bench_model.select(models, "smollm2") == {"smollm2-135m": list(bench_model.VARIANTS)}
+    # an --only run also offers the opt-in variants: vq2's unfused twin (its same-run baseline)
+    assert bench_model.select(models, "vq2") == {m: ["stock", "vq2", "vq2_unfused"] for m in models}
+    assert bench_model.select(models, '"vq2"') == {m: ["stock", "vq2"] for m in models}
+    assert bench_model.select(models, "smollm2") == {"smollm2-135m": [*bench_model.VARIANTS, "vq2_unfused"]}
     assert bench_model.select(models, '"llama3-8b", "variant": "swiglu"') == {"llama3-8b": ["stock", "swiglu"]}
     own = bench_model.with_peers({"deepseek-v3": ("stock", "swiglu", "mla", "mla_swiglu")}, {"mla:flashmla@main": 0})
     assert bench_model.select(["deepseek-v3"], "mla:", own) == {"deepseek-v3": ["stock", "mla", "mla:flashmla@main"]}

@@ -113,18 +113,19 @@ def test_int8_codes_match_uint8(interpret, m):
     _check(y_u8, case, vq_op.choose_variant(m))
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 17])
+@pytest.mark.parametrize("m", [1, 2, 3, 17, 200])
 def test_public_op_batch_dims_and_dispatch(interpret, m):
     """x: [..., K] with leading dims; the path is the cost model's for (M, N, K) (a layer this
-    small: the small-layer kernel up to 16 tokens, dequant + GEMM above; N and K not multiples of
-    128: dequant + GEMM), checked with its tolerance."""
+    small: the small-layer kernel up to its token limit, dequant + GEMM above; N and K not multiples
+    of 128: dequant + GEMM), checked with its tolerance."""
     assert vq_op.configs.decide(m, 24, 64, False).variant == "dequant"
     case = make_case(m, 128, 128, torch.float16, interpret, bias=True)
     x3 = case.x.reshape(1, m, 128)
     y = tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias)
     assert y.shape == (1, m, 128)
     variant = vq_op.choose_variant(m, 128, case.x.device, 128)
-    assert variant == vq_op.configs.decide(m, 128, 128, False).variant == ("small" if m <= 16 else "dequant")
+    small = m <= vq_op.configs.SMALL_MAX_TOKENS
+    assert variant == vq_op.configs.decide(m, 128, 128, False).variant == ("small" if small else "dequant")
     _check(y.reshape(m, 128), case, variant)
     with tilefuse.force(variant="mma"):
         _check(tilefuse.vq_matmul(x3, case.codes, case.codebooks, case.scales, case.bias).reshape(m, 128), case, "mma")

@@ -116,12 +116,13 @@ def test_small_dequant_asm_moves_codebook_one():
         assert f"[b+{4096 * copies}]" in asm and "[b+32768]" not in asm
 
 
-def test_cost_model_offers_small_only_up_to_16_tokens():
+def test_cost_model_offers_small_only_up_to_its_token_limit():
     from tilefuse import _dispatch
 
     chip = _dispatch.CHIPS["H200"]
-    assert configs.predict_us("small", 17, 2048, 768, chip) is None
-    for m in (1, 4, 16):
+    assert configs.predict_us("small", configs.SMALL_MAX_TOKENS + 1, 2048, 768, chip) is None
+    assert configs.predict_us("small", 16, 2048, 776, chip) is None          # K not a multiple of 128
+    for m in (1, 4, 16, 32):
         assert configs.predict_us("small", m, 2048, 768, chip) > 0
         choice = configs.decide(m, 2048, 768, True, chip, 132)
         assert "small" in [c.variant for c in choice.candidates]
@@ -249,29 +250,37 @@ def test_gpu_small_matches_dense_weight():
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-def test_dispatch_picks_the_fastest_measured_kernel_of_the_small_layer_sweep():
-    """On every layer and token count of the committed H200 sweep (``tools/vq_small_sweep.py``) the
-    cost model's pick is the kernel that measured fastest there (to timing noise), never slower
-    than what the dispatch picked before the small-layer kernel."""
+@pytest.mark.parametrize("sweep,chip,points", [("vq-small-h200.json", "H200", 50),
+                                               ("vq-small-h100-80gb-hbm3.json", "H100", 35)])
+def test_dispatch_picks_the_fastest_measured_kernel_of_the_small_layer_sweep(sweep, chip, points):
+    """On every layer and token count of the committed sweeps (``tools/vq_small_sweep.py``; the
+    H200 one timed the small-layer kernel up to 16 tokens, the H100 one up to 128) the cost
+    model's pick is the kernel that measured fastest there (to timing noise) up to 32 tokens, and
+    above never slower than dequantize + cuBLAS (the baseline: the model's margin keeps it where a
+    kernel is not clearly faster); never slower than what the dispatch picked when the sweep ran."""
     import json
     from collections import defaultdict
     from pathlib import Path
 
     from tilefuse import _dispatch
 
-    path = Path(__file__).resolve().parents[1] / "bench/results/sweeps/vq-small-h200.json"
+    path = Path(__file__).resolve().parents[1] / "bench/results/sweeps" / sweep
     rows = json.loads(path.read_text())["results"]
-    times = defaultdict(dict)
+    times, picked = defaultdict(dict), {}
     for row in rows:
         if row["us"] and row["tokens"]:
             times[(row["N"], row["K"], row["tokens"])][row["impl"]] = row["us"]
+            if row["impl"] == "default":
+                picked[(row["N"], row["K"], row["tokens"])] = row["variant"]
     checked = 0
     for (n, k, m), t in times.items():
-        if m > configs.SMALL_MAX_TOKENS:
-            continue
-        pick = configs.decide(m, n, k, True, _dispatch.CHIPS["H200"], 132).variant
+        pick = configs.decide(m, n, k, True, _dispatch.CHIPS[chip], 132).variant
         kernels = {v: t[v] for v in ("decode", "mma", "small", "prefill", "dequant") if v in t}
-        assert kernels[pick] <= 1.02 * min(kernels.values()), (n, k, m, pick, kernels)     # 2 %: timing noise
-        assert kernels[pick] <= t["default"] * 1.05, (n, k, m, pick, t["default"])
+        if pick not in kernels:         # the H200 sweep did not time the small kernel above 16 tokens
+            continue
+        best = min(kernels.values()) if m <= 32 else kernels["dequant"]
+        assert kernels[pick] <= 1.02 * best, (n, k, m, pick, kernels)     # 2 %: timing noise
+        then = picked[(n, k, m)]        # the kernel the dispatch ran then, as timed forced
+        assert kernels[pick] <= 1.02 * kernels[then], (n, k, m, pick, then, kernels)
         checked += 1
-    assert checked == 40
+    assert checked == points

@@ -342,7 +342,8 @@ def test_gpu_swiglu_fp32_codebooks_overflow_and_unfused(dtype):
     case = _Case(5, 768, 2048, torch.float16, "cuda", up_bias=True)
     case.x, case.gate = big.x, (big.codes, big.codebooks, big.scales)
     _check(_run(case, impl="gluon"), case)
-    case = _Case(33, 768, 2048, dtype, "cuda", gate_bias=True, up_bias=True)      # above 16 tokens: unfused
+    case = _Case(300, 768, 2048, dtype, "cuda", gate_bias=True, up_bias=True)     # past the small kernel: unfused
+    assert not vq_op._plan_swiglu(*case.args()).fused
     _check(tilefuse.vq_swiglu(*case.args()), case, rounded=True)
 
 

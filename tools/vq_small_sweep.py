@@ -38,7 +38,7 @@ import sweep_common  # noqa: E402
 LAYERS = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (4096, 4096), (14336, 4096)]
 HELD_OUT = [(1408, 2048), (2048, 1408)]          # no setting or fit of the dispatch saw these
 SMALL = [(2048, 768), (768, 2048), (1024, 4096), (512, 2048), (1408, 2048), (2048, 1408)]
-TOKENS = (1, 2, 4, 8, 16, 32, 128)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)
 # the first run (vq-small-h200.json) timed 2-8 slices x 1-8 copies, a 64-input step and 32-row
 # programs: 8 slices won, copies within noise of each other; these are the next candidates (16
 # slices; 8-token tiles at 9-16 tokens, which halve the x^T a program reads and double the programs)
@@ -48,7 +48,7 @@ SETTING_TOKENS = (1, 16)
 # gate/up weights N x K (intermediate x hidden): Qwen3-30B-A3B and DeepSeek-V2-Lite experts, a
 # small dense MLP, Llama-3-8B; held out: OLMoE's experts (1024 x 2048)
 SWIGLU_LAYERS = [(768, 2048), (1408, 2048), (2048, 768), (14336, 4096), (1024, 2048)]
-SWIGLU_TOKENS = (1, 2, 4, 8, 16, 32)
+SWIGLU_TOKENS = (1, 4, 16, 32, 64, 128)
 
 
 def _case(n, k, m):

@@ -17,8 +17,10 @@ Models (:mod:`tilefuse.bench.hf_models`; random weights unless said otherwise, b
 * ``tiny-llama``, ``tiny-deepseek`` -- the CPU pipeline check: 2 blocks, hidden 64.
 
 Variants: ``stock``; ``swiglu`` (:func:`tilefuse.hf.patch_swiglu`); ``vq2`` (:func:`tilefuse.hf.patch_vq`:
-every q/k/v/o/gate/up/down projection in 2-bit AQLM 2x8; SmolLM2 and the tiny model are
-calibrated on text when there is some, the large random shapes get random codes); on the
+every q/k/v/o/gate/up/down projection in 2-bit AQLM 2x8, each MLP's gate/up in one
+``vq_swiglu`` call; SmolLM2 and the tiny model are calibrated on text when there is some, the
+large random shapes get random codes); ``vq2_unfused`` (the same with ``fuse_gate_up=False``: the
+fused gate/up's same-run baseline; run only when ``--only`` selects it); on the
 DeepSeek shapes ``mla`` (:func:`tilefuse.hf.patch_mla`: the absorbed attention over a
 ``PagedMLACache``, which eager ``generate`` gets as its cache) and ``mla_swiglu`` (both patches)
 instead of ``vq2``; and, where a FlashMLA build is importable (``TILEFUSE_FLASHMLA``, or an installed
@@ -61,6 +63,7 @@ from tilefuse.bench.hf_decode import (Clock, GraphDecoder, agreement, alternatin
 from tilefuse.bench.hf_models import MLA_VARIANTS, OWN_VARIANTS, Subject, load_texts, log, subjects  # noqa: F401
 
 VARIANTS = ("stock", "swiglu", "vq2")
+OPT_IN_VARIANTS = ("vq2_unfused",)     # candidates only for an --only run (which they must match)
 PEER_PREFIX = "mla:"      # mla:<build>: patch_mla with that FlashMLA build as the decode attention
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
 # lighter pass (about 20x less work) for --quick and the CPU pipeline check
@@ -138,11 +141,14 @@ def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, q
         info = {"attention_replaced": patch_mla(model)}
         if variant == "mla_swiglu":
             info["mlp_replaced"] = patch_swiglu(model)
+    elif variant not in ("vq2", "vq2_unfused"):
+        raise ValueError(f"variant: expected one of {VARIANTS + OPT_IN_VARIANTS} or mla variants, got {variant!r}")
     elif calibration:
-        info = {"replaced": patch_vq(model, calibration, progress=True, **quantize), "codes": "calibrated",
-                "calibration_tokens": sum(w.numel() for w in calibration), "quantize": quantize}
+        info = {"replaced": patch_vq(model, calibration, progress=True, fuse_gate_up=variant == "vq2", **quantize),
+                "codes": "calibrated", "calibration_tokens": sum(w.numel() for w in calibration), "quantize": quantize}
     else:
-        info = {"replaced": patch_vq(model, random_codes=True), "codes": "random (speed only)"}
+        info = {"replaced": patch_vq(model, random_codes=True, fuse_gate_up=variant == "vq2"),
+                "codes": "random (speed only)"}
     return {**info, "patch_s": round(time.perf_counter() - start, 2)}
 
 
@@ -322,7 +328,7 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         model = subject.make()
         peer = variant.startswith(PEER_PREFIX)
         try:
-            calib = calibration if variant == "vq2" else None
+            calib = calibration if variant in ("vq2", "vq2_unfused") else None
             info["variants"][variant] = apply_variant(model, variant, calib, plan.quantize, attentions)
         except Exception as exc:
             info["variants"][variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -614,7 +620,8 @@ def select(models: list[str], only: str | None, variants: dict[str, tuple[str, .
     stock, mla and every FlashMLA build on the DeepSeek shapes)."""
     selected: dict[str, list[str]] = {}
     for name in models:
-        for variant in (variants or {}).get(name) or VARIANTS:
+        own = (variants or {}).get(name) or VARIANTS
+        for variant in own + (OPT_IN_VARIANTS if only and own is VARIANTS else ()):
             if not only or only in json.dumps({"model": name, "variant": variant}):
                 selected.setdefault(name, ["stock"])
                 if variant.startswith(PEER_PREFIX) and "mla" not in selected[name]:

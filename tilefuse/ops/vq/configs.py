@@ -64,7 +64,7 @@ WGMMA_PREFILL_SMEM = 196608      # bytes of shared memory the codebook copies an
 # (1-8), the most K slices (warps) per program, row tiles per program, and the fixed cost of a
 # program in K steps' worth, which the slice choice weighs (``small_config``).
 SMALL = _with_overrides("small", dict(krep=4, copies=8, max_slices=8, row_tiles=1, fixed_steps=2))
-SMALL_MAX_TOKENS = 16            # the cost model offers the small-layer kernel up to here (forced: token tiles)
+SMALL_MAX_TOKENS = 128           # the cost model offers the small-layer kernel up to here (forced: any M)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -260,11 +260,15 @@ COST = {
     "mma": dict(fixed=10.19, codes=0.0, mma=0.01477, tokens=0.00601),
     "prefill": dict(fixed=11.6, busiest=0.326, stream=4.16),
     "dequant": dict(fixed=1.63, dense=1.66, gemm=0.805),
-    # M <= 16, the small-layer kernel (``small_config``'s tiles): ``steps`` = waves of programs x K
-    # steps per warp, ``x`` = waves x M x K / 10^6 (the x^T a program reads: every program reads all
-    # of K); fitted on tools/vq_small_sweep.py's H200 run (bench/results/sweeps/vq-small-h200.json:
-    # 6 layers from 512 x 2048 to 14336 x 4096 at 1-16 tokens, the two held-out shapes excluded):
-    # predictions 0.90-1.09x of the measured points, 0.91-1.02x of the held-out ones
+    # M <= 128, the small-layer kernel (``small_config``'s tiles): ``steps`` = waves of programs x K
+    # steps per warp, ``x`` = waves x (tokens of a program's tile) x K / 10^6 (the x^T a program
+    # reads: every program reads all of K for its tokens); fitted on tools/vq_small_sweep.py's H200
+    # run (bench/results/sweeps/vq-small-h200.json: 6 layers from 512 x 2048 to 14336 x 4096 at
+    # 1-16 tokens, the two held-out shapes excluded): predictions 0.90-1.09x of the measured points,
+    # 0.91-1.02x of the held-out ones. Checked beyond the fit on an H100
+    # (vq-small-h100-80gb-hbm3.json, 5 small layers): 0.98-1.06x at 1-16 tokens, 0.94-1.10x at 32,
+    # 0.74-1.09x at 128 (one token tile's x^T per program; the first form, x^T of all M tokens per
+    # program, predicted 1.2-3.7x the measured time above 16 tokens)
     "small": dict(fixed=6.79, steps=0.662, x=38.1),
 }
 # A kernel runs in place of the dequant + cuBLAS baseline only if predicted faster by this much:
@@ -282,7 +286,7 @@ SMALL_BIAS = 0.10
 def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None = None) -> float | None:
     """Predicted graph-replay time (us) of ``variant`` on ``x [m, k] @ W[n, k]^T``, fp16/bf16, on
     ``chip`` (``_dispatch.Chip``); None where the variant does not take ``m`` tokens (decode
-    above 2 or with an odd number of 8-wide groups, mma above 16, small above 16 or with N or K not a
+    above 2 or with an odd number of 8-wide groups, mma above 16, small above 128 or with N or K not a
     multiple of 128, the WGMMA prefill above
     ``PREFILL_MAX_TOKENS`` or K not a multiple of 64)."""
     from tilefuse import _dispatch
@@ -310,7 +314,7 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
         cfg = small_config(m, n, k, True, sms)
         waves = _cdiv(cfg["grid"][0] * cfg["grid"][1], sms)
         steps = cfg["groups_per_slice"] // (4 * cfg["krep"])          # K steps per warp
-        return c["fixed"] + c["steps"] * waves * steps + c["x"] * waves * m * k / 1e6
+        return c["fixed"] + c["steps"] * waves * steps + c["x"] * waves * min(m, cfg["tokens"]) * k / 1e6
     if variant == "prefill":
         if m > PREFILL_MAX_TOKENS or k % 64:
             return None

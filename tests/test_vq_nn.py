@@ -322,26 +322,35 @@ class _GatedMLP(nn.Module):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_vq_swiglu_mlp_is_the_mlp_with_one_gate_up_call(interpret, bias, monkeypatch):
-    """VQSwiGLUMLP shares the MLP's layers, keeps its state-dict keys, runs gate/up through one
-    vq_swiglu call (never the layers' own forward) and gives the MLP's output: fp64 spec of both
-    (``silu(g) u`` rounded once vs the MLP's g, u, silu(g) and the product each rounded to fp16,
-    then the same dense down_proj): within 4 fp16 ulps of the hidden values times |W_down|."""
+@pytest.mark.parametrize("inter", [128, 48])
+def test_vq_swiglu_mlp_is_the_mlp_with_one_gate_up_call(interpret, bias, inter, monkeypatch):
+    """VQSwiGLUMLP shares the MLP's layers and keeps its state-dict keys. Where vq_swiglu fuses
+    (N and K multiples of 128: the small-layer kernel's sizes) gate/up run as that one call, never
+    the layers' own forward; elsewhere through the layers (their bound launches) and the same
+    one-pass epilogue, bit for bit what vq_swiglu returns. Either way the MLP's output to the fp64
+    spec's rounding: ``silu(g) u`` rounded once vs the MLP's g, u, silu(g) and product each rounded
+    to fp16, then the same dense down_proj: within 4 fp16 ulps of the hidden values times |W_down|."""
     from tilefuse.nn import VQSwiGLUMLP
+    from tilefuse.ops.vq import op as vq_op
 
     torch.manual_seed(0)
-    mlp = _GatedMLP(bias=bias).to(interpret)
+    mlp = _GatedMLP(hidden=128, inter=inter, bias=bias).to(interpret)
     fused = VQSwiGLUMLP.from_mlp(mlp)
     assert fused.gate_proj is mlp.gate_proj and fused.down_proj is mlp.down_proj
     assert list(fused.state_dict()) == list(mlp.state_dict())
+    x = torch.randn(2, 3, 128).half().to(interpret)
+    g, u = mlp.gate_proj, mlp.up_proj
+    weights = (g.codes, g.codebooks, g.scales, u.codes, u.codebooks, u.scales, g.bias, u.bias)
+    assert vq_op.swiglu_fuses(x, *weights) is (inter == 128)
     calls = []
-    monkeypatch.setattr(VQLinear, "forward", lambda self, x: calls.append(self) or pytest.fail("a layer's forward"))
-    x = torch.randn(2, 3, 64).half().to(interpret)
+    layer_forward = VQLinear.forward
+    monkeypatch.setattr(VQLinear, "forward", lambda self, x: calls.append(self) or layer_forward(self, x))
     got = fused(x)
-    assert not calls and got.shape == (2, 3, 64) and got.dtype == torch.float16
+    assert calls == ([] if inter == 128 else [g, u]) and got.shape == (2, 3, 128) and got.dtype == torch.float16
+    assert torch.equal(got, mlp.down_proj(tilefuse.vq_swiglu(x, *weights)))
     monkeypatch.undo()
     want = mlp(x)
-    h = nn.functional.silu(mlp.gate_proj(x).float()) * mlp.up_proj(x).float()
+    h = nn.functional.silu(g(x).float()) * u(x).float()
     bound = 4 * 2 ** -10 * (h.abs() @ mlp.down_proj.weight.float().abs().T) + 1e-3
     assert ((got.float() - want.float()).abs() <= bound).all()
 

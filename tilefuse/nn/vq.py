@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tilefuse.ops.vq.op import bind_decode, vq_matmul, vq_swiglu
+from tilefuse._backend import forced_state
+from tilefuse.ops.vq.op import bind_decode, silu_mul_outputs, swiglu_fuses, vq_matmul, vq_swiglu
 
 
 class VQLinear(nn.Module):
@@ -151,6 +152,7 @@ class VQSwiGLUMLP(nn.Module):
         if reason:
             raise ValueError(reason)
         self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self._fuses = {}        # x's layout and the force() state -> swiglu_fuses (eager calls)
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module) -> "VQSwiGLUMLP":
@@ -167,6 +169,20 @@ class VQSwiGLUMLP(nn.Module):
         if torch.is_grad_enabled() and _needs_grad(x, gate, up):
             # training or tuning (vq_swiglu has no backward): the layers' own ops, which have one
             return self.down_proj(nn.functional.silu(gate(x)) * up(x))
+        if not torch.compiler.is_compiling():
+            # eager: where vq_swiglu would run the two projections unfused, run them through the
+            # layers (their bound decode launches, a fraction of the op's host time) and the same
+            # one-pass epilogue; the result is vq_swiglu's
+            key = (x.shape, x.stride(), x.dtype, x.device, gate.codes.device, gate.codebooks.dtype,
+                   up.codebooks.dtype, forced_state())
+            fuses = self._fuses.get(key, "?")
+            if fuses == "?":
+                if len(self._fuses) >= 256:      # prefill lengths: bounded
+                    self._fuses.clear()
+                fuses = self._fuses[key] = swiglu_fuses(x, gate.codes, gate.codebooks, gate.scales, up.codes,
+                                                        up.codebooks, up.scales, gate.bias, up.bias)
+            if fuses is False:
+                return self.down_proj(silu_mul_outputs(gate(x), up(x)))
         h = vq_swiglu(x, gate.codes, gate.codebooks, gate.scales, up.codes, up.codebooks, up.scales, gate.bias, up.bias)
         return self.down_proj(h)
 

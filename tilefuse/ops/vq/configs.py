@@ -262,14 +262,14 @@ COST = {
     "dequant": dict(fixed=1.63, dense=1.66, gemm=0.805),
     # M <= 128, the small-layer kernel (``small_config``'s tiles): ``steps`` = waves of programs x K
     # steps per warp, ``x`` = waves x (tokens of a program's tile) x K / 10^6 (the x^T a program
-    # reads: every program reads all of K for its tokens); fitted on tools/vq_small_sweep.py's H200
-    # run (bench/results/sweeps/vq-small-h200.json: 6 layers from 512 x 2048 to 14336 x 4096 at
-    # 1-16 tokens, the two held-out shapes excluded): predictions 0.90-1.09x of the measured points,
-    # 0.91-1.02x of the held-out ones. Checked beyond the fit on an H100
-    # (vq-small-h100-80gb-hbm3.json, 5 small layers): 0.98-1.06x at 1-16 tokens, 0.94-1.10x at 32,
-    # 0.74-1.09x at 128 (one token tile's x^T per program; the first form, x^T of all M tokens per
-    # program, predicted 1.2-3.7x the measured time above 16 tokens)
-    "small": dict(fixed=6.79, steps=0.662, x=38.1),
+    # reads: every program reads all of K for its tokens), ``waves`` = waves of programs (each
+    # stages its codebook copies in shared memory first). Fitted (least squares on relative error)
+    # on tools/vq_small_sweep.py's runs: H200 (bench/results/sweeps/vq-small-h200.json, 8 layers
+    # from 512 x 2048 to 14336 x 4096 at 1-16 tokens) and H100 (vq-small-h100-80gb-hbm3.json, the
+    # same layers at 1-128 tokens): predictions 0.87-1.09x of the measured times (14336 x 4096 at
+    # 16 tokens the low end, where the MMA decode is far faster anyway). The form before, without
+    # the waves term and fitted at 1-16 tokens, predicted 0.73x at 64-128 tokens on 2048 x 768.
+    "small": dict(fixed=6.39, steps=0.502, x=32.9, waves=0.843),
 }
 # A kernel runs in place of the dequant + cuBLAS baseline only if predicted faster by this much:
 # the model's spread above; with it, no measured point of the sweep is more than 1.35x the
@@ -314,7 +314,8 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
         cfg = small_config(m, n, k, True, sms)
         waves = _cdiv(cfg["grid"][0] * cfg["grid"][1], sms)
         steps = cfg["groups_per_slice"] // (4 * cfg["krep"])          # K steps per warp
-        return c["fixed"] + c["steps"] * waves * steps + c["x"] * waves * min(m, cfg["tokens"]) * k / 1e6
+        return (c["fixed"] + c["steps"] * waves * steps + c["x"] * waves * min(m, cfg["tokens"]) * k / 1e6
+                + c["waves"] * waves)
     if variant == "prefill":
         if m > PREFILL_MAX_TOKENS or k % 64:
             return None

@@ -905,6 +905,32 @@ def _swiglu_epilogue_kernel():
 SWIGLU_EPILOGUE_BLOCK = 1024    # elements per program of the unfused path's epilogue
 
 
+def silu_mul_outputs(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of two projections' outputs (the same shape and 16-bit dtype, contiguous,
+    on CUDA or under the interpreter), in fp32 with one rounding, one launch
+    (``kernels_swiglu.vq_swiglu_epilogue_kernel``): the unfused path's epilogue. Returns a new
+    tensor of gate's shape and dtype."""
+    out = torch.empty_like(gate)
+    numel = gate.numel()
+    if numel:
+        grid = (-(-numel // SWIGLU_EPILOGUE_BLOCK), 1, 1)
+        _swiglu_epilogue_kernel().launch((numel % 16 == 0, gate.data_ptr() % 16, up.data_ptr() % 16,
+                                          out.data_ptr() % 16, gate.dtype), grid, gate.device.index,
+                                         (gate, up, out), (numel,), dict(BLOCK=SWIGLU_EPILOGUE_BLOCK, num_warps=4))
+    return out
+
+
+def swiglu_fuses(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor, gate_scales: torch.Tensor,
+                 up_codes: torch.Tensor, up_codebooks: torch.Tensor, up_scales: torch.Tensor,
+                 gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> bool | None:
+    """What :func:`vq_swiglu` runs on these arguments: True for the fused kernel, False for two
+    ``vq_matmul`` calls and :func:`silu_mul_outputs`, None for anything else (the reference, no
+    tokens). Validates as ``vq_swiglu`` does (its plan, cached per argument layout)."""
+    call = _plan_swiglu(x, gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias,
+                        up_bias)
+    return None if call.reference or call.m == 0 else call.fused
+
+
 class _SwiGLUCall:
     """A ``vq_swiglu`` call's plan per argument layout: the reference or not, the output shape, the
     token count, whether the fused kernel runs (``fused``: its launch's grid, scalars, constexprs)."""
@@ -1035,16 +1061,10 @@ def _run_swiglu(call: _SwiGLUCall, x, gate_codes, gate_codebooks, gate_scales, u
     x2d = x.reshape(call.m, k)
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    if not call.fused:      # more tokens than the fused kernel's tile: each projection by vq_matmul's dispatch
+    if not call.fused:      # where vq_matmul would not run the small kernel: each projection by its dispatch
         gate = vq_matmul(x2d, gate_codes, gate_codebooks, gate_scales, gate_bias)
         up = vq_matmul(x2d, up_codes, up_codebooks, up_scales, up_bias)
-        out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
-        numel = gate.numel()
-        grid = (-(-numel // SWIGLU_EPILOGUE_BLOCK), 1, 1)
-        _swiglu_epilogue_kernel().launch((numel % 16 == 0, gate.data_ptr() % 16, up.data_ptr() % 16,
-                                          out.data_ptr() % 16, x.dtype), grid, x.device.index, (gate, up, out),
-                                         (numel,), dict(BLOCK=SWIGLU_EPILOGUE_BLOCK, num_warps=4))
-        return out
+        return silu_mul_outputs(gate, up).reshape(call.out_shape)
     out = torch.empty(call.out_shape, dtype=x.dtype, device=x.device)
     _launch_swiglu(call, x2d, gate_codes, gate_codebooks, gate_scales.view(n), up_codes, up_codebooks,
                    up_scales.view(n), gate_bias, up_bias, out.view(call.m, n))

@@ -309,7 +309,7 @@ GPU_LAYERS = [(768, 2048), (2048, 768), (1024, 2048), (1536, 2048), (14336, 4096
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", GPU_LAYERS)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 16, 33, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_swiglu_layers(n, k, m, dtype):
     case = _Case(m, n, k, dtype, "cuda", gate_bias=m % 2 == 0, up_bias=m % 2 == 0)

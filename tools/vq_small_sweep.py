@@ -15,7 +15,8 @@ median of ``triton.testing.do_bench`` over replays, ``tilefuse.bench.harness.Tim
 with ``--swiglu`` (instead of the above, into ``vq-swiglu-<gpu>.json``) the 2-bit gate/up projection with its SwiGLU epilogue (``vq_swiglu``, the weight
 shape ``N x K`` is each of gate and up) against ``silu(g) * u`` from two fp16 cuBLAS calls, one fp16
 cuBLAS call on the concatenated ``[2N, K]`` weight (what a merged gate/up checkpoint runs), two
-``vq_matmul`` calls as dispatched and two forced ``small`` calls (rows ``swiglu:<path>``), and with
+``vq_matmul`` calls as dispatched, two forced ``small`` calls and the fused kernel forced (rows
+``swiglu:<path>``), and with
 ``--settings`` the small-layer kernel at every setting of :data:`SETTINGS` (K slices,
 codebook copies, K step, row tiles) on the small layers at 1 and 16 tokens. Each output is checked
 against fp32 ``F.linear`` on the dequantized weight before it is timed (a wrong one gets no time).
@@ -46,8 +47,9 @@ SETTINGS = [dict(slices=8, copies=8, krep=4), dict(slices=16, copies=8, krep=4),
             dict(slices=16, copies=8, krep=4, tokens=8), dict(slices=8, copies=2, krep=4), dict(slices=16, copies=2, krep=4)]
 SETTING_TOKENS = (1, 16)
 # gate/up weights N x K (intermediate x hidden): Qwen3-30B-A3B and DeepSeek-V2-Lite experts, a
-# small dense MLP, Llama-3-8B; held out: OLMoE's experts (1024 x 2048)
-SWIGLU_LAYERS = [(768, 2048), (1408, 2048), (2048, 768), (14336, 4096), (1024, 2048)]
+# small dense MLP, Llama-3-8B; held out: OLMoE's experts (1024 x 2048); Qwen2.5-1.5B's MLP and a
+# 4096 x 4096 one
+SWIGLU_LAYERS = [(768, 2048), (1408, 2048), (2048, 768), (14336, 4096), (1024, 2048), (8960, 1536), (4096, 4096)]
 SWIGLU_TOKENS = (1, 4, 16, 32, 64, 128)
 
 
@@ -130,6 +132,12 @@ def _swiglu_paths(x, weights, wg, wu):
              "swiglu:two_vq": two(), "swiglu:fused": lambda: tilefuse.vq_swiglu(x, *weights)}
     if x.shape[0] <= 16:
         paths["swiglu:two_small"] = two("small")
+
+    def forced_fused():
+        with tilefuse.force(variant="small"):
+            return tilefuse.vq_swiglu(x, *weights)
+
+    paths["swiglu:fused_forced"] = forced_fused      # the fused kernel wherever the dispatch would not run it
     return paths
 
 

@@ -328,6 +328,36 @@ def predict_us(variant: str, m: int, n: int, k: int, chip, num_sms: int | None =
     return c["fixed"] + c["dense"] * dense + c["gemm"] * _dispatch.gemm_us(chip, m, n, k)
 
 
+# The unfused gate/up's epilogue (``vq_swiglu_epilogue_kernel``: 2 x M x N reads, M x N writes) in
+# the cost model: one more graph node's fixed cost (the H100 sweep: the fused path's unfused form
+# with it is 1.8-4.8 us faster than two vq_matmul calls plus PyTorch's SiLU * up, two nodes).
+SWIGLU_EPILOGUE_US = 2.0
+
+
+@functools.lru_cache(maxsize=4096)
+def decide_swiglu(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sms: int | None = None) -> bool:
+    """Whether ``vq_swiglu`` on ``x [m, k]`` and two ``[n, k]`` weights runs the fused kernel: its
+    time modelled as the small-layer kernel's on ``2n`` rows (a program owns 16 rows of both
+    weights: the same programs, codebook staging and x^T per row as ``2n`` rows of one weight),
+    against two calls of ``vq_matmul``'s pick for ``[n, k]`` and the one-pass epilogue; it must be
+    predicted faster by :data:`MARGIN` (as a kernel must beat the dequant baseline: the unfused
+    form is this one's baseline, and the model's spread is largest on the layers it was not fitted
+    to). None of the small kernel's sizes (``n`` or ``k`` not a multiple of 128, more than
+    :data:`SMALL_MAX_TOKENS` tokens): False."""
+    fused = predict_us("small", m, 2 * n, k, chip or _chips()["H200"], num_sms)
+    if fused is None:
+        return False
+    pick = decide(m, n, k, wgmma_prefill, chip, num_sms)
+    unfused = 2 * next(c.predicted_us for c in pick.candidates if c.variant == pick.variant) + SWIGLU_EPILOGUE_US
+    return fused * (1 + MARGIN) < unfused
+
+
+def _chips():
+    from tilefuse import _dispatch
+
+    return _dispatch.CHIPS
+
+
 @functools.lru_cache(maxsize=4096)
 def decide(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sms: int | None = None):
     """The VQ decision for one problem size, as a ``_dispatch.Choice``: every variant that takes

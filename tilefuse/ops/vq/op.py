@@ -625,6 +625,18 @@ def choose_variant(m: int, k: int = 0, device: torch.device | None = None, n: in
     return decision(m, n, k, device, wgmma).variant
 
 
+def swiglu_decision(m: int, n: int, k: int, device: torch.device | None) -> bool:
+    """Whether ``vq_swiglu`` fuses on this size: ``force(variant=...)``'s pin (fused only for
+    "small"), else ``configs.decide_swiglu`` for this device's chip and SM count."""
+    forced = forced_variant("vq")
+    if forced:
+        return forced == "small"
+    wgmma = device is not None and wgmma_prefill_applies(k, device)
+    if device is not None and device.type == "cuda":
+        return configs.decide_swiglu(m, n, k, wgmma, _dispatch.chip(device), num_sms(device))
+    return configs.decide_swiglu(m, n, k, wgmma)
+
+
 def decision(m: int, n: int, k: int, device: torch.device | None, wgmma: bool) -> _dispatch.Choice:
     """``configs.decide`` for this device's chip and SM count."""
     if device is not None and device.type == "cuda":
@@ -1036,10 +1048,10 @@ def _plan_swiglu(x, *weights) -> _SwiGLUCall:
     reference = x.dtype not in KERNEL_DTYPES or n == 0 or k == 0 or choose_backend(x.device) != "triton"
     if not reference and m:
         check_interpretable("x", x.dtype)
-    # fused where vq_matmul would run the small-layer kernel on this size (its decision, or a
-    # force(variant="small")): elsewhere (large layers, odd sizes, more tokens, another pinned
-    # variant) two vq_matmul calls on their own picks are the faster candidate
-    fused = not reference and 0 < m <= SWIGLU_MAX_TOKENS and choose_variant(m, k, x.device, n) == "small"
+    # fused where the cost model predicts the fused kernel faster than two vq_matmul calls on their
+    # own picks and the epilogue (configs.decide_swiglu), or under force(variant="small"); another
+    # pinned variant runs the two calls
+    fused = not reference and 0 < m <= SWIGLU_MAX_TOKENS and swiglu_decision(m, n, k, x.device)
     if not fused:     # the reference, no tokens, or two vq_matmul calls
         call = _SwiGLUCall()
         call.reference, call.m, call.fused = reference, m, False

@@ -899,8 +899,8 @@ from tilefuse.ops.vq.reference import vq_swiglu_reference  # noqa: E402
 # copies of each codebook entry per weight in shared memory: two weights' four codebooks at 4
 # copies take the 64 KB the small-layer kernel's 8 copies take (a first guess: unmeasured)
 SWIGLU_COPIES = 4
-# the fused kernel takes up to this many tokens (one token tile, as the small-layer kernel in the
-# cost model); more tokens run the two projections through vq_matmul's dispatch, then SiLU * up
+# the fused kernel is considered up to this many tokens (the small-layer kernel's limit in the cost
+# model); more tokens run the two projections through vq_matmul's dispatch, then SiLU * up
 SWIGLU_MAX_TOKENS = configs.SMALL_MAX_TOKENS
 
 
@@ -1116,11 +1116,13 @@ def vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.T
 
     Returns
     -------
-    [..., N] in x's dtype. Up to 16 tokens one kernel (``kernels_swiglu.py``: a program owns 16
-    rows of both weights and all of K, split over its warps and summed in shared memory in a fixed
-    order; no workspace, no atomics): each weight ``C0[a] + C1[b]`` rounded once to x's dtype, fp32
-    sums, the row scales and biases, then SiLU times up in fp32 and one rounding. More tokens: each
-    projection by :func:`vq_matmul` (rounded to x's dtype), then SiLU times up in fp32 in one pass
+    [..., N] in x's dtype. Where the cost model predicts it faster (``configs.decide_swiglu``:
+    MoE-expert and small-model sizes, N and K multiples of 128, up to 128 tokens) one kernel
+    (``kernels_swiglu.py``: a program owns 16 rows of both weights and all of K, split over its
+    warps and summed in shared memory in a fixed order; no workspace, no atomics): each weight
+    ``C0[a] + C1[b]`` rounded once to x's dtype, fp32 sums, the row scales and biases, then SiLU
+    times up in fp32 and one rounding. Elsewhere: each projection by :func:`vq_matmul` (rounded to
+    x's dtype), then SiLU times up in fp32 in one pass
     (``kernels_swiglu.vq_swiglu_epilogue_kernel``: one launch where ``silu(g) * up`` takes two). No tokens:
     an empty ``[..., N]``, no launch. No gradient (call it under ``torch.no_grad()``).
     """

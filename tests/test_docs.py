@@ -195,7 +195,8 @@ def test_readme_small_layer_figure_is_the_committed_sweep():
     by_case = {}
     for row in swiglu:
         by_case.setdefault((row["N"], row["K"], row["tokens"]), {})[row["impl"]] = row["us"]
-    ratios = [t["swiglu:fused"] / t["swiglu:two_vq"] for (n, k, m), t in by_case.items() if n and n != 14336 and m <= 32]
+    ratios = [t["swiglu:fused"] / t["swiglu:two_vq"] for (n, k, m), t in by_case.items()
+              if n and n * k <= 2 ** 22 and m <= 32]       # the MoE-expert sizes (up to 1408 x 2048)
     assert f"{min(ratios):.2f}-{max(ratios):.2f}x the two projections' time" in readme
 
 

@@ -372,3 +372,33 @@ def test_vq_swiglu_mlp_refuses_what_it_cannot_fuse():
         VQSwiGLUMLP.from_mlp(odd)
     with pytest.raises(ValueError, match="has no \\['gate_proj'"):
         VQSwiGLUMLP.from_mlp(nn.Linear(8, 8))
+
+
+def test_vq_swiglu_mlp_runs_wrapped_layers_and_gradients_through_the_layers(interpret):
+    """A child replaced since (as tilefuse.parallel's column shards wrap it) or a gradient wanted
+    (vq_swiglu has no backward): the layers' own forwards, as the MLP replaced ran them; the
+    gradient reaches the codebooks."""
+    from tilefuse.nn import VQSwiGLUMLP
+
+    torch.manual_seed(1)
+    mlp = _GatedMLP(hidden=128, inter=128).to(interpret)
+    fused = VQSwiGLUMLP.from_mlp(mlp)
+    x = torch.randn(3, 128).half().to(interpret)
+    want = mlp(x)
+
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    fused.gate_proj = Wrapper(mlp.gate_proj)
+    assert torch.equal(fused(x), want)
+    fused.gate_proj = mlp.gate_proj
+    mlp.up_proj.codebooks.requires_grad_(True)
+    with torch.enable_grad():
+        out = fused(x)
+        out.float().sum().backward()
+    assert torch.equal(out.detach(), want) and mlp.up_proj.codebooks.grad is not None

@@ -140,8 +140,9 @@ class VQSwiGLUMLP(nn.Module):
 
     Shapes: ``x [..., H]`` -> ``[..., H_out]`` (``down_proj``'s); fp16/bf16 run the kernels on
     CUDA, fp32 the PyTorch reference. Where a gradient is wanted (grad mode on and x, a codebook,
-    scale or bias requiring one: fine-tuning) the two layers run on their own, as in the MLP
-    replaced, since ``vq_swiglu`` has no backward.
+    scale or bias requiring one: fine-tuning), since ``vq_swiglu`` has no backward, and where the
+    layers have been replaced by other modules since (``tilefuse.parallel.shard_model``'s
+    column-parallel shards), the two layers run on their own, as in the MLP replaced.
 
     >>> mlp = VQSwiGLUMLP.from_mlp(model.model.layers[0].mlp)     # gate/up already VQLinear
     """
@@ -166,8 +167,10 @@ class VQSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj, self.up_proj
-        if torch.is_grad_enabled() and _needs_grad(x, gate, up):
-            # training or tuning (vq_swiglu has no backward): the layers' own ops, which have one
+        if not (isinstance(gate, VQLinear) and isinstance(up, VQLinear)) or (
+                torch.is_grad_enabled() and _needs_grad(x, gate, up)):
+            # the layers wrapped since (tilefuse.parallel's shards), or training and tuning
+            # (vq_swiglu has no backward): the layers' own forwards, as the MLP replaced ran them
             return self.down_proj(nn.functional.silu(gate(x)) * up(x))
         if not torch.compiler.is_compiling():
             # eager: where vq_swiglu would run the two projections unfused, run them through the

@@ -367,3 +367,31 @@ def test_gpu_swiglu_matches_two_vq_matmuls():
     u = tilefuse.vq_matmul(case.x, *case.up, case.up_bias).float()
     _check((g * torch.sigmoid(g) * u).to(torch.bfloat16), case, rounded=True)
     _check(tilefuse.vq_swiglu(*case.args()), case)
+
+
+def test_fused_decision_picks_the_faster_path_of_the_committed_sweep():
+    """``configs.decide_swiglu`` on every size and token count of the committed H100 sweep
+    (``tools/vq_small_sweep.py --swiglu``): where it fuses, the fused kernel (timed forced) is no
+    slower than two ``vq_matmul`` calls plus PyTorch's SiLU·mul (an upper bound of the unfused
+    path, whose epilogue is one pass); where it does not, the unfused path as the dispatch ran it
+    is no slower than the fused kernel forced. 5 %: timing noise between rows."""
+    import json
+    from pathlib import Path
+
+    from tilefuse import _dispatch
+    from tilefuse.ops.vq import configs
+
+    path = Path(__file__).resolve().parents[1] / "bench/results/sweeps/vq-swiglu-h100-80gb-hbm3.json"
+    times = {}
+    for row in json.loads(path.read_text())["results"]:
+        if row["N"]:
+            times.setdefault((row["N"], row["K"], row["tokens"]), {})[row["impl"].split(":")[1]] = row["us"]
+    fused_points = 0
+    for (n, k, m), t in times.items():
+        if configs.decide_swiglu(m, n, k, True, _dispatch.CHIPS["H100"], 132):
+            fused_points += 1
+            assert t["fused_forced"] <= 1.05 * t["two_vq"], (n, k, m, t)
+        else:
+            assert abs(t["fused"] - t["fused_forced"]) > 0.3, (n, k, m, "the sweep ran it fused")
+            assert t["fused"] <= 1.05 * t["fused_forced"], (n, k, m, t)
+    assert len(times) == 42 and fused_points == 27

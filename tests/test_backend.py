@@ -202,6 +202,8 @@ def test_registry_is_the_one_family_list():
             assert _registry.family_of_op(public) is family
         if family.explained:
             assert callable(module.explain) and family.explained in family.public
+        for other in family.also_explained:
+            assert callable(getattr(module, f"explain_{other}")) and other in family.public
         assert _backend.VARIANTS[name] == family.variants
     assert runner.FAMILIES == tuple(_registry.FAMILIES)
 

@@ -395,3 +395,23 @@ def test_fused_decision_picks_the_faster_path_of_the_committed_sweep():
             assert abs(t["fused"] - t["fused_forced"]) > 0.3, (n, k, m, "the sweep ran it fused")
             assert t["fused"] <= 1.05 * t["fused_forced"], (n, k, m, t)
     assert len(times) == 42 and fused_points == 27
+
+
+def test_explain_says_fused_or_unfused_and_why(interpret):
+    """``tilefuse.explain(tilefuse.vq_swiglu, ...)``: the path the op runs (its own plan) with both
+    candidates' predictions; sizes the small kernel does not take have no fused prediction; the
+    fp32 reference and no tokens are named; a forced variant is the source."""
+    case = _Case(4, 128, 128, torch.float16, interpret)
+    choice = tilefuse.explain(tilefuse.vq_swiglu, *case.args())
+    assert choice.variant == "fused" == ("fused" if vq_op._plan_swiglu(*case.args()).fused else "unfused")
+    times = {c.variant: c.predicted_us for c in choice.candidates}
+    assert choice.source == "cost model" and 0 < times["fused"] < times["unfused"]
+    assert "fused" in str(choice) and "two vq_matmul calls (small" in str(choice)
+    odd = _Case(4, 40, 64, torch.float16, interpret)
+    choice = tilefuse.explain("vq_swiglu", *odd.args())
+    assert choice.variant == "unfused" and {c.variant: c.predicted_us for c in choice.candidates}["fused"] is None
+    with tilefuse.force(variant="dequant"):
+        forced = tilefuse.explain(tilefuse.vq_swiglu, *case.args())
+    assert forced.variant == "unfused" and forced.source == "forced"
+    assert tilefuse.explain(tilefuse.vq_swiglu, *case.args(case.x.float())).variant == "reference"
+    assert tilefuse.explain(tilefuse.vq_swiglu, *case.args(case.x[:0])).variant == "empty"

@@ -211,9 +211,9 @@ def explain(op, *args, **kwargs) -> Choice:
     """Which path ``op(*args, **kwargs)`` takes and why, without running it.
 
     ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.swiglu_fp8``,
-    ``tilefuse.vq_matmul``, ``tilefuse.flash_mla_with_kvcache``) or its name. SwiGLU and VQ list
-    every candidate with its predicted time; FP8 SwiGLU and MLA report their measured rules (no
-    cost model there yet).
+    ``tilefuse.vq_matmul``, ``tilefuse.vq_swiglu``, ``tilefuse.flash_mla_with_kvcache``) or its
+    name. SwiGLU and VQ list every candidate with its predicted time; FP8 SwiGLU and MLA report
+    their measured rules (no cost model there yet).
 
     >>> print(tilefuse.explain(tilefuse.swiglu, x, w_gate_up))      # x: [333, 7168] on an H200
     swiglu {'M': 333, 'H': 7168, 'I': 2048, 'dtype': 'bfloat16', 'device': 'cuda:0'}: unfused (cost model)
@@ -223,9 +223,11 @@ def explain(op, *args, **kwargs) -> Choice:
     from tilefuse._registry import FAMILIES
 
     name = op if isinstance(op, str) else getattr(op, "__name__", "")
-    explainers = {f.explained: f.op_module for f in FAMILIES.values() if f.explained}
+    explainers = {f.explained: (f.op_module, "explain") for f in FAMILIES.values() if f.explained}
+    explainers.update({other: (f.op_module, f"explain_{other}") for f in FAMILIES.values() for other in f.also_explained})
     if name not in explainers:
         raise ValueError(f"op: expected one of {tuple(explainers)} (or the function), got {op!r}")
     import importlib
 
-    return importlib.import_module(explainers[name]).explain(*args, **kwargs)
+    module, function = explainers[name]
+    return getattr(importlib.import_module(module), function)(*args, **kwargs)

@@ -18,12 +18,15 @@ class Family:
     """One kernel family: its ``name`` (the package under ``tilefuse/ops``), the ``public``
     functions of its ``op.py`` exported as ``tilefuse.<name>``, the kernel ``variants`` its dispatch
     picks among (what ``tilefuse.force(variant=...)`` pins), the public function whose calls
-    ``tilefuse.explain`` describes (None: it has no explainer), and the one-line ``bench`` help."""
+    ``tilefuse.explain`` describes (None: it has no explainer; ``op.explain``), the one-line
+    ``bench`` help, and other public functions ``tilefuse.explain`` describes
+    (``also_explained``: ``op.explain_<name>`` each)."""
     name: str
     public: tuple[str, ...]
     variants: tuple[str, ...]
     explained: str | None
     bench: str
+    also_explained: tuple[str, ...] = ()
 
     @property
     def op_module(self) -> str:
@@ -39,7 +42,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                    "mla_scatter_kv"), ("transposed", "standard", "wgmma"),
            "flash_mla_with_kvcache", "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch"),
     Family("vq", ("vq_matmul", "vq_swiglu"), ("decode", "decode_tl", "mma", "small", "prefill", "dequant"), "vq_matmul",
-           "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels"),
+           "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels", ("vq_swiglu",)),
 )}
 
 

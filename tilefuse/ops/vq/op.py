@@ -891,7 +891,8 @@ def explain(x: torch.Tensor, codes: torch.Tensor, codebooks: torch.Tensor, scale
 
 # --------------------------------------------------------------------------------------------------
 # tilefuse.vq_swiglu: the 2-bit gate/up projection with the SwiGLU epilogue in one launch
-# (kernels_swiglu.py). Not in the cost model and not used by patch_vq yet: its GPU time is unmeasured.
+# (kernels_swiglu.py), where configs.decide_swiglu predicts it faster than two vq_matmul calls;
+# tilefuse.nn.VQSwiGLUMLP (and so patch_vq) runs it.
 
 from tilefuse._library import no_backward  # noqa: E402
 from tilefuse.ops.vq.reference import vq_swiglu_reference  # noqa: E402
@@ -1090,6 +1091,37 @@ def _vq_swiglu_op(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: tor
                   gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:
     weights = (gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias)
     return _run_swiglu(_plan_swiglu(x, *weights), x, *weights)
+
+
+def explain_vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor,
+                      gate_scales: torch.Tensor, up_codes: torch.Tensor, up_codebooks: torch.Tensor,
+                      up_scales: torch.Tensor, gate_bias: torch.Tensor | None = None,
+                      up_bias: torch.Tensor | None = None, **_) -> _dispatch.Choice:
+    """The path ``vq_swiglu(...)`` runs and why (``tilefuse.explain(tilefuse.vq_swiglu, ...)``):
+    ``fused`` (the one-launch kernel, its prediction the small kernel's on 2N rows) or ``unfused``
+    (two calls of ``vq_matmul``'s pick, named with its prediction, and the one-pass epilogue:
+    ``configs.decide_swiglu``), or the reference, or no tokens."""
+    weights = (gate_codes, gate_codebooks, gate_scales, up_codes, up_codebooks, up_scales, gate_bias, up_bias)
+    call = _plan_swiglu(x, *weights)         # the op's own plan: validated, forced or not
+    n, k = gate_codes.shape[0], x.shape[-1]
+    m = x.numel() // k if k else 0
+    problem = {"M": m, "N": n, "K": k, "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+    if call.reference:
+        return _dispatch.Choice("vq", problem, "reference", None, "reference")
+    if m == 0:
+        return _dispatch.Choice("vq", problem, "empty", None, "no tokens: an empty output, no launch")
+    wgmma = wgmma_prefill_applies(k, x.device)
+    chip_args = (_dispatch.chip(x.device), num_sms(x.device)) if x.device.type == "cuda" else ()
+    fused_us = configs.predict_us("small", m, 2 * n, k, *(chip_args or (_dispatch.CHIPS["H200"],)))
+    pick = decision(m, n, k, x.device, wgmma)
+    pick_us = next(c.predicted_us for c in pick.candidates if c.variant == pick.variant)
+    candidates = (
+        _dispatch.Candidate("fused", None, fused_us if m <= SWIGLU_MAX_TOKENS else None,
+                            "one launch: both weights, SiLU * up in the epilogue (kernels_swiglu)"),
+        _dispatch.Candidate("unfused", None, 2 * pick_us + configs.SWIGLU_EPILOGUE_US,
+                            f"two vq_matmul calls ({pick.variant}, {pick_us:.1f} us each) + one SiLU * up pass"))
+    source = "forced" if forced_variant("vq") else "cost model"
+    return _dispatch.Choice("vq", problem, "fused" if call.fused else "unfused", None, source, candidates)
 
 
 def vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.Tensor, gate_scales: torch.Tensor,

@@ -374,10 +374,11 @@ def test_vq_swiglu_mlp_refuses_what_it_cannot_fuse():
         VQSwiGLUMLP.from_mlp(nn.Linear(8, 8))
 
 
-def test_vq_swiglu_mlp_runs_wrapped_layers_and_gradients_through_the_layers(interpret):
-    """A child replaced since (as tilefuse.parallel's column shards wrap it) or a gradient wanted
-    (vq_swiglu has no backward): the layers' own forwards, as the MLP replaced ran them; the
-    gradient reaches the codebooks."""
+def test_vq_swiglu_mlp_runs_wrapped_layers_and_gradients_through_the_layers(interpret, monkeypatch):
+    """A child replaced since by another module, or a gradient wanted (vq_swiglu has no
+    backward): the layers' own forwards, as the MLP replaced ran them; the gradient reaches the
+    codebooks. A column-parallel shard that returns its local VQLinear's output as is (``local``,
+    ``gather_output`` False, as tilefuse.parallel.ColumnParallel) stays fused: no layer forward."""
     from tilefuse.nn import VQSwiGLUMLP
 
     torch.manual_seed(1)
@@ -396,9 +397,29 @@ def test_vq_swiglu_mlp_runs_wrapped_layers_and_gradients_through_the_layers(inte
 
     fused.gate_proj = Wrapper(mlp.gate_proj)
     assert torch.equal(fused(x), want)
-    fused.gate_proj = mlp.gate_proj
+
+    class Shard(Wrapper):
+        def __init__(self, inner, gather_output):
+            super().__init__(inner)
+            self.local, self.gather_output = inner, gather_output
+
+    calls = []
+    layer_forward = VQLinear.forward
+    monkeypatch.setattr(VQLinear, "forward", lambda self, x: calls.append(self) or layer_forward(self, x))
+    fused.gate_proj, fused.up_proj = Shard(mlp.gate_proj, False), Shard(mlp.up_proj, False)
+    got = fused(x)
+    assert calls == [] and torch.equal(got, mlp.down_proj(tilefuse.vq_swiglu(x, *_weights(mlp))))
+    fused.up_proj = Shard(mlp.up_proj, True)            # gathered output: not the local rows
+    assert torch.equal(fused(x), want) and calls == [mlp.gate_proj, mlp.up_proj]
+    monkeypatch.undo()
+    fused.gate_proj, fused.up_proj = mlp.gate_proj, mlp.up_proj
     mlp.up_proj.codebooks.requires_grad_(True)
     with torch.enable_grad():
         out = fused(x)
         out.float().sum().backward()
     assert torch.equal(out.detach(), want) and mlp.up_proj.codebooks.grad is not None
+
+
+def _weights(mlp):
+    g, u = mlp.gate_proj, mlp.up_proj
+    return (g.codes, g.codebooks, g.scales, u.codes, u.codebooks, u.scales, g.bias, u.bias)

@@ -141,8 +141,9 @@ class VQSwiGLUMLP(nn.Module):
     Shapes: ``x [..., H]`` -> ``[..., H_out]`` (``down_proj``'s); fp16/bf16 run the kernels on
     CUDA, fp32 the PyTorch reference. Where a gradient is wanted (grad mode on and x, a codebook,
     scale or bias requiring one: fine-tuning), since ``vq_swiglu`` has no backward, and where the
-    layers have been replaced by other modules since (``tilefuse.parallel.shard_model``'s
-    column-parallel shards), the two layers run on their own, as in the MLP replaced.
+    layers have been replaced by other modules since, the two layers run on their own, as in the
+    MLP replaced; ``tilefuse.parallel.shard_model``'s column-parallel shards (their output not
+    gathered) stay fused over each rank's rows.
 
     >>> mlp = VQSwiGLUMLP.from_mlp(model.model.layers[0].mlp)     # gate/up already VQLinear
     """
@@ -166,12 +167,12 @@ class VQSwiGLUMLP(nn.Module):
         return cls(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj, self.up_proj
-        if not (isinstance(gate, VQLinear) and isinstance(up, VQLinear)) or (
+        gate, up = _vq_layer(self.gate_proj), _vq_layer(self.up_proj)
+        if gate is None or up is None or gate.codes.shape != up.codes.shape or (
                 torch.is_grad_enabled() and _needs_grad(x, gate, up)):
-            # the layers wrapped since (tilefuse.parallel's shards), or training and tuning
-            # (vq_swiglu has no backward): the layers' own forwards, as the MLP replaced ran them
-            return self.down_proj(nn.functional.silu(gate(x)) * up(x))
+            # the layers wrapped since in another way, or training and tuning (vq_swiglu has no
+            # backward): the layers' own forwards, as the MLP replaced ran them
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
         if not torch.compiler.is_compiling():
             # eager: where vq_swiglu would run the two projections unfused, run them through the
             # layers (their bound decode launches, a fraction of the op's host time) and the same
@@ -191,6 +192,18 @@ class VQSwiGLUMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return "gate_proj and up_proj with silu(gate) * up in one tilefuse.vq_swiglu call"
+
+
+def _vq_layer(child: nn.Module) -> VQLinear | None:
+    """The VQLinear that computes ``child``'s output: ``child`` itself, or the rank's shard a
+    column-parallel wrapper holds when it returns that shard's output as is (``local``,
+    ``gather_output`` False: ``tilefuse.parallel.ColumnParallel``, so ``shard_model``'s 2-bit
+    MLPs stay fused over their local rows, ``down_proj``'s row-parallel shard taking the local
+    slice it expects); None otherwise."""
+    if isinstance(child, VQLinear):
+        return child
+    local = getattr(child, "local", None)
+    return local if isinstance(local, VQLinear) and getattr(child, "gather_output", True) is False else None
 
 
 def _needs_grad(x: torch.Tensor, *layers: VQLinear) -> bool:

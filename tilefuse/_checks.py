@@ -79,6 +79,11 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
 
 
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+
+
 def check_float(name: str, value, *, positive: bool = False) -> float:
     """A finite real number (``positive``: > 0); returns it as a Python float."""
     try:

@@ -64,6 +64,7 @@ from tilefuse.bench.hf_models import MLA_VARIANTS, OWN_VARIANTS, Subject, load_t
 
 VARIANTS = ("stock", "swiglu", "vq2")
 OPT_IN_VARIANTS = ("vq2_unfused",)     # candidates only for an --only run (which they must match)
+VQ_VARIANTS = ("vq2", "vq2_unfused")   # patch_vq's, with and without the fused gate/up
 PEER_PREFIX = "mla:"      # mla:<build>: patch_mla with that FlashMLA build as the decode attention
 # tilefuse.quantize settings of the calibrated vq2 variant: those of docs/vq_quality.md, and a
 # lighter pass (about 20x less work) for --quick and the CPU pipeline check
@@ -141,7 +142,7 @@ def apply_variant(model, variant: str, calibration: list[torch.Tensor] | None, q
         info = {"attention_replaced": patch_mla(model)}
         if variant == "mla_swiglu":
             info["mlp_replaced"] = patch_swiglu(model)
-    elif variant not in ("vq2", "vq2_unfused"):
+    elif variant not in VQ_VARIANTS:
         raise ValueError(f"variant: expected one of {VARIANTS + OPT_IN_VARIANTS} or mla variants, got {variant!r}")
     elif calibration:
         info = {"replaced": patch_vq(model, calibration, progress=True, fuse_gate_up=variant == "vq2", **quantize),
@@ -328,7 +329,7 @@ def run_subject(subject: Subject, variants: list[str], modes: list[str], plan: P
         model = subject.make()
         peer = variant.startswith(PEER_PREFIX)
         try:
-            calib = calibration if variant in ("vq2", "vq2_unfused") else None
+            calib = calibration if variant in VQ_VARIANTS else None
             info["variants"][variant] = apply_variant(model, variant, calib, plan.quantize, attentions)
         except Exception as exc:
             info["variants"][variant] = {"error": f"{type(exc).__name__}: {exc}"[:500]}

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tilefuse import _checks
 from tilefuse._lazy import lazy_attribute
 
 _PUBLIC = {"patch_mla": "tilefuse.hf.mla", "PagedMLACache": "tilefuse.hf.mla", "generate": "tilefuse.hf.decode",
@@ -159,8 +160,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     >>> patch_vq(model, tokenizer(text, return_tensors="pt").input_ids)     # calibrated, 2 bits/weight
     >>> patch_vq(model, random_codes=True)                                  # speed runs
     """
-    if not isinstance(fuse_gate_up, bool):
-        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
+    _checks.check_bool("fuse_gate_up", fuse_gate_up)
     windows = _calibration_windows(calibration, random_codes)
     layers = _vq_targets(model, targets)
     if progress is None:
@@ -270,13 +270,11 @@ def fuse_vq_mlps(model: nn.Module) -> int:
     a model without such MLPs, or one already fused)."""
     from tilefuse.nn.vq import VQSwiGLUMLP, unfusable_mlp
 
-    targets = [name for name, mod in model.named_modules()
-               if not isinstance(mod, VQSwiGLUMLP) and hasattr(mod, "gate_proj") and unfusable_mlp(mod) is None]
+    targets = [name for name, mod in model.named_modules()      # the root ("") cannot be swapped in place
+               if name and not isinstance(mod, VQSwiGLUMLP) and hasattr(mod, "gate_proj") and unfusable_mlp(mod) is None]
     for name in targets:
-        fused = VQSwiGLUMLP.from_mlp(model.get_submodule(name))
-        if name:
-            model.set_submodule(name, fused)
-    return len([name for name in targets if name])
+        model.set_submodule(name, VQSwiGLUMLP.from_mlp(model.get_submodule(name)))
+    return len(targets)
 
 
 def _calibration_windows(calibration, random_codes: bool) -> list[torch.Tensor]:
@@ -405,8 +403,7 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
     ``save_vq`` writes (a missing or malformed ``tilefuse_vq.json``, codes of another dtype or out
     of [0, 256), weights that do not match the model) raises ValueError naming the file.
     ``fuse_gate_up``: as :func:`patch_vq`'s (:func:`fuse_vq_mlps` after the load)."""
-    if not isinstance(fuse_gate_up, bool):
-        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
+    _checks.check_bool("fuse_gate_up", fuse_gate_up)
     folder = Path(path)
     spec_path = folder / VQ_FILE
     if not spec_path.exists():

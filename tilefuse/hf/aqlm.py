@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tilefuse import _checks
+
 AQLM_2X8 = {"quant_method": "aqlm", "num_codebooks": 2, "nbits_per_codebook": 8, "in_group_size": 8,
             "out_group_size": 1}
 WEIGHTS = "model.safetensors"
@@ -82,8 +84,7 @@ def load_aqlm(path, *, dtype: torch.dtype = torch.float16, device="cpu", fuse_ga
     from tilefuse.hf import load_strict
     from tilefuse.nn.vq import VQLinear, _as_code_dtype
 
-    if not isinstance(fuse_gate_up, bool):
-        raise ValueError(f"fuse_gate_up: expected True or False, got {fuse_gate_up!r}")
+    _checks.check_bool("fuse_gate_up", fuse_gate_up)
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.exists():

@@ -346,18 +346,20 @@ def decide_swiglu(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sm
     margin for the fused kernel it ran 8960 x 1536 at 16 tokens unfused, 1.17x the fused time.
     None of the small kernel's sizes (``n`` or ``k`` not a multiple of 128, more than
     :data:`SMALL_MAX_TOKENS` tokens): False."""
-    fused = predict_us("small", m, 2 * n, k, chip or _chips()["H200"], num_sms)
-    if fused is None:
-        return False
-    pick = decide(m, n, k, wgmma_prefill, chip, num_sms)
-    unfused = 2 * next(c.predicted_us for c in pick.candidates if c.variant == pick.variant) + SWIGLU_EPILOGUE_US
-    return fused < unfused
+    fused, _, unfused = swiglu_predictions(m, n, k, wgmma_prefill, chip, num_sms)
+    return fused is not None and fused < unfused
 
 
-def _chips():
+def swiglu_predictions(m: int, n: int, k: int, wgmma_prefill: bool, chip=None, num_sms: int | None = None):
+    """(the fused kernel's predicted us or None where the small kernel does not take the size,
+    ``decide``'s Choice for one ``[n, k]`` projection, the unfused path's predicted us: two of
+    that pick and the epilogue): what :func:`decide_swiglu` weighs."""
     from tilefuse import _dispatch
 
-    return _dispatch.CHIPS
+    fused = predict_us("small", m, 2 * n, k, chip or _dispatch.CHIPS["H200"], num_sms)
+    pick = decide(m, n, k, wgmma_prefill, chip, num_sms)
+    unfused = 2 * next(c.predicted_us for c in pick.candidates if c.variant == pick.variant) + SWIGLU_EPILOGUE_US
+    return fused, pick, unfused
 
 
 @functools.lru_cache(maxsize=4096)

@@ -459,15 +459,23 @@ def launch_small(x2d, codes, codebooks, scales, bias, out, *, impl: str = "auto"
     return _launch_small(call, x2d, codes, codebooks, scales, bias, out)
 
 
+def _gluon_or_tl(impl: str, device: torch.device, gluon_kernel, what: str) -> str:
+    """``impl`` ("auto", "gluon" or "tl") resolved for ``device``: "auto" is the Gluon kernel on
+    CUDA where it is importable (``gluon_kernel`` not None), else its ``tl`` twin; ValueError
+    naming ``impl`` for another value, or for "gluon" off CUDA or without Gluon."""
+    if impl == "auto":
+        impl = "gluon" if device.type == "cuda" and gluon_kernel is not None else "tl"
+    if impl not in ("gluon", "tl"):
+        raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
+    if impl == "gluon" and (device.type != "cuda" or gluon_kernel is None):
+        raise ValueError(f"impl: the Gluon {what} needs a CUDA GPU and Gluon, got {device}")
+    return impl
+
+
 def _small_call(m: int, n: int, k: int, device: torch.device, has_bias: bool, impl: str, x_stride: int,
                 out_stride: int, **override) -> _Call:
     """The small-layer kernel's launch for M rows of K in (row stride ``x_stride``), M rows of N out."""
-    if impl == "auto":
-        impl = "gluon" if device.type == "cuda" and _small_kernel() is not None else "tl"
-    if impl not in ("gluon", "tl"):
-        raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
-    if impl == "gluon" and (device.type != "cuda" or _small_kernel() is None):
-        raise ValueError(f"impl: the Gluon small-layer kernel needs a CUDA GPU and Gluon, got {device}")
+    impl = _gluon_or_tl(impl, device, _small_kernel(), "small-layer kernel")
     cfg = configs.small_config(m, n, k, impl == "gluon", num_sms(device),
                                **{key: int(v) for key, v in override.items() if v is not None})
     call = _Call()
@@ -632,16 +640,20 @@ def swiglu_decision(m: int, n: int, k: int, device: torch.device | None) -> bool
     if forced:
         return forced == "small"
     wgmma = device is not None and wgmma_prefill_applies(k, device)
-    if device is not None and device.type == "cuda":
-        return configs.decide_swiglu(m, n, k, wgmma, _dispatch.chip(device), num_sms(device))
-    return configs.decide_swiglu(m, n, k, wgmma)
+    return configs.decide_swiglu(m, n, k, wgmma, *_chip_args(device))
 
 
 def decision(m: int, n: int, k: int, device: torch.device | None, wgmma: bool) -> _dispatch.Choice:
     """``configs.decide`` for this device's chip and SM count."""
+    return configs.decide(m, n, k, wgmma, *_chip_args(device))
+
+
+def _chip_args(device: torch.device | None) -> tuple:
+    """The cost model's (chip, SM count) for ``device``; none off CUDA (the models' defaults: the
+    H200's figures, as the interpreter runs)."""
     if device is not None and device.type == "cuda":
-        return configs.decide(m, n, k, wgmma, _dispatch.chip(device), num_sms(device))
-    return configs.decide(m, n, k, wgmma)
+        return _dispatch.chip(device), num_sms(device)
+    return ()
 
 
 def _reference(x, codes, codebooks, scales, bias):
@@ -955,12 +967,7 @@ def _swiglu_call(m: int, n: int, k: int, device: torch.device, gate_bias: bool, 
                  x_stride: int, out_stride: int, **override) -> _SwiGLUCall:
     """The fused kernel's launch for M rows of K in (row stride ``x_stride``), M rows of N out: the
     small-layer kernel's tiles (``configs.small_config``) with :data:`SWIGLU_COPIES` copies."""
-    if impl == "auto":
-        impl = "gluon" if device.type == "cuda" and _swiglu_kernel() is not None else "tl"
-    if impl not in ("gluon", "tl"):
-        raise ValueError(f"impl: expected 'auto', 'gluon' or 'tl', got {impl!r}")
-    if impl == "gluon" and (device.type != "cuda" or _swiglu_kernel() is None):
-        raise ValueError(f"impl: the Gluon fused gate/up kernel needs a CUDA GPU and Gluon, got {device}")
+    impl = _gluon_or_tl(impl, device, _swiglu_kernel(), "fused gate/up kernel")
     override = {key: int(v) for key, v in override.items() if v is not None}
     override.setdefault("copies", SWIGLU_COPIES)
     cfg = configs.small_config(m, n, k, impl == "gluon", num_sms(device), **override)
@@ -1074,7 +1081,7 @@ def _run_swiglu(call: _SwiGLUCall, x, gate_codes, gate_codebooks, gate_scales, u
     x2d = x.reshape(call.m, k)
     if not x2d.is_contiguous():
         x2d = x2d.contiguous()
-    if not call.fused:      # where vq_matmul would not run the small kernel: each projection by its dispatch
+    if not call.fused:      # where the fused kernel is not predicted faster: each projection by its dispatch
         gate = vq_matmul(x2d, gate_codes, gate_codebooks, gate_scales, gate_bias)
         up = vq_matmul(x2d, up_codes, up_codebooks, up_scales, up_bias)
         return silu_mul_outputs(gate, up).reshape(call.out_shape)
@@ -1110,15 +1117,13 @@ def explain_vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks:
         return _dispatch.Choice("vq", problem, "reference", None, "reference")
     if m == 0:
         return _dispatch.Choice("vq", problem, "empty", None, "no tokens: an empty output, no launch")
-    wgmma = wgmma_prefill_applies(k, x.device)
-    chip_args = (_dispatch.chip(x.device), num_sms(x.device)) if x.device.type == "cuda" else ()
-    fused_us = configs.predict_us("small", m, 2 * n, k, *(chip_args or (_dispatch.CHIPS["H200"],)))
-    pick = decision(m, n, k, x.device, wgmma)
-    pick_us = next(c.predicted_us for c in pick.candidates if c.variant == pick.variant)
+    fused_us, pick, unfused_us = configs.swiglu_predictions(m, n, k, wgmma_prefill_applies(k, x.device),
+                                                            *_chip_args(x.device))
+    pick_us = (unfused_us - configs.SWIGLU_EPILOGUE_US) / 2
     candidates = (
         _dispatch.Candidate("fused", None, fused_us if m <= SWIGLU_MAX_TOKENS else None,
                             "one launch: both weights, SiLU * up in the epilogue (kernels_swiglu)"),
-        _dispatch.Candidate("unfused", None, 2 * pick_us + configs.SWIGLU_EPILOGUE_US,
+        _dispatch.Candidate("unfused", None, unfused_us,
                             f"two vq_matmul calls ({pick.variant}, {pick_us:.1f} us each) + one SiLU * up pass"))
     source = "forced" if forced_variant("vq") else "cost model"
     return _dispatch.Choice("vq", problem, "fused" if call.fused else "unfused", None, source, candidates)

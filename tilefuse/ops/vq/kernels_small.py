@@ -172,18 +172,14 @@ def _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, i
 
 
 @gluon.jit
-def vq_small_kernel(
-    # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
-    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
-    # sizes (GROUPS_PER_SLICE: a multiple of 4 * KREP)
-    M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-    # strides
-    stride_xm, stride_cn, stride_om,
-    # meta-parameters: 16 * ROW_TILES rows and TOKENS tokens (8 or 16) per program, K over SLICES
-    # warp groups, KREP * 32 inputs per step, COPIES copies of each codebook entry
-    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
-    COPIES: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN: gl.constexpr,
-):
+def small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, pid, m0, M, N, NUM_GROUPS,
+                  GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, row_weight,
+                  TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+                  COPIES: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN: gl.constexpr):
+    """One program of the small-layer kernel: output rows ``pid * ROWS ...`` of tokens ``m0 ...
+    m0 + TOKENS`` (those below M), every stage below; the sums times ``row_weight`` (fp32; 1 for
+    :func:`vq_small_kernel`, the routing weight for the MoE down projection, ``kernels_moe``) into
+    ``out[toks, rows]``. The weight's pointers (codes, codebooks, scales) may be offset by the caller."""
     NUM_WARPS: gl.constexpr = ROW_TILES * SLICES
     ROWS: gl.constexpr = 16 * ROW_TILES              # output rows per program
     TILE: gl.constexpr = 16 * NUM_WARPS              # tile row t: slice t // ROWS, output row t % ROWS
@@ -199,8 +195,6 @@ def vq_small_kernel(
     CB: gl.constexpr = _copies_layout(COPIES, NUM_WARPS)
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
 
-    pid = gl.program_id(0)
-    m0 = gl.program_id(1) * TOKENS                    # token tiles (more than TOKENS tokens)
     cb_smem = gl.allocate_shared_memory(dtype, [2 * 256, COPIES, 8], FLAT)
     maxima = gl.allocate_shared_memory(gl.int32, [NUM_WARPS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
 
@@ -272,11 +266,30 @@ def vq_small_kernel(
             total += parts.slice(s * ROWS, ROWS).load(EPI)
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, EPI))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, EPI))
-        _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse, HAS_BIAS)
+        _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight, HAS_BIAS)
     else:
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
-        _finish(acc, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse, HAS_BIAS)
+        _finish(acc, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight, HAS_BIAS)
+
+
+@gluon.jit
+def vq_small_kernel(
+    # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
+    x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
+    # sizes (GROUPS_PER_SLICE: a multiple of 4 * KREP)
+    M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+    # strides
+    stride_xm, stride_cn, stride_om,
+    # meta-parameters: 16 * ROW_TILES rows and TOKENS tokens (8 or 16) per program, K over SLICES
+    # warp groups, KREP * 32 inputs per step, COPIES copies of each codebook entry
+    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+    COPIES: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN: gl.constexpr,
+):
+    # grid: (row blocks, token tiles of TOKENS tokens)
+    small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, gl.program_id(0),
+                  gl.program_id(1) * TOKENS, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om,
+                  1.0, TOKENS, KREP, ROW_TILES, SLICES, COPIES, HAS_BIAS, EVEN)
 
 
 @triton.jit
@@ -301,6 +314,23 @@ def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUP
 
 
 @triton.jit
+def tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS,
+                     GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, row_weight, ROWS: tl.constexpr,
+                     TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """:func:`small_program` in ``tl``: output ``rows`` of tokens ``toks`` (those below M), the sums
+    over K (:func:`_tl_projection`) times the row scale, ``1 / f`` and ``row_weight``, plus the
+    bias, into ``out[toks, rows]``."""
+    total, inverse = _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+                                    stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
+    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * (inverse * row_weight)
+    total = total * scale[:, None]
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    ok = (rows[:, None] < N) & (toks[None, :] < M)
+    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def vq_small_tl_kernel(
     x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, NUM_GROUPS, GROUPS_PER_SLICE,
@@ -314,14 +344,7 @@ def vq_small_tl_kernel(
     order; each weight ``f (C0[a] + C1[b])`` rounded once to x's dtype, the row scale times ``1 / f``
     applied to the sum (``kernels._mma_steps``, ``kernels.codebook_factor``)."""
     ROWS: tl.constexpr = 16 * ROW_TILES
-    BG: tl.constexpr = 4 * KREP
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     toks = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    total, inverse = _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-                                    stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
-    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * inverse
-    total = total * scale[:, None]
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-    ok = (rows[:, None] < N) & (toks[None, :] < M)
-    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=ok)
+    tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS,
+                     GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, 1.0, ROWS, TOKENS, 4 * KREP, SLICES, HAS_BIAS)

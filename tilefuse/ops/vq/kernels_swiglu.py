@@ -86,23 +86,23 @@ def _swiglu_finish(g, u, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_pt
 
 
 @gluon.jit
-def vq_swiglu_kernel(
-    # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
-    x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
-    # sizes (GROUPS_PER_SLICE: a multiple of 4 * KREP)
-    M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-    # strides (both codes tensors contiguous: one row stride)
-    stride_xm, stride_cn, stride_om,
-    # meta-parameters: kernels_small.vq_small_kernel's, a bias flag per weight
-    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
-    COPIES: gl.constexpr, GATE_BIAS: gl.constexpr, UP_BIAS: gl.constexpr, EVEN: gl.constexpr,
-):
+def swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
+                   u_bias_ptr, out_ptr, pid, m0, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om,
+                   TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+                   COPIES: gl.constexpr, GATE_BIAS: gl.constexpr, UP_BIAS: gl.constexpr, EVEN: gl.constexpr,
+                   SHARED_BOOKS: gl.constexpr):
+    """One program of the fused gate/up kernel: rows ``pid * ROWS ...`` of both projections for
+    tokens ``m0 ... m0 + TOKENS`` (those below M), every stage below, ``silu(g) * u`` into
+    ``out[toks, rows]``. The weights' pointers may be offset by the caller (``kernels_moe``: an
+    expert's gate and up rows of one stacked weight). ``SHARED_BOOKS``: gate and up use one
+    codebook pair (``g_cb_ptr``; ``u_cb_ptr`` unused), staged once, one factor ``f``."""
     NUM_WARPS: gl.constexpr = ROW_TILES * SLICES
     ROWS: gl.constexpr = 16 * ROW_TILES              # output rows per program (of gate, of up and of h)
     TILE: gl.constexpr = 16 * NUM_WARPS              # tile row t: slice t // ROWS, output row t % ROWS
     BG: gl.constexpr = 4 * KREP                       # groups per step (4 lanes x KREP registers)
     BK: gl.constexpr = 8 * BG
-    UP_BASE: gl.constexpr = 512 * COPIES * 16         # bytes from the gate's copies to the up's
+    BOOKS: gl.constexpr = 2 - SHARED_BOOKS            # codebook pairs staged (1: gate and up share one)
+    UP_BASE: gl.constexpr = 512 * COPIES * 16 * (BOOKS - 1)   # bytes from the gate's copies to the up's
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     A_OP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
@@ -113,10 +113,8 @@ def vq_swiglu_kernel(
     FLAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     PEAKS: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    pid = gl.program_id(0)
-    m0 = gl.program_id(1) * TOKENS                    # token tiles (more than TOKENS tokens)
     # the first and largest shared allocation: global_smem + 0, where the lookups' PTX reads
-    cb_smem = gl.allocate_shared_memory(dtype, [4 * 256, COPIES, 8], FLAT)
+    cb_smem = gl.allocate_shared_memory(dtype, [BOOKS * 512, COPIES, 8], FLAT)
     g_maxima = gl.allocate_shared_memory(gl.int32, [NUM_WARPS], PEAKS)
     u_maxima = gl.allocate_shared_memory(gl.int32, [NUM_WARPS], PEAKS)
 
@@ -142,16 +140,21 @@ def vq_swiglu_kernel(
     # other (fewer registers live), one barrier for both; each weight scaled by its own f (and its
     # row scale by 1 / f) where C0[a] + C1[b] could overflow x's dtype ----
     _stage_codebooks(g_cb_ptr, cb_smem.slice(0, 512), g_maxima, dtype, COPIES, NUM_WARPS)
-    _stage_codebooks(u_cb_ptr, cb_smem.slice(512, 512), u_maxima, dtype, COPIES, NUM_WARPS)
+    if not SHARED_BOOKS:
+        _stage_codebooks(u_cb_ptr, cb_smem.slice(512, 512), u_maxima, dtype, COPIES, NUM_WARPS)
     thread_barrier()
     g_factor, g_inverse = codebook_factor(g_maxima, dtype, NUM_WARPS)
-    u_factor, u_inverse = codebook_factor(u_maxima, dtype, NUM_WARPS)
+    if SHARED_BOOKS:
+        u_factor, u_inverse = g_factor, g_inverse
+    else:
+        u_factor, u_inverse = codebook_factor(u_maxima, dtype, NUM_WARPS)
     if g_factor != 1.0:
         _rescale_codebooks(g_cb_ptr, cb_smem.slice(0, 512), g_factor, dtype, COPIES, NUM_WARPS)
         thread_barrier()
-    if u_factor != 1.0:
-        _rescale_codebooks(u_cb_ptr, cb_smem.slice(512, 512), u_factor, dtype, COPIES, NUM_WARPS)
-        thread_barrier()
+    if not SHARED_BOOKS:
+        if u_factor != 1.0:
+            _rescale_codebooks(u_cb_ptr, cb_smem.slice(512, 512), u_factor, dtype, COPIES, NUM_WARPS)
+            thread_barrier()
 
     # per-element constants of the A tiles (shared by both weights) and x's pointers
     copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_tok_ok = _step_operands(
@@ -214,6 +217,49 @@ def vq_swiglu_kernel(
                        stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
 
 
+@gluon.jit
+def vq_swiglu_kernel(
+    # pointers (codes read as int16 [N, NUM_GROUPS]: low byte codebook 0, high byte codebook 1)
+    x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
+    # sizes (GROUPS_PER_SLICE: a multiple of 4 * KREP)
+    M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+    # strides (both codes tensors contiguous: one row stride)
+    stride_xm, stride_cn, stride_om,
+    # meta-parameters: kernels_small.vq_small_kernel's, a bias flag per weight
+    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+    COPIES: gl.constexpr, GATE_BIAS: gl.constexpr, UP_BIAS: gl.constexpr, EVEN: gl.constexpr,
+):
+    # grid: (row blocks, token tiles of TOKENS tokens); each weight its own codebooks
+    swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
+                   u_bias_ptr, out_ptr, gl.program_id(0), gl.program_id(1) * TOKENS, M, N, NUM_GROUPS,
+                   GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, TOKENS, KREP, ROW_TILES, SLICES, COPIES,
+                   GATE_BIAS, UP_BIAS, EVEN, False)
+
+
+@triton.jit
+def tl_swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
+                      u_bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
+                      stride_om, ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr,
+                      GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr):
+    """:func:`swiglu_program` in ``tl``: per weight the sums over K of ``rows`` for tokens ``toks``
+    (those below M; ``kernels_small._tl_projection``), the row scales times ``1 / f``, the biases,
+    ``silu(g) * u`` in fp32, one rounding into ``out[toks, rows]`` (the weights' pointers may be
+    offset by the caller, and may share codebooks)."""
+    g, g_inverse = _tl_projection(x_ptr, g_codes_ptr, g_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
+    u, u_inverse = _tl_projection(x_ptr, u_codes_ptr, u_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
+    g = g * (tl.load(g_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * g_inverse)[:, None]
+    u = u * (tl.load(u_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * u_inverse)[:, None]
+    if GATE_BIAS:
+        g += tl.load(g_bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    if UP_BIAS:
+        u += tl.load(u_bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
+    h = g / (1.0 + tl.exp(-g)) * u
+    ok = (rows[:, None] < N) & (toks[None, :] < M)
+    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit
 def vq_swiglu_tl_kernel(
     x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
@@ -228,22 +274,11 @@ def vq_swiglu_tl_kernel(
     to x's dtype, the row scale times ``1 / f`` on the sums; then the biases and ``silu(g) * u`` in
     fp32, one rounding."""
     ROWS: tl.constexpr = 16 * ROW_TILES
-    BG: tl.constexpr = 4 * KREP
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     toks = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    g, g_inverse = _tl_projection(x_ptr, g_codes_ptr, g_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
-    u, u_inverse = _tl_projection(x_ptr, u_codes_ptr, u_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
-    g = g * (tl.load(g_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * g_inverse)[:, None]
-    u = u * (tl.load(u_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * u_inverse)[:, None]
-    if GATE_BIAS:
-        g += tl.load(g_bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-    if UP_BIAS:
-        u += tl.load(u_bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
-    h = g / (1.0 + tl.exp(-g)) * u
-    ok = (rows[:, None] < N) & (toks[None, :] < M)
-    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
+    tl_swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
+                      u_bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
+                      stride_om, ROWS, TOKENS, 4 * KREP, SLICES, GATE_BIAS, UP_BIAS)
 
 
 @triton.jit

@@ -358,6 +358,42 @@ def _fused_mlp_fp8(device, dt):
                  (torch.randn(5, 256, device=device).to(torch.bfloat16),)], check
 
 
+def _vq_moe(device, dt):
+    from tilefuse.testing import vq as vqc
+
+    base = vqc.make_moe_case(5, 2, 4, 64, 32, dt, device)
+    weights = base.args()[3:]
+
+    def args(t):
+        c = vqc.make_moe_case(t, 2, 4, 64, 32, dt, device)
+        return (c.x, c.top_k_index, c.top_k_weights, *weights)
+
+    def check(out, a):
+        _close(out, vqc.moe_reference_fp64(vqc.MoECase(*a)))
+
+    return lambda *a: tilefuse.vq_moe(*a), [args(3), args(5)], check
+
+
+def _vq_moe_experts(device, dt):
+    from tilefuse.nn import VQMoEExperts
+    from tilefuse.testing import vq as vqc
+
+    base = vqc.make_moe_case(1, 2, 4, 64, 32, dt, device)
+    experts = VQMoEExperts(4, 64, 32, dtype=dt, device=device)
+    for name in ("gate_up_codes", "gate_up_codebooks", "gate_up_scales", "down_codes", "down_codebooks",
+                 "down_scales"):
+        getattr(experts, name).copy_(getattr(base, name).reshape(getattr(experts, name).shape))
+
+    def args(t):
+        c = vqc.make_moe_case(t, 2, 4, 64, 32, dt, device)
+        return c.x, c.top_k_index, c.top_k_weights
+
+    def check(out, a):
+        _close(out, vqc.moe_reference_fp64(vqc.MoECase(*a, *base.args()[3:])))
+
+    return experts, [args(3), args(5)], check
+
+
 def _vq_linear(device, dt):
     from tilefuse.nn import VQLinear
     from tilefuse.testing import vq as vqc
@@ -410,6 +446,7 @@ CASES = [
     CompileCase("swiglu_fp8-e4m3-out", "swiglu_fp8", _swiglu_fp8_e4m3, needs=FP8),
     CompileCase("vq_matmul", "vq_matmul", _vq_matmul),
     CompileCase("vq_swiglu", "vq_swiglu", _vq_swiglu),
+    CompileCase("vq_moe", "vq_moe", _vq_moe),
     CompileCase("get_mla_metadata", "get_mla_metadata", _get_mla_metadata),
     CompileCase("flash_mla_with_kvcache-dense", "flash_mla_with_kvcache", _flash_mla("dense")),
     CompileCase("flash_mla_with_kvcache-fp8", "flash_mla_with_kvcache", _flash_mla("fp8")),
@@ -422,6 +459,7 @@ CASES = [
     CompileCase("FusedSwiGLUMLP-fp8", "FusedSwiGLUMLP", _fused_mlp_fp8, needs=FP8),
     CompileCase("VQLinear", "VQLinear", _vq_linear),
     CompileCase("VQSwiGLUMLP", "VQSwiGLUMLP", _vq_swiglu_mlp),
+    CompileCase("VQMoEExperts", "VQMoEExperts", _vq_moe_experts),
     CompileCase("MLADecodeAttention", "MLADecodeAttention", _mla_module),
 ]
 

@@ -42,6 +42,8 @@ def _calls():
     for k in (4096, 14336):                             # same N, different K (K slices 8 and 28)
         c = vq_cases.make_case(1, 4096, k, DT, "cuda", bias=True)
         calls[f"vq N4096 K{k}"] = (lambda c=c: tilefuse.vq_matmul(*c.args()), vq_cases.reference_fp64(c), False)
+    moe = vq_cases.make_moe_case(4, 8, 32, 2048, 768, DT, "cuda")      # 2-bit MoE experts: routing read on the device
+    calls["vq_moe E32 top-8"] = (lambda c=moe: tilefuse.vq_moe(*c.args()), vq_cases.moe_reference_fp64(moe), True)
     for h_q in (16, 128):                               # second-launch combine / fused combine
         inp = mla_cases.make_case([3000, 70, 0, 9000], 1, h_q, DT, "cuda")
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1)

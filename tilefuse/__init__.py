@@ -4,7 +4,8 @@ Public ops (PyTorch custom ops under ``torch.ops.tilefuse``):
 
 * :func:`swiglu`, :func:`pack_gate_up` -- fused SwiGLU gate/up GEMM (paper 1)
 * :func:`vq_matmul` -- 2-bit VQ linear layer in AQLM's 2x8 format (paper 2); :func:`vq_swiglu`, two of
-  them as a gated MLP's gate/up projection with the SwiGLU epilogue
+  them as a gated MLP's gate/up projection with the SwiGLU epilogue; :func:`vq_moe`, an MoE block's
+  2-bit experts with the routing read on the device
 * :func:`get_mla_metadata`, :func:`flash_mla_with_kvcache` -- MLA decode over a paged cache (paper 3)
 * :func:`quantize` -- dense weight -> 2x8 codes, codebooks, scales (:mod:`tilefuse.quantizer`)
 

@@ -41,7 +41,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mla", ("get_mla_metadata", "flash_mla_with_kvcache", "mla_quantize_kv", "mla_dequantize_kv",
                    "mla_scatter_kv"), ("transposed", "standard", "wgmma"),
            "flash_mla_with_kvcache", "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch"),
-    Family("vq", ("vq_matmul", "vq_swiglu"), ("decode", "decode_tl", "mma", "small", "prefill", "dequant"), "vq_matmul",
+    Family("vq", ("vq_matmul", "vq_swiglu", "vq_moe"), ("decode", "decode_tl", "mma", "small", "prefill", "dequant"), "vq_matmul",
            "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels", ("vq_swiglu",)),
 )}
 

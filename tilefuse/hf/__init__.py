@@ -84,7 +84,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_e2e_schedule: str = "constant",
              finetune_pv: int = 0,
              finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, fuse_gate_up: bool = True,
-             **quantize_opts) -> int:
+             experts: bool = True, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -150,10 +150,18 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         both became VQLinear runs them as one :func:`tilefuse.vq_swiglu` call
         (:func:`fuse_vq_mlps`: a :class:`tilefuse.nn.VQSwiGLUMLP` holding the same layers, so the
         state dict keeps its keys). False keeps the MLP modules as they are.
+    experts : every MoE block's stacked experts module (transformers' ``Qwen3MoeExperts`` form:
+        3-D ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, a SiLU ``act_fn``,
+        ``forward(hidden_states, top_k_index, top_k_weights)``; :func:`tilefuse.nn.vq_moe.unsupported_experts`)
+        becomes a :class:`tilefuse.nn.VQMoEExperts` running :func:`tilefuse.vq_moe` (routing read on
+        the device: graph-capturable), the router kept: random codes with ``random_codes``, else
+        each expert's two weights quantized without calibration. Calibrated experts are not built
+        (``NotImplementedError``: per-expert ``X^T X`` of the routed tokens is not collected).
+        False keeps the experts dense.
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
-    Returns the number of modules replaced. Raises ValueError (naming the argument) when no target
+    Returns the number of modules replaced (Linears and experts modules). Raises ValueError (naming the argument) when no target
     Linear is found, a target's ``in_features`` is not a multiple of 8, or ``calibration`` is not
     token ids or is combined with ``random_codes``.
 
@@ -161,7 +169,15 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     >>> patch_vq(model, random_codes=True)                                  # speed runs
     """
     _checks.check_bool("fuse_gate_up", fuse_gate_up)
+    _checks.check_bool("experts", experts)
     windows = _calibration_windows(calibration, random_codes)
+    moe = _moe_experts(model) if experts else []
+    if moe and (windows or finetune or finetune_e2e):
+        raise NotImplementedError(
+            f"patch_vq: calibrated 2-bit MoE experts are not built ({len(moe)} experts modules, e.g. {moe[0]!r}): "
+            f"the X^T X of the tokens routed to each expert (gate/up) and of each expert's intermediate "
+            f"activations (down) is not collected; pass random_codes=True, or calibration=None (each expert "
+            f"quantized without calibration), or experts=False (the experts stay dense)")
     layers = _vq_targets(model, targets)
     if progress is None:
         progress = not random_codes
@@ -256,9 +272,35 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
             print(f"patch_vq [{i}/{len(layers)}] {name} {linear.out_features}x{linear.in_features} "
                   f"({now - start:.2f} s; {now - begin:.1f} s so far, about {left:.0f} s left)",
                   file=sys.stderr, flush=True)
+    for name in moe:
+        start = time.perf_counter()
+        if random_codes:
+            generator = generator or torch.Generator(device=model.get_submodule(name).gate_up_proj.device).manual_seed(seed)
+        model.set_submodule(name, _vq_experts(model.get_submodule(name), random_codes, generator, seed, quantize_opts))
+        if progress:
+            print(f"patch_vq {name}: 2-bit experts ({time.perf_counter() - start:.2f} s)", file=sys.stderr, flush=True)
     if fuse_gate_up:
         fuse_vq_mlps(model)
-    return len(layers)
+    return len(layers) + len(moe)
+
+
+def _moe_experts(model: nn.Module) -> list[str]:
+    """Names of the stacked-experts modules :class:`tilefuse.nn.VQMoEExperts` can replace."""
+    from tilefuse.nn.vq_moe import VQMoEExperts, unsupported_experts
+
+    return [name for name, mod in model.named_modules()
+            if name and not isinstance(mod, VQMoEExperts) and hasattr(mod, "gate_up_proj")
+            and unsupported_experts(mod) is None]
+
+
+@torch.no_grad()
+def _vq_experts(module: nn.Module, random_codes: bool, generator, seed: int, quantize_opts: dict) -> nn.Module:
+    """The 2-bit form of one stacked-experts module (random codes, or quantized without calibration)."""
+    from tilefuse.nn.vq_moe import VQMoEExperts
+
+    if random_codes:
+        return VQMoEExperts.from_experts(module, random_codes=True, generator=generator)
+    return VQMoEExperts.from_experts(module, seed=seed, **quantize_opts)
 
 
 def fuse_vq_mlps(model: nn.Module) -> int:

@@ -6,6 +6,7 @@ _PUBLIC = {
     "FusedSwiGLUMLP": "tilefuse.nn.swiglu",
     "VQLinear": "tilefuse.nn.vq",
     "VQSwiGLUMLP": "tilefuse.nn.vq",
+    "VQMoEExperts": "tilefuse.nn.vq_moe",
     "MLADecodeAttention": "tilefuse.nn.mla",
 }
 

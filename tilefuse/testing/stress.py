@@ -254,6 +254,9 @@ def cases(group: str, device, quick: bool = False) -> list[Case]:
         up_codes, up_books, up_scales = vqc.make_weight(768, 2048, DT, device)
         out.append(Case("vq_swiglu x[2,2048] N=768", lambda g=gate, c=up_codes, b=up_books, s=up_scales:
                         tilefuse.vq_swiglu(g.x, g.codes, g.codebooks, g.scales, c, b, s)))
+        # 2-bit MoE experts, routing read on the device (its own kernels whatever variant is pinned)
+        moe = vqc.make_moe_case(4, 8, 32, 2048, 768, DT, device)
+        out.append(Case("vq_moe x[4,2048] E=32 top-8", lambda c=moe: tilefuse.vq_moe(*c.args())))
         return out
     if group in ("mla", "mla_fp8"):
         from tilefuse.testing import mla as mc

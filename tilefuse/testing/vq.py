@@ -126,3 +126,52 @@ def check(out: torch.Tensor, case: VQCase, variant: str) -> None:
         i = tuple(bad.nonzero()[0].tolist())
         raise AssertionError(f"{variant}: {int(bad.sum())} of {out.numel()} outputs off; first {i}: "
                              f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+
+
+# ----------------------------------------------------------------------------- MoE experts
+# (E, H, I, top-k): Qwen3-30B-A3B's routed experts; DeepSeek-V2-Lite / Qwen1.5-MoE-A2.7B-like (held out)
+MOE_SHAPES = [(128, 2048, 768, 8), (64, 2048, 1408, 6)]
+
+
+@dataclass
+class MoECase:
+    x: torch.Tensor                   # [T, H]
+    top_k_index: torch.Tensor         # [T, k] expert ids
+    top_k_weights: torch.Tensor       # [T, k]
+    gate_up_codes: torch.Tensor       # [E, 2I, H/8, 2]
+    gate_up_codebooks: torch.Tensor   # [E, 2, 256, 1, 8]
+    gate_up_scales: torch.Tensor      # [E, 2I, 1, 1, 1]
+    down_codes: torch.Tensor          # [E, H, I/8, 2]
+    down_codebooks: torch.Tensor      # [E, 2, 256, 1, 8]
+    down_scales: torch.Tensor         # [E, H, 1, 1, 1]
+
+    def args(self, x: torch.Tensor | None = None) -> tuple:
+        return (self.x if x is None else x, self.top_k_index, self.top_k_weights, self.gate_up_codes,
+                self.gate_up_codebooks, self.gate_up_scales, self.down_codes, self.down_codebooks, self.down_scales)
+
+
+def make_moe_case(t: int, k: int, e: int, h: int, i: int, dtype: torch.dtype, device, *,
+                  codes_dtype: torch.dtype = torch.uint8, index_dtype: torch.dtype = torch.int64,
+                  distinct: bool = True) -> MoECase:
+    """x [T, H], routing [T, k] (distinct experts per token where ``distinct`` and k <= E, as a
+    router's top-k gives; else any, repeats included) with softmax-like weights, and E experts'
+    random 2x8 gate/up ``[2I, H]`` and down ``[H, I]`` weights (:func:`make_weight`'s magnitudes)."""
+    weights = [make_weight(2 * i, h, dtype, device, codes_dtype=codes_dtype) for _ in range(e)]
+    downs = [make_weight(h, i, dtype, device, codes_dtype=codes_dtype) for _ in range(e)]
+    if distinct and k <= e:
+        index = torch.rand(t, e, device=device).argsort(dim=1)[:, :k]
+    else:
+        index = torch.randint(0, e, (t, k), device=device)
+    routing = torch.rand(t, k, device=device).softmax(dim=1)
+    stack = [torch.stack([w[j] for w in ws]) for ws in (weights, downs) for j in range(3)]
+    return MoECase(torch.randn(t, h, device=device).to(dtype), index.to(index_dtype).contiguous(), routing.to(dtype),
+                   *stack)
+
+
+def moe_reference_fp64(case: MoECase) -> torch.Tensor:
+    """The MoE spec (``vq_moe_reference``) in fp64 on the case's rounded inputs (h not rounded)."""
+    from tilefuse.ops.vq.reference import vq_moe_reference
+
+    return vq_moe_reference(case.x.double(), case.top_k_index, case.top_k_weights.double(), case.gate_up_codes,
+                            case.gate_up_codebooks.double(), case.gate_up_scales.double(), case.down_codes,
+                            case.down_codebooks.double(), case.down_scales.double(), compute_dtype=torch.float64)

@@ -197,23 +197,61 @@ def small_config(m: int, n: int, k: int, on_gpu: bool, num_sms: int, slices: int
     steps = _cdiv(max(groups, 1), bg)
     rows = 16 * row_tiles
     programs = _cdiv(n, rows) * _cdiv(m, tokens)
-    if not slices:
-        # at least 2 warps: with one, ptxas spills the kernel (its register heuristic for 32 threads)
-        options = [s for s in (2, 4, 8) if s <= SMALL["max_slices"] and s * row_tiles <= 16]
-        if not on_gpu:
-            options = [s for s in options if s <= 4]
-
-        def cost(s):
-            # programs resident per SM: 64 warps and the shared memory of the copies
-            per_sm = max(1, min(64 // (s * row_tiles), (227 * 1024) // (copies * 8192 + 16 * s * rows * 4)))
-            return _cdiv(programs, per_sm * num_sms) * (_cdiv(steps, s) + SMALL["fixed_steps"])
-
-        best = min(cost(s) for s in options)
-        slices = min(s for s in options if cost(s) <= 1.1 * best)
+    slices = slices or _small_slices(programs, steps, row_tiles, copies * 8192, rows, on_gpu, num_sms)
     groups_per_slice = _cdiv(steps, slices) * bg      # slices past K's end (a power of two of warps) add nothing
     return dict(tokens=tokens, krep=krep, row_tiles=row_tiles, slices=slices, copies=copies, rows=rows,
                 groups_per_slice=groups_per_slice, even=groups == slices * groups_per_slice,
                 grid=(_cdiv(n, rows), _cdiv(m, tokens), 1), num_warps=row_tiles * slices)
+
+
+def _small_slices(programs: int, steps: int, row_tiles: int, copies_bytes: int, rows: int, on_gpu: bool,
+                  num_sms: int) -> int:
+    """K slices (warps per row tile) of a small-layer program: the fewest of 2, 4, 8 that bring
+    ``waves x (steps per warp + fixed_steps)`` to within 10 % of the best (``copies_bytes``: the
+    program's codebook copies in shared memory, which bound the programs resident per SM)."""
+    # at least 2 warps: with one, ptxas spills the kernel (its register heuristic for 32 threads)
+    options = [s for s in (2, 4, 8) if s <= SMALL["max_slices"] and s * row_tiles <= 16]
+    if not on_gpu:
+        options = [s for s in options if s <= 4]
+
+    def cost(s):
+        # programs resident per SM: 64 warps and the shared memory of the copies
+        per_sm = max(1, min(64 // (s * row_tiles), (227 * 1024) // (copies_bytes + 16 * s * rows * 4)))
+        return _cdiv(programs, per_sm * num_sms) * (_cdiv(steps, s) + SMALL["fixed_steps"])
+
+    best = min(cost(s) for s in options)
+    return min(s for s in options if cost(s) <= 1.1 * best)
+
+
+# MoE experts (``kernels_moe``: a program per token-expert pair and row block, one token): codebook
+# copies per entry, row tiles per program and K step. Chosen before any timing as the fused
+# gate/up's copies (4; shorter programs than a dense layer's, so fewer copies to fill) and the
+# small kernel's tiles; the first H100 run times the alternatives (docs/vq.md).
+MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4))
+
+
+@functools.lru_cache(maxsize=4096)
+def moe_config(pairs: int, n: int, k: int, on_gpu: bool, num_sms: int, copies: int = 0, row_tiles: int = 0,
+               krep: int = 0, slices: int = 0, books: int = 1) -> dict:
+    """Tiles of the MoE expert kernels (``kernels_moe``) on ``pairs`` token-expert pairs of an
+    ``[n, k]`` projection per expert (the gate/up kernel: ``n`` = I rows of each of gate and up,
+    ``books`` codebook pairs staged). One token per program (``tokens``: the MMA's 8 columns on the
+    GPU, the ``tl`` twin's 16 in the interpreter); grid ``(pairs, row blocks)``. Explicit
+    arguments override (tuning and tests)."""
+    groups = k // 8
+    row_tiles = row_tiles or (MOE["row_tiles"] if on_gpu else 1)
+    krep = krep or (MOE["krep"] if on_gpu else 1)
+    copies = copies or MOE["copies"]
+    tokens = 8 if on_gpu else 16
+    bg = 4 * krep
+    steps = _cdiv(max(groups, 1), bg)
+    rows = 16 * row_tiles
+    programs = pairs * _cdiv(n, rows)
+    slices = slices or _small_slices(programs, steps, row_tiles, books * copies * 8192, rows, on_gpu, num_sms)
+    groups_per_slice = _cdiv(steps, slices) * bg
+    return dict(tokens=tokens, krep=krep, row_tiles=row_tiles, slices=slices, copies=copies, rows=rows,
+                groups_per_slice=groups_per_slice, even=groups == slices * groups_per_slice,
+                grid=(pairs, _cdiv(n, rows), 1), num_warps=row_tiles * slices)
 
 
 def wgmma_prefill_meta(cfg: dict, has_bias: bool) -> dict:

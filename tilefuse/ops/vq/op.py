@@ -1186,3 +1186,233 @@ def vq_swiglu(x: torch.Tensor, gate_codes: torch.Tensor, gate_codebooks: torch.T
     if use_dispatcher(x, *weights):
         return _vq_swiglu_op(x, *weights)
     return _run_swiglu(call, x, *weights)
+
+
+# ----------------------------------------------------------------------------- MoE experts
+from tilefuse.ops.vq.reference import vq_moe_reference  # noqa: E402
+
+MOE_INDEX_DTYPES = (torch.int32, torch.int64)
+MOE_SUM_BLOCK = 1024        # columns per program of the top-k sum
+_MOE_WEIGHTS = ("gate_up_codes", "gate_up_codebooks", "gate_up_scales", "down_codes", "down_codebooks", "down_scales")
+
+
+def _moe_kernel(name: str, impl: str):
+    """``kernels_moe.<name>`` (Gluon) or its ``tl`` twin ``<name>`` with ``_tl`` before ``_kernel``."""
+    return _kernel("kernels_moe", name if impl == "gluon" else name.replace("_kernel", "_tl_kernel"))
+
+
+class _MoECall:
+    """A ``vq_moe`` call's plan per argument layout: the reference or not, tokens, top-k, experts,
+    sizes, and both kernels' launch settings (``configs.moe_config``)."""
+
+    __slots__ = ("reference", "t", "k", "e", "h", "i", "impl", "gate_up", "down", "sum_grid")
+
+
+def _moe_launch(cfg: dict, scalars: tuple) -> tuple:
+    """(grid, scalars, constexprs) of one MoE kernel launch from its ``moe_config``."""
+    meta = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
+                COPIES=cfg["copies"], EVEN=cfg["even"], num_warps=cfg["num_warps"])
+    return cfg["grid"], scalars, meta
+
+
+def _moe_plan(t: int, k: int, e: int, h: int, i: int, device: torch.device, impl: str = "auto",
+              gate_up: dict | None = None, down: dict | None = None) -> _MoECall:
+    """The launches of the three MoE kernels for ``t`` tokens of top-``k`` routing over ``e``
+    experts of ``[2I, H]`` gate/up and ``[H, I]`` down weights. ``gate_up``, ``down``: overrides
+    of ``configs.moe_config`` (tuning and tests)."""
+    impl = _gluon_or_tl(impl, device, _moe_kernel("vq_moe_gate_up_kernel", "gluon"), "MoE expert kernels")
+    on_gpu, sms, pairs = impl == "gluon", num_sms(device), t * k
+    call = _MoECall()
+    call.reference, call.t, call.k, call.e, call.h, call.i, call.impl = False, t, k, e, h, i, impl
+    cfg = configs.moe_config(pairs, i, h, on_gpu, sms, **(gate_up or {}))
+    call.gate_up = _moe_launch(cfg, (e, k, i, h // 8, cfg["groups_per_slice"], h, 2 * i * (h // 8), h // 8, i))
+    cfg = configs.moe_config(pairs, h, i, on_gpu, sms, **(down or {}))
+    call.down = _moe_launch(cfg, (e, k, h, i // 8, cfg["groups_per_slice"], i, h * (i // 8), i // 8, h))
+    call.sum_grid = (t, -(-h // MOE_SUM_BLOCK), 1)
+    return call
+
+
+def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """Stacked codes [E, R, G, 2] (uint8/int8) as int16 [E * R, G], cached per codes tensor."""
+    key = ("expert pairs", codes.data_ptr(), codes.shape, codes.device)
+    pairs = _words_cache.get(key)
+    if pairs is None:
+        if len(_words_cache) >= 1024:
+            _words_cache.clear()
+        pairs = _words_cache[key] = codes.view(torch.int16).view(codes.shape[0] * codes.shape[1], codes.shape[2])
+    return pairs
+
+
+def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales,
+               down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
+    """The three MoE launches into ``out`` [T, H] (any contents). x: [T, H] contiguous; top_k_index,
+    top_k_weights: [T, k] contiguous; weights contiguous, scales of any shape with E x rows values."""
+    pairs = call.t * call.k
+    device = x.device
+    h_buf = torch.empty(pairs, call.i, dtype=x.dtype, device=device)          # silu(g) * u per pair
+    y_buf = torch.empty(pairs, call.h, dtype=torch.float32, device=device)    # w * down(h) per pair
+    tensors = (x, top_k_index, _expert_pairs(gate_up_codes), gate_up_codebooks, gate_up_scales, h_buf)
+    grid, scalars, meta = call.gate_up
+    _moe_kernel("vq_moe_gate_up_kernel", call.impl).launch(
+        (call, "gate_up", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
+    tensors = (h_buf, top_k_index, top_k_weights, _expert_pairs(down_codes), down_codebooks, down_scales, y_buf)
+    grid, scalars, meta = call.down
+    _moe_kernel("vq_moe_down_kernel", call.impl).launch(
+        (call, "down", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
+    _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
+        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index, (y_buf, top_k_index, out),
+        (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
+    return out
+
+
+def _validate_moe(x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,
+                  down_codebooks, down_scales) -> None:
+    """Shapes, dtypes and devices (metadata only: the expert ids are not read)."""
+    _checks.check_tensor("x", x, dtypes=_checks.FLOATS, ndim=2)
+    t, h = x.shape
+    _checks.check_multiple("x", h, 8, "H (last dimension)")
+    _checks.check_tensor("top_k_index", top_k_index, dtypes=MOE_INDEX_DTYPES, ndim=2)
+    k = top_k_index.shape[1]
+    _checks.check_shape("top_k_index", top_k_index, (t, k), "[T, k] (T: x's rows)")
+    _checks.check_tensor("top_k_weights", top_k_weights, dtypes=_checks.FLOATS, ndim=2)
+    _checks.check_shape("top_k_weights", top_k_weights, (t, k), "[T, k] (top_k_index's shape)")
+    _checks.check_tensor("gate_up_codes", gate_up_codes, dtypes=CODE_DTYPES, ndim=4)
+    e, rows = gate_up_codes.shape[:2]
+    if rows % 2 or (rows // 2) % 8:
+        raise ValueError(f"gate_up_codes: expected [E, 2I, H/8, 2] with I a multiple of 8 (gate rows, then up "
+                         f"rows), got shape {tuple(gate_up_codes.shape)}")
+    i = rows // 2
+    _checks.check_shape("gate_up_codes", gate_up_codes, (e, 2 * i, h // 8, 2), f"[E, 2I, H/8={h // 8}, 2]")
+    _checks.check_tensor("gate_up_codebooks", gate_up_codebooks, dtypes=_checks.FLOATS, ndim=5)
+    _checks.check_shape("gate_up_codebooks", gate_up_codebooks, (e, 2, 256, 1, 8), f"[E={e}, 2, 256, 1, 8]")
+    _checks.check_tensor("down_codes", down_codes, dtypes=CODE_DTYPES, ndim=4)
+    _checks.check_shape("down_codes", down_codes, (e, h, i // 8, 2), f"[E={e}, H={h}, I/8={i // 8}, 2]")
+    _checks.check_tensor("down_codebooks", down_codebooks, dtypes=_checks.FLOATS, ndim=5)
+    _checks.check_shape("down_codebooks", down_codebooks, (e, 2, 256, 1, 8), f"[E={e}, 2, 256, 1, 8]")
+    for name, scales, n in (("gate_up_scales", gate_up_scales, 2 * i), ("down_scales", down_scales, h)):
+        _checks.check_tensor(name, scales, dtypes=_checks.FLOATS, min_ndim=2)
+        if scales.numel() != e * n or tuple(scales.shape[:2]) != (e, n):
+            raise ValueError(f"{name}: expected a floating tensor of shape [E={e}, {n}] or [E={e}, {n}, 1, 1, 1], "
+                             f"got {scales.dtype} {tuple(scales.shape)}")
+    _checks.check_same_device(x=x, top_k_index=top_k_index, top_k_weights=top_k_weights, gate_up_codes=gate_up_codes,
+                              gate_up_codebooks=gate_up_codebooks, gate_up_scales=gate_up_scales,
+                              down_codes=down_codes, down_codebooks=down_codebooks, down_scales=down_scales)
+
+
+def check_expert_ids(top_k_index: torch.Tensor, num_experts: int) -> None:
+    """Every expert id in ``[0, num_experts)``: reads the ids (a host sync)."""
+    if top_k_index.numel():
+        lo, hi = (int(v) for v in torch.aminmax(top_k_index))
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"top_k_index: expected expert ids in [0, {num_experts}), got [{lo}, {hi}] (ids out of "
+                             f"range contribute nothing without check_contents)")
+
+
+def _moe_reference(x, *args):
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return vq_moe_reference(x, *args, compute_dtype=compute)
+
+
+def _vq_moe_fake(x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,
+                 down_codebooks, down_scales):
+    return x.new_empty(x.shape[0], x.shape[1])
+
+
+_moe_plans = PlanCache()
+
+
+def _plan_moe(x, *args) -> _MoECall:
+    key = plan_key(x, *args)
+    call = _moe_plans.get(key) if key is not None else None
+    if call is not None:
+        return call
+    _validate_moe(x, *args)
+    (t, h), k = x.shape, args[0].shape[1]
+    e, i = args[2].shape[0], args[2].shape[1] // 2
+    reference = x.dtype not in KERNEL_DTYPES or choose_backend(x.device) != "triton"
+    if not reference and t * k and e and i:
+        check_interpretable("x", x.dtype)
+        call = _moe_plan(t, k, e, h, i, x.device)
+    else:
+        call = _MoECall()
+        call.t, call.k, call.e, call.h, call.i = t, k, e, h, i
+    call.reference = reference
+    return _moe_plans.remember(key, call)
+
+
+def _run_moe(call: _MoECall, x, top_k_index, top_k_weights, *weights) -> torch.Tensor:
+    if call.reference:
+        return _moe_reference(x, top_k_index, top_k_weights, *weights)
+    if call.t * call.k == 0 or call.e == 0 or call.i == 0:     # no pairs, experts or rows: nothing routed
+        return torch.zeros(call.t, call.h, dtype=x.dtype, device=x.device)
+    out = torch.empty(call.t, call.h, dtype=x.dtype, device=x.device)
+    return launch_moe(call, x, top_k_index, top_k_weights, *weights, out)
+
+
+@tilefuse_op("vq_moe", fake=_vq_moe_fake, backward=no_backward("tilefuse.vq_moe", "the 2-bit MoE experts"))
+def _vq_moe_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_codes: torch.Tensor,
+               gate_up_codebooks: torch.Tensor, gate_up_scales: torch.Tensor, down_codes: torch.Tensor,
+               down_codebooks: torch.Tensor, down_scales: torch.Tensor) -> torch.Tensor:
+    args = (top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes, down_codebooks,
+            down_scales)
+    return _run_moe(_plan_moe(x, *args), x, *args)
+
+
+def vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_codes: torch.Tensor,
+           gate_up_codebooks: torch.Tensor, gate_up_scales: torch.Tensor, down_codes: torch.Tensor,
+           down_codebooks: torch.Tensor, down_scales: torch.Tensor, *,
+           check_contents: bool | None = None) -> torch.Tensor:
+    """An MoE block's routed experts with 2-bit weights in AQLM's 2x8 format, routing read on the
+    device (no host sync: a CUDA graph replays any routing; ``torch.compile(fullgraph=True)``
+    traces it): the arguments and result of transformers' ``Qwen3MoeExperts.forward`` (Qwen3-MoE,
+    Qwen2-MoE, OLMoE, Mixtral-style experts: SiLU-gated, gate and up stacked in one weight).
+
+    ``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))``, ``e = top_k_index[t, j]``;
+    each expert's weights as :func:`vq_matmul` takes one layer's:
+    ``W[n, 8g:8g+8] = scales[n] * (C0[codes[n, g, 0]] + C1[codes[n, g, 1]])``.
+
+    Parameters
+    ----------
+    x : [T, H], H a multiple of 8. fp16 or bf16 run the kernels on CUDA (and in Triton's
+        interpreter: fp16); fp32 / fp64 run the PyTorch reference.
+    top_k_index : [T, k] int32 or int64 expert ids. An id outside ``[0, E)`` (transformers'
+        expert-parallel sentinel is E) makes its slot contribute nothing; it is not an error unless
+        ``check_contents`` (the ids are only read on the device otherwise).
+    top_k_weights : [T, k] floating point routing weights (applied in fp32).
+    gate_up_codes : [E, 2I, H/8, 2] uint8 or int8 (AQLM's): per expert the gate's I rows, then
+        the up's I rows (transformers' ``gate_up_proj [E, 2I, H]`` layout); I a multiple of 8.
+    gate_up_codebooks : [E, 2, 256, 1, 8] floating point: one codebook pair per expert, shared by
+        its gate and up rows.
+    gate_up_scales : [E, 2I] (or [E, 2I, 1, 1, 1]) floating point.
+    down_codes : [E, H, I/8, 2] uint8 or int8; down_codebooks : [E, 2, 256, 1, 8];
+    down_scales : [E, H] (or [E, H, 1, 1, 1]).
+    check_contents : read the expert ids back and raise ValueError for ids outside ``[0, E)`` (a
+        host sync); default ``TILEFUSE_DEBUG``. Skipped while ``torch.compile`` traces.
+
+    Returns
+    -------
+    [T, H] in x's dtype. Three launches (``kernels_moe.py``): the fused gate/up and SiLU·mul per
+    (token-expert pair, 16-row block) into ``h [T*k, I]`` (x's dtype), the down projection times
+    the routing weight per pair into fp32 ``[T*k, H]``, and the sum over the k slots in slot order,
+    one rounding. No atomics: repeated calls give the same bits. Only the selected experts' codes
+    are read. No tokens: ``[0, H]``. No gradient (call it under ``torch.no_grad()``).
+    """
+    args = [top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,
+            down_codebooks, down_scales]
+    if not all(isinstance(a, torch.Tensor) for a in (x, *args)):
+        _validate_moe(x, *args)             # raises, naming the argument
+    checks = _env.settings.debug if check_contents is None else check_contents
+    if checks and not torch.compiler.is_compiling() and not _checks.contents_unreadable(top_k_index):
+        _validate_moe(x, *args)
+        check_expert_ids(top_k_index, gate_up_codes.shape[0])
+    # the kernels read every argument as a dense array (no copy when they are)
+    x = x if x.is_contiguous() else x.contiguous()
+    args = [a if a.is_contiguous() else a.contiguous() for a in args]
+    if torch.compiler.is_compiling():
+        # traced: metadata checks and the custom op only; the op plans on concrete sizes when it runs
+        _validate_moe(x, *args)
+        return _vq_moe_op(x, *args)
+    call = _plan_moe(x, *args)
+    if use_dispatcher(x, *args):
+        return _vq_moe_op(x, *args)
+    return _run_moe(call, x, *args)

@@ -1,0 +1,340 @@
+"""2-bit MoE experts (``tilefuse.vq_moe``, ``tilefuse/ops/vq/kernels_moe.py``, ``tilefuse.nn.VQMoEExperts``).
+
+CPU: the ``tl`` twins in Triton's interpreter (fp16: the interpreter computes bf16 ``tl.dot``
+wrongly) at small shapes that cross K steps and slices, H/8 odd, one expert, repeated experts in
+a token, many tokens per expert, into NaN-poisoned outputs; out-of-range expert ids; no tokens,
+no slots; the fp32 reference; bad inputs; the fake; the Gluon kernels compiled for sm_90; the
+module and ``patch_vq`` on a tiny Qwen3-MoE model. GPU (@gpu): the Gluon kernels at Qwen3-30B-A3B's
+and a held-out expert shape, fp16 and bf16, settings, bit-identical repeats and graph replays.
+
+Tolerance (:func:`_bound`), against the spec in fp64 (``vq_moe_reference`` with h unrounded): per
+token-expert pair, the gate/up as ``vq_swiglu``'s fused kernel (``tests/test_vq_swiglu.py``: each
+projection within ``s = tolerance(dtype, "small")["scale"]`` times ``|x| @ |W|^T``, SiLU's slope
+below 1.1, one rounding of h to x's dtype: ``e_h``); the down projection of the rounded h moves by
+``e_h @ |Wd|^T`` plus its own ``s * (|h| + e_h) @ |Wd|^T``, times ``|w|``; the fp32 sum over the k
+slots adds ``2^-20 * sum |y_p|`` (k <= 8 fp32 additions) and the output's rounding one ulp of ``|y|``.
+"""
+
+import pytest
+import torch
+
+import tilefuse
+from tilefuse.ops.vq import op as vq_op
+from tilefuse.ops.vq.reference import dequantize, vq_moe_reference
+from tilefuse.testing import poisoned, repeats_and_replays_identical
+from tilefuse.testing.vq import MOE_SHAPES, make_moe_case, moe_reference_fp64, tolerance
+
+SILU_SLOPE = 1.1        # max |silu'(t)| = 1.0998 (at t = 2.4)
+
+
+def _bound(case):
+    """(the fp64 reference y [T, H], the bound on |out - y|), on the case's device."""
+    dtype = case.x.dtype if case.x.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    tol = tolerance(dtype, "small")
+    ulp, s = tol["rtol"], tol["scale"]
+    x = case.x.double()
+    e_count, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
+    ref = torch.zeros_like(x)
+    bound = torch.zeros_like(x)
+    for e in torch.unique(case.top_k_index).tolist():
+        if not 0 <= e < e_count:
+            continue
+        tok, slot = (case.top_k_index == e).nonzero(as_tuple=True)
+        w_gu = dequantize(case.gate_up_codes[e], case.gate_up_codebooks[e].double(), case.gate_up_scales[e].double(),
+                          dtype=torch.float64)
+        w_d = dequantize(case.down_codes[e], case.down_codebooks[e].double(), case.down_scales[e].double(),
+                         dtype=torch.float64)
+        gu, gu_scale = x[tok] @ w_gu.T, x[tok].abs() @ w_gu.abs().T
+        g, u = gu[:, :i], gu[:, i:]
+        e_g, e_u = s * gu_scale[:, :i], s * gu_scale[:, i:]
+        silu = g * torch.sigmoid(g)
+        hh = silu * u
+        e_h = ulp * hh.abs() + SILU_SLOPE * u.abs() * e_g + silu.abs() * e_u + SILU_SLOPE * e_g * e_u
+        weight = case.top_k_weights[tok, slot].double()[:, None]
+        y = weight * (hh @ w_d.T)
+        ref.index_add_(0, tok, y)
+        bound.index_add_(0, tok, weight.abs() * (e_h @ w_d.abs().T + s * (hh.abs() + e_h) @ w_d.abs().T)
+                         + 2.0 ** -20 * y.abs())
+    return ref, bound + ulp * ref.abs()
+
+
+def _check(out, case):
+    ref, bound = _bound(case)
+    want = moe_reference_fp64(case)
+    assert torch.allclose(want, ref, rtol=1e-12, atol=1e-12), "the spec and the test's fp64 y differ"
+    assert out.shape == ref.shape and out.dtype == case.x.dtype, (out.shape, out.dtype)
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
+    err = (out.double() - ref).abs()
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
+                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+
+
+def _run(case, impl="auto", gate_up=None, down=None):
+    """The three launches into a NaN-poisoned output."""
+    (t, h), k = case.x.shape, case.top_k_index.shape[1]
+    e, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
+    call = vq_op._moe_plan(t, k, e, h, i, case.x.device, impl, gate_up, down)
+    out = poisoned((t, h), case.x.dtype, case.x.device)
+    return vq_op.launch_moe(call, *case.args(), out)
+
+
+# (T, k, E, H, I): K steps and slices crossed, H/8 odd (136 -> 17), I/8 odd (24 -> 3), one group
+# (8), k = 1, many tokens per expert (E = 2)
+CPU_SHAPES = [(3, 2, 4, 64, 40), (5, 3, 3, 136, 24), (1, 1, 2, 8, 8), (6, 2, 2, 32, 16)]
+
+
+@pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
+def test_moe_interpreted(interpret, t, k, e, h, i):
+    case = make_moe_case(t, k, e, h, i, torch.float16, interpret)
+    _check(_run(case), case)
+
+
+def test_moe_settings_int8_codes_int32_ids_repeated_experts(interpret):
+    """Repeated experts in one token (k > E), int8 codes, int32 ids, fp32 routing weights; explicit
+    slices and row tiles."""
+    case = make_moe_case(3, 3, 2, 72, 32, torch.float16, interpret, codes_dtype=torch.int8,
+                         index_dtype=torch.int32, distinct=False)
+    case.top_k_index[0] = torch.tensor([1, 1, 0], dtype=torch.int32)
+    case.top_k_weights = case.top_k_weights.float()
+    _check(_run(case, gate_up=dict(slices=4), down=dict(slices=2, row_tiles=2)), case)
+
+
+def test_moe_public_op_out_of_range_ids_contribute_nothing(interpret):
+    """Ids -1 and E (transformers' expert-parallel sentinel) are skipped (the spec's rule), on the
+    device, without a sync; check_contents=True reads them and refuses."""
+    case = make_moe_case(4, 2, 3, 64, 16, torch.float16, interpret)
+    case.top_k_index[0, 1] = 3
+    case.top_k_index[2] = torch.tensor([-1, 7])
+    out = tilefuse.vq_moe(*case.args())
+    _check(out, case)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    with pytest.raises(ValueError, match=r"^top_k_index: expected expert ids in \[0, 3\)"):
+        tilefuse.vq_moe(*case.args(), check_contents=True)
+
+
+def test_moe_no_tokens_no_slots_and_nan_in_x(interpret):
+    case = make_moe_case(3, 2, 2, 32, 16, torch.float16, interpret)
+    args = list(case.args(case.x[:0]))
+    args[1], args[2] = case.top_k_index[:0], case.top_k_weights[:0]
+    empty = tilefuse.vq_moe(*args)
+    assert empty.shape == (0, 32) and empty.dtype == torch.float16
+    args = list(case.args())
+    args[1], args[2] = case.top_k_index[:, :0], case.top_k_weights[:, :0]
+    assert torch.equal(tilefuse.vq_moe(*args), torch.zeros(3, 32, dtype=torch.float16))
+    case.x[1, 3] = float("nan")
+    out = tilefuse.vq_moe(*case.args())
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all()
+
+
+def test_moe_fp32_and_reference_backend():
+    """fp32 x runs the spec (fp32 compute); the reference backend runs it for fp16 (h rounded to fp16)."""
+    case = make_moe_case(4, 2, 3, 32, 16, torch.float32, "cpu")
+    out = tilefuse.vq_moe(*case.args())
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), moe_reference_fp64(case), rtol=1e-5, atol=1e-6)
+    half = make_moe_case(3, 2, 3, 32, 16, torch.float16, "cpu")
+    with tilefuse.force(backend="reference"):
+        _check(tilefuse.vq_moe(*half.args()), half)
+
+
+def test_moe_no_backward(interpret):
+    case = make_moe_case(2, 1, 2, 16, 8, torch.float16, interpret)
+    x = case.x.clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        tilefuse.vq_moe(*case.args(x)).sum().backward()
+
+
+# ------------------------------------------------------------------------------------- bad input
+NAMES = ("x", "top_k_index", "top_k_weights", "gate_up_codes", "gate_up_codebooks", "gate_up_scales", "down_codes",
+         "down_codebooks", "down_scales")
+
+
+@pytest.mark.parametrize("name,make", [
+    ("x", lambda c: c.x.to(torch.int32)),
+    ("x", lambda c: c.x[:, :60]),                                 # H not a multiple of 8
+    ("x", lambda c: c.x[None]),
+    ("top_k_index", lambda c: c.top_k_index.float()),
+    ("top_k_index", lambda c: c.top_k_index[:2]),
+    ("top_k_weights", lambda c: c.top_k_weights[:, :1]),
+    ("top_k_weights", lambda c: c.top_k_weights.to(torch.int64)),
+    ("gate_up_codes", lambda c: c.gate_up_codes[:, :30]),          # 2I = 30: I not a multiple of 8
+    ("gate_up_codes", lambda c: c.gate_up_codes[:, :, :4]),
+    ("gate_up_codes", lambda c: c.gate_up_codes.to(torch.int32)),
+    ("gate_up_codebooks", lambda c: c.gate_up_codebooks[:2]),
+    ("gate_up_scales", lambda c: c.gate_up_scales[:, :8]),
+    ("down_codes", lambda c: c.down_codes[:, :, :1]),
+    ("down_codebooks", lambda c: c.down_codebooks.reshape(3, 2, 256, 8)),
+    ("down_scales", lambda c: c.down_scales.to(torch.int32)),
+    ("down_scales", lambda c: c.down_scales.to("meta")),           # another device
+    ("gate_up_codebooks", lambda c: [0.0] * 4096),
+])
+def test_moe_bad_input_names_the_argument(name, make):
+    case = make_moe_case(3, 2, 3, 64, 16, torch.float16, "cpu")
+    args = dict(zip(NAMES, case.args()))
+    args[name] = make(case)
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        tilefuse.vq_moe(**args)
+
+
+def test_moe_is_a_registered_op_with_a_fake():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = make_moe_case(3, 2, 3, 64, 16, torch.float16, "cpu")
+    with FakeTensorMode() as mode:
+        out = torch.ops.tilefuse.vq_moe(*(mode.from_tensor(t) for t in case.args()))
+    assert out.shape == (3, 64) and out.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------------------- module
+def _tiny_qwen3_moe(layers=1):
+    from transformers import Qwen3MoeConfig
+
+    from tilefuse.bench.hf_models import random_model
+
+    config = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=256)
+    return random_model(config, torch.device("cpu"), torch.float32)
+
+
+def test_module_from_experts_and_patch_vq(interpret):
+    """VQMoEExperts replaces a Qwen3MoeExperts (found by its form); its forward is the op on its
+    buffers; patch_vq swaps every experts module with random codes, keeps the router, and the
+    model runs; calibration is refused clearly; experts=False keeps them dense."""
+    from tilefuse.hf import patch_vq
+    from tilefuse.nn import VQMoEExperts
+    from tilefuse.nn.vq_moe import unsupported_experts
+
+    model = _tiny_qwen3_moe()
+    experts = model.model.layers[0].mlp.experts
+    assert unsupported_experts(experts) is None
+    assert "gate_up_proj" in unsupported_experts(model.model.layers[0].mlp.gate)
+    module = VQMoEExperts.from_experts(experts, random_codes=True).half()
+    case = make_moe_case(3, 2, 4, 64, 32, torch.float16, interpret)
+    out = module(case.x, case.top_k_index, case.top_k_weights)
+    case.gate_up_codes, case.gate_up_codebooks, case.gate_up_scales = (
+        module.gate_up_codes, module.gate_up_codebooks, module.gate_up_scales)
+    case.down_codes, case.down_codebooks, case.down_scales = module.down_codes, module.down_codebooks, module.down_scales
+    _check(out, case)
+    gate_up, down = module.dequantize()
+    assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)
+
+    with pytest.raises(NotImplementedError, match="calibrated 2-bit MoE experts"):
+        patch_vq(_tiny_qwen3_moe(), torch.randint(0, 256, (1, 8)))
+    dense = _tiny_qwen3_moe()
+    patch_vq(dense, random_codes=True, experts=False)
+    assert not any(isinstance(m, VQMoEExperts) for m in dense.modules())
+    replaced = patch_vq(model, random_codes=True)
+    assert isinstance(model.model.layers[0].mlp.experts, VQMoEExperts)
+    assert replaced == 4 + 1     # q/k/v/o projections and one experts module (the MoE block has no dense MLP)
+    assert type(model.model.layers[0].mlp.gate).__name__ == "Qwen3MoeTopKRouter"
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(0, 256, (1, 5))).logits
+    assert logits.shape == (1, 5, 256) and torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------ Gluon compile checks (CPU)
+def _compile(kernel, dtype, pairs, n, k, **override):
+    from tilefuse.ops.vq import configs
+    from tilefuse.testing.gluon import compile_gluon_isolated
+
+    cfg = configs.moe_config(pairs, n, k, True, 132, **override)
+    element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
+    if kernel == "gate_up":
+        pointers = dict(x_ptr=element, idx_ptr="*i64", codes_ptr="*i16", cb_ptr=element, scales_ptr=element,
+                        out_ptr=element)
+        ints = dict(NUM_EXPERTS=128, TOPK=8, I=n, NUM_GROUPS=k // 8, GROUPS_PER_SLICE=cfg["groups_per_slice"],
+                    stride_xm=k, stride_ce=2 * n * (k // 8), stride_cn=k // 8, stride_om=n)
+    else:
+        pointers = dict(h_ptr=element, idx_ptr="*i64", w_ptr="*fp32", codes_ptr="*i16", cb_ptr=element,
+                        scales_ptr=element, out_ptr="*fp32")
+        ints = dict(NUM_EXPERTS=128, TOPK=8, H=n, NUM_GROUPS=k // 8, GROUPS_PER_SLICE=cfg["groups_per_slice"],
+                    stride_hm=k, stride_ce=n * (k // 8), stride_cn=k // 8, stride_om=n)   # op._moe_plan's values
+    signature = dict(pointers)
+    signature.update({name: "i32" for name in ints})
+    constexprs = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
+                      COPIES=cfg["copies"], EVEN=cfg["even"])
+    signature.update({name: "constexpr" for name in constexprs})
+    aligned = list(pointers) + [name for name, value in ints.items() if value % 16 == 0]
+    return cfg, compile_gluon_isolated(f"tilefuse.ops.vq.kernels_moe:vq_moe_{kernel}_kernel", signature, constexprs,
+                                       num_warps=cfg["num_warps"], aligned=aligned)
+
+
+@pytest.mark.parametrize("kernel,dtype,pairs,n,k,override", [
+    ("gate_up", torch.bfloat16, 8, 768, 2048, {}), ("down", torch.bfloat16, 8, 2048, 768, {}),
+    ("gate_up", torch.float16, 1024, 1408, 2048, dict(copies=8, row_tiles=2, slices=4, krep=2)),
+    ("down", torch.float16, 6, 2048, 1408, dict(copies=2, slices=4)), ("gate_up", torch.float16, 3, 40, 136, {})])
+def test_moe_kernels_compile(kernel, dtype, pairs, n, k, override):
+    """No spills; the codebook copies (one pair per expert) are the first shared store, at
+    ``global_smem`` + 0; MMAs; no atomics (nothing split over programs)."""
+    from tilefuse.testing.gluon import first_shared_store_offset
+
+    cfg, result = _compile(kernel, dtype, pairs, n, k, **override)
+    assert result.spilled == 0, result.ptxas
+    assert 0 < result.registers <= 255 and 512 * cfg["copies"] * 16 <= result.shared <= 232448
+    assert "mma.sync" in result.ptx and "global_smem" in result.ptx
+    assert first_shared_store_offset(result.ptx) == 0
+    assert "red.global" not in result.ptx and "atom.global" not in result.ptx
+
+
+# ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,h,i,k", MOE_SHAPES)
+@pytest.mark.parametrize("t", [1, 3, 16, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_moe_shapes(e, h, i, k, t, dtype):
+    case = make_moe_case(t, k, e, h, i, dtype, "cuda", index_dtype=torch.int32 if t == 3 else torch.int64)
+    _check(_run(case, impl="gluon"), case)
+    _check(tilefuse.vq_moe(*case.args()), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_up,down", [(dict(copies=2), dict(copies=8)), (dict(row_tiles=2, slices=4, krep=2), dict(row_tiles=2, slices=2)),
+                                          (dict(slices=2, krep=2), dict(slices=4, copies=1)),
+                                          (dict(copies=8, slices=8), dict(slices=2))])
+@pytest.mark.parametrize("t,k,e,h,i", [(5, 8, 16, 2048, 768), (3, 3, 4, 136, 40), (9, 2, 3, 1032, 24)])
+def test_gpu_moe_settings_and_edges(gate_up, down, t, k, e, h, i):
+    """Settings, odd H/8 and I/8 (masked tails), repeated experts, sentinel ids, int8 codes."""
+    for dtype in (torch.float16, torch.bfloat16):
+        case = make_moe_case(t, k, e, h, i, dtype, "cuda", codes_dtype=torch.int8, distinct=k <= e)
+        case.top_k_index[0, 0] = e
+        case.top_k_index[-1, -1] = -1
+        _check(_run(case, impl="gluon", gate_up=gate_up, down=down), case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 16])
+def test_gpu_moe_bit_identical_repeats_and_graph_replays(t):
+    """No atomics: every launch, eager or replayed, gives the same bits (routing read on the device)."""
+    case = make_moe_case(t, 8, 128, 2048, 768, torch.bfloat16, "cuda")
+    first = repeats_and_replays_identical(lambda: tilefuse.vq_moe(*case.args()))
+    _check(first, case)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_module_matches_dense_experts():
+    """VQMoEExperts against transformers' own experts loop on the dequantized weights (bf16 GEMMs:
+    within bf16's rounding of its intermediates, relative Frobenius error below 2^-6)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from tilefuse.nn import VQMoEExperts
+
+    config = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        stock = Qwen3MoeExperts(config).to(torch.bfloat16)
+        torch.nn.init.normal_(stock.gate_up_proj, std=0.02)
+        torch.nn.init.normal_(stock.down_proj, std=0.02)
+    module = VQMoEExperts.from_experts(stock, random_codes=True)
+    gate_up, down = module.dequantize()
+    with torch.no_grad():
+        stock.gate_up_proj.copy_(gate_up)
+        stock.down_proj.copy_(down)
+        case = make_moe_case(7, 8, 128, 2048, 768, torch.bfloat16, "cuda")
+        want = stock(case.x, case.top_k_index, case.top_k_weights).float()
+        got = module(case.x, case.top_k_index, case.top_k_weights).float()
+    assert ((got - want).norm() / want.norm()).item() < 2.0 ** -6

@@ -1,0 +1,163 @@
+"""2-bit MoE experts in three launches, routing read on the device: ``tilefuse.vq_moe``.
+
+``y[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))`` with ``e = top_k_index[t, j]``,
+every expert's ``[2I, H]`` gate/up weight (gate rows first, then up rows, one codebook pair) and
+``[H, I]`` down weight in AQLM's 2x8 format, stacked along a leading expert dimension.
+
+The grid runs over (token-expert pair ``p = t * TOPK + j``, row block): each program reads its
+pair's expert id from device memory (no host sync, so a CUDA graph replays any routing), offsets
+the codes, codebooks and scales pointers by it and runs one program of the small-layer kernels on
+its token's row:
+
+* :func:`vq_moe_gate_up_kernel`: ``kernels_swiglu.swiglu_program`` with the gate's and the up's
+  rows of one expert weight (one codebook pair staged once: ``SHARED_BOOKS``) on ``x[t]``, writing
+  ``h[p] = silu(g) * u`` (``[T * TOPK, I]``, x's dtype);
+* :func:`vq_moe_down_kernel`: ``kernels_small.small_program`` on ``h[p]`` with the row scale times
+  the routing weight ``w[t, j]``, writing ``y_p`` (``[T * TOPK, H]`` fp32);
+* :func:`vq_moe_sum_kernel`: ``y[t] = sum_j y_{t*TOPK+j}`` in fp32 in ``j`` order, one rounding.
+
+Nothing is split over programs (no workspace, no atomics): the result's bits do not depend on
+what else runs. A pair whose expert id lies outside ``[0, NUM_EXPERTS)`` (transformers' expert-
+parallel sentinel, or a bad id) contributes nothing: its programs load no x row (``M`` ends before
+its token) and store nothing, and the sum skips it. The kernels read only the selected experts'
+codes: ``1/8`` of their bf16 bytes.
+
+Stages (of each program; details in ``kernels_small.py`` and ``kernels_swiglu.py``): stage 0 the
+expert's codebooks into shared memory, ``COPIES`` copies; stage 1 the code pairs of its rows, one
+step ahead; stage 2 the weight tiles from the copies (inline PTX) in ``mma.sync``'s A layout;
+stage 3 the token's row of x (or h) times the tiles on tensor cores (a token tile of ``TOKENS``
+columns of which one is used); stage 4 the warps' K slices summed in shared memory in a fixed
+order, scales, epilogue, store.
+
+The ``tl`` twins (:func:`vq_moe_gate_up_tl_kernel`, :func:`vq_moe_down_tl_kernel`) run the same
+decomposition in the CPU interpreter.
+"""
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from tilefuse.ops.vq.kernels_small import small_program, tl_small_program
+from tilefuse.ops.vq.kernels_swiglu import swiglu_program, tl_swiglu_program
+
+CODEBOOK_VALUES = tl.constexpr(2 * 256 * 8)       # one expert's codebook pair, [2, 256, 1, 8]
+
+
+@gluon.jit
+def _pair(idx_ptr, p, TOPK, NUM_EXPERTS):
+    """Pair ``p``'s token, expert (0 where out of range) and ``1`` if its id is in range else ``0``."""
+    e = gl.load(idx_ptr + p).to(gl.int32)
+    valid = ((e >= 0) & (e < NUM_EXPERTS)).to(gl.int32)
+    return p // TOPK, (e * valid).to(gl.int64), valid
+
+
+@gluon.jit
+def vq_moe_gate_up_kernel(
+    # x [T, H]; idx [T * TOPK] expert ids; codes int16 [E, 2I, H/8]; codebooks [E, 2, 256, 1, 8];
+    # scales [E, 2I]; out h [T * TOPK, I]
+    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    NUM_EXPERTS, TOPK, I, NUM_GROUPS, GROUPS_PER_SLICE,
+    stride_xm, stride_ce, stride_cn, stride_om,
+    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+    COPIES: gl.constexpr, EVEN: gl.constexpr,
+):
+    # grid: (pairs, row blocks of I); the pair's expert from device memory
+    p = gl.program_id(0)
+    token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+    codes = codes_ptr + e * stride_ce                 # the expert's gate rows, then its up rows
+    books = cb_ptr + e * CODEBOOK_VALUES
+    scales = scales_ptr + e * (2 * I)
+    # x's row is the token's (M = token + 1, or token: nothing for an out-of-range expert); h's
+    # row is the pair's: out offset by (p - token) rows, as the program stores at row m0 = token
+    swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales,
+                   out_ptr + (p - token) * stride_om, gl.program_id(1), token, token + valid, I, NUM_GROUPS,
+                   GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, TOKENS, KREP, ROW_TILES, SLICES, COPIES,
+                   False, False, EVEN, True)
+
+
+@gluon.jit
+def vq_moe_down_kernel(
+    # h [T * TOPK, I]; idx, weights [T * TOPK]; codes int16 [E, H, I/8]; codebooks [E, 2, 256, 1, 8];
+    # scales [E, H]; out y_p [T * TOPK, H] fp32
+    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    NUM_EXPERTS, TOPK, H, NUM_GROUPS, GROUPS_PER_SLICE,
+    stride_hm, stride_ce, stride_cn, stride_om,
+    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
+    COPIES: gl.constexpr, EVEN: gl.constexpr,
+):
+    # grid: (pairs, row blocks of H); the pair's expert and routing weight from device memory
+    p = gl.program_id(0)
+    token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+    weight = gl.load(w_ptr + p).to(gl.float32)
+    small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H, scales_ptr,
+                  out_ptr, gl.program_id(1), p, p + valid, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm, stride_cn,
+                  stride_om, weight, TOKENS, KREP, ROW_TILES, SLICES, COPIES, False, EVEN)
+
+
+@triton.jit
+def _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS):
+    """:func:`_pair` in ``tl``."""
+    e = tl.load(idx_ptr + p).to(tl.int32)
+    valid = ((e >= 0) & (e < NUM_EXPERTS)).to(tl.int32)
+    return p // TOPK, (e * valid).to(tl.int64), valid
+
+
+@triton.jit
+def vq_moe_gate_up_tl_kernel(
+    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    NUM_EXPERTS, TOPK, I, NUM_GROUPS, GROUPS_PER_SLICE,
+    stride_xm, stride_ce, stride_cn, stride_om,
+    TOKENS: tl.constexpr, KREP: tl.constexpr, ROW_TILES: tl.constexpr, SLICES: tl.constexpr,
+    COPIES: tl.constexpr, EVEN: tl.constexpr,
+):
+    """:func:`vq_moe_gate_up_kernel` in ``tl`` (the CPU-interpreted twin; same arguments)."""
+    ROWS: tl.constexpr = 16 * ROW_TILES
+    p = tl.program_id(0)
+    token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+    codes = codes_ptr + e * stride_ce
+    books = cb_ptr + e * CODEBOOK_VALUES
+    scales = scales_ptr + e * (2 * I)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    toks = token + tl.arange(0, TOKENS)
+    tl_swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales,
+                      out_ptr + (p - token) * stride_om, rows, toks, token + valid, I, NUM_GROUPS, GROUPS_PER_SLICE,
+                      stride_xm, stride_cn, stride_om, ROWS, TOKENS, 4 * KREP, SLICES, False, False)
+
+
+@triton.jit
+def vq_moe_down_tl_kernel(
+    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    NUM_EXPERTS, TOPK, H, NUM_GROUPS, GROUPS_PER_SLICE,
+    stride_hm, stride_ce, stride_cn, stride_om,
+    TOKENS: tl.constexpr, KREP: tl.constexpr, ROW_TILES: tl.constexpr, SLICES: tl.constexpr,
+    COPIES: tl.constexpr, EVEN: tl.constexpr,
+):
+    """:func:`vq_moe_down_kernel` in ``tl`` (the CPU-interpreted twin; same arguments)."""
+    ROWS: tl.constexpr = 16 * ROW_TILES
+    p = tl.program_id(0)
+    token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+    weight = tl.load(w_ptr + p).to(tl.float32)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    toks = p + tl.arange(0, TOKENS)
+    tl_small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H, scales_ptr, out_ptr,
+                     rows, toks, p + valid, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm, stride_cn, stride_om, weight,
+                     ROWS, TOKENS, 4 * KREP, SLICES, False)
+
+
+@triton.jit
+def vq_moe_sum_kernel(y_ptr, idx_ptr, out_ptr, NUM_EXPERTS, H, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[t] = sum_j y[t * TOPK + j]`` over the pairs whose expert id is in range, fp32 in ``j``
+    order (bit-reproducible), one rounding to out's dtype. y: ``[T * TOPK, H]`` fp32 (rows of
+    out-of-range pairs are never read); out: ``[T, H]``. Grid: (tokens, blocks of BLOCK columns)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        # the pair's expert id (device memory), then its weighted down projection (L2 -> registers)
+        p = t * TOPK + j
+        e = tl.load(idx_ptr + p)
+        valid = (e >= 0) & (e < NUM_EXPERTS)
+        acc += tl.load(y_ptr + p.to(tl.int64) * H + cols, mask=ok & valid, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)

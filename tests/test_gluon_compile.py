@@ -78,30 +78,41 @@ def test_swiglu_pingpong_oversized_tile_spills():
         swiglu_configs.PingPongConfig(128, 128)
 
 
-@pytest.mark.parametrize("ring,one_head,page", [(None, False, 64), ((32, 4), False, 64), (None, True, 64),
-                                                (None, False, 16), (None, False, 128)],
-                         ids=["64x2", "32x4", "h1", "page16", "page128"])
-def test_mla_split_ws_compiles(ring, one_head, page):
+@pytest.mark.parametrize("ring,one_head,page,levers", [
+    (None, False, 64, {}), ((32, 4), False, 64, {}), (None, True, 64, {}), (None, False, 16, {}), (None, False, 128, {}),
+    (None, False, 64, dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2)), (None, False, 64, dict(FUSED_SPLITS=1 << 20, PDL=1)),
+    (None, False, 64, dict(FUSED_SPLITS=16, rows=16)), (None, False, 64, dict(FUSED_SPLITS=16, rows=32))],
+    ids=["64x2", "32x4", "h1", "page16", "page128", "levers", "fused-all", "fused-16-rows", "fused-32-rows"])
+def test_mla_split_ws_compiles(ring, one_head, page, levers):
     """``one_head``: h_q = 1, which the launch specializes into a constant; ``page``: the cache's
-    page size (below the tile: boxes of a page each; above: one box inside a page)."""
-    cfg, _, _, _ = mla_configs.launch_config("wgmma", 128, 256)
+    page size (below the tile: boxes of a page each; above: one box inside a page); ``levers``:
+    the per-call levers of ``configs.WGMMA_LEVERS`` (the fused combine's merge at 16-64 rows)."""
+    levers = dict(levers)
+    rows = levers.pop("rows", 128)
+    with mla_configs.wgmma_levers(**levers):
+        cfg, _, _, _ = mla_configs.launch_config("wgmma", rows, 256)
     block_n, stages = ring or (cfg["BLOCK_N"], cfg["STAGES"])
     dtype = torch.bfloat16
     pointers = ["q_ptr", None, None, "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
-                "oacc_ptr", "lseacc_ptr"]
+                "oacc_ptr", "lseacc_ptr", "cnt_ptr"]
     box = min(page, block_n)
     types = ["*bf16", tensordesc(dtype, [box, HEAD_DIM_V]), tensordesc(dtype, [box, HEAD_DIM - HEAD_DIM_V]),
-             "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
+             "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32", "*i32"]
     names = ["q_ptr", "kn_desc", "kr_desc"] + pointers[3:]
     signature = dict(zip(names, types))
     signature.update(MLA_SPLIT_SCALARS)
-    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, KV_PAGE=page, num_warps=cfg["num_warps"])
+    constexprs = dict(CAUSAL=True, BLOCK_N=block_n, STAGES=stages, KV_PAGE=page,
+                      **{k: cfg[k] for k in (*mla_configs.WGMMA_LEVERS, "MERGE_ROWS")}, num_warps=cfg["num_warps"])
     if one_head:
         constexprs["h_q"] = 1
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
     _check(result, max_spilled=0)
+    # the levers are in the code only when on: the fused combine's acq_rel arrival, PDL's grid control
+    assert ("atom.global.gpu.acq_rel.add" in result.ptx) == bool(cfg["FUSED_SPLITS"])
+    assert ("griddepcontrol.wait" in result.ptx) == (cfg["PDL"] >= 2)
+    assert ("griddepcontrol.launch_dependents" in result.ptx) == (cfg["PDL"] >= 1)
 
 
 @pytest.mark.parametrize("block_n,quant,scaled_k", [(128, True, True), (128, False, False), (64, False, True)],

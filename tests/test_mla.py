@@ -1752,3 +1752,191 @@ def test_mla_sparse_and_quantizer_on_meta_tensors(fp8):
     with pytest.raises(ValueError, match="indices: expected a tensor on cpu"):
         tilefuse.flash_mla_with_kvcache(q, cache, None, None, 512, None, None, is_fp8_kvcache=fp8,
                                         indices=idx.to("meta"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The Gluon kernel's per-call levers (configs.WGMMA_LEVERS): the fused combine (FUSED_SPLITS),
+# Q issued ahead (Q_AHEAD), programmatic dependent launches (PDL).
+
+LEVERS = {
+    "fused16": dict(FUSED_SPLITS=16),
+    "fusedall_pdl1": dict(FUSED_SPLITS=1 << 20, PDL=1),
+    "qahead": dict(Q_AHEAD=True),
+    "pdl2": dict(PDL=2),
+    "every": dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2),
+}
+
+
+def test_wgmma_levers_plan():
+    """The plan each lever makes (no GPU: planning reads shapes only): arrival counters per
+    (request, head tile) only with the fused combine, no combine launch where every request is
+    fused (FUSED_SPLITS at or past the metadata's slot count), the combine told which requests
+    the split kernel merged, PDL launches where asked; the shipped levers: the combine's PDL only."""
+    inp = make_case([300, 70, 9000], 2, 16, torch.bfloat16, "cpu")
+    meta, _ = op._metadata_torch(inp.cache_seqlens, 4)
+
+    def plan(**levers):
+        with configs.wgmma_levers(**levers):
+            return op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "wgmma")
+
+    call = plan(PDL=0)
+    assert call.variant == "wgmma" and call.counters is None and call.combine_grid == (3, 32, 1)
+    assert "launch_pdl" not in call.meta and "launch_pdl" not in call.combine_meta
+    assert call.combine_meta["FUSED_SPLITS"] == 1 and not call.combine_meta["GDC"]
+    call = plan()               # shipped: the combine as a programmatic dependent launch, nothing fused
+    assert call.counters is None and call.combine_grid == (3, 32, 1) and "launch_pdl" not in call.meta
+    assert call.combine_meta["launch_pdl"] and call.combine_meta["GDC"] and call.meta["PDL"] == 1
+    call = plan(FUSED_SPLITS=8, PDL=1)
+    assert call.counters == (3 * 8, torch.int32) and call.meta["MERGE_ROWS"] == 32
+    assert call.combine_grid == (3, 32, 1) and call.combine_meta["FUSED_SPLITS"] == 8
+    assert call.combine_meta["GDC"] and call.combine_meta["launch_pdl"] and "launch_pdl" not in call.meta
+    call = plan(FUSED_SPLITS=meta.shape[0], PDL=2)
+    assert call.combine_grid is None and call.meta["launch_pdl"]
+    assert call.meta["FUSED_SPLITS"] == meta.shape[0]
+    # the shipped levers again, and a name that is not a lever
+    assert plan().meta == op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True,
+                                             "wgmma").meta
+    with pytest.raises(ValueError, match="levers"):
+        with configs.wgmma_levers(FUSED=1):
+            pass
+
+
+def test_wgmma_levers_replan_cached_calls(interpret):
+    """A call planned before a lever changes is planned again inside and after the change (the
+    plan cache's key holds ``configs.levers_version``)."""
+    inp = make_case([70, 9], 1, 16, torch.float16, "cpu")
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=2)
+    args = (inp.q, inp.k_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits, None, True)
+    first = op._plan_call(*args)
+    assert op._plan_call(*args) is first
+    with configs.wgmma_levers(PDL=1):
+        inside = op._plan_call(*args)
+        assert inside is not first
+    assert op._plan_call(*args) is not inside
+
+
+def test_combine_leaves_fused_requests_to_the_split_kernel(interpret):
+    """``mla_combine_kernel`` with FUSED_SPLITS = n merges only requests of more than n partials
+    (the split kernel wrote the others): their outputs stay as they were."""
+    from tilefuse.ops.mla import kernels
+
+    rows, d = 3, 512
+    num_splits = torch.tensor([0, 2, 7], dtype=torch.int32)          # request 0: 2 partials, request 1: 5
+    o_acc = torch.randn(7 * rows, d)
+    lse_acc = torch.randn(7 * rows)
+    for fused, merged in ((1, [True, True]), (2, [False, True]), (5, [False, False])):
+        out = torch.full((2, 1, rows, d), 7.0, dtype=torch.float16)
+        lse = torch.full((2, rows, 1), 7.0)
+        kernels.mla_combine_kernel[(2, rows)](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7,
+                                              rows * d, rows * d, d, rows, 1, S_CHUNK=8, SLOT_PROGRAMS=1,
+                                              FUSED_SPLITS=fused, GDC=False)
+        for req, first, n in ((0, 0, 2), (1, 2, 5)):
+            part = (first + torch.arange(n))[:, None] * rows + torch.arange(rows)[None, :]     # [n, rows]
+            w = torch.softmax(lse_acc[part] * 0.6931471805599453, dim=0)
+            want = (w[..., None] * o_acc[part]).sum(0)
+            if merged[req]:
+                assert_close(out[req, 0].float(), want, atol=2e-3, rtol=2e-3)
+                assert_close(lse[req, :, 0], torch.logsumexp(lse_acc[part] * 0.6931471805599453, 0), atol=1e-5,
+                             rtol=1e-5, name="lse")
+            else:
+                assert (out[req] == 7).all() and (lse[req] == 7).all()
+
+
+def _need_gluon():
+    if not op.wgmma_usable(torch.device("cuda")):
+        pytest.skip("the Gluon kernel runs on Hopper")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levers", list(LEVERS))
+@pytest.mark.parametrize("h_q,s_q,page", [(16, 1, 64), (128, 2, 64), (24, 1, 16), (8, 4, 128), (1, 1, 32)])
+def test_gpu_wgmma_levers(levers, h_q, s_q, page):
+    """Each lever (and all at once) on lengths from 0 to 70000 (requests of 1 to many splits,
+    both schedules' shapes), NaN past them, 1-256 query rows, pages of 16-128: the fp64 reference."""
+    _need_gluon()
+    lens = [0, 1, 63, 64, 65, 1000, 20000, 4097, 0, 333, 70000, 128]
+    inp = make_case(lens, s_q, h_q, torch.bfloat16, "cuda", page_size=page)
+    with configs.wgmma_levers(**LEVERS[levers]):
+        out, lse = _run_gpu(inp, s_q, h_q, True, "wgmma")
+        again = _run_gpu(inp, s_q, h_q, True, "wgmma")      # the counters were left at zero
+    _check_gpu(out, lse, inp, True)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every"])
+def test_gpu_wgmma_levers_graph_replay_new_lengths(levers):
+    """metadata + attention captured once with the levers on, replayed with lengths that change
+    every request's split count (one long among short ones: the parts schedule, runs of splits;
+    equal ones: the slots schedule; zeros), twice each: each replay against the fp64 reference
+    and equal to an eager call (counters re-armed in the graph, nothing read from the host)."""
+    _need_gluon()
+    rng = torch.Generator().manual_seed(3)
+    first = [70000] + torch.randint(1, 20000, (47,), generator=rng).tolist()
+    inp = make_case(first, 1, 16, torch.bfloat16, "cuda", nan_tail=False)
+    with configs.wgmma_levers(**LEVERS[levers]):
+        def step():
+            return _run_gpu(inp, 1, 16, True, "wgmma")
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()                                          # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = step()
+        zipf = [max(1, int(20000 / (i + 1) ** 1.1)) for i in range(48)]
+        for lens in (first, zipf, [0] * 24 + [4097] * 24, [3000] * 48):
+            inp.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+            for _ in range(2):
+                graph.replay()
+                torch.cuda.synchronize()
+                _check_gpu(g_out, g_lse, inp, True)
+            out, lse = step()
+            assert torch.equal(out, g_out) and torch.equal(lse, g_lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every"])
+def test_gpu_wgmma_levers_two_streams_share_metadata(levers):
+    """Two calls with one metadata on two streams at once (eager, then as two graphs replayed on
+    two streams together) give what each gives alone: the fused combine's counters are per call
+    (each stream's scratch, each captured call's own), never in the metadata."""
+    _need_gluon()
+    lens = [70000, 5, 3000, 129, 20000, 64, 1, 4097]
+    a = make_case(lens, 1, 16, torch.bfloat16, "cuda", nan_tail=False)
+    b = make_case(lens, 1, 16, torch.bfloat16, "cuda", nan_tail=False)
+    with configs.wgmma_levers(**LEVERS[levers]):
+        meta, splits = tilefuse.get_mla_metadata(a.cache_seqlens, 16, 1)
+
+        def call(inp):
+            return tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+
+        alone = [call(a), call(b)]
+        torch.cuda.synchronize()
+        streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        for _ in range(3):
+            outs = []
+            for s, inp in zip(streams, (a, b)):
+                with torch.cuda.stream(s):
+                    outs.append(call(inp))
+            torch.cuda.synchronize()
+            for got, want in zip(outs, alone):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        graphs = []
+        for inp in (a, b):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graphs.append((graph, call(inp)))
+        for _ in range(3):
+            for s, (graph, _) in zip(streams, graphs):
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    graph.replay()
+            torch.cuda.synchronize()
+            for (_, got), want in zip(graphs, alone):
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check_gpu(*alone[0], a, True)

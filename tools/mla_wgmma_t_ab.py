@@ -1,16 +1,27 @@
-"""Same-run A/B of the Gluon MLA kernel's transposed form (``kernels_gluon_t``, up to 32 query rows)
-against its 64-row head tiles (the default) on tilefuse bench mla's cases of <= 32 query rows and
-on batches the benchmark does not hold: uneven, Zipf-distributed and one-long-many-short lengths,
-s_q 1-4, 1-32 query rows per KV head. Each
-is the attention call alone (its metadata computed once, as a model runs every layer after one
-metadata call), timed as CUDA-graph replays (cold L2, do_bench median), with the FlashMLA builds
-named in ``TILEFUSE_FLASHMLA`` (``tilefuse.bench.mla.flashmla_peers``) timed the same way beside
-it; the transposed form's output is checked against the default's first (relative error).
+"""Same-run A/B of the Gluon MLA kernel's candidate forms against the shipped default, per case:
+
+* ``--cases wgmma_t`` (default, candidate ``wgmma_t``): the transposed form (``kernels_gluon_t``, up
+  to 32 query rows) against the 64-row head tiles, on tilefuse bench mla's cases of <= 32 query
+  rows and on batches the benchmark does not hold (uneven, Zipf, one long among many short, s_q
+  1-4, 1-32 query rows per KV head);
+* ``--cases levers`` (candidates: the plain path, ``plain``, and the per-call levers of
+  ``configs.WGMMA_LEVERS`` each alone on it: ``pdl1``, ``pdl2``, ``fused16``, ``fused_all``,
+  ``q_ahead``; ``fused16_pdl1`` on request): the benchmark's short and uneven cases where a fixed
+  per-call cost shows, held-out short and small batches, and two long ones (no loss there).
+
+Each is the attention call alone (its metadata computed once, as a model runs every layer after
+one metadata call), timed as CUDA-graph replays (cold L2, do_bench median; the default timed
+before and after the candidates, their mean the baseline), with the FlashMLA builds named in
+``TILEFUSE_FLASHMLA`` (``tilefuse.bench.mla.flashmla_peers``) timed the same way beside it; each
+candidate's output is checked against the default's first (relative error).
 
     python3 tools/mla_wgmma_t_ab.py [OUT.json] [--rep-ms MS] [--no-bench-cases]
+    python3 tools/mla_wgmma_t_ab.py [OUT.json] --cases levers [--candidates fused16,pdl1] [--warm]
 
-Writes ``bench/results/sweeps/mla-wgmma-t-<gpu>.json`` by default (after every case: a run cut
-short keeps what it measured). Needs a CUDA GPU (Hopper for the Gluon kernels).
+Writes ``bench/results/sweeps/mla-wgmma-t-<gpu>.json`` (``mla-levers-<gpu>.json``) by default
+(after every case: a run cut short keeps what it measured). ``--warm``: each candidate run once
+per case, nothing timed (compiles ahead, e.g. beside the tests). Needs a CUDA GPU (Hopper for
+the Gluon kernels).
 """
 
 from __future__ import annotations
@@ -62,6 +73,39 @@ CASES = [
     ("b160 h16 s1 one 100000, 159 uniform 1-3000", [100000] + _uneven(159, 1, 3000, 5), 16, 1),
     ("b96 h2 s1 uniform 1-20000", _uneven(96, 1, 20000, 6), 2, 1),
 ]
+# the per-call levers' cases: (name, lengths, h_q, s_q)
+_ZIPF128 = (20000 / torch.arange(1, 129, dtype=torch.float64) ** 1.1).long().clamp_min(1).tolist()
+LEVER_CASES = [
+    ("bench b16 h16 s1 4096", [4096] * 16, 16, 1),
+    ("bench b16 h128 s1 4096", [4096] * 16, 128, 1),
+    ("bench b64 h16 s1 4096", [4096] * 64, 16, 1),
+    ("bench b128 h16 s1 1024", [1024] * 128, 16, 1),
+    ("bench b128 h16 s2 Zipf 20000 / i^1.1", _ZIPF128, 16, 2),
+    ("bench b128 h64 s1 Zipf 20000 / i^1.1", _ZIPF128, 64, 1),
+    ("bench b3 h24 s1 70000,4097,300", [70000, 4097, 300], 24, 1),
+    ("b8 h16 s1 Zipf 64K / i^1.5", _zipf(8, 65536, 1.5), 16, 1),
+    ("b160 h16 s1 one 100000, 159 uniform 1-3000", [100000] + _uneven(159, 1, 3000, 5), 16, 1),
+    ("b1 h16 s1 1024", [1024], 16, 1),
+    ("b2 h128 s2 4096,2000", [4096, 2000], 128, 2),
+    ("b4 h16 s1 1024-4096", [1024, 2048, 3072, 4096], 16, 1),
+    ("b4 h64 s2 uneven 1K-4K", _uneven(4, 1024, 4096, 7), 64, 2),
+    ("b32 h128 s1 2048", [2048] * 32, 128, 1),
+    ("long b16 h16 s1 65536", [65536] * 16, 16, 1),
+    ("long b64 h128 s1 16384", [16384] * 64, 128, 1),
+]
+# candidate name -> its switches: "wgmma_t_max_rows" (configs.TRANSPOSED_GLUON_MAX_ROWS) or levers
+# (each lever alone on the plain path: PDL 0 where the lever is not PDL)
+CANDIDATES = {
+    "wgmma_t": {"wgmma_t_max_rows": 32},
+    "plain": {"PDL": 0, "FUSED_SPLITS": 0, "Q_AHEAD": False},
+    "pdl1": {"PDL": 1, "FUSED_SPLITS": 0, "Q_AHEAD": False},
+    "pdl2": {"PDL": 2, "FUSED_SPLITS": 0, "Q_AHEAD": False},
+    "fused16": {"FUSED_SPLITS": 16, "PDL": 0, "Q_AHEAD": False},
+    "fused_all": {"FUSED_SPLITS": 1 << 20, "PDL": 0, "Q_AHEAD": False},
+    "q_ahead": {"Q_AHEAD": True, "PDL": 0, "FUSED_SPLITS": 0},
+    "fused16_pdl1": {"FUSED_SPLITS": 16, "PDL": 1, "Q_AHEAD": False},
+}
+LEVER_CANDIDATES = "plain,pdl1,pdl2,fused16,fused_all,q_ahead"
 MAX_REL_ERR = 1e-2       # two bf16 roundings of out, different products' orders
 
 
@@ -84,11 +128,16 @@ def _compact_cache(lens: list[int], device, page: int = 64) -> tuple[torch.Tenso
     return cache, table.to(device)
 
 
-def _with_switch(attention, max_rows: int):
+def _with_switch(attention, switches: dict):
+    """``attention`` run with ``switches`` set (and restored after each call)."""
+    switches = dict(switches)
+    max_rows = switches.pop("wgmma_t_max_rows", 0)
+
     def run():
         saved, configs.TRANSPOSED_GLUON_MAX_ROWS = configs.TRANSPOSED_GLUON_MAX_ROWS, max_rows
         try:
-            return attention()
+            with configs.wgmma_levers(**switches):
+                return attention()
         finally:
             configs.TRANSPOSED_GLUON_MAX_ROWS = saved
     return run
@@ -99,31 +148,57 @@ def main() -> None:
     ap.add_argument("out", nargs="?", type=Path, default=None, help="results file")
     ap.add_argument("--rep-ms", type=float, default=20.0, help="do_bench window per measurement (ms)")
     ap.add_argument("--no-bench-cases", action="store_true", help="the held-out batches only")
+    ap.add_argument("--cases", choices=("wgmma_t", "levers"), default="wgmma_t", help="which A/B (see above)")
+    ap.add_argument("--candidates", default=None,
+                    help=f"comma-separated names of {sorted(CANDIDATES)} (default: wgmma_t, or with "
+                         f"--cases levers {LEVER_CANDIDATES})")
+    ap.add_argument("--warm", action="store_true", help="run each candidate once per case, time nothing")
+    ap.add_argument("--only", default=None, help="cases whose name contains this text")
     args = ap.parse_args()
+    names = (args.candidates or ("wgmma_t" if args.cases == "wgmma_t" else LEVER_CANDIDATES)).split(",")
+    unknown = [n for n in names if n not in CANDIDATES]
+    if unknown:
+        ap.error(f"--candidates: expected names from {sorted(CANDIDATES)}, got {unknown}")
     require_gpu()
     device = torch.device("cuda")
     timer = Timer(device, rep_ms=args.rep_ms)
     gpu = torch.cuda.get_device_name(device)
-    path = args.out or Path(f"bench/results/sweeps/mla-wgmma-t-{gpu.replace(' ', '-').lower()}.json")
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * src.numel() * 2 / timer.gpu_us(lambda: dst.copy_(src)) / 1e3
-    del src, dst
-    peers = flashmla_peers()
+    stem = "mla-wgmma-t" if args.cases == "wgmma_t" else "mla-levers"
+    path = args.out or Path(f"bench/results/sweeps/{stem}-{gpu.replace(' ', '-').lower()}.json")
+    copy_gbps = 0.0
+    if not args.warm:
+        src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
+        dst = torch.empty_like(src)
+        copy_gbps = 2 * src.numel() * 2 / timer.gpu_us(lambda: dst.copy_(src)) / 1e3
+        del src, dst
+    peers = {} if args.warm else flashmla_peers()
     machine = {"gpu": gpu, "torch": torch.__version__, "triton": __import__("triton").__version__,
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "peers": sorted(peers)}
+               "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "peers": sorted(peers)}
     print(f"{gpu}: copy bandwidth {copy_gbps:.0f} GB/s, peers {sorted(peers)}", flush=True)
     rows: list[dict] = []
 
     def write():
+        if args.warm:
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
-        ratios = [r["default_us"] / r["wgmma_t_us"] for r in rows if r.get("wgmma_t_us")]
-        summary = {"speedup_geomean": geomean(ratios), "faster_in": sum(x > 1 for x in ratios), "of": len(ratios)}
+        summary = {}
+        for cand in names:
+            ratios = [r["default_us"] / r[f"{cand}_us"] for r in rows if r.get(f"{cand}_us")]
+            summary[cand] = {"switches": CANDIDATES[cand], "speedup_geomean": geomean(ratios) if ratios else None,
+                             "faster_in": sum(x > 1 for x in ratios), "of": len(ratios)}
+            if len(names) == 1:          # the single-candidate form of the file
+                summary.update(summary.pop(cand))
         path.write_text(json.dumps({"machine": machine, "copy_gbps": copy_gbps, "timing": (
-            "attention alone (metadata once), CUDA-graph replay, cold L2, do_bench median over rep_ms"),
-            "rep_ms": args.rep_ms, "summary": summary, "rows": rows}, indent=1) + "\n")
+            "attention alone (metadata once), CUDA-graph replay, cold L2, do_bench median over rep_ms; "
+            "default_us: the mean of the default timed before and after the candidates"),
+            "rep_ms": args.rep_ms, "candidates": {c: CANDIDATES[c] for c in names}, "summary": summary,
+            "rows": rows}, indent=1) + "\n")
 
-    for name, lens, h_q, s_q in ([] if args.no_bench_cases else BENCH_CASES) + CASES:
+    cases = (LEVER_CASES if args.cases == "levers" else ([] if args.no_bench_cases else BENCH_CASES) + CASES)
+    for name, lens, h_q, s_q in cases:
+        if args.only and args.only not in name:
+            continue
         rows_q = s_q * h_q
         cache, table = _compact_cache(lens, device)
         q = torch.randn(len(lens), s_q, h_q, 576, device=device, dtype=torch.bfloat16)
@@ -134,12 +209,25 @@ def main() -> None:
             return tilefuse.flash_mla_with_kvcache(q, cache, table, seqlens, 512, meta, splits, causal=True)
 
         entry = {"case": name, "batch": len(lens), "h_q": h_q, "s_q": s_q, "tokens": sum(lens), "max_len": max(lens)}
-        default, transposed = _with_switch(attention, 0), _with_switch(attention, 32)
+        default = _with_switch(attention, {})
         ref = default()[0].float()
-        out = transposed()[0].float()
-        entry["rel_err"] = float((out - ref).norm() / ref.norm())
-        entry["default_us"] = timer.graph_us(default)
-        entry["wgmma_t_us"] = timer.graph_us(transposed) if entry["rel_err"] < MAX_REL_ERR else None
+        runs = {}
+        for cand in names:
+            runs[cand] = _with_switch(attention, CANDIDATES[cand])
+            out = runs[cand]()[0].float()
+            entry[f"{cand}_rel_err" if len(names) > 1 else "rel_err"] = float((out - ref).norm() / ref.norm())
+        if args.warm:
+            torch.cuda.synchronize()
+            print(f"[warm] {name}", flush=True)
+            del cache, table, q
+            continue
+        first = timer.graph_us(default)
+        for cand in names:
+            err = entry[f"{cand}_rel_err" if len(names) > 1 else "rel_err"]
+            entry[f"{cand}_us"] = timer.graph_us(runs[cand]) if err < MAX_REL_ERR else None
+        last = timer.graph_us(default)
+        entry["default_runs_us"] = [first, last]
+        entry["default_us"] = (first + last) / 2
         entry["floor_us"] = (sum(lens) * 1152 + q.numel() * 2 + len(lens) * rows_q * 1024) / copy_gbps / 1e3
         for label, module in peers.items():
             p_meta, p_splits = module.get_mla_metadata(seqlens, rows_q, 1)
@@ -155,13 +243,17 @@ def main() -> None:
         if peer_us:
             entry["faster_peer_us"] = min(peer_us)
             entry["default_vs_peer"] = min(peer_us) / entry["default_us"]
-            if entry["wgmma_t_us"]:
-                entry["wgmma_t_vs_peer"] = min(peer_us) / entry["wgmma_t_us"]
+            for cand in names:
+                if entry[f"{cand}_us"]:
+                    entry[f"{cand}_vs_peer"] = min(peer_us) / entry[f"{cand}_us"]
         rows.append(entry)
-        t_us = entry["wgmma_t_us"]
-        print(f"# {name}: default {entry['default_us']:.1f} us, wgmma-t {t_us and round(t_us, 1)} us "
-              f"(x{(entry['default_us'] / t_us) if t_us else 0:.3f}), peer {entry.get('faster_peer_us', 0):.1f} us, "
-              f"floor {entry['floor_us']:.1f} us, rel_err {entry['rel_err']:.1e}", flush=True)
+        shown = ", ".join(f"{cand} {entry[f'{cand}_us'] and round(entry[f'{cand}_us'], 1)} us "
+                          f"(x{(entry['default_us'] / entry[f'{cand}_us']) if entry[f'{cand}_us'] else 0:.3f})"
+                          for cand in names)
+        errs = max(v for k, v in entry.items() if k.endswith("rel_err"))
+        print(f"# {name}: default {entry['default_us']:.1f} us ({first:.1f}, {last:.1f}), {shown}, "
+              f"peer {entry.get('faster_peer_us', 0):.1f} us, floor {entry['floor_us']:.1f} us, "
+              f"rel_err <= {errs:.1e}", flush=True)
         write()
         del cache, table, q
         torch.cuda.empty_cache()

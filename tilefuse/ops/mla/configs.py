@@ -26,6 +26,7 @@ where present, override ``"<key>"`` in that context regime.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 
 from tilefuse import _env
@@ -34,8 +35,46 @@ CONFIGS = {
     "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
-    "wgmma": dict(BLOCK_N=64, STAGES=2, num_warps=4, slot_programs=1, fused_combine=False),
+    "wgmma": dict(BLOCK_N=64, STAGES=2, FUSED_SPLITS=0, Q_AHEAD=False, PDL=1, num_warps=4, slot_programs=1,
+                  fused_combine=False),
 }
+# The Gluon kernel's per-call levers (``"wgmma"`` above, kernels_gluon.mla_split_ws_kernel):
+# * FUSED_SPLITS: requests of 2..FUSED_SPLITS splits are merged by the last of their splits to
+#   finish (arrival counters in zeroed scratch) instead of the combine launch, which then merges
+#   only longer ones; at or above the metadata's slot count no combine is launched (0: off);
+# * Q_AHEAD: the next split's Q is issued under the current split's last tile;
+# * PDL: 1: the combine is a programmatic dependent launch (its programs start while the split
+#   kernel's last ones run, then wait for its end); 2: the split kernel too, after whatever precedes it.
+# Measured each alone against the plain path in one process on an H100 (tools/mla_wgmma_t_ab.py
+# --cases levers, graph replay, bench/results/sweeps/mla-levers-nvidia-h100-80gb-hbm3.json): PDL 1
+# is the only one that pays (up to 5 % at 1-4 requests of 1K-4K tokens, level on long batches), so
+# it is on; the fused combine loses 1-69 % (one warpgroup merging a (request, head tile)'s partials
+# is bound by L2 latency: 64 rows x 16 splits take longer than the combine launch it saves), Q
+# ahead is level (0.99-1.01), PDL 2 no better than 1.
+WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL")
+SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # for overrides that omit them
+levers_version = 0      # bumped by wgmma_levers: the op's call plans include it
+
+
+@contextlib.contextmanager
+def wgmma_levers(**levers):
+    """Run the block with the Gluon kernel's levers (:data:`WGMMA_LEVERS`) set, e.g.
+    ``with wgmma_levers(FUSED_SPLITS=16, PDL=1): ...`` (tests, same-run A/Bs); restored after.
+    Calls plan again inside and after it (no cached plan or launch config outlives a change)."""
+    global levers_version
+    unknown = set(levers) - set(WGMMA_LEVERS)
+    if unknown:
+        raise ValueError(f"levers: expected names from {WGMMA_LEVERS}, got {sorted(unknown)}")
+    saved = dict(CONFIGS["wgmma"])
+    CONFIGS["wgmma"] = {**saved, **levers}
+    levers_version += 1
+    launch_config.cache_clear()
+    try:
+        yield
+    finally:
+        CONFIGS["wgmma"] = saved
+        levers_version += 1
+        launch_config.cache_clear()
 GLUON_VARIANTS = ("wgmma",)     # the Gluon kernel (Hopper, 16-bit q)
 # Orientation at <= 16 query rows, per context regime. The regime comes from a shape (the block
 # table's width, an upper bound on the context), so it costs no host sync and is fixed in a CUDA
@@ -403,6 +442,10 @@ def launch_config(variant: str, rows: int, max_blocks: int, elem_bytes: int = 2)
     fused = cfg.pop("fused_combine", True)
     per_slot = cfg.pop("slot_programs", 1)
     if variant in GLUON_VARIANTS:    # 64-row head tiles whatever the row count; one program per part
+        for lever, shipped in SHIPPED_LEVERS.items():
+            cfg.setdefault(lever, shipped)
+        # a head tile's rows that can be valid (the fused combine's chunks; one compile when off)
+        cfg["MERGE_ROWS"] = min(64, max(16, _next_pow2(rows))) if cfg["FUSED_SPLITS"] else 64
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     block_h = max(16, _next_pow2(min(rows, 64)))
     if variant != "transposed":

@@ -27,6 +27,7 @@ Scores are kept in the log2 domain (``qk_scale = softmax_scale * log2(e)``), so 
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V, PAGE_SIZE
 from tilefuse.ops.tl_common import arrive
@@ -590,10 +591,15 @@ def mla_combine_kernel(
     num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
     h_q, rows_total, num_slots,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr,
+    S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, FUSED_SPLITS: tl.constexpr = 1, GDC: tl.constexpr = False,
 ):
     """The unfused combine: one program per (request, query row) merges that row's partials
-    (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s."""
+    (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s.
+    ``FUSED_SPLITS`` (>= 1): requests of at most that many partials were written whole by the split
+    kernel (one partial: its output; more: its fused combine), only longer ones are left here. ``GDC``: launched as a programmatic
+    dependent launch after the split kernel: wait for its end before reading anything."""
+    if GDC:
+        gdc_wait()
     req = tl.program_id(0)
     row = tl.program_id(1)
     first_slot = tl.load(num_splits_ptr + req)
@@ -602,8 +608,9 @@ def mla_combine_kernel(
     in_range = (first_slot >= 0) & (first_slot < next_slot) & (next_slot <= num_slots)
     first = tl.where(in_range, first_slot, 0) * SLOT_PROGRAMS          # partials are per program
     n = tl.where(in_range, next_slot - first_slot, 0) * SLOT_PROGRAMS
-    # one partial: the split kernel wrote the result; out-of-range num_splits: nothing was written
-    if n > 1:
+    # up to FUSED_SPLITS partials (one: always): the split kernel wrote the result; out-of-range
+    # num_splits: nothing was written
+    if n > FUSED_SPLITS:
         offs_v = tl.arange(0, D_NOPE)
         acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK)
         t_safe = tl.where(t != 0, t, 1.0)

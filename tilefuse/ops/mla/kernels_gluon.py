@@ -52,7 +52,7 @@ P_OPERAND = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=O_LAYOUT, k
 @gluon.jit
 def _split_range(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot):
     """The work of ``slot``: (valid, request, first token, end token, length, partials of the
-    request, this split's partial index). The same rule as ``kernels._slot_work`` with one
+    request, this split's partial index, the request's first partial). The same rule as ``kernels._slot_work`` with one
     program per slot: the length from ``cache_seqlens`` (clamped to the block table), the split
     count and first slot from ``num_splits`` (checked before any arithmetic), the planned pages
     clamped to the request's (split 0 from page 0, the last split to its last page)."""
@@ -70,7 +70,7 @@ def _split_range(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens
     pages = (length + PAGE - 1) // PAGE
     begin = gl.where(split == 0, 0, gl.minimum(gl.maximum(gl.load(row + 2), 0), pages))
     end = gl.where(split == n - 1, pages, gl.minimum(gl.maximum(gl.load(row + 3), begin), pages))
-    return valid, req, begin * PAGE, gl.minimum(end * PAGE, length), length, n, first + split
+    return valid, req, begin * PAGE, gl.minimum(end * PAGE, length), length, n, first + split, first
 
 
 @gluon.jit
@@ -110,6 +110,90 @@ def _zero_rows_past(tile, start, length, BLOCK_N: gl.constexpr, WIDTH: gl.conste
         part.store(gl.where(keep, v, gl.zeros_like(v)))
 
 
+@gluon.jit
+def _gdc_wait():
+    """Programmatic dependent launch: wait until the kernels this launch depends on have ended and
+    their memory is visible (returns at once in a launch without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    """Programmatic dependent launch: the next kernel of the stream (launched with PDL) may start
+    once every program of this one has passed here or ended; it still waits for this one's end
+    before it reads memory (``_gdc_wait``)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _fence_gpu():
+    """This thread's global stores ordered before its later memory operations at GPU scope."""
+    gl.inline_asm_elementwise("fence.acq_rel.gpu; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ws_arrive(cnt_ptr, counter, n_part):
+    """A split's output and lse have been stored (the PV warpgroup's half by its threads, the
+    softmax warpgroup's half and the lse before its ``o_stored`` arrival): bump the (request, head
+    tile) counter (a partition barrier, then one acq_rel atomic: release of this split's partial,
+    acquire of the others'). True for the split whose arrival completes ``n_part``; it re-arms the
+    counter to 0 (the scratch stays zero)."""
+    _fence_gpu()
+    thread_barrier()
+    last = gl.atomic_add(cnt_ptr + counter, 1, sem="acq_rel") == n_part - 1
+    if last:
+        gl.atomic_xchg(cnt_ptr + counter, 0, sem="relaxed")
+    return last
+
+
+@gluon.jit
+def _ws_merge(req, pid_h, first, n_part, rows_total, h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_ob,
+              stride_os, stride_oh, stride_lb, stride_lh, MERGE_ROWS: gl.constexpr):
+    """L2 -> registers -> HBM: the fused combine of a (request, head tile) from its ``n_part``
+    partials ``first ..``: out = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s (the largest
+    lse subtracted first), as ``mla_combine_kernel`` computes it. ``MERGE_ROWS``: the tile's rows
+    that can be valid (16, 32 or 64), read in ``[MERGE_ROWS, 4096 / MERGE_ROWS]`` chunks (32
+    floats a thread), UNROLL partials in flight at once (the merge is bound by L2 latency)."""
+    COLS: gl.constexpr = 4096 // MERGE_ROWS
+    TPW_C: gl.constexpr = COLS // 4 if COLS < 128 else 32
+    MERGE: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TPW_C, TPW_C], [4, 1], [1, 0])
+    ROWS_M: gl.constexpr = gl.SliceLayout(1, MERGE)
+    UNROLL: gl.constexpr = 2
+    rows = pid_h * BLOCK_H + gl.arange(0, MERGE_ROWS, layout=ROWS_M)
+    row_ok = rows < rows_total
+    # ---- the largest lse of each row over the partials
+    m = gl.full([MERGE_ROWS], float("-inf"), gl.float32, ROWS_M)
+    for s0 in range(0, n_part, UNROLL):
+        for u in gl.static_range(UNROLL):
+            ok = row_ok & (s0 + u < n_part)
+            m = gl.maximum(m, gl.load(lseacc_ptr + (first + s0 + u) * rows_total + rows, mask=ok,
+                                      other=float("-inf"), cache_modifier=".cg"))
+    m_safe = gl.where(m == float("-inf"), 0.0, m)
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, MERGE))
+    out_rows = out_ptr + req * stride_ob + (rows // h_q) * stride_os + (rows % h_q) * stride_oh
+    total = gl.zeros([MERGE_ROWS], gl.float32, ROWS_M)
+    # ---- sum_s 2^(lse_s - m) o_s, a chunk of columns at a time
+    for c in gl.static_range(0, D_NOPE, COLS):
+        o = gl.zeros([MERGE_ROWS, COLS], gl.float32, MERGE)
+        total = gl.zeros([MERGE_ROWS], gl.float32, ROWS_M)
+        for s0 in range(0, n_part, UNROLL):
+            for u in gl.static_range(UNROLL):
+                ok = row_ok & (s0 + u < n_part)
+                part = (first + s0 + u) * rows_total + rows
+                w = gl.exp2(gl.load(lseacc_ptr + part, mask=ok, other=float("-inf"), cache_modifier=".cg") - m_safe)
+                total += w
+                o += w[:, None] * gl.load(oacc_ptr + part[:, None] * D_NOPE + c + cols[None, :], mask=ok[:, None],
+                                          other=0.0, cache_modifier=".cg")
+        t_safe = gl.where(total != 0, total, 1.0)
+        gl.store(out_rows[:, None] + c + cols[None, :], (o / t_safe[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+    has_keys = total != 0
+    lse2 = gl.where(has_keys, m_safe + gl.log2(gl.where(has_keys, total, 1.0)), float("-inf"))
+    lse = gl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2)
+    gl.store(lse_ptr + req * stride_lb + (rows % h_q) * stride_lh + rows // h_q, lse, mask=row_ok)
+
+
 # ---------------------------------------------------------------------------------------------
 # Warp-specialized form: a producer warp and two consumer warpgroups that hand P over, all three
 # walking the same run of splits (each computes every split's range from the metadata itself).
@@ -133,10 +217,12 @@ def _zero_rows_past(tile, start, length, BLOCK_N: gl.constexpr, WIDTH: gl.conste
 @gluon.jit
 def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr, splits_ptr,
                  seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr, PDL: gl.constexpr):
+    if PDL >= 2:      # (the default partition waited before the split; each reading partition waits too)
+        _gdc_wait()
     t = 0
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx, first = _split_range(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             bt_row = bt_ptr + req * stride_btb
@@ -152,10 +238,10 @@ def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, s
 
 @gluon.jit
 def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh):
-    """HBM -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0), then made visible to
-    the tensor cores. cp.async copies, 64 columns at a time, all in flight before the one wait:
-    the split start waits for one memory latency, and no registers hold Q on the way. The op
-    passes q with strides in multiples of 8 elements (16 bytes, cp.async's widest copy)."""
+    """HBM -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0) issued as cp.async
+    copies, 64 columns at a time, one commit group (``_wait_q`` waits for it): no registers hold
+    Q on the way. The op passes q with strides in multiples of 8 elements (16 bytes, cp.async's
+    widest copy)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     q_rows = (q_ptr + req * stride_qb + (rows // h_q) * stride_qs + (rows % h_q) * stride_qh)[:, None]
@@ -169,6 +255,11 @@ def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, strid
         else:
             cp_async(q_rope, src, mask=ok)
     cp_commit()
+
+
+@gluon.jit
+def _wait_q():
+    """The split's Q copies (``_load_q``) landed: visible to this warpgroup's WGMMAs."""
     cp_wait(0)
     fence_async_shared()
     thread_barrier()
@@ -223,11 +314,12 @@ def _ws_store_lse(lse2, rows, req, part_idx, n_part, rows_total, h_q, lse_ptr, l
 
 
 @gluon.jit
-def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready,
-                p_empty, l_ready, l_free, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens,
+def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty,
+                p_ready, p_empty, l_ready, l_free, o_stored, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens,
                 slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total, out_ptr, lse_ptr, oacc_ptr,
-                lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb,
+                stride_lh, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                FUSED_SPLITS: gl.constexpr, Q_AHEAD: gl.constexpr):
     dtype: gl.constexpr = q_nope.dtype
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -237,12 +329,17 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
     cols = gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
     t = 0                                  # the program's tiles so far (ring slot and phases)
     n_done = 0                             # its splits so far (l_ready / l_free phases)
+    q_req = -1                             # Q_AHEAD: the request whose Q is in SMEM or on its way
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx, first = _split_range(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
-            # ---- this split's Q (the last split's S products have all been waited for).
-            _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh)
+            # ---- this split's Q (the last split's S products have all been waited for), unless
+            # it was issued under the last split's final tile (Q_AHEAD)
+            if q_req != req:
+                _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh)
+            _wait_q()
+            q_req = req
             # causal: query token r // h_q of s_q sees keys up to L - s_q + r // h_q
             limit = length - 1 - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
             m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
@@ -252,6 +349,17 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
                 # ---- S = Q K^T: [64, 576] x [576, BLOCK_N], both operands in SMEM.
                 s = _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, BLOCK_N, STAGES)
                 s = warpgroup_mma_wait(0, deps=(s,))
+                if Q_AHEAD:
+                    # ---- the split's last S has read Q: issue the next split's Q now (under
+                    # this tile's softmax, P V and the epilogue) when it is another request's
+                    if (start + BLOCK_N >= tok_end) & (slot + 1 < slot_last):
+                        n_valid, n_req, _b, _e, _l, _n, _p, _f = _split_range(
+                            meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot + 1)
+                        if n_valid & (n_req != req):
+                            thread_barrier()      # every warp's S reads of Q are done
+                            _load_q(q_ptr, q_nope, q_rope, n_req, pid_h, h_q, rows_total, stride_qb, stride_qs,
+                                    stride_qh)
+                            q_req = n_req
                 # ---- online softmax in registers (each row within one warp: shuffles, no SMEM).
                 pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
                 s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
@@ -290,19 +398,28 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
                            rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
             _ws_store_lse(lse2, rows_s, req, part_idx, n_part, rows_total, h_q, lse_ptr, lseacc_ptr, stride_lb,
                           stride_lh)
+            if FUSED_SPLITS > 0:
+                # ---- fused combine: this half and the lse are stored, fenced at GPU scope (the PV
+                # warpgroup arrives for the split)
+                _fence_gpu()
+                mbarrier.arrive(o_stored)
             n_done += 1
 
 
 @gluon.jit
-def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty, l_ready, l_free, meta_ptr,
+def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty, l_ready, l_free, o_stored, meta_ptr,
            splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, rows_total,
-           out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+           out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, FUSED_SPLITS: gl.constexpr, MERGE_ROWS: gl.constexpr,
+           PDL: gl.constexpr):
+    if PDL >= 2:
+        _gdc_wait()
     rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
     cols = D_NOPE // 2 + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
     t = 0
     n_done = 0
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx, first = _split_range(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
@@ -320,20 +437,33 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
                 t += 1
             mbarrier.wait(l_ready, n_done & 1)
             l_safe = l_buf.load(ROWS_O)
-            mbarrier.arrive(l_free)
+            if FUSED_SPLITS == 0:
+                mbarrier.arrive(l_free)
             _ws_store_half(acc / l_safe[:, None], rows_o, cols, req, part_idx, n_part, rows_total, h_q, out_ptr,
                            oacc_ptr, stride_ob, stride_os, stride_oh)
+            if FUSED_SPLITS > 0:
+                # ---- fused combine: once the softmax warpgroup stored its half and the lse, the
+                # split arrives; the last of the request's splits to arrive merges the partials.
+                # l_free only after o_stored: the softmax warpgroup's next o_stored arrival waits
+                # for it, so o_stored never runs a phase ahead of this wait.
+                mbarrier.wait(o_stored, n_done & 1)
+                mbarrier.arrive(l_free)
+                if (n_part > 1) & (n_part <= FUSED_SPLITS):
+                    if _ws_arrive(cnt_ptr, req * 8 + pid_h, n_part):
+                        _ws_merge(req, pid_h, first, n_part, rows_total, h_q, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+                                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh, MERGE_ROWS)
             n_done += 1
 
 
 @gluon.jit
 def mla_split_ws_kernel(
     q_ptr, kn_desc, kr_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
-    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
     batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
+    FUSED_SPLITS: gl.constexpr, MERGE_ROWS: gl.constexpr, Q_AHEAD: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Attention of 64 query rows over the splits of one part of the schedule, on a producer warp
@@ -344,10 +474,24 @@ def mla_split_ws_kernel(
     (clamped to the metadata): one slot of the slots schedule, or a part's run. kn_desc /
     kr_desc: TMA descriptors over the cache as ``[num_blocks * KV_PAGE, 576]`` rows, boxes of
     ``min(KV_PAGE, BLOCK_N)`` rows: ``[., 512]`` (columns 0..511) and ``[., 64]`` (columns
-    512..575). Scores in the log2 domain (``qk_scale = softmax_scale * log2(e)``)."""
+    512..575). Scores in the log2 domain (``qk_scale = softmax_scale * log2(e)``).
+
+    Switches (``configs.CONFIGS["wgmma"]``): ``FUSED_SPLITS`` > 0: requests of 2..FUSED_SPLITS
+    splits are merged by the last of their splits to finish, each output half by its warpgroup
+    (arrival counters in ``cnt_ptr``: zeroed scratch of ``[batch, 8 head tiles, 2 halves]``
+    int32, left zero; a second copy of the partial lse at ``lseacc_ptr + num_slots *
+    rows_total``), the rest by the combine kernel; ``MERGE_ROWS``: the head tile's rows that can
+    be valid (16, 32, 64). ``Q_AHEAD``: the next split's Q is issued under the current split's last
+    tile. ``PDL`` >= 1: the next kernel (the combine, a programmatic dependent launch) may launch
+    once every program has started; 2: this kernel is one too, and every partition waits for the
+    previous kernels' end before it touches memory."""
     dtype: gl.constexpr = kn_desc.dtype
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
+    if PDL >= 2:      # launched as a dependent: nothing of the previous kernels is read before their end
+        _gdc_wait()
+    if PDL >= 1:      # the combine (a dependent launch) may start its programs as these end
+        _gdc_launch_dependents()
     # The head tile is the grid's fastest axis: the tiles of one run start together on
     # neighbouring SMs and stream the same KV pages, so the second reads them from L2.
     pid_h = gl.program_id(0)
@@ -366,26 +510,28 @@ def mla_split_ws_kernel(
     l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    sync = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())    # p_ready, p_empty, l_ready, l_free
+    # p_ready, p_empty, l_ready, l_free, o_stored
+    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(4):
+    for i in gl.static_range(5):
         mbarrier.init(sync.index(i), count=1)
     fence_async_shared()
 
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([
         (_ws_softmax, (q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty,
-                       sync.index(0), sync.index(1), sync.index(2), sync.index(3), meta_ptr, splits_ptr, seqlens_ptr,
-                       batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total,
-                       out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os,
-                       stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES)),
-        (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0), sync.index(1), sync.index(2),
-                  sync.index(3), meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot_first,
-                  slot_last, pid_h, h_q, rows_total, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh, BLOCK_N,
-                  STAGES)),
+                       sync.index(0), sync.index(1), sync.index(2), sync.index(3), sync.index(4), meta_ptr, splits_ptr,
+                       seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
+                       rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob,
+                       stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES, FUSED_SPLITS, Q_AHEAD)),
+        (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0), sync.index(1),
+                  sync.index(2), sync.index(3), sync.index(4), meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens,
+                  slot_first, slot_last, pid_h, h_q, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
+                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh, BLOCK_N, STAGES, FUSED_SPLITS, MERGE_ROWS,
+                  PDL)),
         (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr,
                         splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
-                        BLOCK_N, STAGES, KV_PAGE)),
+                        BLOCK_N, STAGES, KV_PAGE, PDL)),
     ], [4, 1], [232, 40])

@@ -95,5 +95,5 @@ def mla_split_t_kernel(
                       stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_H, 0, 0, True)),
         (_ws_producer, (kn_desc, kr_desc, kn_buf, kr_buf, kb_full, kb_empty, bt_ptr, stride_btb, meta_ptr,
                         splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
-                        BLOCK_N, STAGES, KV_PAGE)),
+                        BLOCK_N, STAGES, KV_PAGE, 0)),
     ], [1], [40])

@@ -342,8 +342,12 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     # row)), written before they are read: per-stream workspace.
     partials = num_slots * per_slot * rows
     call.partials = ((partials * HEAD_DIM_V, torch.float32), (partials, torch.float32))
-    # the fused combine's arrival counters: one per (request, head tile), zeroed scratch
-    call.counters = (batch * 8, torch.int32) if fused else None
+    # the fused combine's arrival counters: one per (request, head tile), zeroed scratch (the Gluon
+    # kernel's: requests of up to FUSED_SPLITS splits; PDL: the combine, and at 2 the split kernel,
+    # as programmatic dependent launches)
+    fused_splits = cfg.get("FUSED_SPLITS", 0) if call.variant == "wgmma" else 0
+    pdl = cfg.get("PDL", 0) if call.variant == "wgmma" else 0
+    call.counters = (batch * 8, torch.int32) if fused or fused_splits else None
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
     if gluon:
@@ -352,7 +356,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
         call.grid = (-(-rows // cfg.get("BLOCK_H", 64)), num_slots - 1, 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
                         *q.stride()[:3], block_table.stride(0), *out_strides, *lse_strides)
-        call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg)
+        call.meta = dict(CAUSAL=causal, KV_PAGE=page, **cfg, **({"launch_pdl": True} if pdl >= 2 else {}))
     else:
         call.grid = (num_slots * per_slot, -(-rows // cfg["BLOCK_H"]), 1)
         call.scalars = (batch, h_q, s_q, rows, num_slots, k_cache.shape[0], max_blocks * page, scale * LOG2E,
@@ -360,9 +364,10 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
-    call.combine_grid = None if fused else (batch, rows, 1)
+    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, 1)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
-    call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, num_warps=4)
+    call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits), GDC=pdl >= 1,
+                             num_warps=4, **({"launch_pdl": True} if pdl >= 1 else {}))
     return call
 
 
@@ -374,12 +379,14 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
     o_acc, lse_acc = _scratch.workspace(q.device, *call.partials)
     key = (call, q.data_ptr() % 16, k_cache.data_ptr() % 16, block_table.data_ptr() % 16,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
+    (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
     if call.variant in _GLUON:
         descriptors = (_fp8_descriptors(k_cache, call.meta.get("SLOT_N", 64)) if call.variant == "wgmma_fp8"
                        else _kv_descriptors(k_cache, call.meta["BLOCK_N"]))
         tensors = (q, *descriptors, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
+        if call.variant == "wgmma":
+            tensors += (counters,)
     else:
-        (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
         tensors = (q, _as_bytes(k_cache), block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc, counters)
     _kernels()[call.variant].launch(key, call.grid, q.device.index, tensors, call.scalars, call.meta)
     if call.combine_grid is not None:
@@ -480,9 +487,10 @@ def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spl
     tracing = torch.compiler.is_compiling()
     key = None if tracing else plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
     try:
-        # (the transposed Gluon form's switch too: a run that changes it re-plans)
-        key = key + (head_dim_v, softmax_scale, causal, fp8, configs.TRANSPOSED_GLUON_MAX_ROWS) \
-            if key is not None else None
+        # (the transposed Gluon form's switch and the Gluon kernel's levers too: a run that changes
+        # them re-plans)
+        key = key + (head_dim_v, softmax_scale, causal, fp8, configs.TRANSPOSED_GLUON_MAX_ROWS,
+                     configs.levers_version) if key is not None else None
         call = _plans.get(key) if key is not None else None
     except TypeError:       # an unhashable argument: validated (and refused) below
         key = call = None

@@ -47,10 +47,11 @@ CONFIGS = {
 #   kernel's last ones run, then wait for its end); 2: the split kernel too, after whatever precedes it.
 # Measured each alone against the plain path in one process on an H100 (tools/mla_wgmma_t_ab.py
 # --cases levers, graph replay, bench/results/sweeps/mla-levers-nvidia-h100-80gb-hbm3.json): PDL 1
-# is the only one that pays (up to 5 % at 1-4 requests of 1K-4K tokens, level on long batches), so
-# it is on; the fused combine loses 1-69 % (one warpgroup merging a (request, head tile)'s partials
-# is bound by L2 latency: 64 rows x 16 splits take longer than the combine launch it saves), Q
-# ahead is level (0.99-1.01), PDL 2 no better than 1.
+# is the only one that pays (1.003-1.035x on 13 of 16 batches, most at 1-4 requests of 1K-4K
+# tokens; level on the rest), so it is on; the fused combine is slower on every batch with
+# FUSED_SPLITS 16 (0.36-0.996x: one warpgroup merging a (request, head tile)'s partials is bound by
+# L2 latency, 64 rows x 16 splits cost more than the launch it saves), Q ahead is level
+# (0.99-1.01), PDL 2 no better than 1.
 WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL")
 SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # for overrides that omit them
 levers_version = 0      # bumped by wgmma_levers: the op's call plans include it

@@ -22,7 +22,10 @@ What it adds over the ``tl`` kernels of ``kernels.py`` (same metadata, same part
 
 Grid: (64-row head tile, metadata row); program p runs the slots the metadata's column 7 gives
 it (one slot, or a part's run of splits); split requests write partials that ``kernels.mla_combine_kernel``
-merges in a second launch. Rows past ``s_q * h_q`` are computed as zeros and never stored.
+merges in a second launch (a programmatic dependent launch: ``PDL``). Rows past ``s_q * h_q`` are
+computed as zeros and never stored. Per-call levers behind switches (``configs.WGMMA_LEVERS``):
+``PDL`` (on), a combine fused into the last split of each request (``FUSED_SPLITS``) and Q issued
+ahead (``Q_AHEAD``), both off (measured slower or level: docs/design/mla.md).
 
 Cache slots past a request's length may hold anything (NaN included): a TMA copy moves whole
 tiles, so the rows of the last tile past the length are zeroed in shared memory before the

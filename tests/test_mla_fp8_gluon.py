@@ -7,6 +7,7 @@ K tile, page, split), NaN bytes in every unused slot, runs of splits per program
 replay."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ FORMS = {
     "ws-slot16": lambda: {k: dict(v, SLOT_N=16, STAGES=2 * v["STAGES"], CONVERTERS=4)
                           for k, v in configs.FP8_GLUON_WS.items()},
     "ws-ahead": lambda: {k: dict(v, MMA_AHEAD=1) for k, v in configs.FP8_GLUON_WS.items()},
+    "rs": lambda: configs.FP8_GLUON_RS,
+    "rs-s3": lambda: {k: dict(v, STAGES=3) for k, v in configs.FP8_GLUON_RS.items()},
+    "rs2": lambda: configs.FP8_GLUON_RS2,
 }
 
 
@@ -68,6 +72,44 @@ def test_fp8_descriptors_box_is_the_ring_slot(page, slot_n):
     box = min(page, slot_n)
     assert codes.block_shape == [box, 128] and scales.block_shape == [box, 4]
     assert op._fp8_descriptors(packed)[0].block_shape == [min(page, 64), 128]
+
+
+@pytest.mark.parametrize("form,rows,page", [("rs", 16, 64), ("rs", 32, 64), ("rs", 16, 16), ("rs", 32, 128),
+                                            ("rs2", 16, 64), ("rs2", 32, 16)])
+def test_fp8_gluon_rs_compiles(form, rows, page):
+    """The register-operand form (``configs.FP8_GLUON_RS``, one MMA warpgroup; ``FP8_GLUON_RS2``,
+    two) compiles for sm_90a: within the SM's shared memory (4 ring slots of 64 tokens; with two
+    warpgroups 3 or 2, their P_g^T and the exchange buffer), TMA copies, the bf16 RoPE WGMMA from
+    the landed bytes, fp16 WGMMAs with the A operand in registers (N = BLOCK_H, nothing padded),
+    two codes per conversion, 16-bit loads of K's codes and byte loads of V^T's. ptxas keeps some
+    of the loop's shared-memory addresses in local memory (an MMA warpgroup's 232-255 registers
+    hold O^T, two A operands and the addresses of 384 loads per tile): bounded so that growth
+    shows."""
+    gluon = pytest.importorskip("tilefuse.testing.gluon")
+    from tests.test_gluon_compile import CONSTEXPR, MLA_SPLIT_SCALARS, SMEM_LIMIT
+
+    cfg = dict(FORMS[form]()[rows])
+    box = min(page, cfg["SLOT_N"])
+    pointers = ["q_ptr", "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr", "oacc_ptr",
+                "lseacc_ptr"]
+    signature = {"q_ptr": "*bf16", "codes_desc": gluon.tensordesc(torch.float8_e4m3fn, [box, 128]),
+                 "scales_desc": gluon.tensordesc(torch.float32, [box, 4]), "bt_ptr": "*i32", "seqlens_ptr": "*i32",
+                 "meta_ptr": "*i32", "splits_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+                 "oacc_ptr": "*fp32", "lseacc_ptr": "*fp32", **MLA_SPLIT_SCALARS}
+    constexprs = dict(CAUSAL=True, KV_PAGE=page, **cfg)
+    signature.update({name: CONSTEXPR for name in constexprs})
+    result = gluon.compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon_fp8:mla_split_fp8_kernel", signature,
+                                          constexprs, num_warps=cfg["num_warps"], aligned=pointers)
+    assert result.shared <= SMEM_LIMIT, result.shared
+    assert result.spilled <= {("rs", 16): 800, ("rs", 32): 2800, ("rs2", 16): 1800, ("rs2", 32): 4400}[form, rows], \
+        result.ptxas
+    ptx = result.ptx
+    per_wg = 2 if cfg["RS"] == 2 else 1                   # the PTX holds each warpgroup's code
+    assert "setmaxnreg" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{rows}k16.f32.bf16.bf16" in ptx      # RoPE: SS, from the ring
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{rows}k16\.f32\.f16\.f16\s+\{{[^}}]*\}},\s*\{{", ptx)
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 256 * per_wg       # 64 x 512 codes, twice, over 128 threads
+    assert ptx.count("ld.shared.b16") == 128 * per_wg and ptx.count("ld.shared.b8") >= 256 * per_wg
 
 
 def _use_form(monkeypatch, form: str, max_rows: int | None = None) -> None:
@@ -116,7 +158,7 @@ def _need_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead", "rs", "rs2"])
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (8, 4, True), (24, 1, False), (5, 3, True), (1, 1, True)])
 def test_gpu_fp8_gluon_forms(monkeypatch, form, page, h_q, s_q, causal):
@@ -142,7 +184,7 @@ def test_gpu_fp8_gluon_ws_variants(monkeypatch, form, h_q, s_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead", "rs", "rs2"])
 @pytest.mark.parametrize("h_q,s_q", [(16, 3), (32, 2)])
 def test_gpu_fp8_gluon_head_tiles(monkeypatch, form, h_q, s_q):
     """Past one head tile (48 and 64 rows, FP8_GLUON_MAX_ROWS 64): tiles of 32, each streaming
@@ -155,7 +197,7 @@ def test_gpu_fp8_gluon_head_tiles(monkeypatch, form, h_q, s_q):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead"])
+@pytest.mark.parametrize("form", ["ws", "serial", "ws-ahead", "rs", "rs-s3", "rs2"])
 def test_gpu_fp8_gluon_runs_of_splits_graph(monkeypatch, form):
     """An uneven batch of 40 (zeros, short and long requests): programs run several splits each,
     the ring and the K buffers carried from one split to the next; the same result from a CUDA
@@ -165,4 +207,27 @@ def test_gpu_fp8_gluon_runs_of_splits_graph(monkeypatch, form):
     rng = random.Random(7)
     lens = [rng.choice([0, 1, 65, 300, 2000, 9000]) + rng.randint(0, 70) * (i % 3) for i in range(40)]
     inp, out, lse, _ = _decode(lens, 1, 16, 64, graph=True)
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["ws", "rs", "rs2"])
+def test_gpu_fp8_gluon_scale_spread(monkeypatch, form):
+    """Tokens whose magnitudes (and so group scales) differ by up to 2^18 inside one tile and from
+    group to group: the register-operand form puts V's scales into P relative to each tile's
+    largest and keeps each group's O^T in units of it; both forms against the fp64 reference."""
+    _need_hopper()
+    _use_form(monkeypatch, form)
+    lens = [1000, 64, 4097, 333]
+    inp = make_case(lens, 1, 16, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    spread = torch.exp2(torch.randint(-12, 7, inp.k_cache.shape[:-1] + (4,), generator=gen, device="cuda").float())
+    latent = inp.k_cache.float()
+    latent[..., :512] = (latent[..., :512].unflatten(-1, (4, 128)) * spread[..., None]).flatten(-2)
+    inp.k_cache = latent.to(torch.bfloat16)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
+    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=True, is_fp8_kvcache=True)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, True)

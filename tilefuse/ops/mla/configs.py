@@ -104,12 +104,26 @@ WGMMA_FROM_ROWS = 1
 # the serial form; 4 converter warps 2-7 % slower, MMA_AHEAD 2-13 % slower (an earlier run: slots of
 # 16 tokens 13-26 % slower than slots of 32). 8 converter warps need slots of >= 32 tokens.
 FP8_GLUON_SERIAL = {
-    16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
-    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, num_warps=8),
+    16: dict(BLOCK_H=16, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=0, num_warps=8),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=0, num_warps=8),
 }
 FP8_GLUON_WS = {
-    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, num_warps=4),
-    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, num_warps=4),
+    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, RS=0, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=32, CONVERTERS=8, MMA_AHEAD=0, SKIP=0, RS=0, num_warps=4),
+}
+# * register-operand (RS 1, kernels_gluon_fp8_rs.py): STAGES ring slots of 64 tokens (41 KB), no
+#   16-bit K tile: the MMA warpgroup converts the codes into the WGMMAs' register operands. An
+#   option, not the default: 1.5-2.2x the warp-specialized form's time at 16-32 rows on the H100
+#   (bench/results/sweeps/mla-fp8-rs-nvidia-h100-80gb-hbm3.json; 258 against 175 us at b32 h16 16K).
+FP8_GLUON_RS = {
+    16: dict(BLOCK_H=16, STAGES=4, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=1, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=4, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=1, num_warps=4),
+}
+# RS 2: two MMA warpgroups taking every other tile, each with its own softmax state, merged at
+# the end of each split (Q, 4 P_g^T each and the exchange within 227 KB: 3 slots at 16 rows, 2 at 32)
+FP8_GLUON_RS2 = {
+    16: dict(BLOCK_H=16, STAGES=3, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=2, num_warps=4),
+    32: dict(BLOCK_H=32, STAGES=2, SLOT_N=64, CONVERTERS=0, MMA_AHEAD=0, SKIP=0, RS=2, num_warps=4),
 }
 FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
 # Two 32-row head tiles of the warp-specialized form beat the tl standard kernel's 64-row tile on

@@ -41,8 +41,10 @@ from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier,
                                        warpgroup_mma, warpgroup_mma_wait)
-from tilefuse.ops.mla.kernels_gluon import _split_range, _ws_store_lse
-from tilefuse.ops.mla.kernels_gluon_fp8_ws import _issue_slot, fp8_ws_converter, fp8_ws_mma, fp8_ws_producer, load_q_rows
+from tilefuse.ops.mla.kernels_gluon import _ws_store_lse
+from tilefuse.ops.mla.kernels_gluon_fp8_rs import fp8_rs_body
+from tilefuse.ops.mla.kernels_gluon_fp8_ws import (_issue_slot, fp8_ws_converter, fp8_ws_mma, fp8_ws_producer, load_q_rows,
+                                                  split_work)
 from tilefuse.ops.mla.kernels_gluon_sparse import _softmax_pv_transposed
 from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V
 
@@ -62,7 +64,7 @@ def _fp8_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring, k
                   STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
     t = 0
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx = split_work(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             bt_row = bt_ptr + req * stride_btb
@@ -140,7 +142,7 @@ def _fp8_consumer(q_ptr, q_nope, q_rope, codes_ring, rope_ring, scales_ring, k_n
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
     t = 0
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx = split_work(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             # ---- this split's Q (the last split's products have all been waited for).
@@ -190,7 +192,7 @@ def mla_split_fp8_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
     num_warps: gl.constexpr, SLOT_N: gl.constexpr = 64, CONVERTERS: gl.constexpr = 0, MMA_AHEAD: gl.constexpr = 0,
-    SKIP: gl.constexpr = 0,
+    SKIP: gl.constexpr = 0, RS: gl.constexpr = 0,
 ):
     """Attention of BLOCK_H query rows (bf16 q) over the splits of one part of the schedule, from an
     FP8 cache. ``CONVERTERS = 0`` (the serial form): a producer warp and ``num_warps`` consumer
@@ -199,7 +201,10 @@ def mla_split_fp8_kernel(
     producer warp filling a ring of ``STAGES`` slots of ``SLOT_N`` tokens, ``CONVERTERS`` warps
     converting into two K buffers, and the ``num_warps = 4`` MMA warpgroup (``MMA_AHEAD``: the next
     tile's ``S^T`` issued behind ``P V``). ``SKIP`` (timing only, results wrong): 1 leaves out the
-    conversion, 2 the products, 3 both, so that what remains is timed alone.
+    conversion, 2 the products, 3 both, so that what remains is timed alone. ``RS = 1``
+    (``kernels_gluon_fp8_rs``): a producer warp filling ``STAGES`` slots of 64 tokens and the
+    ``num_warps = 4`` MMA warpgroup, which converts the codes into the WGMMAs' register operands
+    (no 16-bit K tile in shared memory).
 
     Grid: (head tiles, metadata rows - 1); program p runs slots ``meta[p, 7] .. meta[p + 1, 7] - 1``.
     codes_desc: TMA descriptor over the cache as ``[num_blocks * KV_PAGE, 656]`` float8_e4m3fn
@@ -213,7 +218,12 @@ def mla_split_fp8_kernel(
     slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
     if slot_first == slot_last:
         return
-    if CONVERTERS > 0:
+    if RS:
+        fp8_rs_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr, oacc_ptr,
+                    lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale, stride_qb,
+                    stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, pid_h,
+                    slot_first, slot_last, CAUSAL, BLOCK_H, STAGES, KV_PAGE, SLOT_N, SKIP, RS)
+    elif CONVERTERS > 0:
         _fp8_ws_body(q_ptr, codes_desc, scales_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr, out_ptr, lse_ptr,
                      oacc_ptr, lseacc_ptr, batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
                      stride_qb, stride_qs, stride_qh, stride_btb, stride_ob, stride_os, stride_oh, stride_lb,

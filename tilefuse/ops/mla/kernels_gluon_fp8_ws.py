@@ -51,6 +51,14 @@ ROPE_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bi
 
 
 @gluon.jit
+def split_work(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot):
+    """The work of ``slot`` (``kernels_gluon._split_range``'s first seven values): valid, request,
+    first token, end token, length, partials of the request, this split's partial index."""
+    w = _split_range(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
+    return w[0], w[1], w[2], w[3], w[4], w[5], w[6]
+
+
+@gluon.jit
 def load_q_rows(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh,
                 BLOCK_H: gl.constexpr, NUM_WARPS: gl.constexpr):
     """HBM -> SMEM: a split's BLOCK_H query rows (row r: query token r // h_q, head r % h_q; rows
@@ -99,7 +107,7 @@ def fp8_ws_producer(codes_desc, scales_desc, codes_ring, rope_ring, scales_ring,
                     slot_last, STAGES: gl.constexpr, KV_PAGE: gl.constexpr, SLOT_N: gl.constexpr):
     r = 0                                  # ring slots issued so far (slot index and phases)
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx = split_work(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             bt_row = bt_ptr + req * stride_btb
@@ -131,7 +139,7 @@ def fp8_ws_converter(codes_ring, rope_ring, scales_ring, kn_buf, kr_buf, r_ready
     t = 0                                  # K tiles converted so far (K buffer t % 2 and phases)
     r = 0                                  # ring slots read so far
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx = split_work(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             for start in range(tok_begin, tok_end, BLOCK_N):
@@ -247,7 +255,7 @@ def fp8_ws_mma(q_ptr, q_nope, q_rope, kn_buf, kr_buf, p_t, kb_full, kb_empty, me
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS)
     t = 0
     for slot in range(slot_first, slot_last):
-        valid, req, tok_begin, tok_end, length, n_part, part_idx = _split_range(
+        valid, req, tok_begin, tok_end, length, n_part, part_idx = split_work(
             meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
         if valid:
             # ---- this split's Q (the last split's products have all been waited for).

@@ -20,7 +20,7 @@ import torch
 
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
-from tilefuse.ops.vq.reference import dequantize, vq_moe_reference
+from tilefuse.ops.vq.reference import dequantize
 from tilefuse.testing import poisoned, repeats_and_replays_identical
 from tilefuse.testing.vq import MOE_SHAPES, make_moe_case, moe_reference_fp64, tolerance
 
@@ -72,34 +72,96 @@ def _check(out, case):
                              f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
 
 
-def _run(case, impl="auto", gate_up=None, down=None):
-    """The three launches into a NaN-poisoned output."""
+def _run(case, impl="auto", gate_up=None, down=None, grouped=None):
+    """The launches into a NaN-poisoned output (``grouped``: tiles of one expert's tokens, None: the
+    op's choice)."""
     (t, h), k = case.x.shape, case.top_k_index.shape[1]
     e, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
-    call = vq_op._moe_plan(t, k, e, h, i, case.x.device, impl, gate_up, down)
+    call = vq_op._moe_plan(t, k, e, h, i, case.x.device, impl, gate_up, down, grouped)
+    assert grouped is None or call.grouped == grouped
     out = poisoned((t, h), case.x.dtype, case.x.device)
     return vq_op.launch_moe(call, *case.args(), out)
 
 
-# (T, k, E, H, I): K steps and slices crossed, H/8 odd (136 -> 17), I/8 odd (24 -> 3), one group
+# (T, k, E, H, I): K steps and slices crossed, H/8 odd (72 -> 9), I/8 odd (24 -> 3), one group
 # (8), k = 1, many tokens per expert (E = 2)
-CPU_SHAPES = [(3, 2, 4, 64, 40), (5, 3, 3, 136, 24), (1, 1, 2, 8, 8), (6, 2, 2, 32, 16)]
+CPU_SHAPES = [(3, 2, 4, 64, 40), (5, 3, 3, 72, 24), (1, 1, 2, 8, 8), (6, 2, 2, 32, 16)]
 
 
 @pytest.mark.parametrize("t,k,e,h,i", CPU_SHAPES)
 def test_moe_interpreted(interpret, t, k, e, h, i):
     case = make_moe_case(t, k, e, h, i, torch.float16, interpret)
-    _check(_run(case), case)
+    _check(_run(case, grouped=False), case)
+
+
+# (T, k, E, H, I, distinct): two tiles of 16 for an expert (20 pairs each), repeated experts
+# (k > E), an expert without tokens, one token
+GROUPED_SHAPES = [(20, 2, 2, 32, 16, True), (9, 3, 2, 72, 24, False), (5, 2, 4, 64, 40, True), (1, 1, 2, 8, 8, True)]
+
+
+@pytest.mark.parametrize("t,k,e,h,i,distinct", GROUPED_SHAPES)
+def test_moe_grouped_interpreted(interpret, t, k, e, h, i, distinct):
+    """Tiles of one expert's tokens (the schedule sorted on the device), out-of-range ids in none."""
+    case = make_moe_case(t, k, e, h, i, torch.float16, interpret, distinct=distinct)
+    case.top_k_index[0, 0] = e
+    if t > 2:
+        case.top_k_index[2, -1] = -1
+    _check(_run(case, grouped=True), case)
+
+
+def test_grouping_picks_the_faster_programs_of_the_committed_sweep():
+    """``configs.MOE["group_pairs"]`` on every shape and token count of the committed H100 run
+    (``tools/vq_moe_bench.py``: a program per pair and grouped tiles, both forced, graph replay):
+    the path the op picks is the faster one (5 %: noise between rows)."""
+    import json
+    from pathlib import Path
+
+    from tilefuse.ops.vq import configs
+
+    path = Path(__file__).resolve().parents[1] / "bench/results/sweeps/vq-moe-h100-80gb-hbm3-quick.json"
+    times = {}
+    for row in json.loads(path.read_text())["rows"]:
+        if row["impl"] in ("vq2:per_pair", "vq2:grouped") and row.get("graph_us"):
+            times.setdefault((row["shape"], row["tokens"] * row["top_k"]), {})[row["impl"][4:]] = row["graph_us"]
+    assert len(times) == 14
+    for (shape, pairs), t in times.items():
+        picked, other = ("grouped", "per_pair") if pairs >= configs.MOE["group_pairs"] else ("per_pair", "grouped")
+        assert t[picked] <= 1.05 * t[other], (shape, pairs, t)
+
+
+def test_moe_schedule_tiles_every_valid_pair_once():
+    """``moe_schedule``: pairs sorted by expert (token order within), tiles of at most ``tokens``
+    pairs of one expert covering every in-range pair once, empty tiles (expert E, no pairs) last;
+    the tile bound ``moe_tiles`` holds."""
+    gen = torch.Generator().manual_seed(0)
+    for t, k, e, tokens in ((37, 8, 16, 8), (5, 2, 64, 8), (64, 6, 4, 16), (1, 1, 1, 8)):
+        index = torch.randint(-1, e + 1, (t, k), generator=gen)
+        tiles = vq_op.moe_tiles(t * k, e, tokens)
+        sched, tok, pairs = vq_op.moe_schedule(index, e, tokens, tiles)
+        expert, first, count = sched.view(3, tiles).long()
+        flat = index.reshape(-1)
+        covered = []
+        for n in range(tiles):
+            chunk = pairs[first[n]:first[n] + count[n]].long()
+            assert 0 <= count[n] <= tokens and (count[n] == 0) == (expert[n] == e)
+            assert bool((flat[chunk] == expert[n]).all()) and torch.equal(tok[first[n]:first[n] + count[n]].long(),
+                                                                          chunk // k)
+            assert torch.equal(chunk, chunk.sort().values)          # token order within an expert
+            covered += chunk.tolist()
+        valid = ((flat >= 0) & (flat < e)).nonzero().flatten().tolist()
+        assert sorted(covered) == valid
+        assert (expert[:-1] <= expert[1:]).all()
 
 
 def test_moe_settings_int8_codes_int32_ids_repeated_experts(interpret):
     """Repeated experts in one token (k > E), int8 codes, int32 ids, fp32 routing weights; explicit
-    slices and row tiles."""
+    slices and row tiles; per pair and grouped."""
     case = make_moe_case(3, 3, 2, 72, 32, torch.float16, interpret, codes_dtype=torch.int8,
                          index_dtype=torch.int32, distinct=False)
     case.top_k_index[0] = torch.tensor([1, 1, 0], dtype=torch.int32)
     case.top_k_weights = case.top_k_weights.float()
-    _check(_run(case, gate_up=dict(slices=4), down=dict(slices=2, row_tiles=2)), case)
+    for grouped in (False, True):
+        _check(_run(case, gate_up=dict(slices=4), down=dict(slices=2, row_tiles=2), grouped=grouped), case)
 
 
 def test_moe_public_op_out_of_range_ids_contribute_nothing(interpret):
@@ -237,7 +299,7 @@ def test_module_from_experts_and_patch_vq(interpret):
 
 
 # ------------------------------------------------------------------ Gluon compile checks (CPU)
-def _compile(kernel, dtype, pairs, n, k, **override):
+def _compile(kernel, dtype, pairs, n, k, grouped=False, **override):
     from tilefuse.ops.vq import configs
     from tilefuse.testing.gluon import compile_gluon_isolated
 
@@ -245,34 +307,38 @@ def _compile(kernel, dtype, pairs, n, k, **override):
     element = {torch.float16: "*fp16", torch.bfloat16: "*bf16"}[dtype]
     if kernel == "gate_up":
         pointers = dict(x_ptr=element, idx_ptr="*i64", codes_ptr="*i16", cb_ptr=element, scales_ptr=element,
-                        out_ptr=element)
+                        out_ptr=element, sched_ptr="*i32", tok_ptr="*i32", pairs_ptr="*i32")
         ints = dict(NUM_EXPERTS=128, TOPK=8, I=n, NUM_GROUPS=k // 8, GROUPS_PER_SLICE=cfg["groups_per_slice"],
-                    stride_xm=k, stride_ce=2 * n * (k // 8), stride_cn=k // 8, stride_om=n)
+                    stride_xm=k, stride_ce=2 * n * (k // 8), stride_cn=k // 8, stride_om=n, NUM_TILES=pairs)
     else:
         pointers = dict(h_ptr=element, idx_ptr="*i64", w_ptr="*fp32", codes_ptr="*i16", cb_ptr=element,
-                        scales_ptr=element, out_ptr="*fp32")
+                        scales_ptr=element, out_ptr="*fp32", sched_ptr="*i32", pairs_ptr="*i32")
         ints = dict(NUM_EXPERTS=128, TOPK=8, H=n, NUM_GROUPS=k // 8, GROUPS_PER_SLICE=cfg["groups_per_slice"],
-                    stride_hm=k, stride_ce=n * (k // 8), stride_cn=k // 8, stride_om=n)   # op._moe_plan's values
+                    stride_hm=k, stride_ce=n * (k // 8), stride_cn=k // 8, stride_om=n,
+                    NUM_TILES=pairs)   # op._moe_plan's values
     signature = dict(pointers)
     signature.update({name: "i32" for name in ints})
     constexprs = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
-                      COPIES=cfg["copies"], EVEN=cfg["even"])
+                      COPIES=cfg["copies"], EVEN=cfg["even"], GROUPED=grouped)
     signature.update({name: "constexpr" for name in constexprs})
     aligned = list(pointers) + [name for name, value in ints.items() if value % 16 == 0]
     return cfg, compile_gluon_isolated(f"tilefuse.ops.vq.kernels_moe:vq_moe_{kernel}_kernel", signature, constexprs,
                                        num_warps=cfg["num_warps"], aligned=aligned)
 
 
-@pytest.mark.parametrize("kernel,dtype,pairs,n,k,override", [
-    ("gate_up", torch.bfloat16, 8, 768, 2048, {}), ("down", torch.bfloat16, 8, 2048, 768, {}),
-    ("gate_up", torch.float16, 1024, 1408, 2048, dict(copies=8, row_tiles=2, slices=4, krep=2)),
-    ("down", torch.float16, 6, 2048, 1408, dict(copies=2, slices=4)), ("gate_up", torch.float16, 3, 40, 136, {})])
-def test_moe_kernels_compile(kernel, dtype, pairs, n, k, override):
+@pytest.mark.parametrize("kernel,dtype,pairs,n,k,grouped,override", [
+    ("gate_up", torch.bfloat16, 8, 768, 2048, False, {}), ("down", torch.bfloat16, 8, 2048, 768, False, {}),
+    ("gate_up", torch.bfloat16, 256, 768, 2048, True, {}), ("down", torch.bfloat16, 256, 2048, 768, True, {}),
+    ("gate_up", torch.float16, 1024, 1408, 2048, True, dict(copies=8, row_tiles=2, slices=4, krep=2)),
+    ("down", torch.float16, 200, 2048, 1408, True, dict(tokens=16, slices=4)),
+    ("down", torch.float16, 6, 2048, 1408, False, dict(copies=2, slices=4)),
+    ("gate_up", torch.float16, 3, 40, 136, False, {})])
+def test_moe_kernels_compile(kernel, dtype, pairs, n, k, grouped, override):
     """No spills; the codebook copies (one pair per expert) are the first shared store, at
     ``global_smem`` + 0; MMAs; no atomics (nothing split over programs)."""
     from tilefuse.testing.gluon import first_shared_store_offset
 
-    cfg, result = _compile(kernel, dtype, pairs, n, k, **override)
+    cfg, result = _compile(kernel, dtype, pairs, n, k, grouped, **override)
     assert result.spilled == 0, result.ptxas
     assert 0 < result.registers <= 255 and 512 * cfg["copies"] * 16 <= result.shared <= 232448
     assert "mma.sync" in result.ptx and "global_smem" in result.ptx
@@ -287,7 +353,8 @@ def test_moe_kernels_compile(kernel, dtype, pairs, n, k, override):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_moe_shapes(e, h, i, k, t, dtype):
     case = make_moe_case(t, k, e, h, i, dtype, "cuda", index_dtype=torch.int32 if t == 3 else torch.int64)
-    _check(_run(case, impl="gluon"), case)
+    _check(_run(case, impl="gluon", grouped=False), case)
+    _check(_run(case, impl="gluon", grouped=True), case)
     _check(tilefuse.vq_moe(*case.args()), case)
 
 
@@ -295,20 +362,24 @@ def test_gpu_moe_shapes(e, h, i, k, t, dtype):
 @pytest.mark.parametrize("gate_up,down", [(dict(copies=2), dict(copies=8)), (dict(row_tiles=2, slices=4, krep=2), dict(row_tiles=2, slices=2)),
                                           (dict(slices=2, krep=2), dict(slices=4, copies=1)),
                                           (dict(copies=8, slices=8), dict(slices=2))])
-@pytest.mark.parametrize("t,k,e,h,i", [(5, 8, 16, 2048, 768), (3, 3, 4, 136, 40), (9, 2, 3, 1032, 24)])
-def test_gpu_moe_settings_and_edges(gate_up, down, t, k, e, h, i):
-    """Settings, odd H/8 and I/8 (masked tails), repeated experts, sentinel ids, int8 codes."""
+@pytest.mark.parametrize("t,k,e,h,i", [(5, 8, 16, 2048, 768), (3, 3, 4, 136, 40), (9, 2, 3, 1032, 24),
+                                       (40, 4, 2, 264, 32)])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_gpu_moe_settings_and_edges(gate_up, down, t, k, e, h, i, grouped):
+    """Settings, odd H/8 and I/8 (masked tails), repeated experts, sentinel ids, int8 codes, several
+    tiles per expert (80 pairs over 2 experts)."""
     for dtype in (torch.float16, torch.bfloat16):
         case = make_moe_case(t, k, e, h, i, dtype, "cuda", codes_dtype=torch.int8, distinct=k <= e)
         case.top_k_index[0, 0] = e
         case.top_k_index[-1, -1] = -1
-        _check(_run(case, impl="gluon", gate_up=gate_up, down=down), case)
+        _check(_run(case, impl="gluon", gate_up=gate_up, down=down, grouped=grouped), case)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 16])
+@pytest.mark.parametrize("t", [1, 16, 100])
 def test_gpu_moe_bit_identical_repeats_and_graph_replays(t):
-    """No atomics: every launch, eager or replayed, gives the same bits (routing read on the device)."""
+    """No atomics: every launch, eager or replayed, gives the same bits (routing, and at 800 pairs
+    the grouped schedule, computed on the device)."""
     case = make_moe_case(t, 8, 128, 2048, 768, torch.bfloat16, "cuda")
     first = repeats_and_replays_identical(lambda: tilefuse.vq_moe(*case.args()))
     _check(first, case)

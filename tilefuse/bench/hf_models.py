@@ -53,6 +53,24 @@ def qwen2_1p5b_config(layers: int):
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
+def qwen3_30b_a3b_config(layers: int):
+    """Qwen3-30B-A3B's shapes (hidden 2048, 32 query / 4 KV heads of 128, an MoE block in every
+    layer: 128 routed experts of 768, top-8, no shared expert; vocab 151936)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, norm_topk_prob=True,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False)
+
+
+# the experts implementation of the stock MoE model: transformers' grouped GEMM over the tokens
+# sorted by expert (torch.nn.functional.grouped_mm): no host sync, so the stock model's decode
+# step is graph-capturable too (its default loop over the experts hit reads the routing back)
+MOE_EXPERTS_IMPLEMENTATION = "grouped_mm"
+
+
 def tiny_llama_config(layers: int):
     from transformers import LlamaConfig
 
@@ -88,12 +106,14 @@ def tiny_deepseek_config(layers: int):
 
 
 def random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_config`` built directly on ``device`` in ``dtype``, seeded."""
+    """``AutoModelForCausalLM.from_config`` built directly on ``device`` in ``dtype``, seeded (MoE
+    models with :data:`MOE_EXPERTS_IMPLEMENTATION` experts)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
+    extra = {"experts_implementation": MOE_EXPERTS_IMPLEMENTATION} if getattr(config, "num_experts", None) else {}
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **extra)
     return model.eval()
 
 
@@ -138,14 +158,15 @@ def load_gguf_model(path: Path):
 
 MLA_VARIANTS = ("stock", "swiglu", "mla", "mla_swiglu")    # the DeepSeek shapes' variants
 # the models whose variants are not model.VARIANTS (the benchmark selects cases before loading)
-OWN_VARIANTS = {"tiny-deepseek": MLA_VARIANTS, "deepseek-v3": MLA_VARIANTS, "deepseek-v3-h16": MLA_VARIANTS}
+OWN_VARIANTS = {"tiny-deepseek": MLA_VARIANTS, "deepseek-v3": MLA_VARIANTS, "deepseek-v3-h16": MLA_VARIANTS,
+                "qwen3-30b-a3b": ("stock", "vq2")}
 DEEPSEEK_CONTEXTS = (4096, 32768)                          # their decode prompt lengths (--quick: 4096)
 DEEPSEEK_LAYERS = 8                                        # their blocks unless --layers says otherwise
 
 
 def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
              gguf: str | None, quick: bool = False) -> list[tuple[str, Callable[[], Subject | None]]]:
-    """(name, loader) of the models of this machine: the five on a GPU, the tiny ones on a CPU;
+    """(name, loader) of the models of this machine: the six on a GPU, the tiny ones on a CPU;
     ``layers``: blocks of the random-weight shapes (None: their full count, 8 for the DeepSeek
     shapes; the tiny models need it). A loader returns None (and says why on stderr) when its
     model is not available."""
@@ -187,7 +208,10 @@ def subjects(device: torch.device, dtype: torch.dtype, layers: int | None,
             shape("deepseek-v3", lambda n: deepseek_v3_config(n, 128), deepseek,
                   "DeepSeek-V3 shapes, 128 heads, dense MLPs (DeepseekV3Config)", contexts=contexts),
             shape("deepseek-v3-h16", lambda n: deepseek_v3_config(n, 16), deepseek,
-                  "DeepSeek-V3 shapes, 16 heads (one GPU's share under TP8), dense MLPs", contexts=contexts)]
+                  "DeepSeek-V3 shapes, 16 heads (one GPU's share under TP8), dense MLPs", contexts=contexts),
+            shape("qwen3-30b-a3b", qwen3_30b_a3b_config, layers or 48,
+                  f"Qwen3-30B-A3B shapes (Qwen3MoeConfig: 128 experts of 2048 x 768, top-8), stock experts by "
+                  f"transformers' {MOE_EXPERTS_IMPLEMENTATION} implementation")]
 
 
 # ----------------------------------------------------------------------------- text

@@ -14,6 +14,11 @@ Models (:mod:`tilefuse.bench.hf_models`; random weights unless said otherwise, b
   with q LoRA 1536 and KV LoRA 512, dense MLP 18432 in every block, vocab 129280) with 128 query
   heads, and 16 (one GPU's share under TP8); 8 blocks (``--layers``); decode prompts of 4096 and
   32768 tokens (``--quick``: 4096).
+* ``qwen3-30b-a3b`` -- Qwen3-30B-A3B shapes (``Qwen3MoeConfig``: hidden 2048, 32 heads, 4 KV heads, an
+  MoE block of 128 experts of 768 with top-8 routing in every layer, vocab 151936); 48 blocks (8
+  with ``--quick``); stock's experts run transformers' ``grouped_mm`` implementation (graph
+  capturable); ``vq2`` makes the attention projections 2-bit and the experts
+  :class:`tilefuse.nn.VQMoEExperts` (``tilefuse.vq_moe``), the router kept.
 * ``tiny-llama``, ``tiny-deepseek`` -- the CPU pipeline check: 2 blocks, hidden 64.
 
 Variants: ``stock``; ``swiglu`` (:func:`tilefuse.hf.patch_swiglu`); ``vq2`` (:func:`tilefuse.hf.patch_vq`:

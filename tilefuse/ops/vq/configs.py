@@ -227,31 +227,38 @@ def _small_slices(programs: int, steps: int, row_tiles: int, copies_bytes: int, 
 # copies per entry, row tiles per program and K step. Chosen before any timing as the fused
 # gate/up's copies (4; shorter programs than a dense layer's, so fewer copies to fill) and the
 # small kernel's tiles; the first H100 run times the alternatives (docs/vq.md).
-MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4))
+# group_pairs: from this many token-expert pairs on, programs take tiles of one expert's tokens
+# (sorted on the device first, ``op.moe_schedule``) instead of one pair each. H100, both forced at
+# 1-128 tokens (bench/results/sweeps/vq-moe-h100-80gb-hbm3-quick.json, tools/vq_moe_bench.py): the
+# schedule's PyTorch ops cost about 75 us of graph replay, so a program per pair is faster up to
+# 128 pairs (317 against 432 us at 16 tokens x top-8) and the tiles from 192 on (422 against 662
+# us at 32 tokens x top-6; 744 against 2365 us at 128 x 8). The run's model row used 128.
+MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4, group_pairs=160))
 
 
 @functools.lru_cache(maxsize=4096)
-def moe_config(pairs: int, n: int, k: int, on_gpu: bool, num_sms: int, copies: int = 0, row_tiles: int = 0,
-               krep: int = 0, slices: int = 0, books: int = 1) -> dict:
-    """Tiles of the MoE expert kernels (``kernels_moe``) on ``pairs`` token-expert pairs of an
-    ``[n, k]`` projection per expert (the gate/up kernel: ``n`` = I rows of each of gate and up,
-    ``books`` codebook pairs staged). One token per program (``tokens``: the MMA's 8 columns on the
-    GPU, the ``tl`` twin's 16 in the interpreter); grid ``(pairs, row blocks)``. Explicit
+def moe_config(programs: int, n: int, k: int, on_gpu: bool, num_sms: int, copies: int = 0, row_tiles: int = 0,
+               krep: int = 0, slices: int = 0, tokens: int = 0, books: int = 1) -> dict:
+    """Tiles of the MoE expert kernels (``kernels_moe``) on ``programs`` token-expert pairs (or
+    grouped tiles of one expert's tokens) of an ``[n, k]`` projection per expert (the gate/up
+    kernel: ``n`` = I rows of each of gate and up, ``books`` codebook pairs staged). ``tokens``:
+    the MMA's columns per program (8 on the GPU, the ``tl`` twin's 16 in the interpreter; 1 asks
+    for the smallest, as a program per pair uses one); grid ``(programs, row blocks)``. Explicit
     arguments override (tuning and tests)."""
     groups = k // 8
     row_tiles = row_tiles or (MOE["row_tiles"] if on_gpu else 1)
     krep = krep or (MOE["krep"] if on_gpu else 1)
     copies = copies or MOE["copies"]
-    tokens = 8 if on_gpu else 16
+    tokens = 16 if not on_gpu else 16 if tokens > 8 else 8
     bg = 4 * krep
     steps = _cdiv(max(groups, 1), bg)
     rows = 16 * row_tiles
-    programs = pairs * _cdiv(n, rows)
-    slices = slices or _small_slices(programs, steps, row_tiles, books * copies * 8192, rows, on_gpu, num_sms)
+    blocks = programs * _cdiv(n, rows)
+    slices = slices or _small_slices(blocks, steps, row_tiles, books * copies * 8192, rows, on_gpu, num_sms)
     groups_per_slice = _cdiv(steps, slices) * bg
     return dict(tokens=tokens, krep=krep, row_tiles=row_tiles, slices=slices, copies=copies, rows=rows,
                 groups_per_slice=groups_per_slice, even=groups == slices * groups_per_slice,
-                grid=(pairs, _cdiv(n, rows), 1), num_warps=row_tiles * slices)
+                grid=(programs, _cdiv(n, rows), 1), num_warps=row_tiles * slices)
 
 
 def wgmma_prefill_meta(cfg: dict, has_bias: bool) -> dict:

@@ -4,16 +4,20 @@
 every expert's ``[2I, H]`` gate/up weight (gate rows first, then up rows, one codebook pair) and
 ``[H, I]`` down weight in AQLM's 2x8 format, stacked along a leading expert dimension.
 
-The grid runs over (token-expert pair ``p = t * TOPK + j``, row block): each program reads its
-pair's expert id from device memory (no host sync, so a CUDA graph replays any routing), offsets
-the codes, codebooks and scales pointers by it and runs one program of the small-layer kernels on
-its token's row:
+Per pair (``GROUPED`` off: decode sizes) the grid runs over (token-expert pair ``p = t * TOPK + j``,
+row block): each program reads its pair's expert id from device memory (no host sync, so a CUDA
+graph replays any routing), offsets the codes, codebooks and scales pointers by it and runs one
+program of the small-layer kernels on its token's row. Grouped (``GROUPED``: many pairs) the grid
+runs over (tile, row block), a tile being up to ``TOKENS`` pairs of one expert in the pairs'
+expert-sorted order (``op.moe_schedule``, computed on the device): the program gathers its
+tokens' rows of x (or h) into the MMA's columns, so an expert's codebooks are staged and its codes
+read once per tile instead of once per pair, and scatters its outputs to the pairs' rows.
 
 * :func:`vq_moe_gate_up_kernel`: ``kernels_swiglu.swiglu_program`` with the gate's and the up's
   rows of one expert weight (one codebook pair staged once: ``SHARED_BOOKS``) on ``x[t]``, writing
   ``h[p] = silu(g) * u`` (``[T * TOPK, I]``, x's dtype);
 * :func:`vq_moe_down_kernel`: ``kernels_small.small_program`` on ``h[p]`` with the row scale times
-  the routing weight ``w[t, j]``, writing ``y_p`` (``[T * TOPK, H]`` fp32);
+  the routing weight ``w[t, j]`` (per column where grouped), writing ``y_p`` (``[T * TOPK, H]`` fp32);
 * :func:`vq_moe_sum_kernel`: ``y[t] = sum_j y_{t*TOPK+j}`` in fp32 in ``j`` order, one rounding.
 
 Nothing is split over programs (no workspace, no atomics): the result's bits do not depend on
@@ -53,46 +57,77 @@ def _pair(idx_ptr, p, TOPK, NUM_EXPERTS):
 
 
 @gluon.jit
+def _tile(sched_ptr, tau, NUM_TILES, NUM_EXPERTS):
+    """Grouped tile ``tau``'s expert (clamped into range: an empty tile's id is E), first position
+    in the expert-sorted pair order and token count (``op.moe_schedule``; device memory)."""
+    e = gl.load(sched_ptr + tau)
+    first = gl.load(sched_ptr + NUM_TILES + tau)
+    count = gl.load(sched_ptr + 2 * NUM_TILES + tau)
+    return gl.minimum(e, NUM_EXPERTS - 1).to(gl.int64), first, count
+
+
+@gluon.jit
 def vq_moe_gate_up_kernel(
     # x [T, H]; idx [T * TOPK] expert ids; codes int16 [E, 2I, H/8]; codebooks [E, 2, 256, 1, 8];
-    # scales [E, 2I]; out h [T * TOPK, I]
-    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    # scales [E, 2I]; out h [T * TOPK, I]; GROUPED: the schedule [3, NUM_TILES] and the pairs
+    # sorted by expert (their tokens in tok_ptr, their indices in pairs_ptr), int32
+    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr, sched_ptr, tok_ptr, pairs_ptr,
     NUM_EXPERTS, TOPK, I, NUM_GROUPS, GROUPS_PER_SLICE,
-    stride_xm, stride_ce, stride_cn, stride_om,
+    stride_xm, stride_ce, stride_cn, stride_om, NUM_TILES,
     TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
-    COPIES: gl.constexpr, EVEN: gl.constexpr,
+    COPIES: gl.constexpr, EVEN: gl.constexpr, GROUPED: gl.constexpr,
 ):
-    # grid: (pairs, row blocks of I); the pair's expert from device memory
-    p = gl.program_id(0)
-    token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
-    codes = codes_ptr + e * stride_ce                 # the expert's gate rows, then its up rows
-    books = cb_ptr + e * CODEBOOK_VALUES
-    scales = scales_ptr + e * (2 * I)
-    # x's row is the token's (M = token + 1, or token: nothing for an out-of-range expert); h's
-    # row is the pair's: out offset by (p - token) rows, as the program stores at row m0 = token
-    swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales,
-                   out_ptr + (p - token) * stride_om, gl.program_id(1), token, token + valid, I, NUM_GROUPS,
-                   GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, TOKENS, KREP, ROW_TILES, SLICES, COPIES,
-                   False, False, EVEN, True)
+    if GROUPED:
+        # grid: (tiles, row blocks of I); a tile = up to TOKENS tokens of one expert
+        e, first, count = _tile(sched_ptr, gl.program_id(0), NUM_TILES, NUM_EXPERTS)
+        codes = codes_ptr + e * stride_ce                 # the expert's gate rows, then its up rows
+        books = cb_ptr + e * CODEBOOK_VALUES
+        scales = scales_ptr + e * (2 * I)
+        swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales, out_ptr,
+                       gl.program_id(1), 0, count, I, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om,
+                       TOKENS, KREP, ROW_TILES, SLICES, COPIES, False, False, EVEN, True, tok_ptr + first,
+                       pairs_ptr + first, True)
+    else:
+        # grid: (pairs, row blocks of I); the pair's expert from device memory
+        p = gl.program_id(0)
+        token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+        codes = codes_ptr + e * stride_ce
+        books = cb_ptr + e * CODEBOOK_VALUES
+        scales = scales_ptr + e * (2 * I)
+        # x's row is the token's (M = token + 1, or token: nothing for an out-of-range expert); h's
+        # row is the pair's: out offset by (p - token) rows, as the program stores at row m0 = token
+        swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales,
+                       out_ptr + (p - token) * stride_om, gl.program_id(1), token, token + valid, I, NUM_GROUPS,
+                       GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, TOKENS, KREP, ROW_TILES, SLICES, COPIES,
+                       False, False, EVEN, True)
 
 
 @gluon.jit
 def vq_moe_down_kernel(
     # h [T * TOPK, I]; idx, weights [T * TOPK]; codes int16 [E, H, I/8]; codebooks [E, 2, 256, 1, 8];
-    # scales [E, H]; out y_p [T * TOPK, H] fp32
-    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    # scales [E, H]; out y_p [T * TOPK, H] fp32; GROUPED: the schedule and the sorted pairs
+    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr, sched_ptr, pairs_ptr,
     NUM_EXPERTS, TOPK, H, NUM_GROUPS, GROUPS_PER_SLICE,
-    stride_hm, stride_ce, stride_cn, stride_om,
+    stride_hm, stride_ce, stride_cn, stride_om, NUM_TILES,
     TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
-    COPIES: gl.constexpr, EVEN: gl.constexpr,
+    COPIES: gl.constexpr, EVEN: gl.constexpr, GROUPED: gl.constexpr,
 ):
-    # grid: (pairs, row blocks of H); the pair's expert and routing weight from device memory
-    p = gl.program_id(0)
-    token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
-    weight = gl.load(w_ptr + p).to(gl.float32)
-    small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H, scales_ptr,
-                  out_ptr, gl.program_id(1), p, p + valid, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm, stride_cn,
-                  stride_om, weight, TOKENS, KREP, ROW_TILES, SLICES, COPIES, False, EVEN)
+    if GROUPED:
+        # grid: (tiles, row blocks of H); h's rows and y's rows are the tile's pairs, each times its
+        # routing weight
+        e, first, count = _tile(sched_ptr, gl.program_id(0), NUM_TILES, NUM_EXPERTS)
+        small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H,
+                      scales_ptr, out_ptr, gl.program_id(1), 0, count, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm,
+                      stride_cn, stride_om, 1.0, TOKENS, KREP, ROW_TILES, SLICES, COPIES, False, EVEN,
+                      pairs_ptr + first, pairs_ptr + first, w_ptr, True)
+    else:
+        # grid: (pairs, row blocks of H); the pair's expert and routing weight from device memory
+        p = gl.program_id(0)
+        token, e, valid = _pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+        weight = gl.load(w_ptr + p).to(gl.float32)
+        small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H,
+                      scales_ptr, out_ptr, gl.program_id(1), p, p + valid, H, NUM_GROUPS, GROUPS_PER_SLICE,
+                      stride_hm, stride_cn, stride_om, weight, TOKENS, KREP, ROW_TILES, SLICES, COPIES, False, EVEN)
 
 
 @triton.jit
@@ -104,45 +139,72 @@ def _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS):
 
 
 @triton.jit
+def _tl_tile(sched_ptr, tau, NUM_TILES, NUM_EXPERTS):
+    """:func:`_tile` in ``tl``."""
+    e = tl.load(sched_ptr + tau)
+    first = tl.load(sched_ptr + NUM_TILES + tau)
+    count = tl.load(sched_ptr + 2 * NUM_TILES + tau)
+    return tl.minimum(e, NUM_EXPERTS - 1).to(tl.int64), first, count
+
+
+@triton.jit
 def vq_moe_gate_up_tl_kernel(
-    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    x_ptr, idx_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr, sched_ptr, tok_ptr, pairs_ptr,
     NUM_EXPERTS, TOPK, I, NUM_GROUPS, GROUPS_PER_SLICE,
-    stride_xm, stride_ce, stride_cn, stride_om,
+    stride_xm, stride_ce, stride_cn, stride_om, NUM_TILES,
     TOKENS: tl.constexpr, KREP: tl.constexpr, ROW_TILES: tl.constexpr, SLICES: tl.constexpr,
-    COPIES: tl.constexpr, EVEN: tl.constexpr,
+    COPIES: tl.constexpr, EVEN: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """:func:`vq_moe_gate_up_kernel` in ``tl`` (the CPU-interpreted twin; same arguments)."""
     ROWS: tl.constexpr = 16 * ROW_TILES
-    p = tl.program_id(0)
-    token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    j = tl.arange(0, TOKENS)
+    if GROUPED:
+        e, first, count = _tl_tile(sched_ptr, tl.program_id(0), NUM_TILES, NUM_EXPERTS)
+        xrows = tl.load(tok_ptr + first + j, mask=j < count, other=0)
+        out_toks = tl.load(pairs_ptr + first + j, mask=j < count, other=0)
+        toks, m, out = j, count, out_ptr
+    else:
+        p = tl.program_id(0)
+        token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+        toks = token + j
+        xrows, out_toks, m, out = toks, toks, token + valid, out_ptr + (p - token) * stride_om
     codes = codes_ptr + e * stride_ce
     books = cb_ptr + e * CODEBOOK_VALUES
     scales = scales_ptr + e * (2 * I)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    toks = token + tl.arange(0, TOKENS)
-    tl_swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales,
-                      out_ptr + (p - token) * stride_om, rows, toks, token + valid, I, NUM_GROUPS, GROUPS_PER_SLICE,
-                      stride_xm, stride_cn, stride_om, ROWS, TOKENS, 4 * KREP, SLICES, False, False)
+    tl_swiglu_program(x_ptr, codes, books, scales, scales, codes + I * stride_cn, books, scales + I, scales, out,
+                      rows, toks, xrows, out_toks, m, I, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om,
+                      ROWS, TOKENS, 4 * KREP, SLICES, False, False)
 
 
 @triton.jit
 def vq_moe_down_tl_kernel(
-    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr,
+    h_ptr, idx_ptr, w_ptr, codes_ptr, cb_ptr, scales_ptr, out_ptr, sched_ptr, pairs_ptr,
     NUM_EXPERTS, TOPK, H, NUM_GROUPS, GROUPS_PER_SLICE,
-    stride_hm, stride_ce, stride_cn, stride_om,
+    stride_hm, stride_ce, stride_cn, stride_om, NUM_TILES,
     TOKENS: tl.constexpr, KREP: tl.constexpr, ROW_TILES: tl.constexpr, SLICES: tl.constexpr,
-    COPIES: tl.constexpr, EVEN: tl.constexpr,
+    COPIES: tl.constexpr, EVEN: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """:func:`vq_moe_down_kernel` in ``tl`` (the CPU-interpreted twin; same arguments)."""
     ROWS: tl.constexpr = 16 * ROW_TILES
-    p = tl.program_id(0)
-    token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
-    weight = tl.load(w_ptr + p).to(tl.float32)
     rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    toks = p + tl.arange(0, TOKENS)
-    tl_small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H, scales_ptr, out_ptr,
-                     rows, toks, p + valid, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm, stride_cn, stride_om, weight,
-                     ROWS, TOKENS, 4 * KREP, SLICES, False)
+    j = tl.arange(0, TOKENS)
+    if GROUPED:
+        e, first, count = _tl_tile(sched_ptr, tl.program_id(0), NUM_TILES, NUM_EXPERTS)
+        toks = j
+        pairs = tl.load(pairs_ptr + first + j, mask=j < count, other=0)
+        weight = tl.load(w_ptr + pairs, mask=j < count, other=0.0).to(tl.float32)[None, :]
+        m = count
+    else:
+        p = tl.program_id(0)
+        token, e, valid = _tl_pair(idx_ptr, p, TOPK, NUM_EXPERTS)
+        toks = p + j
+        pairs = toks
+        weight = tl.load(w_ptr + p).to(tl.float32)
+        m = p + valid
+    tl_small_program(h_ptr, codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * H, scales_ptr,
+                     out_ptr, rows, toks, pairs, pairs, m, H, NUM_GROUPS, GROUPS_PER_SLICE, stride_hm, stride_cn,
+                     stride_om, weight, ROWS, TOKENS, 4 * KREP, SLICES, False)
 
 
 @triton.jit

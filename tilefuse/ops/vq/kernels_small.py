@@ -100,13 +100,15 @@ def _epilogue_layout(tokens, num_warps):
 @gluon.jit
 def _step_operands(x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE: gl.constexpr, ROWS: gl.constexpr,
                    KREP: gl.constexpr, TOKENS: gl.constexpr, COPIES: gl.constexpr, SLICES: gl.constexpr,
-                   ROW_TILES: gl.constexpr, L_TG: gl.constexpr, B_OP: gl.constexpr):
+                   ROW_TILES: gl.constexpr, L_TG: gl.constexpr, B_OP: gl.constexpr, x_rows_ptr=None,
+                   GATHER: gl.constexpr = False):
     """The per-element constants of a program's A tiles ([TILE, BG], ``L_TG``) and its x pointers
     at step 0 ([BK, TOKENS], ``B_OP``), shared by every weight the program looks up: (the byte
     offset of the codebook copy a lane reads -- lane % 8 = (tg % 4) + 4 * (row % 2) --, the group
     tile group tg holds at step 0, the end of the tile row's K slice, the warp's K slice start in
     inputs, x's column of each (tile group, j) after the group permutation (the MMA decode
-    kernel's), x's pointers, which tokens exist)."""
+    kernel's), x's pointers, which tokens exist). ``GATHER``: the program's token j is x's row
+    ``x_rows[j]`` for j < M (an MoE expert's tokens, ``kernels_moe``) instead of ``m0 + j``."""
     BG: gl.constexpr = 4 * KREP
     BK: gl.constexpr = 8 * BG
     tr = gl.arange(0, TILE, layout=gl.SliceLayout(1, L_TG))[:, None]
@@ -118,7 +120,13 @@ def _step_operands(x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE: 
     xk = gl.arange(0, BK, layout=gl.SliceLayout(1, B_OP))
     x_col = (((xk // 8) % 4) * KREP + xk // 32) * 8 + xk % 8
     x_col = gl.max_contiguous(gl.multiple_of(x_col, 8), 8)[:, None]
-    xt = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))[None, :]
+    if GATHER:
+        tj = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))
+        xt = gl.load(x_rows_ptr + tj, mask=tj < M, other=0)[None, :]
+        x_ok = tj[None, :] < M
+    else:
+        xt = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B_OP))[None, :]
+        x_ok = xt < M
     # the warp's K slice start (inputs): per warp, read from %tid (the operand is warp-replicated)
     k_first = gl.zeros([BK, TOKENS], gl.int32, B_OP)
     if SLICES > 1:
@@ -127,7 +135,7 @@ def _step_operands(x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE: 
         # one value per warp, a multiple of the step: x's loads stay 16-byte vectors
         k_first = gl.multiple_of(gl.max_constancy(k_first, [BK, TOKENS]), [8, 8])
     x_ptrs = x_ptr + xt * stride_xm + k_first + x_col
-    return copy_off, t_grp, t_end, k_first, x_col, x_ptrs, xt < M
+    return copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_ok
 
 
 @gluon.jit
@@ -172,14 +180,31 @@ def _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, i
 
 
 @gluon.jit
+def _finish_rows(total, rows, toks, M, N, scales_ptr, out_ptr, stride_om, inverse, out_rows_ptr, col_w_ptr,
+                 WEIGHTED: gl.constexpr):
+    """:func:`_finish` for gathered tokens: token j < M of the program goes to ``out[out_rows[j], rows]``,
+    times ``col_w[out_rows[j]]`` where ``WEIGHTED`` (an MoE pair's routing weight)."""
+    ok_t = toks < M
+    out_row = gl.load(out_rows_ptr + toks, mask=ok_t, other=0)
+    total = total * (gl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32) * inverse)[:, None]
+    if WEIGHTED:
+        total = total * gl.load(col_w_ptr + out_row, mask=ok_t, other=0.0).to(gl.float32)[None, :]
+    ok = (rows[:, None] < N) & ok_t[None, :]
+    gl.store(out_ptr + out_row[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
 def small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, pid, m0, M, N, NUM_GROUPS,
                   GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, row_weight,
                   TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
-                  COPIES: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN: gl.constexpr):
+                  COPIES: gl.constexpr, HAS_BIAS: gl.constexpr, EVEN: gl.constexpr, x_rows_ptr=None,
+                  out_rows_ptr=None, col_w_ptr=None, GATHER: gl.constexpr = False):
     """One program of the small-layer kernel: output rows ``pid * ROWS ...`` of tokens ``m0 ...
     m0 + TOKENS`` (those below M), every stage below; the sums times ``row_weight`` (fp32; 1 for
     :func:`vq_small_kernel`, the routing weight for the MoE down projection, ``kernels_moe``) into
-    ``out[toks, rows]``. The weight's pointers (codes, codebooks, scales) may be offset by the caller."""
+    ``out[toks, rows]``. The weight's pointers (codes, codebooks, scales) may be offset by the caller.
+    ``GATHER`` (an MoE expert's tokens, no bias): token j < M is x's row ``x_rows[j]`` and goes to
+    ``out[out_rows[j]]`` times ``col_w[out_rows[j]]`` (:func:`_finish_rows`; m0 unused)."""
     NUM_WARPS: gl.constexpr = ROW_TILES * SLICES
     ROWS: gl.constexpr = 16 * ROW_TILES              # output rows per program
     TILE: gl.constexpr = 16 * NUM_WARPS              # tile row t: slice t // ROWS, output row t % ROWS
@@ -231,7 +256,7 @@ def small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, pid, 
     # slice, x's permuted columns, the warp's K slice start)
     copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_tok_ok = _step_operands(
         x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE, ROWS, KREP, TOKENS, COPIES, SLICES, ROW_TILES,
-        L_TG, B_OP)
+        L_TG, B_OP, x_rows_ptr, GATHER)
 
     acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)
     for step in range(0, GROUPS_PER_SLICE, BG):
@@ -266,11 +291,19 @@ def small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, pid, 
             total += parts.slice(s * ROWS, ROWS).load(EPI)
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, EPI))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, EPI))
-        _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight, HAS_BIAS)
+        if GATHER:
+            _finish_rows(total, rows, toks, M, N, scales_ptr, out_ptr, stride_om, inverse, out_rows_ptr, col_w_ptr,
+                         True)
+        else:
+            _finish(total, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight,
+                    HAS_BIAS)
     else:
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
-        _finish(acc, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight, HAS_BIAS)
+        if GATHER:
+            _finish_rows(acc, rows, toks, M, N, scales_ptr, out_ptr, stride_om, inverse, out_rows_ptr, col_w_ptr, True)
+        else:
+            _finish(acc, rows, toks, M, N, scales_ptr, bias_ptr, out_ptr, stride_om, inverse * row_weight, HAS_BIAS)
 
 
 @gluon.jit
@@ -293,17 +326,17 @@ def vq_small_kernel(
 
 
 @triton.jit
-def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
-                   ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr):
+def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, xrows, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm,
+                   stride_cn, ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr):
     """One weight's ``[ROWS, TOKENS]`` fp32 sums over K in ``SLICES`` slices added in slice order
-    (the ``tl`` twins' loop), and its ``1 / f``."""
+    (the ``tl`` twins' loop), and its ``1 / f``. Token j (``toks[j]`` below M) is x's row ``xrows[j]``."""
     factor, inverse = tl_codebook_factor(cb_ptr, x_ptr.dtype.element_ty)
     total = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
     for s in tl.static_range(SLICES):
         g_begin = s * GROUPS_PER_SLICE
         g_end = tl.minimum(g_begin + GROUPS_PER_SLICE, NUM_GROUPS)
         c_ptrs = codes_ptr + tl.minimum(rows, N - 1)[:, None] * stride_cn + g_begin + tl.arange(0, BG)[None, :]
-        x_ptrs = x_ptr + toks[None, :] * stride_xm + g_begin * 8 + tl.arange(0, 8 * BG)[:, None]
+        x_ptrs = x_ptr + xrows[None, :] * stride_xm + g_begin * 8 + tl.arange(0, 8 * BG)[:, None]
         part = tl.zeros([ROWS, TOKENS], dtype=tl.float32)
         if factor == 1.0:
             part = _mma_steps(part, c_ptrs, x_ptrs, cb_ptr, toks, M, g_begin, g_end, factor, BG, 8 * BG, False)
@@ -314,20 +347,21 @@ def _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUP
 
 
 @triton.jit
-def tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS,
-                     GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, row_weight, ROWS: tl.constexpr,
+def tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, xrows, out_toks, M, N,
+                     NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, col_weight, ROWS: tl.constexpr,
                      TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """:func:`small_program` in ``tl``: output ``rows`` of tokens ``toks`` (those below M), the sums
-    over K (:func:`_tl_projection`) times the row scale, ``1 / f`` and ``row_weight``, plus the
-    bias, into ``out[toks, rows]``."""
-    total, inverse = _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
+    """:func:`small_program` in ``tl``: output ``rows`` of tokens ``toks`` (those below M; token j
+    is x's row ``xrows[j]`` and goes to ``out[out_toks[j]]``), the sums over K
+    (:func:`_tl_projection`) times the row scale, ``1 / f`` and ``col_weight`` (a scalar, or
+    ``[1, TOKENS]``), plus the bias."""
+    total, inverse = _tl_projection(x_ptr, codes_ptr, cb_ptr, rows, toks, xrows, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
                                     stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
-    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * (inverse * row_weight)
-    total = total * scale[:, None]
+    scale = tl.load(scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * inverse
+    total = total * scale[:, None] * col_weight
     if HAS_BIAS:
         total += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
     ok = (rows[:, None] < N) & (toks[None, :] < M)
-    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + out_toks[None, :] * stride_om + rows[:, None], total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -346,5 +380,6 @@ def vq_small_tl_kernel(
     ROWS: tl.constexpr = 16 * ROW_TILES
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     toks = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
-    tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS,
-                     GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, 1.0, ROWS, TOKENS, 4 * KREP, SLICES, HAS_BIAS)
+    tl_small_program(x_ptr, codes_ptr, cb_ptr, scales_ptr, bias_ptr, out_ptr, rows, toks, toks, toks, M, N,
+                     NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om, 1.0, ROWS, TOKENS, 4 * KREP,
+                     SLICES, HAS_BIAS)

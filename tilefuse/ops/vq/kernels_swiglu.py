@@ -86,16 +86,32 @@ def _swiglu_finish(g, u, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_pt
 
 
 @gluon.jit
+def _swiglu_finish_rows(g, u, rows, toks, M, N, g_scales_ptr, u_scales_ptr, out_ptr, stride_om, g_inverse, u_inverse,
+                        out_rows_ptr):
+    """:func:`_swiglu_finish` for gathered tokens (no biases): token j < M of the program goes to
+    ``out[out_rows[j], rows]``."""
+    g = g * (gl.load(g_scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32) * g_inverse)[:, None]
+    u = u * (gl.load(u_scales_ptr + rows, mask=rows < N, other=0.0).to(gl.float32) * u_inverse)[:, None]
+    h = g / (1.0 + gl.exp(-g)) * u
+    ok_t = toks < M
+    out_row = gl.load(out_rows_ptr + toks, mask=ok_t, other=0)
+    ok = (rows[:, None] < N) & ok_t[None, :]
+    gl.store(out_ptr + out_row[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@gluon.jit
 def swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
                    u_bias_ptr, out_ptr, pid, m0, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn, stride_om,
                    TOKENS: gl.constexpr, KREP: gl.constexpr, ROW_TILES: gl.constexpr, SLICES: gl.constexpr,
                    COPIES: gl.constexpr, GATE_BIAS: gl.constexpr, UP_BIAS: gl.constexpr, EVEN: gl.constexpr,
-                   SHARED_BOOKS: gl.constexpr):
+                   SHARED_BOOKS: gl.constexpr, x_rows_ptr=None, out_rows_ptr=None, GATHER: gl.constexpr = False):
     """One program of the fused gate/up kernel: rows ``pid * ROWS ...`` of both projections for
     tokens ``m0 ... m0 + TOKENS`` (those below M), every stage below, ``silu(g) * u`` into
     ``out[toks, rows]``. The weights' pointers may be offset by the caller (``kernels_moe``: an
     expert's gate and up rows of one stacked weight). ``SHARED_BOOKS``: gate and up use one
-    codebook pair (``g_cb_ptr``; ``u_cb_ptr`` unused), staged once, one factor ``f``."""
+    codebook pair (``g_cb_ptr``; ``u_cb_ptr`` unused), staged once, one factor ``f``. ``GATHER``
+    (an MoE expert's tokens, no biases): token j < M is x's row ``x_rows[j]`` and goes to
+    ``out[out_rows[j]]`` (m0 unused)."""
     NUM_WARPS: gl.constexpr = ROW_TILES * SLICES
     ROWS: gl.constexpr = 16 * ROW_TILES              # output rows per program (of gate, of up and of h)
     TILE: gl.constexpr = 16 * NUM_WARPS              # tile row t: slice t // ROWS, output row t % ROWS
@@ -159,7 +175,7 @@ def swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_cod
     # per-element constants of the A tiles (shared by both weights) and x's pointers
     copy_off, t_grp, t_end, k_first, x_col, x_ptrs, x_tok_ok = _step_operands(
         x_ptr, stride_xm, m0, M, NUM_GROUPS, GROUPS_PER_SLICE, TILE, ROWS, KREP, TOKENS, COPIES, SLICES, ROW_TILES,
-        L_TG, B_OP)
+        L_TG, B_OP, x_rows_ptr, GATHER)
 
     g_acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)
     u_acc = gl.zeros([TILE, TOKENS], gl.float32, MMA)
@@ -208,13 +224,21 @@ def swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_cod
             u += parts.slice(TILE + s * ROWS, ROWS).load(EPI)
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, EPI))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, EPI))
-        _swiglu_finish(g, u, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
-                       stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
+        if GATHER:
+            _swiglu_finish_rows(g, u, rows, toks, M, N, g_scales_ptr, u_scales_ptr, out_ptr, stride_om, g_inverse,
+                                u_inverse, out_rows_ptr)
+        else:
+            _swiglu_finish(g, u, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
+                           stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
     else:
         rows = pid * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
         toks = m0 + gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
-        _swiglu_finish(g_acc, u_acc, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_ptr, u_bias_ptr, out_ptr,
-                       stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
+        if GATHER:
+            _swiglu_finish_rows(g_acc, u_acc, rows, toks, M, N, g_scales_ptr, u_scales_ptr, out_ptr, stride_om,
+                                g_inverse, u_inverse, out_rows_ptr)
+        else:
+            _swiglu_finish(g_acc, u_acc, rows, toks, M, N, g_scales_ptr, g_bias_ptr, u_scales_ptr, u_bias_ptr,
+                           out_ptr, stride_om, g_inverse, u_inverse, GATE_BIAS, UP_BIAS)
 
 
 @gluon.jit
@@ -238,17 +262,18 @@ def vq_swiglu_kernel(
 
 @triton.jit
 def tl_swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
-                      u_bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
-                      stride_om, ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr, SLICES: tl.constexpr,
-                      GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr):
+                      u_bias_ptr, out_ptr, rows, toks, xrows, out_toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm,
+                      stride_cn, stride_om, ROWS: tl.constexpr, TOKENS: tl.constexpr, BG: tl.constexpr,
+                      SLICES: tl.constexpr, GATE_BIAS: tl.constexpr, UP_BIAS: tl.constexpr):
     """:func:`swiglu_program` in ``tl``: per weight the sums over K of ``rows`` for tokens ``toks``
-    (those below M; ``kernels_small._tl_projection``), the row scales times ``1 / f``, the biases,
-    ``silu(g) * u`` in fp32, one rounding into ``out[toks, rows]`` (the weights' pointers may be
-    offset by the caller, and may share codebooks)."""
-    g, g_inverse = _tl_projection(x_ptr, g_codes_ptr, g_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
-    u, u_inverse = _tl_projection(x_ptr, u_codes_ptr, u_cb_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE,
-                                  stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
+    (those below M; token j is x's row ``xrows[j]``: ``kernels_small._tl_projection``), the row
+    scales times ``1 / f``, the biases, ``silu(g) * u`` in fp32, one rounding into
+    ``out[out_toks[j], rows]`` (the weights' pointers may be offset by the caller, and may share
+    codebooks)."""
+    g, g_inverse = _tl_projection(x_ptr, g_codes_ptr, g_cb_ptr, rows, toks, xrows, M, N, NUM_GROUPS,
+                                  GROUPS_PER_SLICE, stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
+    u, u_inverse = _tl_projection(x_ptr, u_codes_ptr, u_cb_ptr, rows, toks, xrows, M, N, NUM_GROUPS,
+                                  GROUPS_PER_SLICE, stride_xm, stride_cn, ROWS, TOKENS, BG, SLICES)
     g = g * (tl.load(g_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * g_inverse)[:, None]
     u = u * (tl.load(u_scales_ptr + rows, mask=rows < N, other=0.0).to(tl.float32) * u_inverse)[:, None]
     if GATE_BIAS:
@@ -257,7 +282,7 @@ def tl_swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_
         u += tl.load(u_bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[:, None]
     h = g / (1.0 + tl.exp(-g)) * u
     ok = (rows[:, None] < N) & (toks[None, :] < M)
-    tl.store(out_ptr + toks[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + out_toks[None, :] * stride_om + rows[:, None], h.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -277,8 +302,8 @@ def vq_swiglu_tl_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     toks = tl.program_id(1) * TOKENS + tl.arange(0, TOKENS)
     tl_swiglu_program(x_ptr, g_codes_ptr, g_cb_ptr, g_scales_ptr, g_bias_ptr, u_codes_ptr, u_cb_ptr, u_scales_ptr,
-                      u_bias_ptr, out_ptr, rows, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm, stride_cn,
-                      stride_om, ROWS, TOKENS, 4 * KREP, SLICES, GATE_BIAS, UP_BIAS)
+                      u_bias_ptr, out_ptr, rows, toks, toks, toks, M, N, NUM_GROUPS, GROUPS_PER_SLICE, stride_xm,
+                      stride_cn, stride_om, ROWS, TOKENS, 4 * KREP, SLICES, GATE_BIAS, UP_BIAS)
 
 
 @triton.jit

@@ -1203,33 +1203,77 @@ def _moe_kernel(name: str, impl: str):
 
 class _MoECall:
     """A ``vq_moe`` call's plan per argument layout: the reference or not, tokens, top-k, experts,
-    sizes, and both kernels' launch settings (``configs.moe_config``)."""
+    sizes, per-pair or grouped programs (``grouped``: tiles of one expert's tokens, ``tiles`` of
+    ``tokens`` each at most) and both kernels' launch settings (``configs.moe_config``)."""
 
-    __slots__ = ("reference", "t", "k", "e", "h", "i", "impl", "gate_up", "down", "sum_grid")
+    __slots__ = ("reference", "t", "k", "e", "h", "i", "impl", "gate_up", "down", "sum_grid", "grouped", "tiles",
+                 "tokens")
 
 
-def _moe_launch(cfg: dict, scalars: tuple) -> tuple:
+def _moe_launch(cfg: dict, scalars: tuple, grouped: bool) -> tuple:
     """(grid, scalars, constexprs) of one MoE kernel launch from its ``moe_config``."""
     meta = dict(TOKENS=cfg["tokens"], KREP=cfg["krep"], ROW_TILES=cfg["row_tiles"], SLICES=cfg["slices"],
-                COPIES=cfg["copies"], EVEN=cfg["even"], num_warps=cfg["num_warps"])
+                COPIES=cfg["copies"], EVEN=cfg["even"], GROUPED=grouped, num_warps=cfg["num_warps"])
     return cfg["grid"], scalars, meta
 
 
+def moe_tiles(pairs: int, num_experts: int, tokens: int) -> int:
+    """Grouped programs' tiles for ``pairs`` token-expert pairs: every expert's pairs in tiles of
+    ``tokens``, at most ``pairs // tokens`` full tiles plus one partial tile per expert hit."""
+    return pairs // tokens + min(num_experts, pairs)
+
+
 def _moe_plan(t: int, k: int, e: int, h: int, i: int, device: torch.device, impl: str = "auto",
-              gate_up: dict | None = None, down: dict | None = None) -> _MoECall:
+              gate_up: dict | None = None, down: dict | None = None, grouped: bool | None = None) -> _MoECall:
     """The launches of the three MoE kernels for ``t`` tokens of top-``k`` routing over ``e``
     experts of ``[2I, H]`` gate/up and ``[H, I]`` down weights. ``gate_up``, ``down``: overrides
-    of ``configs.moe_config`` (tuning and tests)."""
+    of ``configs.moe_config`` (tuning and tests); ``grouped``: tiles of one expert's tokens (None:
+    from ``configs.MOE["group_pairs"]`` pairs on, else a program per pair)."""
     impl = _gluon_or_tl(impl, device, _moe_kernel("vq_moe_gate_up_kernel", "gluon"), "MoE expert kernels")
     on_gpu, sms, pairs = impl == "gluon", num_sms(device), t * k
     call = _MoECall()
     call.reference, call.t, call.k, call.e, call.h, call.i, call.impl = False, t, k, e, h, i, impl
-    cfg = configs.moe_config(pairs, i, h, on_gpu, sms, **(gate_up or {}))
-    call.gate_up = _moe_launch(cfg, (e, k, i, h // 8, cfg["groups_per_slice"], h, 2 * i * (h // 8), h // 8, i))
-    cfg = configs.moe_config(pairs, h, i, on_gpu, sms, **(down or {}))
-    call.down = _moe_launch(cfg, (e, k, h, i // 8, cfg["groups_per_slice"], i, h * (i // 8), i // 8, h))
+    call.grouped = pairs >= configs.MOE["group_pairs"] if grouped is None else bool(grouped)
+    gate_up, down = dict(gate_up or {}), dict(down or {})
+    if not call.grouped:      # one token per program
+        gate_up["tokens"] = down["tokens"] = 1
+    call.tokens = configs.moe_config(1, i, h, on_gpu, sms, **gate_up)["tokens"]
+    down["tokens"] = down.get("tokens") or call.tokens          # one schedule for both kernels
+    call.tiles = moe_tiles(pairs, e, call.tokens) if call.grouped else pairs
+    cfg = configs.moe_config(call.tiles, i, h, on_gpu, sms, **gate_up)
+    call.gate_up = _moe_launch(cfg, (e, k, i, h // 8, cfg["groups_per_slice"], h, 2 * i * (h // 8), h // 8, i,
+                                     call.tiles), call.grouped)
+    cfg = configs.moe_config(call.tiles, h, i, on_gpu, sms, **down)
+    call.down = _moe_launch(cfg, (e, k, h, i // 8, cfg["groups_per_slice"], i, h * (i // 8), i // 8, h, call.tiles),
+                            call.grouped)
     call.sum_grid = (t, -(-h // MOE_SUM_BLOCK), 1)
     return call
+
+
+def moe_schedule(top_k_index: torch.Tensor, num_experts: int, tokens: int, num_tiles: int):
+    """The grouped programs' schedule, computed on the device (no host sync: graph-capturable).
+
+    Pairs ``p = t * k + j`` sorted by expert id (stable: token order within an expert; ids outside
+    ``[0, E)`` last, in no tile); each expert's pairs cut into tiles of ``tokens``. Returns
+    ``(schedule, tokens_sorted, pairs_sorted)``: int32 ``[3 * num_tiles]`` (each tile's expert, E
+    for the empty tiles past the last; its first position in the sorted order; its pair count, 0
+    for the empty ones), and the sorted pairs' tokens and indices, int32 ``[P]``."""
+    k = top_k_index.shape[1]
+    ids = top_k_index.reshape(-1)
+    device = ids.device
+    key = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts).to(torch.int64)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).index_add_(0, key, torch.ones_like(key))
+    tiles = (counts[:num_experts] + tokens - 1) // tokens
+    tile_end = tiles.cumsum(0)
+    start = counts.cumsum(0) - counts
+    tau = torch.arange(num_tiles, device=device)
+    expert = torch.searchsorted(tile_end, tau, right=True)         # E for the tiles past the last
+    clamped = expert.clamp(max=num_experts - 1)
+    first = start[clamped] + (tau - (tile_end - tiles)[clamped]) * tokens
+    count = torch.where(expert < num_experts, (start[clamped] + counts[clamped] - first).clamp(0, tokens), 0)
+    schedule = torch.cat([expert, first.clamp(0, ids.numel()), count]).to(torch.int32)
+    return schedule, (order // k).to(torch.int32), order.to(torch.int32)
 
 
 def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -1245,23 +1289,30 @@ def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
 
 def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales,
                down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
-    """The three MoE launches into ``out`` [T, H] (any contents). x: [T, H] contiguous; top_k_index,
+    """The MoE launches into ``out`` [T, H] (any contents): grouped calls first compute their
+    schedule (:func:`moe_schedule`, a few PyTorch ops). x: [T, H] contiguous; top_k_index,
     top_k_weights: [T, k] contiguous; weights contiguous, scales of any shape with E x rows values."""
     pairs = call.t * call.k
     device = x.device
     h_buf = torch.empty(pairs, call.i, dtype=x.dtype, device=device)          # silu(g) * u per pair
     y_buf = torch.empty(pairs, call.h, dtype=torch.float32, device=device)    # w * down(h) per pair
-    tensors = (x, top_k_index, _expert_pairs(gate_up_codes), gate_up_codebooks, gate_up_scales, h_buf)
+    if call.grouped:
+        sched, tok_sorted, pair_sorted = moe_schedule(top_k_index, call.e, call.tokens, call.tiles)
+    else:
+        sched = tok_sorted = pair_sorted = top_k_index      # unread
+    tensors = (x, top_k_index, _expert_pairs(gate_up_codes), gate_up_codebooks, gate_up_scales, h_buf, sched,
+               tok_sorted, pair_sorted)
     grid, scalars, meta = call.gate_up
     _moe_kernel("vq_moe_gate_up_kernel", call.impl).launch(
         (call, "gate_up", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
-    tensors = (h_buf, top_k_index, top_k_weights, _expert_pairs(down_codes), down_codebooks, down_scales, y_buf)
+    tensors = (h_buf, top_k_index, top_k_weights, _expert_pairs(down_codes), down_codebooks, down_scales, y_buf,
+               sched, pair_sorted)
     grid, scalars, meta = call.down
     _moe_kernel("vq_moe_down_kernel", call.impl).launch(
         (call, "down", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
     _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
-        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index, (y_buf, top_k_index, out),
-        (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
+        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index,
+        (y_buf, top_k_index, out), (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
     return out
 
 
@@ -1336,6 +1387,7 @@ def _plan_moe(x, *args) -> _MoECall:
     else:
         call = _MoECall()
         call.t, call.k, call.e, call.h, call.i = t, k, e, h, i
+        call.grouped, call.tiles, call.tokens, call.gate_up, call.down = False, 0, 0, None, None
     call.reference = reference
     return _moe_plans.remember(key, call)
 

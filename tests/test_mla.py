@@ -1764,6 +1764,7 @@ LEVERS = {
     "qahead": dict(Q_AHEAD=True),
     "pdl2": dict(PDL=2),
     "every": dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2),
+    "combine32x4": dict(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4),
 }
 
 
@@ -1799,6 +1800,15 @@ def test_wgmma_levers_plan():
     with pytest.raises(ValueError, match="levers"):
         with configs.wgmma_levers(FUSED=1):
             pass
+    # the combine's settings: its grid's third axis, its chunk (every kernel that leaves partials)
+    with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):
+        call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "standard")
+    assert call.combine_grid == (3, 32, 4) and call.combine_meta["S_CHUNK"] == 32
+    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=8, COL_BLOCKS=1)
+    for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=2)):
+        with pytest.raises(ValueError, match="COMBINE"):
+            with configs.wgmma_levers(**bad):
+                pass
 
 
 def test_wgmma_levers_replan_cached_calls(interpret):
@@ -1815,9 +1825,11 @@ def test_wgmma_levers_replan_cached_calls(interpret):
     assert op._plan_call(*args) is not inside
 
 
-def test_combine_leaves_fused_requests_to_the_split_kernel(interpret):
+@pytest.mark.parametrize("s_chunk,col_blocks", [(8, 1), (2, 4), (4, 2)])
+def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, col_blocks):
     """``mla_combine_kernel`` with FUSED_SPLITS = n merges only requests of more than n partials
-    (the split kernel wrote the others): their outputs stay as they were."""
+    (the split kernel wrote the others): their outputs stay as they were. Each chunk of partials
+    per load and split of the columns over programs (``configs.COMBINE``) merges the same."""
     from tilefuse.ops.mla import kernels
 
     rows, d = 3, 512
@@ -1827,9 +1839,10 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret):
     for fused, merged in ((1, [True, True]), (2, [False, True]), (5, [False, False])):
         out = torch.full((2, 1, rows, d), 7.0, dtype=torch.float16)
         lse = torch.full((2, rows, 1), 7.0)
-        kernels.mla_combine_kernel[(2, rows)](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7,
-                                              rows * d, rows * d, d, rows, 1, S_CHUNK=8, SLOT_PROGRAMS=1,
-                                              FUSED_SPLITS=fused, GDC=False)
+        kernels.mla_combine_kernel[(2, rows, col_blocks)](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7,
+                                                          rows * d, rows * d, d, rows, 1, S_CHUNK=s_chunk,
+                                                          SLOT_PROGRAMS=1, FUSED_SPLITS=fused, GDC=False,
+                                                          COL_BLOCKS=col_blocks)
         for req, first, n in ((0, 0, 2), (1, 2, 5)):
             part = (first + torch.arange(n))[:, None] * rows + torch.arange(rows)[None, :]     # [n, rows]
             w = torch.softmax(lse_acc[part] * 0.6931471805599453, dim=0)
@@ -1840,6 +1853,34 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret):
                              rtol=1e-5, name="lse")
             else:
                 assert (out[req] == 7).all() and (lse[req] == 7).all()
+
+
+@pytest.mark.parametrize("s_chunk,col_blocks,gdc", [(8, 1, False), (8, 1, True), (32, 4, True)])
+def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc):
+    """The combine launch compiles for sm_90a without spills in the shipped and the candidate
+    settings, with the grid-dependency wait only where it is a programmatic dependent launch."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from tilefuse.testing.gluon import compile_gluon_isolated
+
+    pointers = {"num_splits_ptr": "*i32", "oacc_ptr": "*fp32", "lseacc_ptr": "*fp32", "out_ptr": "*bf16",
+                "lse_ptr": "*fp32"}
+    signature = {**pointers, **{n: "i32" for n in ("h_q", "rows_total", "num_slots", "stride_ob", "stride_os",
+                                                   "stride_oh", "stride_lb", "stride_lh")}}
+    constexprs = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=1, GDC=gdc, COL_BLOCKS=col_blocks)
+    signature.update({name: "constexpr" for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_combine_kernel", signature, constexprs,
+                                    num_warps=4, aligned=list(pointers))
+    assert result.spilled == 0 and 0 < result.registers <= 64, result.ptxas
+    assert ("griddepcontrol.wait" in result.ptx) == gdc
+
+
+def test_combine_candidate_end_to_end(interpret):
+    """The decode (tl kernels, several splits per request) with the combine's candidate settings
+    (fewer columns per program, other chunks) against the fp64 reference."""
+    inp = make_case([300, 1, 777, 0, 200], 1, 16, torch.float16, "cpu")
+    with configs.wgmma_levers(COMBINE_S_CHUNK=2, COMBINE_COL_BLOCKS=4):
+        out, lse = _run(inp, True, parts=8)
+    _check(out, lse, inp, True)
 
 
 def _need_gluon():

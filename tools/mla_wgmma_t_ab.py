@@ -6,8 +6,9 @@
   1-4, 1-32 query rows per KV head);
 * ``--cases levers`` (candidates: the plain path, ``plain``, and the per-call levers of
   ``configs.WGMMA_LEVERS`` each alone on it: ``pdl1``, ``pdl2``, ``fused16``, ``fused_all``,
-  ``q_ahead``; ``fused16_pdl1`` on request): the benchmark's short and uneven cases where a fixed
-  per-call cost shows, held-out short and small batches, and two long ones (no loss there).
+  ``q_ahead``; ``fused16_pdl1`` and ``combine32x4``, the combine launch's candidate settings, on
+  request): the benchmark's short and uneven cases where a fixed per-call cost shows, held-out
+  short and small batches, and two long ones (no loss there).
 
 Each is the attention call alone (its metadata computed once, as a model runs every layer after
 one metadata call), timed as CUDA-graph replays (cold L2, do_bench median; the default timed
@@ -104,6 +105,8 @@ CANDIDATES = {
     "fused_all": {"FUSED_SPLITS": 1 << 20, "PDL": 0, "Q_AHEAD": False},
     "q_ahead": {"Q_AHEAD": True, "PDL": 0, "FUSED_SPLITS": 0},
     "fused16_pdl1": {"FUSED_SPLITS": 16, "PDL": 1, "Q_AHEAD": False},
+    # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
+    "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},
 }
 LEVER_CANDIDATES = "plain,pdl1,pdl2,fused16,fused_all,q_ahead"
 MAX_REL_ERR = 1e-2       # two bf16 roundings of out, different products' orders

@@ -54,26 +54,43 @@ CONFIGS = {
 # (0.99-1.01), PDL 2 no better than 1.
 WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL")
 SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # for overrides that omit them
+# The combine launch (kernels.mla_combine_kernel, after every kernel that leaves partials): a
+# program per (request, query row, COL_BLOCKS-th of the 512 columns) reads S_CHUNK partials per load
+# in two passes (the largest lse, then the weighted sum): 2 ceil(n / S_CHUNK) dependent L2 round
+# trips for a request of n partials. Shipped: S_CHUNK 8, COL_BLOCKS 1 (the measured form); more
+# partials per load over fewer columns (COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4 through
+# wgmma_levers; tools/mla_wgmma_t_ab.py --candidates combine32x4) is the candidate for requests of
+# many splits, not measured yet.
+COMBINE = dict(S_CHUNK=8, COL_BLOCKS=1)
 levers_version = 0      # bumped by wgmma_levers: the op's call plans include it
 
 
 @contextlib.contextmanager
 def wgmma_levers(**levers):
-    """Run the block with the Gluon kernel's levers (:data:`WGMMA_LEVERS`) set, e.g.
-    ``with wgmma_levers(FUSED_SPLITS=16, PDL=1): ...`` (tests, same-run A/Bs); restored after.
-    Calls plan again inside and after it (no cached plan or launch config outlives a change)."""
+    """Run the block with the Gluon kernel's levers (:data:`WGMMA_LEVERS`) and the combine's
+    settings (``COMBINE_<key>`` for a key of :data:`COMBINE`) set, e.g. ``with
+    wgmma_levers(FUSED_SPLITS=16, PDL=1): ...`` (tests, same-run A/Bs); restored after. Calls plan
+    again inside and after it (no cached plan or launch config outlives a change)."""
     global levers_version
-    unknown = set(levers) - set(WGMMA_LEVERS)
+    combine = {k[len("COMBINE_"):]: levers.pop(k) for k in list(levers) if k.startswith("COMBINE_")}
+    unknown = (set(levers) - set(WGMMA_LEVERS)) | {f"COMBINE_{k}" for k in set(combine) - set(COMBINE)}
     if unknown:
-        raise ValueError(f"levers: expected names from {WGMMA_LEVERS}, got {sorted(unknown)}")
-    saved = dict(CONFIGS["wgmma"])
+        raise ValueError(f"levers: expected names from {WGMMA_LEVERS} or COMBINE_ + {tuple(COMBINE)}, got "
+                         f"{sorted(unknown)}")
+    if combine.get("COL_BLOCKS", 1) not in (1, 2, 4, 8) or combine.get("S_CHUNK", 8) not in (2, 4, 8, 16, 32, 64):
+        raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
+                         f"2-64, got {combine}")
+    saved, saved_combine = dict(CONFIGS["wgmma"]), dict(COMBINE)
     CONFIGS["wgmma"] = {**saved, **levers}
+    COMBINE.update(combine)
     levers_version += 1
     launch_config.cache_clear()
     try:
         yield
     finally:
         CONFIGS["wgmma"] = saved
+        COMBINE.clear()
+        COMBINE.update(saved_combine)
         levers_version += 1
         launch_config.cache_clear()
 GLUON_VARIANTS = ("wgmma",)     # the Gluon kernel (Hopper, 16-bit q)

@@ -561,13 +561,14 @@ def mla_split_transposed_kernel(
 
 
 @triton.jit
-def _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK: tl.constexpr):
+def _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK: tl.constexpr, col0=0,
+                    COLS: tl.constexpr = 512):
     """Partials ``first .. first + n - 1`` of one query row (each at ``index * rows_total + row``),
-    S_CHUNK at a time (one [S_CHUNK, 512] load each): (sum_s 2^(lse_s - m) o_s, sum_s 2^(lse_s -
-    m), m) with m the largest lse (0 where every lse is -inf). Partials were just written, so they
-    come from L2."""
+    S_CHUNK at a time (one [S_CHUNK, COLS] load each, columns ``col0 ..``): (sum_s 2^(lse_s - m)
+    o_s, sum_s 2^(lse_s - m), m) with m the largest lse (0 where every lse is -inf). Partials were
+    just written, so they come from L2; each loop step is one L2 round trip."""
     offs_s = tl.arange(0, S_CHUNK)
-    offs_v = tl.arange(0, D_NOPE)
+    offs_v = col0 + tl.arange(0, COLS)
     m = tl.full([S_CHUNK], float("-inf"), tl.float32)
     for s0 in range(0, n, S_CHUNK):
         part = (first + s0 + offs_s) * rows_total + row
@@ -575,7 +576,7 @@ def _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK: tl
     m_max = tl.max(m, axis=0)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.zeros([S_CHUNK], tl.float32)
-    acc = tl.zeros([D_NOPE], tl.float32)
+    acc = tl.zeros([COLS], tl.float32)
     for s0 in range(0, n, S_CHUNK):
         part = (first + s0 + offs_s) * rows_total + row
         ok = s0 + offs_s < n
@@ -592,16 +593,21 @@ def mla_combine_kernel(
     h_q, rows_total, num_slots,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, FUSED_SPLITS: tl.constexpr = 1, GDC: tl.constexpr = False,
+    COL_BLOCKS: tl.constexpr = 1,
 ):
-    """The unfused combine: one program per (request, query row) merges that row's partials
-    (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s.
+    """The unfused combine: one program per (request, query row, ``COL_BLOCKS``-th of the 512
+    columns) merges that row's partials (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s
+    with lse = log2 sum_s 2^lse_s (written by the columns' first program).
     ``FUSED_SPLITS`` (>= 1): requests of at most that many partials were written whole by the split
-    kernel (one partial: its output; more: its fused combine), only longer ones are left here. ``GDC``: launched as a programmatic
-    dependent launch after the split kernel: wait for its end before reading anything."""
+    kernel (one partial: its output; more: its fused combine), only longer ones are left here.
+    ``GDC``: launched as a programmatic dependent launch after the split kernel: wait for its end
+    before reading anything."""
     if GDC:
         gdc_wait()
     req = tl.program_id(0)
     row = tl.program_id(1)
+    COLS: tl.constexpr = D_NOPE // COL_BLOCKS
+    col0 = tl.program_id(2) * COLS
     first_slot = tl.load(num_splits_ptr + req)
     next_slot = tl.load(num_splits_ptr + req + 1)
     # slots inside [0, num_slots], compared before any arithmetic (no overflow into range)
@@ -611,16 +617,17 @@ def mla_combine_kernel(
     # up to FUSED_SPLITS partials (one: always): the split kernel wrote the result; out-of-range
     # num_splits: nothing was written
     if n > FUSED_SPLITS:
-        offs_v = tl.arange(0, D_NOPE)
-        acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK)
+        offs_v = col0 + tl.arange(0, COLS)
+        acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK, col0, COLS)
         t_safe = tl.where(t != 0, t, 1.0)
         lse2 = tl.where(t != 0, m_safe + tl.log2(t_safe), float("-inf"))
         tok = row // h_q
         head = row % h_q
         tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v,
                  (acc / t_safe).to(out_ptr.dtype.element_ty))
-        tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
-                 tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
+        if col0 == 0:
+            tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
+                     tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
 
 
 @triton.jit

@@ -364,10 +364,12 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
-    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, 1)
+    combine = configs.COMBINE
+    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, combine["COL_BLOCKS"])
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
-    call.combine_meta = dict(S_CHUNK=8, SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits), GDC=pdl >= 1,
-                             num_warps=4, **({"launch_pdl": True} if pdl >= 1 else {}))
+    call.combine_meta = dict(S_CHUNK=combine["S_CHUNK"], SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits),
+                             GDC=pdl >= 1, COL_BLOCKS=combine["COL_BLOCKS"], num_warps=4,
+                             **({"launch_pdl": True} if pdl >= 1 else {}))
     return call
 
 

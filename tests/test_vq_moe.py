@@ -265,7 +265,8 @@ def _tiny_qwen3_moe(layers=1):
 def test_module_from_experts_and_patch_vq(interpret):
     """VQMoEExperts replaces a Qwen3MoeExperts (found by its form); its forward is the op on its
     buffers; patch_vq swaps every experts module with random codes, keeps the router, and the
-    model runs; calibration is refused clearly; experts=False keeps them dense."""
+    model runs; calibrated experts are refused clearly when asked for (the default keeps them dense
+    under calibration); experts=False keeps them dense."""
     from tilefuse.hf import patch_vq
     from tilefuse.nn import VQMoEExperts
     from tilefuse.nn.vq_moe import unsupported_experts
@@ -285,7 +286,12 @@ def test_module_from_experts_and_patch_vq(interpret):
     assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)
 
     with pytest.raises(NotImplementedError, match="calibrated 2-bit MoE experts"):
-        patch_vq(_tiny_qwen3_moe(), torch.randint(0, 256, (1, 8)))
+        patch_vq(_tiny_qwen3_moe(), torch.randint(0, 256, (1, 8)), experts=True)
+    calibrated = _tiny_qwen3_moe()          # the default under calibration: the Linears, experts dense
+    assert patch_vq(calibrated, torch.randint(0, 256, (1, 16)), iters=1, init_iters=1, progress=False) == 4
+    assert not any(isinstance(m, VQMoEExperts) for m in calibrated.modules())
+    with pytest.raises(ValueError, match="experts: expected True or False"):
+        patch_vq(_tiny_qwen3_moe(), random_codes=True, experts="yes")
     dense = _tiny_qwen3_moe()
     patch_vq(dense, random_codes=True, experts=False)
     assert not any(isinstance(m, VQMoEExperts) for m in dense.modules())

@@ -84,7 +84,7 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
              finetune_norms: bool = True, finetune_e2e_held_out: int = 0, finetune_e2e_schedule: str = "constant",
              finetune_pv: int = 0,
              finetune_pv_step: float = 0.1, finetune_pv_fraction: float = 0.02, fuse_gate_up: bool = True,
-             experts: bool = True, **quantize_opts) -> int:
+             experts: bool | None = None, **quantize_opts) -> int:
     """Replace the projections of ``model`` by 2-bit :class:`tilefuse.nn.VQLinear` layers, in place.
 
     Every ``nn.Linear`` whose attribute name is in ``targets`` (default :data:`VQ_PROJECTIONS`)
@@ -156,8 +156,9 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
         becomes a :class:`tilefuse.nn.VQMoEExperts` running :func:`tilefuse.vq_moe` (routing read on
         the device: graph-capturable), the router kept: random codes with ``random_codes``, else
         each expert's two weights quantized without calibration. Calibrated experts are not built
-        (``NotImplementedError``: per-expert ``X^T X`` of the routed tokens is not collected).
-        False keeps the experts dense.
+        (per-expert ``X^T X`` of the routed tokens is not collected): None (the default) keeps the
+        experts dense when ``calibration`` is given and converts them otherwise; True with
+        ``calibration`` raises ``NotImplementedError``; False keeps the experts dense.
     **quantize_opts : passed to :func:`tilefuse.quantize` (``iters``, ``beam``, ``init_iters``,
         ``feedback``, ``device``).
 
@@ -169,8 +170,11 @@ def patch_vq(model: nn.Module, calibration=None, *, random_codes: bool = False,
     >>> patch_vq(model, random_codes=True)                                  # speed runs
     """
     _checks.check_bool("fuse_gate_up", fuse_gate_up)
-    _checks.check_bool("experts", experts)
+    if experts is not None:
+        _checks.check_bool("experts", experts)
     windows = _calibration_windows(calibration, random_codes)
+    if experts is None:     # auto: the experts where they can be built, dense under calibration
+        experts = not (windows or finetune or finetune_e2e)
     moe = _moe_experts(model) if experts else []
     if moe and (windows or finetune or finetune_e2e):
         raise NotImplementedError(

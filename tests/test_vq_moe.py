@@ -153,6 +153,85 @@ def test_moe_schedule_tiles_every_valid_pair_once():
         assert (expert[:-1] <= expert[1:]).all()
 
 
+def _schedule_kernel(index, e, tokens, block=None):
+    """``op.moe_schedule_launch`` (the one-program kernel) on ``index`` [T, k]; ``block``: its pairs
+    per step (None: ``configs.moe_schedule_meta``'s; at least one per thread, as it picks)."""
+    from tilefuse.ops.vq import configs
+
+    tiles = vq_op.moe_tiles(index.numel(), e, tokens)
+    meta = configs.moe_schedule_meta(index.numel(), e)
+    if block is not None:
+        meta = dict(meta, BLOCK=block, num_warps=min(meta["num_warps"], block // 32))
+    return tiles, vq_op.moe_schedule_launch(index, e, tokens, tiles, meta)
+
+
+def _schedule_cases(gen, big):
+    """(name, index [T, k], E, tokens, block: the kernel's pairs per step, None: its default):
+    random ids with out-of-range ones (-1, E, far outside), int64 and int32, all pairs on one
+    expert, E = 1, ids only out of range, one pair; tile sizes 1-16; P not a multiple of the block."""
+    sizes = [(16384, 8, 128, 8, None), (16384, 8, 512, 16, None), (4096, 6, 64, 8, None), (777, 8, 512, 8, 256)] \
+        if big else [(250, 8, 128, 8, None), (37, 8, 16, 8, 128), (60, 6, 512, 16, 256), (5, 2, 64, 3, None)]
+    for n, (t, k, e, tokens, block) in enumerate(sizes):
+        index = torch.randint(-2, e + 2, (t, k), generator=gen)
+        index[0, 0], index[-1, -1] = 2 ** 40, -(2 ** 40)
+        if big or n != 1:
+            yield "random", index, e, tokens, block
+        if big or n in (1, 3):
+            yield "random int32", index.clamp(-(2 ** 31), 2 ** 31 - 1).to(torch.int32), e, tokens, block
+    t, k = (16384, 8) if big else (40, 8)
+    skewed = torch.full((t, k), 5)
+    skewed[::7, 3] = 9
+    yield "one expert", skewed, 128, 8, None if big else 128
+    yield "E = 1", torch.randint(-1, 2, (t, k), generator=gen), 1, 16, None
+    yield "none in range", torch.full((3, 2), -1), 4, 8, None
+    yield "one pair", torch.tensor([[0]]), 1, 1, None
+
+
+def _check_schedule(index, e, tokens, block, name):
+    tiles, got = _schedule_kernel(index, e, tokens, block)
+    want = vq_op.moe_schedule(index, e, tokens, tiles)
+    for what, a, b in zip(("schedule", "tokens", "pairs"), got, want):
+        assert a.dtype == torch.int32 and torch.equal(a, b), (name, tuple(index.shape), e, tokens, block, what)
+
+
+def test_moe_schedule_kernel_is_bit_identical_to_the_torch_schedule(interpret):
+    """The schedule kernel's three outputs equal ``moe_schedule``'s bit for bit (the same stable
+    order) on :func:`_schedule_cases` (up to 2000 pairs here; the GPU test goes to 16384 x 8)."""
+    gen = torch.Generator().manual_seed(1)
+    for name, index, e, tokens, block in _schedule_cases(gen, big=False):
+        _check_schedule(index.to(interpret), e, tokens, block, name)
+
+
+def test_moe_schedule_switch_and_expert_bound(monkeypatch):
+    """``configs.MOE["schedule_kernel"]`` picks the kernel (default) or the PyTorch ops; more
+    experts than the kernel's bins take the PyTorch ops."""
+    from tilefuse.ops.vq import configs
+
+    assert configs.MOE["schedule_kernel"] == 1
+    meta = configs.moe_schedule_meta(200, 512)
+    assert meta["EXPERTS"] == 1024 and meta["LOG_EXPERTS"] == 10 and meta["BLOCK"] == 256 and meta["num_warps"] == 8
+    assert configs.moe_schedule_meta(16384 * 8, 1)["BLOCK"] == configs.MOE["schedule_block"]
+    assert configs.moe_schedule_meta(3, 1) == dict(EXPERTS=32, LOG_EXPERTS=5, BLOCK=128, num_warps=4)
+    assert configs.moe_schedule_meta(200, configs.MOE_SCHEDULE_BINS) is None
+    assert vq_op._moe_plan(40, 8, 16, 64, 16, torch.device("cpu"), "tl", grouped=True).schedule is not None
+    monkeypatch.setitem(configs.MOE, "schedule_kernel", 0)
+    assert configs.moe_schedule_meta(200, 16) is None
+    assert vq_op._moe_plan(40, 8, 16, 64, 16, torch.device("cpu"), "tl", grouped=True).schedule is None
+
+
+def test_moe_grouped_torch_schedule_interpreted(interpret, monkeypatch):
+    """The grouped programs on the PyTorch schedule (``schedule_kernel`` 0) as on the kernel's."""
+    from tilefuse.ops.vq import configs
+
+    case = make_moe_case(20, 2, 2, 32, 16, torch.float16, interpret)
+    case.top_k_index[0, 0] = 2
+    kernel = _run(case, grouped=True)
+    monkeypatch.setitem(configs.MOE, "schedule_kernel", 0)
+    torch_schedule = _run(case, grouped=True)
+    _check(torch_schedule, case)
+    assert torch.equal(kernel, torch_schedule)
+
+
 def test_moe_settings_int8_codes_int32_ids_repeated_experts(interpret):
     """Repeated experts in one token (k > E), int8 codes, int32 ids, fp32 routing weights; explicit
     slices and row tiles; per pair and grouped."""
@@ -352,6 +431,25 @@ def test_moe_kernels_compile(kernel, dtype, pairs, n, k, grouped, override):
     assert "red.global" not in result.ptx and "atom.global" not in result.ptx
 
 
+@pytest.mark.parametrize("pairs,experts,index", [(16384 * 8, 512, "*i64"), (160, 16, "*i32"), (1, 1, "*i64")])
+def test_moe_schedule_kernel_compiles(pairs, experts, index):
+    """The schedule kernel at its largest bins and block, and at small ones, for sm_90: no spills,
+    no global atomics (the histogram's integer counts are exact in any order)."""
+    from tilefuse.ops.vq import configs
+    from tilefuse.testing.gluon import compile_gluon_isolated
+
+    meta = configs.moe_schedule_meta(pairs, experts)
+    constexprs = {name: value for name, value in meta.items() if name != "num_warps"}
+    signature = dict(idx_ptr=index, sched_ptr="*i32", tok_ptr="*i32", pairs_ptr="*i32")
+    signature.update({name: "i32" for name in ("P", "NUM_EXPERTS", "TOPK", "TOKENS", "NUM_TILES")})
+    signature.update({name: "constexpr" for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_moe:vq_moe_schedule_kernel", signature, constexprs,
+                                    num_warps=meta["num_warps"], aligned=list(signature)[:4])
+    assert result.spilled == 0, result.ptxas
+    assert 0 < result.registers <= 255
+    assert "red.global" not in result.ptx and "atom.global" not in result.ptx
+
+
 # ------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,h,i,k", MOE_SHAPES)
@@ -415,3 +513,43 @@ def test_gpu_moe_module_matches_dense_experts():
         want = stock(case.x, case.top_k_index, case.top_k_weights).float()
         got = module(case.x, case.top_k_index, case.top_k_weights).float()
     assert ((got - want).norm() / want.norm()).item() < 2.0 ** -6
+
+
+@pytest.mark.gpu
+def test_gpu_moe_schedule_kernel_is_bit_identical_to_the_torch_schedule():
+    """The schedule kernel against ``moe_schedule`` on the GPU up to 16384 tokens x top-8 (prefill)
+    and 512 experts: random ids with out-of-range ones, skewed routing, E = 1, int32 and int64."""
+    gen = torch.Generator().manual_seed(2)
+    for name, index, e, tokens, block in _schedule_cases(gen, big=True):
+        _check_schedule(index.cuda(), e, tokens, block, name)
+
+
+@pytest.mark.gpu
+def test_gpu_moe_schedule_graph_replay_takes_new_routing():
+    """A CUDA graph of the schedule kernel (and of the grouped op) replayed after new routing is
+    copied into its input gives the new routing's schedule (and output)."""
+    gen = torch.Generator().manual_seed(3)
+    t, k, e, tokens = 300, 8, 128, 8
+    index = torch.randint(0, e, (t, k), generator=gen).cuda()
+    tiles, _ = _schedule_kernel(index, e, tokens)                 # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, static = _schedule_kernel(index, e, tokens)
+    for routing in (torch.randint(-1, e + 1, (t, k), generator=gen), torch.full((t, k), 7)):
+        index.copy_(routing)
+        graph.replay()
+        torch.cuda.synchronize()
+        for what, a, b in zip(("schedule", "tokens", "pairs"), static, vq_op.moe_schedule(index, e, tokens, tiles)):
+            assert torch.equal(a, b), what
+
+    case = make_moe_case(40, 8, 16, 264, 32, torch.bfloat16, "cuda")        # 320 pairs: grouped
+    assert vq_op._plan_moe(case.x, *case.args()[1:]).grouped
+    tilefuse.vq_moe(*case.args())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tilefuse.vq_moe(*case.args())
+    case.top_k_index.copy_(torch.randint(0, 16, case.top_k_index.shape, generator=gen))
+    case.top_k_index[3, 1] = -1
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, case)

@@ -233,7 +233,14 @@ def _small_slices(programs: int, steps: int, row_tiles: int, copies_bytes: int, 
 # schedule's PyTorch ops cost about 75 us of graph replay, so a program per pair is faster up to
 # 128 pairs (317 against 432 us at 16 tokens x top-8) and the tiles from 192 on (422 against 662
 # us at 32 tokens x top-6; 744 against 2365 us at 128 x 8). The run's model row used 128.
-MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4, group_pairs=160))
+# schedule_kernel: 1 computes that schedule in one launch (``kernels_moe.vq_moe_schedule_kernel``,
+# bit-identical to ``op.moe_schedule``), 0 with ``op.moe_schedule``'s PyTorch ops (the reference;
+# also used above ``MOE_SCHEDULE_BINS - 1`` experts); schedule_block: pairs (and tiles) per step
+# of that kernel, a power of two. Not yet timed on a GPU: group_pairs was measured with the
+# PyTorch schedule and may move lower with the kernel.
+MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4, group_pairs=160, schedule_kernel=1,
+                                  schedule_block=1024))
+MOE_SCHEDULE_BINS = 1024        # the schedule kernel's most expert bins (E + 1 rounded up to a power of two)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -260,6 +267,23 @@ def moe_config(programs: int, n: int, k: int, on_gpu: bool, num_sms: int, copies
                 groups_per_slice=groups_per_slice, even=groups == slices * groups_per_slice,
                 grid=(programs, _cdiv(n, rows), 1), num_warps=row_tiles * slices)
 
+
+
+def moe_schedule_meta(pairs: int, num_experts: int) -> dict | None:
+    """The schedule kernel's constexprs and warps (``kernels_moe.vq_moe_schedule_kernel``, one
+    program) for ``pairs`` token-expert pairs over ``num_experts`` experts, or None where the
+    PyTorch schedule runs (``MOE["schedule_kernel"]`` 0, or more experts than its bins hold).
+    EXPERTS: bins for the ids in range and the out-of-range key E, a power of two, at least a
+    warp's 32 lanes; BLOCK: pairs per step, the pairs rounded up to a power of two up to
+    ``MOE["schedule_block"]``, at least one per thread (``tl.histogram`` then sees no replicated
+    lanes)."""
+    bins = max(32, _next_pow2(num_experts + 1))
+    if not MOE["schedule_kernel"] or bins > MOE_SCHEDULE_BINS:
+        return None
+    block = min(_next_pow2(pairs), _next_pow2(MOE["schedule_block"]))
+    warps = 8 if max(block, bins) >= 512 else 4
+    block = max(block, 32 * warps)
+    return dict(EXPERTS=bins, LOG_EXPERTS=bins.bit_length() - 1, BLOCK=block, num_warps=warps)
 
 def wgmma_prefill_meta(cfg: dict, has_bias: bool) -> dict:
     """The WGMMA prefill kernel's constexprs and launch warps (``num_warps``) for ``cfg`` (from

@@ -223,3 +223,75 @@ def vq_moe_sum_kernel(y_ptr, idx_ptr, out_ptr, NUM_EXPERTS, H, TOPK: tl.constexp
         valid = (e >= 0) & (e < NUM_EXPERTS)
         acc += tl.load(y_ptr + p.to(tl.int64) * H + cols, mask=ok & valid, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _schedule_keys(idx_ptr, offs, in_range, NUM_EXPERTS):
+    """The sort keys of pairs ``offs``: their expert ids, ``NUM_EXPERTS`` for ids outside ``[0, E)``
+    (compared in the ids' own dtype) and for the lanes past the pairs, int32."""
+    e = tl.load(idx_ptr + offs, mask=in_range, other=-1)
+    return tl.where((e >= 0) & (e < NUM_EXPERTS), e, NUM_EXPERTS).to(tl.int32)
+
+
+@triton.jit
+def vq_moe_schedule_kernel(
+    # idx [P] expert ids (int32 or int64); sched [3, NUM_TILES], tok and pairs [P]: int32 outputs
+    idx_ptr, sched_ptr, tok_ptr, pairs_ptr,
+    P, NUM_EXPERTS, TOPK, TOKENS, NUM_TILES,
+    EXPERTS: tl.constexpr, LOG_EXPERTS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``op.moe_schedule`` in one program (grid ``(1,)``), bit-identical to it: the pairs'
+    stable sort by expert id (ids outside ``[0, E)`` last), then the tiles of ``TOKENS`` pairs of
+    one expert. ``EXPERTS``: a power of two above ``NUM_EXPERTS`` (bins of the ids and the
+    out-of-range key ``NUM_EXPERTS``); ``BLOCK``: pairs (and tiles) per step, a power of two. Only
+    integer counts in registers and scans in a fixed order: the outputs do not depend on timing."""
+    lane = tl.arange(0, BLOCK)
+    bins = tl.arange(0, EXPERTS)
+    # stage 1: per-expert pair counts (histogram of the keys, a block of pairs at a time)
+    counts = tl.zeros([EXPERTS], dtype=tl.int32)
+    for b in range(0, P, BLOCK):
+        in_range = b + lane < P
+        counts += tl.histogram(_schedule_keys(idx_ptr, b + lane, in_range, NUM_EXPERTS), EXPERTS, mask=in_range)
+    # stage 2: each expert's first position in the sorted order (exclusive scan over experts)
+    start = tl.cumsum(counts, 0) - counts
+    # stage 3: the stable counting sort. Per block: the keys sorted with their lane (key * BLOCK +
+    # lane: equal keys keep their pair order); a pair's rank among its block's pairs of its expert
+    # is its sorted lane minus the block's pairs of smaller keys; its position adds the pairs of
+    # its expert in earlier blocks (``base``, the running start)
+    base = start
+    for b in range(0, P, BLOCK):
+        in_range = b + lane < P
+        key = _schedule_keys(idx_ptr, b + lane, in_range, NUM_EXPERTS)
+        hist = tl.histogram(key, EXPERTS, mask=in_range)
+        shift = base - (tl.cumsum(hist, 0) - hist)
+        ordered = tl.sort(key * BLOCK + lane)
+        pair = b + ordered % BLOCK
+        pos = tl.gather(shift, ordered // BLOCK, 0) + lane
+        valid = pair < P
+        tl.store(pairs_ptr + pos, pair, mask=valid)
+        tl.store(tok_ptr + pos, pair // TOPK, mask=valid)
+        base += hist
+    # stage 4: tiles per expert ceil(count / TOKENS) (none for the out-of-range key), their ends
+    # (inclusive scan), and per expert the first position of tile tau minus tau * TOKENS, and its
+    # pairs' end
+    tiles = tl.where(bins < NUM_EXPERTS, (counts + TOKENS - 1) // TOKENS, 0)
+    tile_end = tl.cumsum(tiles, 0)
+    offset = start - (tile_end - tiles) * TOKENS
+    end = start + counts
+    # stage 5: per tile its expert (the experts whose tiles end at or before it, a branchless
+    # binary search over the non-decreasing tile ends; E past the last), first position and count
+    for t0 in range(0, NUM_TILES, BLOCK):
+        tau = t0 + lane
+        below = tl.zeros([BLOCK], dtype=tl.int32)
+        for s in tl.static_range(LOG_EXPERTS):
+            step = EXPERTS >> (s + 1)
+            below = tl.where(tl.gather(tile_end, below + (step - 1), 0) <= tau, below + step, below)
+        expert = tl.minimum(below, NUM_EXPERTS)
+        clamped = tl.minimum(expert, NUM_EXPERTS - 1)
+        first = tl.gather(offset, clamped, 0) + tau * TOKENS
+        count = tl.where(expert < NUM_EXPERTS,
+                         tl.minimum(tl.maximum(tl.gather(end, clamped, 0) - first, 0), TOKENS), 0)
+        ok = tau < NUM_TILES
+        tl.store(sched_ptr + tau, expert, mask=ok)
+        tl.store(sched_ptr + NUM_TILES + tau, tl.minimum(tl.maximum(first, 0), P), mask=ok)
+        tl.store(sched_ptr + 2 * NUM_TILES + tau, count, mask=ok)

@@ -1204,10 +1204,11 @@ def _moe_kernel(name: str, impl: str):
 class _MoECall:
     """A ``vq_moe`` call's plan per argument layout: the reference or not, tokens, top-k, experts,
     sizes, per-pair or grouped programs (``grouped``: tiles of one expert's tokens, ``tiles`` of
-    ``tokens`` each at most) and both kernels' launch settings (``configs.moe_config``)."""
+    ``tokens`` each at most), both kernels' launch settings (``configs.moe_config``) and, grouped,
+    the schedule kernel's (``configs.moe_schedule_meta``; None: the PyTorch schedule)."""
 
     __slots__ = ("reference", "t", "k", "e", "h", "i", "impl", "gate_up", "down", "sum_grid", "grouped", "tiles",
-                 "tokens")
+                 "tokens", "schedule")
 
 
 def _moe_launch(cfg: dict, scalars: tuple, grouped: bool) -> tuple:
@@ -1247,6 +1248,7 @@ def _moe_plan(t: int, k: int, e: int, h: int, i: int, device: torch.device, impl
     call.down = _moe_launch(cfg, (e, k, h, i // 8, cfg["groups_per_slice"], i, h * (i // 8), i // 8, h, call.tiles),
                             call.grouped)
     call.sum_grid = (t, -(-h // MOE_SUM_BLOCK), 1)
+    call.schedule = configs.moe_schedule_meta(pairs, e) if call.grouped else None
     return call
 
 
@@ -1276,6 +1278,26 @@ def moe_schedule(top_k_index: torch.Tensor, num_experts: int, tokens: int, num_t
     return schedule, (order // k).to(torch.int32), order.to(torch.int32)
 
 
+def moe_schedule_launch(top_k_index: torch.Tensor, num_experts: int, tokens: int, num_tiles: int, meta: dict,
+                        key=None):
+    """:func:`moe_schedule`'s three outputs, bit-identical, from one launch of
+    ``kernels_moe.vq_moe_schedule_kernel`` (one program; ``meta``: ``configs.moe_schedule_meta``)
+    into one int32 buffer. top_k_index: [T, k] contiguous, int32 or int64; ``key``: the launch's
+    plan key (None: built from the sizes)."""
+    pairs = top_k_index.numel()
+    sorted_at = -(-3 * num_tiles // 4) * 4              # each output 16-byte aligned in the buffer
+    pairs_at = sorted_at + -(-pairs // 4) * 4
+    buf = torch.empty(pairs_at + pairs, dtype=torch.int32, device=top_k_index.device)
+    schedule, tok_sorted, pair_sorted = buf[:3 * num_tiles], buf[sorted_at:sorted_at + pairs], buf[pairs_at:]
+    if key is None:
+        key = (pairs, top_k_index.shape[1], num_experts, tokens, num_tiles, tuple(meta.items()))
+    _kernel("kernels_moe", "vq_moe_schedule_kernel").launch(
+        (key, top_k_index.dtype, top_k_index.data_ptr() % 16, buf.data_ptr() % 16), (1, 1, 1),
+        top_k_index.device.index, (top_k_index, schedule, tok_sorted, pair_sorted),
+        (pairs, num_experts, top_k_index.shape[1], tokens, num_tiles), meta)
+    return schedule, tok_sorted, pair_sorted
+
+
 def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
     """Stacked codes [E, R, G, 2] (uint8/int8) as int16 [E * R, G], cached per codes tensor."""
     key = ("expert pairs", codes.data_ptr(), codes.shape, codes.device)
@@ -1290,13 +1312,17 @@ def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
 def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales,
                down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
     """The MoE launches into ``out`` [T, H] (any contents): grouped calls first compute their
-    schedule (:func:`moe_schedule`, a few PyTorch ops). x: [T, H] contiguous; top_k_index,
+    schedule (one launch, :func:`moe_schedule_launch`; :func:`moe_schedule`'s PyTorch ops where
+    ``call.schedule`` is None). x: [T, H] contiguous; top_k_index,
     top_k_weights: [T, k] contiguous; weights contiguous, scales of any shape with E x rows values."""
     pairs = call.t * call.k
     device = x.device
     h_buf = torch.empty(pairs, call.i, dtype=x.dtype, device=device)          # silu(g) * u per pair
     y_buf = torch.empty(pairs, call.h, dtype=torch.float32, device=device)    # w * down(h) per pair
-    if call.grouped:
+    if call.grouped and call.schedule is not None:
+        sched, tok_sorted, pair_sorted = moe_schedule_launch(top_k_index, call.e, call.tokens, call.tiles,
+                                                             call.schedule, call)
+    elif call.grouped:
         sched, tok_sorted, pair_sorted = moe_schedule(top_k_index, call.e, call.tokens, call.tiles)
     else:
         sched = tok_sorted = pair_sorted = top_k_index      # unread
@@ -1387,7 +1413,7 @@ def _plan_moe(x, *args) -> _MoECall:
     else:
         call = _MoECall()
         call.t, call.k, call.e, call.h, call.i = t, k, e, h, i
-        call.grouped, call.tiles, call.tokens, call.gate_up, call.down = False, 0, 0, None, None
+        call.grouped, call.tiles, call.tokens, call.gate_up, call.down, call.schedule = False, 0, 0, None, None, None
     call.reference = reference
     return _moe_plans.remember(key, call)
 

@@ -590,3 +590,47 @@ def test_patch_vq_fuses_each_swiglu_mlp_unless_told_not_to(fuse):
     assert fuse_vq_mlps(model) == 0 if fuse else fuse_vq_mlps(model) == 2
     with pytest.raises(ValueError, match="fuse_gate_up: expected True or False"):
         patch_vq(twin, random_codes=True, fuse_gate_up="yes")
+
+
+def _tiny_qwen3_moe(seed: int):
+    transformers = pytest.importorskip("transformers")
+    from tilefuse.bench.hf_models import random_model
+
+    config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         decoder_sparse_step=1, max_position_embeddings=256)
+    return config, random_model(config, torch.device("cpu"), torch.float32, seed=seed)
+
+
+def test_save_and_load_a_2bit_moe_model(tmp_path, interpret):
+    """A model with 2-bit experts (VQMoEExperts) and projections round-trips through save_vq /
+    load_vq: the experts modules are listed apart ("experts") and rebuilt in a fresh model of the
+    same config, the same outputs; a malformed experts entry or a model whose experts do not match
+    raises ValueError naming the file or the module."""
+    from tilefuse.hf import load_vq, save_vq
+    from tilefuse.nn.vq_moe import VQMoEExperts
+
+    config, model = _tiny_qwen3_moe(seed=3)
+    assert patch_vq(model, random_codes=True, fuse_gate_up=False) == 2 * (4 + 1)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    folder = save_vq(model, tmp_path / "vq")
+    spec = json.loads((folder / "tilefuse_vq.json").read_text())
+    assert spec["experts"]["model.layers.1.mlp.experts"] == dict(num_experts=4, hidden_dim=64, intermediate_dim=32,
+                                                                  codes_dtype="uint8")
+    fresh = _tiny_qwen3_moe(seed=4)[1]
+    load_vq(fresh, folder)
+    assert isinstance(fresh.model.layers[0].mlp.experts, VQMoEExperts)
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, want)
+
+    good = (folder / "tilefuse_vq.json").read_text()
+    _edit_json(folder / "tilefuse_vq.json", lambda d: d["experts"]["model.layers.0.mlp.experts"].update(hidden_dim=60))
+    with pytest.raises(ValueError, match="experts\\['model.layers.0.mlp.experts'\\].*multiples of 8"):
+        load_vq(_tiny_qwen3_moe(seed=4)[1], folder)
+    (folder / "tilefuse_vq.json").write_text(good)
+    _edit_json(folder / "tilefuse_vq.json", lambda d: d["experts"]["model.layers.0.mlp.experts"].update(num_experts=8))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts is Qwen3MoeExperts.*saved experts"):
+        load_vq(_tiny_qwen3_moe(seed=4)[1], folder)

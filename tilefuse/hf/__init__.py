@@ -416,15 +416,22 @@ def save_vq(model: nn.Module, path) -> Path:
     """Save a model patched by :func:`patch_vq` to the directory ``path``: its whole state dict
     (``model.safetensors``; the 2-bit layers under AQLM's names: ``codes``, ``codebooks``,
     ``scales``; a weight tied to another, such as an output head tied to the embeddings, once) and
-    ``tilefuse_vq.json`` naming the 2-bit modules and their shapes and the tied keys, which
-    :func:`load_vq` reads to rebuild them. Returns the directory."""
+    ``tilefuse_vq.json`` naming the 2-bit modules (``VQLinear`` layers and ``VQMoEExperts``
+    experts modules) and their shapes and the tied keys, which :func:`load_vq` reads to rebuild
+    them. Returns the directory."""
     from tilefuse.nn.vq import VQLinear
+    from tilefuse.nn.vq_moe import VQMoEExperts
 
     modules = {name: {"in_features": mod.in_features, "out_features": mod.out_features,
                       "bias": mod.bias is not None, "codes_dtype": str(mod.codes.dtype).removeprefix("torch.")}
                for name, mod in model.named_modules() if isinstance(mod, VQLinear)}
-    if not modules:
-        raise ValueError("model: expected a model patched by tilefuse.hf.patch_vq (no VQLinear module found)")
+    experts = {name: {"num_experts": mod.num_experts, "hidden_dim": mod.hidden_dim,
+                      "intermediate_dim": mod.intermediate_dim,
+                      "codes_dtype": str(mod.gate_up_codes.dtype).removeprefix("torch.")}
+               for name, mod in model.named_modules() if isinstance(mod, VQMoEExperts)}
+    if not modules and not experts:
+        raise ValueError("model: expected a model patched by tilefuse.hf.patch_vq (no VQLinear or VQMoEExperts "
+                         "module found)")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     state, first, tied = {}, {}, {}
@@ -436,16 +443,17 @@ def save_vq(model: nn.Module, path) -> Path:
         first[where] = key
         state[key] = tensor.detach().contiguous()
     _write_tensors(state, folder / VQ_WEIGHTS)
-    (folder / VQ_FILE).write_text(json.dumps({"format": "aqlm-2x8", "modules": modules, "tied": tied}, indent=1,
-                                             sort_keys=True))
+    (folder / VQ_FILE).write_text(json.dumps({"format": "aqlm-2x8", "modules": modules, "experts": experts,
+                                              "tied": tied}, indent=1, sort_keys=True))
     return folder
 
 
 def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
     """Load what :func:`save_vq` wrote into ``model``, a freshly built model of the same config
     (``from_config``, or ``from_pretrained`` of the dense checkpoint): the modules named in
-    ``tilefuse_vq.json`` become :class:`tilefuse.nn.VQLinear` shells, then the whole state dict
-    is loaded (strictly: every key must match). Returns ``model``. A directory that is not what
+    ``tilefuse_vq.json`` become :class:`tilefuse.nn.VQLinear` shells (and its stacked experts
+    modules :class:`tilefuse.nn.VQMoEExperts` shells), then the whole state dict is loaded
+    (strictly: every key must match). Returns ``model``. A directory that is not what
     ``save_vq`` writes (a missing or malformed ``tilefuse_vq.json``, codes of another dtype or out
     of [0, 256), weights that do not match the model) raises ValueError naming the file.
     ``fuse_gate_up``: as :func:`patch_vq`'s (:func:`fuse_vq_mlps` after the load)."""
@@ -455,9 +463,11 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
     if not spec_path.exists():
         raise ValueError(f"path: expected a directory written by tilefuse.hf.save_vq ({VQ_FILE} in it), got {folder}")
     modules = _vq_spec(spec_path)
+    experts = _experts_spec(spec_path)
     names = set(modules)
     layers = {name: mod for name, mod in model.named_modules() if name in names}
-    missing = sorted(names - set(layers))
+    stacks = {name: mod for name, mod in model.named_modules() if name in experts}
+    missing = sorted((names | set(experts)) - set(layers) - set(stacks))
     if missing:
         raise ValueError(f"model: expected the modules {missing[:4]}{'...' if len(missing) > 4 else ''} named in "
                          f"{spec_path} (a model of the saved config)")
@@ -474,6 +484,19 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
         model.set_submodule(name, VQLinear(shape["in_features"], shape["out_features"], bias=shape["bias"],
                                            dtype=weight.dtype, codes_dtype=getattr(torch, shape["codes_dtype"]),
                                            device=weight.device))
+    from tilefuse.nn.vq_moe import VQMoEExperts, unsupported_experts
+
+    for name, stack in stacks.items():
+        shape = experts[name]
+        why = unsupported_experts(stack)
+        gate_up = getattr(stack, "gate_up_proj", None)
+        dims = (shape["num_experts"], 2 * shape["intermediate_dim"], shape["hidden_dim"])
+        if why is not None or tuple(gate_up.shape) != dims:
+            raise ValueError(f"model: {name} is {type(stack).__name__} ({why or f'gate_up_proj {tuple(gate_up.shape)}'}), "
+                             f"the saved experts are [E, 2I, H] = {list(dims)}")
+        model.set_submodule(name, VQMoEExperts(shape["num_experts"], shape["hidden_dim"], shape["intermediate_dim"],
+                                               dtype=gate_up.dtype, codes_dtype=getattr(torch, shape["codes_dtype"]),
+                                               device=gate_up.device))
     weights = folder / VQ_WEIGHTS
     state = _read_tensors(weights)
     for key, source in read_json(spec_path).get("tied", {}).items():    # written once by save_vq
@@ -484,6 +507,11 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
         if isinstance(state.get(key), torch.Tensor):
             state[key] = _as_code_dtype(state[key], getattr(torch, modules[name]["codes_dtype"]),
                                         f"path: {weights}: tensor {key!r}")
+    for name in experts:
+        for key in (f"{name}.gate_up_codes", f"{name}.down_codes"):
+            if isinstance(state.get(key), torch.Tensor):
+                state[key] = _as_code_dtype(state[key], getattr(torch, experts[name]["codes_dtype"]),
+                                            f"path: {weights}: tensor {key!r}")
     load_strict(model, state, weights)
     if fuse_gate_up:
         fuse_vq_mlps(model)
@@ -522,6 +550,31 @@ def _vq_spec(spec_path: Path) -> dict:
         if codes_dtype not in CODES_DTYPES:
             raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
         out[name] = dict(in_features=k, out_features=n, bias=bias, codes_dtype=codes_dtype)
+    return out
+
+
+def _experts_spec(spec_path: Path) -> dict:
+    """The ``experts`` of ``tilefuse_vq.json`` (absent in files without 2-bit experts): name ->
+    num_experts, hidden_dim, intermediate_dim, codes_dtype, validated; a malformed entry raises
+    ValueError naming the file."""
+    experts = read_json(spec_path).get("experts", {})
+    if not isinstance(experts, dict):
+        raise ValueError(f"path: {spec_path}: \"experts\" must map module names to their shapes, got "
+                         f"{type(experts).__name__}")
+    out = {}
+    for name, entry in experts.items():
+        where = f"path: {spec_path}: experts[{name!r}]"
+        keys = ("num_experts", "hidden_dim", "intermediate_dim")
+        if not isinstance(entry, dict) or any(key not in entry for key in keys):
+            raise ValueError(f"{where}: expected an object with {', '.join(keys)} and codes_dtype, got {entry!r}")
+        e, h, i = (entry[key] for key in keys)
+        if (not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (e, h, i)) or h % 8 or i % 8):
+            raise ValueError(f"{where}: expected num_experts > 0 and hidden_dim, intermediate_dim positive "
+                             f"multiples of 8, got {e!r}, {h!r}, {i!r}")
+        codes_dtype = entry.get("codes_dtype", "uint8")
+        if codes_dtype not in CODES_DTYPES:
+            raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
+        out[name] = dict(num_experts=e, hidden_dim=h, intermediate_dim=i, codes_dtype=codes_dtype)
     return out
 
 

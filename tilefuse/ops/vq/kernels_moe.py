@@ -9,7 +9,7 @@ row block): each program reads its pair's expert id from device memory (no host 
 graph replays any routing), offsets the codes, codebooks and scales pointers by it and runs one
 program of the small-layer kernels on its token's row. Grouped (``GROUPED``: many pairs) the grid
 runs over (tile, row block), a tile being up to ``TOKENS`` pairs of one expert in the pairs'
-expert-sorted order (``op.moe_schedule``, computed on the device): the program gathers its
+expert-sorted order (:func:`vq_moe_schedule_kernel`, computed on the device): the program gathers its
 tokens' rows of x (or h) into the MMA's columns, so an expert's codebooks are staged and its codes
 read once per tile instead of once per pair, and scatters its outputs to the pairs' rows.
 
@@ -18,7 +18,9 @@ read once per tile instead of once per pair, and scatters its outputs to the pai
   ``h[p] = silu(g) * u`` (``[T * TOPK, I]``, x's dtype);
 * :func:`vq_moe_down_kernel`: ``kernels_small.small_program`` on ``h[p]`` with the row scale times
   the routing weight ``w[t, j]`` (per column where grouped), writing ``y_p`` (``[T * TOPK, H]`` fp32);
-* :func:`vq_moe_sum_kernel`: ``y[t] = sum_j y_{t*TOPK+j}`` in fp32 in ``j`` order, one rounding.
+* :func:`vq_moe_sum_kernel`: ``y[t] = sum_j y_{t*TOPK+j}`` in fp32 in ``j`` order, one rounding;
+* :func:`vq_moe_schedule_kernel` (grouped, first): the tiles and the expert-sorted pairs in one
+  program, bit-identical to ``op.moe_schedule``'s PyTorch ops.
 
 Nothing is split over programs (no workspace, no atomics): the result's bits do not depend on
 what else runs. A pair whose expert id lies outside ``[0, NUM_EXPERTS)`` (transformers' expert-

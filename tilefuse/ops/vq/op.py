@@ -1469,8 +1469,9 @@ def vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tens
 
     Returns
     -------
-    [T, H] in x's dtype. Three launches (``kernels_moe.py``): the fused gate/up and SiLU·mul per
-    (token-expert pair, 16-row block) into ``h [T*k, I]`` (x's dtype), the down projection times
+    [T, H] in x's dtype. Three launches (``kernels_moe.py``; from ``configs.MOE["group_pairs"]``
+    pairs on, a schedule launch first): the fused gate/up and SiLU·mul per (token-expert pair,
+    16-row block) into ``h [T*k, I]`` (x's dtype), the down projection times
     the routing weight per pair into fp32 ``[T*k, H]``, and the sum over the k slots in slot order,
     one rounding. No atomics: repeated calls give the same bits. Only the selected experts' codes
     are read. No tokens: ``[0, H]``. No gradient (call it under ``torch.no_grad()``).

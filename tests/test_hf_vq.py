@@ -634,3 +634,44 @@ def test_save_and_load_a_2bit_moe_model(tmp_path, interpret):
     _edit_json(folder / "tilefuse_vq.json", lambda d: d["experts"]["model.layers.0.mlp.experts"].update(num_experts=8))
     with pytest.raises(ValueError, match="model.layers.0.mlp.experts is Qwen3MoeExperts.*saved experts"):
         load_vq(_tiny_qwen3_moe(seed=4)[1], folder)
+
+
+MOE_CONFIGS = {
+    "Qwen2MoeConfig": dict(intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                           num_experts=4, num_experts_per_tok=2),
+    "MixtralConfig": dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "DeepseekV3Config": dict(intermediate_size=96, moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+                             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                             kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                             v_head_dim=16, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("config_name", sorted(MOE_CONFIGS))
+def test_patch_vq_converts_the_stacked_experts_of_other_moe_models(config_name):
+    """Qwen2-MoE (with a shared expert), Mixtral and DeepSeek-V3 keep their experts in the same
+    stacked form; patch_vq converts them by form, and each model's output equals the stock model's
+    with the experts' weights set to the 2-bit experts' dequantized values (fp32: the reference
+    path), so the MoE block's own routing and weighting reach vq_moe unchanged."""
+    transformers = pytest.importorskip("transformers")
+    from tilefuse.bench.hf_models import random_model
+    from tilefuse.nn.vq_moe import VQMoEExperts
+
+    kwargs = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256)
+    config = getattr(transformers, config_name)(**{**kwargs, **MOE_CONFIGS[config_name]})
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=5)
+    stock = copy.deepcopy(model)
+    patch_vq(model, random_codes=True, targets=("o_proj",), fuse_gate_up=False)
+    converted = {name: mod for name, mod in model.named_modules() if isinstance(mod, VQMoEExperts)}
+    assert converted, f"{config_name}: no experts module converted"
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, VQMoEExperts):
+                gate_up, down = mod.dequantize()
+                stock.get_submodule(name).gate_up_proj.copy_(gate_up)
+                stock.get_submodule(name).down_proj.copy_(down)
+            elif isinstance(mod, VQLinear):
+                stock.get_submodule(name).weight.copy_(mod.dequantize())
+        ids = torch.tensor([[7, 3, 9, 1, 200, 42, 5]])
+        torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)

@@ -182,6 +182,7 @@ def _schedule_cases(gen, big):
     skewed = torch.full((t, k), 5)
     skewed[::7, 3] = 9
     yield "one expert", skewed, 128, 8, None if big else 128
+    yield "all on one expert", torch.full((t, k), 3), 4, 16, None
     yield "E = 1", torch.randint(-1, 2, (t, k), generator=gen), 1, 16, None
     yield "none in range", torch.full((3, 2), -1), 4, 8, None
     yield "one pair", torch.tensor([[0]]), 1, 1, None
@@ -230,6 +231,22 @@ def test_moe_grouped_torch_schedule_interpreted(interpret, monkeypatch):
     torch_schedule = _run(case, grouped=True)
     _check(torch_schedule, case)
     assert torch.equal(kernel, torch_schedule)
+
+
+def test_moe_grouped_op_under_torch_compile(interpret, monkeypatch):
+    """The public op with tiles (``group_pairs`` lowered: 40 pairs) under
+    ``torch.compile(fullgraph=True)``: the schedule launch runs inside the custom op."""
+    from tilefuse.ops.vq import configs
+
+    monkeypatch.setitem(configs.MOE, "group_pairs", 8)
+    monkeypatch.setattr(vq_op, "_moe_plans", vq_op.PlanCache())
+    case = make_moe_case(20, 2, 3, 32, 16, torch.float16, interpret)
+    case.top_k_index[1, 0] = -1
+    assert vq_op._plan_moe(case.x, *case.args()[1:]).grouped
+    torch._dynamo.reset()
+    backend = "inductor" if interpret.type == "cuda" else "aot_eager"
+    with torch.no_grad():
+        _check(torch.compile(tilefuse.vq_moe, fullgraph=True, backend=backend)(*case.args()), case)
 
 
 def test_moe_settings_int8_codes_int32_ids_repeated_experts(interpret):

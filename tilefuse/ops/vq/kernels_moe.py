@@ -245,8 +245,9 @@ def vq_moe_schedule_kernel(
     """``op.moe_schedule`` in one program (grid ``(1,)``), bit-identical to it: the pairs'
     stable sort by expert id (ids outside ``[0, E)`` last), then the tiles of ``TOKENS`` pairs of
     one expert. ``EXPERTS``: a power of two above ``NUM_EXPERTS`` (bins of the ids and the
-    out-of-range key ``NUM_EXPERTS``); ``BLOCK``: pairs (and tiles) per step, a power of two. Only
-    integer counts in registers and scans in a fixed order: the outputs do not depend on timing."""
+    out-of-range key ``NUM_EXPERTS``); ``BLOCK``: pairs (and tiles) per step, a power of two.
+    Integer counts (the histogram's shared-memory adds are exact in any order), scans and a sort:
+    the outputs do not depend on timing."""
     lane = tl.arange(0, BLOCK)
     bins = tl.arange(0, EXPERTS)
     # stage 1: per-expert pair counts (histogram of the keys, a block of pairs at a time)
@@ -281,7 +282,8 @@ def vq_moe_schedule_kernel(
     offset = start - (tile_end - tiles) * TOKENS
     end = start + counts
     # stage 5: per tile its expert (the experts whose tiles end at or before it, a branchless
-    # binary search over the non-decreasing tile ends; E past the last), first position and count
+    # binary search over the non-decreasing tile ends, at most EXPERTS - 1 >= E; E past the
+    # last tile), first position and count
     for t0 in range(0, NUM_TILES, BLOCK):
         tau = t0 + lane
         below = tl.zeros([BLOCK], dtype=tl.int32)

@@ -7,7 +7,7 @@ no slots; the fp32 reference; bad inputs; the fake; the Gluon kernels compiled f
 module and ``patch_vq`` on a tiny Qwen3-MoE model. GPU (@gpu): the Gluon kernels at Qwen3-30B-A3B's
 and a held-out expert shape, fp16 and bf16, settings, bit-identical repeats and graph replays.
 
-Tolerance (:func:`_bound`), against the spec in fp64 (``vq_moe_reference`` with h unrounded): per
+Tolerance (``tilefuse.testing.vq.moe_bound``), against the spec in fp64 (``vq_moe_reference`` with h unrounded): per
 token-expert pair, the gate/up as ``vq_swiglu``'s fused kernel (``tests/test_vq_swiglu.py``: each
 projection within ``s = tolerance(dtype, "small")["scale"]`` times ``|x| @ |W|^T``, SiLU's slope
 below 1.1, one rounding of h to x's dtype: ``e_h``); the down projection of the rounded h moves by
@@ -20,57 +20,10 @@ import torch
 
 import tilefuse
 from tilefuse.ops.vq import op as vq_op
-from tilefuse.ops.vq.reference import dequantize
 from tilefuse.testing import poisoned, repeats_and_replays_identical
-from tilefuse.testing.vq import MOE_SHAPES, make_moe_case, moe_reference_fp64, tolerance
-
-SILU_SLOPE = 1.1        # max |silu'(t)| = 1.0998 (at t = 2.4)
-
-
-def _bound(case):
-    """(the fp64 reference y [T, H], the bound on |out - y|), on the case's device."""
-    dtype = case.x.dtype if case.x.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    tol = tolerance(dtype, "small")
-    ulp, s = tol["rtol"], tol["scale"]
-    x = case.x.double()
-    e_count, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
-    ref = torch.zeros_like(x)
-    bound = torch.zeros_like(x)
-    for e in torch.unique(case.top_k_index).tolist():
-        if not 0 <= e < e_count:
-            continue
-        tok, slot = (case.top_k_index == e).nonzero(as_tuple=True)
-        w_gu = dequantize(case.gate_up_codes[e], case.gate_up_codebooks[e].double(), case.gate_up_scales[e].double(),
-                          dtype=torch.float64)
-        w_d = dequantize(case.down_codes[e], case.down_codebooks[e].double(), case.down_scales[e].double(),
-                         dtype=torch.float64)
-        gu, gu_scale = x[tok] @ w_gu.T, x[tok].abs() @ w_gu.abs().T
-        g, u = gu[:, :i], gu[:, i:]
-        e_g, e_u = s * gu_scale[:, :i], s * gu_scale[:, i:]
-        silu = g * torch.sigmoid(g)
-        hh = silu * u
-        e_h = ulp * hh.abs() + SILU_SLOPE * u.abs() * e_g + silu.abs() * e_u + SILU_SLOPE * e_g * e_u
-        weight = case.top_k_weights[tok, slot].double()[:, None]
-        y = weight * (hh @ w_d.T)
-        ref.index_add_(0, tok, y)
-        bound.index_add_(0, tok, weight.abs() * (e_h @ w_d.abs().T + s * (hh.abs() + e_h) @ w_d.abs().T)
-                         + 2.0 ** -20 * y.abs())
-    return ref, bound + ulp * ref.abs()
-
-
-def _check(out, case):
-    ref, bound = _bound(case)
-    want = moe_reference_fp64(case)
-    assert torch.allclose(want, ref, rtol=1e-12, atol=1e-12), "the spec and the test's fp64 y differ"
-    assert out.shape == ref.shape and out.dtype == case.x.dtype, (out.shape, out.dtype)
-    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
-    err = (out.double() - ref).abs()
-    bad = ~(err <= bound)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
-                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
-
+from tilefuse.testing.vq import MOE_SHAPES, make_moe_case, moe_reference_fp64
+from tilefuse.testing.vq import check_moe as _check
+from tilefuse.testing.vq import moe_bound as _bound
 
 def _run(case, impl="auto", gate_up=None, down=None, grouped=None):
     """The launches into a NaN-poisoned output (``grouped``: tiles of one expert's tokens, None: the

@@ -175,3 +175,62 @@ def moe_reference_fp64(case: MoECase) -> torch.Tensor:
     return vq_moe_reference(case.x.double(), case.top_k_index, case.top_k_weights.double(), case.gate_up_codes,
                             case.gate_up_codebooks.double(), case.gate_up_scales.double(), case.down_codes,
                             case.down_codebooks.double(), case.down_scales.double(), compute_dtype=torch.float64)
+
+
+SILU_SLOPE = 1.1        # max |silu'(t)| = 1.0998 (at t = 2.4)
+
+
+def moe_bound(case: MoECase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fp64 reference y [T, H], the bound on ``|out - y|``), on the case's device.
+
+    Per token-expert pair, the gate/up as ``vq_swiglu``'s fused kernel (each projection within
+    ``s = tolerance(dtype, "small")["scale"]`` times ``|x| @ |W|^T``, SiLU's slope below 1.1, one
+    rounding of h to x's dtype: ``e_h``); the down projection of the rounded h moves by
+    ``e_h @ |Wd|^T`` plus its own ``s * (|h| + e_h) @ |Wd|^T``, times ``|w|``; the fp32 sum over
+    the k slots adds ``2^-20 * sum |y_p|`` (k <= 8 fp32 additions) and the output's rounding one
+    ulp of ``|y|``."""
+    from tilefuse.ops.vq.reference import dequantize
+
+    dtype = case.x.dtype if case.x.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    tol = tolerance(dtype, "small")
+    ulp, s = tol["rtol"], tol["scale"]
+    x = case.x.double()
+    e_count, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
+    ref = torch.zeros_like(x)
+    bound = torch.zeros_like(x)
+    for e in torch.unique(case.top_k_index).tolist():
+        if not 0 <= e < e_count:
+            continue
+        tok, slot = (case.top_k_index == e).nonzero(as_tuple=True)
+        w_gu = dequantize(case.gate_up_codes[e], case.gate_up_codebooks[e].double(), case.gate_up_scales[e].double(),
+                          dtype=torch.float64)
+        w_d = dequantize(case.down_codes[e], case.down_codebooks[e].double(), case.down_scales[e].double(),
+                         dtype=torch.float64)
+        gu, gu_scale = x[tok] @ w_gu.T, x[tok].abs() @ w_gu.abs().T
+        g, u = gu[:, :i], gu[:, i:]
+        e_g, e_u = s * gu_scale[:, :i], s * gu_scale[:, i:]
+        silu = g * torch.sigmoid(g)
+        hh = silu * u
+        e_h = ulp * hh.abs() + SILU_SLOPE * u.abs() * e_g + silu.abs() * e_u + SILU_SLOPE * e_g * e_u
+        weight = case.top_k_weights[tok, slot].double()[:, None]
+        y = weight * (hh @ w_d.T)
+        ref.index_add_(0, tok, y)
+        bound.index_add_(0, tok, weight.abs() * (e_h @ w_d.abs().T + s * (hh.abs() + e_h) @ w_d.abs().T)
+                         + 2.0 ** -20 * y.abs())
+    return ref, bound + ulp * ref.abs()
+
+
+def check_moe(out: torch.Tensor, case: MoECase) -> None:
+    """Assert ``out`` (no NaN: poisoned outputs left unwritten show) is within :func:`moe_bound`
+    of the fp64 spec on ``case``, naming the first output off and its bound."""
+    ref, bound = moe_bound(case)
+    want = moe_reference_fp64(case)
+    assert torch.allclose(want, ref, rtol=1e-12, atol=1e-12), "the spec and the bound's fp64 y differ"
+    assert out.shape == ref.shape and out.dtype == case.x.dtype, (out.shape, out.dtype)
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
+    err = (out.double() - ref).abs()
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
+                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")

@@ -523,3 +523,24 @@ def test_gpu_moe_schedule_graph_replay_takes_new_routing():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, case)
+
+
+def test_explain_says_per_pair_or_grouped_and_why(interpret):
+    """``tilefuse.explain(tilefuse.vq_moe, ...)``: the form the op's own plan runs, per pair below
+    ``group_pairs`` pairs and grouped from there, with both forms described; the reference for
+    fp32 inputs, nothing routed for no tokens; bad input raises as the op does."""
+    from tilefuse.ops.vq import configs
+
+    threshold = configs.MOE["group_pairs"]
+    small = make_moe_case(3, 2, 4, 64, 32, torch.float16, interpret)
+    choice = tilefuse.explain(tilefuse.vq_moe, *small.args())
+    assert choice.variant == "per_pair" and [c.variant for c in choice.candidates] == ["per_pair", "grouped"]
+    assert f"group_pairs = {threshold}" in choice.source and "per_pair" in str(choice)
+    big = make_moe_case(threshold // 2, 2, 4, 64, 32, torch.float16, interpret)
+    assert tilefuse.explain("vq_moe", *big.args()).variant == "grouped"
+    assert tilefuse.explain(tilefuse.vq_moe, *make_moe_case(3, 2, 4, 64, 32, torch.float32,
+                                                             interpret).args()).variant == "reference"
+    empty = make_moe_case(0, 2, 4, 64, 32, torch.float16, interpret)
+    assert tilefuse.explain(tilefuse.vq_moe, *empty.args()).variant == "empty"
+    with pytest.raises(ValueError, match="top_k_weights"):
+        tilefuse.explain(tilefuse.vq_moe, small.x, small.top_k_index, small.top_k_weights[:, :1], *small.args()[3:])

@@ -211,7 +211,7 @@ def explain(op, *args, **kwargs) -> Choice:
     """Which path ``op(*args, **kwargs)`` takes and why, without running it.
 
     ``op``: the public function (``tilefuse.swiglu``, ``tilefuse.swiglu_fp8``,
-    ``tilefuse.vq_matmul``, ``tilefuse.vq_swiglu``, ``tilefuse.flash_mla_with_kvcache``) or its
+    ``tilefuse.vq_matmul``, ``tilefuse.vq_swiglu``, ``tilefuse.vq_moe``, ``tilefuse.flash_mla_with_kvcache``) or its
     name. SwiGLU and VQ list every candidate with its predicted time; FP8 SwiGLU and MLA report
     their measured rules (no cost model there yet).
 

@@ -42,7 +42,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                    "mla_scatter_kv"), ("transposed", "standard", "wgmma"),
            "flash_mla_with_kvcache", "MLA decode over a paged latent cache against FlashMLA (if installed), PyTorch"),
     Family("vq", ("vq_matmul", "vq_swiglu", "vq_moe"), ("decode", "decode_tl", "mma", "small", "prefill", "dequant"), "vq_matmul",
-           "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels", ("vq_swiglu",)),
+           "2-bit VQ linear (AQLM 2x8) against fp16 cuBLAS, and AQLM's own kernels", ("vq_swiglu", "vq_moe")),
 )}
 
 

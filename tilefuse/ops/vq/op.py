@@ -1436,6 +1436,38 @@ def _vq_moe_op(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.
     return _run_moe(_plan_moe(x, *args), x, *args)
 
 
+def explain_vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gate_up_codes: torch.Tensor, gate_up_codebooks: torch.Tensor, gate_up_scales: torch.Tensor,
+                   down_codes: torch.Tensor, down_codebooks: torch.Tensor, down_scales: torch.Tensor,
+                   **_) -> _dispatch.Choice:
+    """The path ``vq_moe(...)`` runs and why (``tilefuse.explain(tilefuse.vq_moe, ...)``):
+    ``per_pair`` (a program per token-expert pair and row block) or ``grouped`` (tiles of up to
+    ``tokens`` pairs of one expert, their schedule computed on the device), by the measured rule
+    ``configs.MOE["group_pairs"]`` (no cost model yet), with both forms' launch grids; or the
+    reference, or nothing routed."""
+    args = (top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,
+            down_codebooks, down_scales)
+    call = _plan_moe(x, *args)              # the op's own plan: validated
+    problem = {"T": call.t, "k": call.k, "E": call.e, "H": call.h, "I": call.i,
+               "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+    if call.reference:
+        return _dispatch.Choice("vq", problem, "reference", None, "reference")
+    if call.t * call.k == 0 or call.e == 0 or call.i == 0:
+        return _dispatch.Choice("vq", problem, "empty", None, "nothing routed: zeros, no launch")
+    pairs, threshold = call.t * call.k, configs.MOE["group_pairs"]
+    schedule = ("one launch (vq_moe_schedule_kernel)" if configs.MOE.get("schedule_kernel") and call.e < 1024
+                else "PyTorch's sort, cumsum and searchsorted")
+    candidates = (
+        _dispatch.Candidate("per_pair", None, None, f"a program per pair: {pairs} x {call.gate_up[0][1]} gate/up "
+                                                    f"and {pairs} x {call.down[0][1]} down programs; below "
+                                                    f"{threshold} pairs"),
+        _dispatch.Candidate("grouped", None, None, f"tiles of up to {call.tokens} pairs of one expert "
+                                                   f"(at most {moe_tiles(pairs, call.e, call.tokens)}), schedule: "
+                                                   f"{schedule}; from {threshold} pairs"))
+    return _dispatch.Choice("vq", problem, "grouped" if call.grouped else "per_pair", call.tokens,
+                            f"measured rule (group_pairs = {threshold})", candidates)
+
+
 def vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_codes: torch.Tensor,
            gate_up_codebooks: torch.Tensor, gate_up_scales: torch.Tensor, down_codes: torch.Tensor,
            down_codebooks: torch.Tensor, down_scales: torch.Tensor, *,

@@ -62,6 +62,54 @@ def test_moe_grouped_interpreted(interpret, t, k, e, h, i, distinct):
     _check(_run(case, grouped=True), case)
 
 
+def _run_dequant(case):
+    """The dequantize + grouped GEMM path into a NaN-poisoned output."""
+    (t, h), k = case.x.shape, case.top_k_index.shape[1]
+    e, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
+    call = vq_op._moe_plan(t, k, e, h, i, case.x.device, dequant=True)
+    assert call.dequant
+    out = poisoned((t, h), case.x.dtype, case.x.device)
+    return vq_op.launch_moe_dequant(call, *case.args(), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("t,k,e,h,i,distinct", GROUPED_SHAPES)
+def test_moe_dequant_path_interpreted(interpret, dtype, t, k, e, h, i, distinct):
+    """The dequantize path (every expert dequantized by ``vq_moe_dequant_kernel``, PyTorch's grouped
+    GEMM over the expert-sorted pairs, the slot sum): within the dequantize tolerance of the fp64
+    spec (``moe_bound(case, "dequant")``), out-of-range ids contribute nothing, int8 codes read as
+    the same bits. bf16 is exact in the interpreter here (no ``tl.dot`` in the kernel)."""
+    from tilefuse.testing.vq import check_moe
+
+    case = make_moe_case(t, k, e, h, i, dtype, interpret, distinct=distinct)
+    case.top_k_index[0, 0] = e
+    if t > 2:
+        case.top_k_index[2, -1] = -1
+    check_moe(_run_dequant(case), case, "dequant")
+    case.gate_up_codes, case.down_codes = case.gate_up_codes.view(torch.int8), case.down_codes.view(torch.int8)
+    check_moe(_run_dequant(case), case, "dequant")
+
+
+def test_moe_dequant_path_is_picked_from_its_threshold(interpret, monkeypatch):
+    """``configs.MOE["dequant_pairs"]``: 0 (as shipped) never, else from that many pairs on; the
+    op's output then is the dequantize path's."""
+    from tilefuse.ops.vq import configs
+    from tilefuse.testing.vq import check_moe
+
+    assert configs.MOE["dequant_pairs"] == 0
+    assert not vq_op._moe_plan(500, 8, 4, 64, 32, torch.device(interpret)).dequant
+    monkeypatch.setitem(configs.MOE, "dequant_pairs", 12)
+    assert not vq_op._moe_plan(5, 2, 4, 64, 32, torch.device(interpret)).dequant
+    assert vq_op._moe_plan(6, 2, 4, 64, 32, torch.device(interpret)).dequant
+    case = make_moe_case(6, 2, 4, 64, 32, torch.float16, interpret)
+    vq_op._moe_plans.clear()
+    try:
+        check_moe(tilefuse.vq_moe(*case.args()), case, "dequant")
+        assert "dequant" in str(tilefuse.explain(tilefuse.vq_moe, *case.args()))
+    finally:
+        vq_op._moe_plans.clear()
+
+
 def test_grouping_picks_the_faster_programs_of_the_committed_sweep():
     """``configs.MOE["group_pairs"]`` on every shape and token count of the committed H100 run
     (``tools/vq_moe_bench.py``: a program per pair and grouped tiles, both forced, graph replay):
@@ -420,7 +468,50 @@ def test_moe_schedule_kernel_compiles(pairs, experts, index):
     assert "red.global" not in result.ptx and "atom.global" not in result.ptx
 
 
+def test_moe_dequant_kernel_compiles():
+    """The experts' dequantize kernel (the dequantize kernel's tile over a third grid axis) for
+    sm_90 with the dequantize path's launch: no spills, no atomics, 16-byte weight stores."""
+    from tilefuse.testing.gluon import compile_gluon_isolated
+
+    launch = vq_op.DEQUANT_LAUNCH
+    signature = dict(codes_ptr="*u8", cb_ptr="*bf16", scales_ptr="*bf16", w_ptr="*bf16")
+    signature.update({name: "i32" for name in ("N", "NUM_GROUPS", "stride_cn", "stride_wn", "stride_ce", "stride_we")})
+    constexprs = dict(BLOCK_N=launch["BLOCK_N"], BLOCK_G=launch["BLOCK_G"])
+    signature.update({name: "constexpr" for name in constexprs})
+    result = compile_gluon_isolated("tilefuse.ops.vq.kernels_moe:vq_moe_dequant_kernel", signature, constexprs,
+                                    num_warps=launch["num_warps"],
+                                    aligned=list(signature)[:4] + ["stride_cn", "stride_wn", "stride_ce", "stride_we"])
+    assert result.spilled == 0, result.ptxas
+    assert "red.global" not in result.ptx and "atom.global" not in result.ptx
+    assert "st.global.v4" in result.ptx
+
+
 # ------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("e,h,i,k", MOE_SHAPES)
+def test_gpu_moe_dequant_path(e, h, i, k, dtype):
+    """The dequantize path at both expert shapes and 256 tokens (out-of-range ids among them),
+    within the dequantize tolerance; a CUDA graph of it replayed after new routing gives the new
+    routing's output."""
+    from tilefuse.testing.vq import check_moe
+
+    gen = torch.Generator().manual_seed(11)
+    case = make_moe_case(256, k, e, h, i, dtype, "cuda")
+    case.top_k_index[5, 0] = e
+    check_moe(_run_dequant(case), case, "dequant")
+    call = vq_op._moe_plan(256, k, e, h, i, case.x.device, dequant=True)
+    out = torch.empty_like(case.x)
+    vq_op.launch_moe_dequant(call, *case.args(), out)          # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        vq_op.launch_moe_dequant(call, *case.args(), out)
+    case.top_k_index.copy_(torch.rand(256, e, generator=gen).argsort(dim=1)[:, :k])
+    graph.replay()
+    torch.cuda.synchronize()
+    check_moe(out, case, "dequant")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("e,h,i,k", MOE_SHAPES)
 @pytest.mark.parametrize("t", [1, 3, 16, 64])
@@ -534,7 +625,8 @@ def test_explain_says_per_pair_or_grouped_and_why(interpret):
     threshold = configs.MOE["group_pairs"]
     small = make_moe_case(3, 2, 4, 64, 32, torch.float16, interpret)
     choice = tilefuse.explain(tilefuse.vq_moe, *small.args())
-    assert choice.variant == "per_pair" and [c.variant for c in choice.candidates] == ["per_pair", "grouped"]
+    assert choice.variant == "per_pair"
+    assert [c.variant for c in choice.candidates] == ["per_pair", "grouped", "dequant"]
     assert f"group_pairs = {threshold}" in choice.source and "per_pair" in str(choice)
     big = make_moe_case(threshold // 2, 2, 4, 64, 32, torch.float16, interpret)
     assert tilefuse.explain("vq_moe", *big.args()).variant == "grouped"

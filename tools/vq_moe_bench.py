@@ -9,6 +9,9 @@ top-k routing (distinct experts per token, softmax weights), times
 * ``vq2``: ``tilefuse.vq_moe`` on 2-bit experts (``VQMoEExperts.from_experts(random_codes=True)``);
 * ``vq2:per_pair``, ``vq2:grouped``: the same with a program per token-expert pair, or per tile of
   one expert's tokens (sorted on the device), forced (the op picks by ``configs.MOE["group_pairs"]``);
+* ``vq2:dequant``: the dequantize path (every expert dequantized into a scratch weight, then
+  PyTorch's grouped GEMM: ``op.launch_moe_dequant``), forced (the op picks it from
+  ``configs.MOE["dequant_pairs"]`` pairs on, 0 as shipped: never);
 * ``vq2:<setting>``: other launch settings (:data:`SETTINGS`: codebook copies, row tiles, K slices,
   16-token tiles; at :data:`SETTING_TOKENS` tokens);
 * ``bf16:grouped_mm``: transformers' ``Qwen3MoeExperts`` in bf16 with ``experts_implementation=
@@ -71,6 +74,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", default="bench/results/sweeps")
     parser.add_argument("--quick", action="store_true", help="fewer token counts, shorter timings")
+    parser.add_argument("--tokens", type=lambda v: tuple(int(t) for t in v.split(",")), default=None,
+                        help="token counts, comma-separated (prefill sizes: 256,512,1024,2048); above 128 the "
+                             "bf16 batched_mm and loop modules are not timed")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)     # tests: a dry run elsewhere
     args = parser.parse_args(argv)
     if args.device == "cuda":
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
     timer = Timer(device, rep_ms=20.0 if args.quick else 40.0, eager_ms=10.0 if args.quick else 20.0)
     ceilings = measure_ceilings(device, quick=True)
     bw = ceilings.copy_gbps * 1e3                  # bytes per us
-    tokens = TOKENS if not args.quick else (1, 4, 8, 16, 32, 64, 128)
+    tokens = args.tokens or (TOKENS if not args.quick else (1, 4, 8, 16, 32, 64, 128))
     rows = []
     for name, e, h, i, k in SHAPES:
         log(f"{name}: building E={e} H={h} I={i} top-{k}")
@@ -120,6 +126,8 @@ def main(argv=None) -> int:
                      "bf16:grouped_mm": (lambda: grouped(x, index, weights), True),
                      "bf16:batched_mm": (lambda: batched(x, index, weights), True),
                      "bf16:loop": (lambda: loop(x, index, weights), False)}
+            if t > 128:                 # batched_mm copies each pair's weights; the loop is eager only
+                del impls["bf16:batched_mm"], impls["bf16:loop"]
             call_of = {}
             plans = {f"vq2:{mode}": ({}, {}, forced) for mode, forced in MODES.items()}
             if t in SETTING_TOKENS:
@@ -132,6 +140,14 @@ def main(argv=None) -> int:
                     return vq_op.launch_moe(call, x, index, weights, vq.gate_up_codes, vq.gate_up_codebooks,
                                             vq.gate_up_scales, vq.down_codes, vq.down_codebooks, vq.down_scales, out)
                 impls[label] = (run, True)
+            call_of["vq2:dequant"] = dequant = vq_op._moe_plan(t, k, e, h, i, device, "auto", dequant=True)
+
+            def run_dequant(call=dequant, x=x, index=index, weights=weights, t=t):
+                out = torch.empty(t, h, dtype=x.dtype, device=device)
+                return vq_op.launch_moe_dequant(call, x, index, weights, vq.gate_up_codes, vq.gate_up_codebooks,
+                                                vq.gate_up_scales, vq.down_codes, vq.down_codebooks, vq.down_scales,
+                                                out)
+            impls["vq2:dequant"] = (run_dequant, True)
             for impl, (fn, graphable) in impls.items():
                 row = dict(common, impl=impl)
                 if impl.startswith("vq2"):

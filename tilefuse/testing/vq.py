@@ -180,7 +180,7 @@ def moe_reference_fp64(case: MoECase) -> torch.Tensor:
 SILU_SLOPE = 1.1        # max |silu'(t)| = 1.0998 (at t = 2.4)
 
 
-def moe_bound(case: MoECase) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_bound(case: MoECase, variant: str = "small") -> tuple[torch.Tensor, torch.Tensor]:
     """(the fp64 reference y [T, H], the bound on ``|out - y|``), on the case's device.
 
     Per token-expert pair, the gate/up as ``vq_swiglu``'s fused kernel (each projection within
@@ -188,11 +188,16 @@ def moe_bound(case: MoECase) -> tuple[torch.Tensor, torch.Tensor]:
     rounding of h to x's dtype: ``e_h``); the down projection of the rounded h moves by
     ``e_h @ |Wd|^T`` plus its own ``s * (|h| + e_h) @ |Wd|^T``, times ``|w|``; the fp32 sum over
     the k slots adds ``2^-20 * sum |y_p|`` (k <= 8 fp32 additions) and the output's rounding one
-    ulp of ``|y|``."""
+    ulp of ``|y|``. ``variant="dequant"`` (``op.launch_moe_dequant``): ``s`` is the dequantize
+    path's (weights rounded to x's dtype, reductions in reduced precision), and the grouped GEMMs'
+    outputs g, u and ``y_p`` are rounded to x's dtype too: half an ulp of each more."""
     from tilefuse.ops.vq.reference import dequantize
 
+    if variant not in ("small", "dequant"):
+        raise ValueError(f"variant: expected 'small' or 'dequant', got {variant!r}")
+    dequant = variant == "dequant"
     dtype = case.x.dtype if case.x.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    tol = tolerance(dtype, "small")
+    tol = tolerance(dtype, variant)
     ulp, s = tol["rtol"], tol["scale"]
     x = case.x.double()
     e_count, i = case.gate_up_codes.shape[0], case.gate_up_codes.shape[1] // 2
@@ -209,6 +214,8 @@ def moe_bound(case: MoECase) -> tuple[torch.Tensor, torch.Tensor]:
         gu, gu_scale = x[tok] @ w_gu.T, x[tok].abs() @ w_gu.abs().T
         g, u = gu[:, :i], gu[:, i:]
         e_g, e_u = s * gu_scale[:, :i], s * gu_scale[:, i:]
+        if dequant:
+            e_g, e_u = e_g + ulp / 2 * g.abs(), e_u + ulp / 2 * u.abs()
         silu = g * torch.sigmoid(g)
         hh = silu * u
         e_h = ulp * hh.abs() + SILU_SLOPE * u.abs() * e_g + silu.abs() * e_u + SILU_SLOPE * e_g * e_u
@@ -216,14 +223,14 @@ def moe_bound(case: MoECase) -> tuple[torch.Tensor, torch.Tensor]:
         y = weight * (hh @ w_d.T)
         ref.index_add_(0, tok, y)
         bound.index_add_(0, tok, weight.abs() * (e_h @ w_d.abs().T + s * (hh.abs() + e_h) @ w_d.abs().T)
-                         + 2.0 ** -20 * y.abs())
+                         + (2.0 ** -20 + (ulp / 2 if dequant else 0.0)) * y.abs())
     return ref, bound + ulp * ref.abs()
 
 
-def check_moe(out: torch.Tensor, case: MoECase) -> None:
+def check_moe(out: torch.Tensor, case: MoECase, variant: str = "small") -> None:
     """Assert ``out`` (no NaN: poisoned outputs left unwritten show) is within :func:`moe_bound`
-    of the fp64 spec on ``case``, naming the first output off and its bound."""
-    ref, bound = moe_bound(case)
+    (of ``variant``) of the fp64 spec on ``case``, naming the first output off and its bound."""
+    ref, bound = moe_bound(case, variant)
     want = moe_reference_fp64(case)
     assert torch.allclose(want, ref, rtol=1e-12, atol=1e-12), "the spec and the bound's fp64 y differ"
     assert out.shape == ref.shape and out.dtype == case.x.dtype, (out.shape, out.dtype)

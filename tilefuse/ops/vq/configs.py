@@ -239,7 +239,11 @@ def _small_slices(programs: int, steps: int, row_tiles: int, copies_bytes: int, 
 # of that kernel, a power of two. Not yet timed on a GPU: group_pairs was measured with the
 # PyTorch schedule and may move lower with the kernel.
 MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4, group_pairs=160, schedule_kernel=1,
-                                  schedule_block=1024))
+                                  schedule_block=1024, dequant_pairs=0))
+# dequant_pairs: from this many token-expert pairs on, vq_moe dequantizes every expert into a
+# scratch weight and runs PyTorch's grouped GEMM (op.launch_moe_dequant), 0: never. Off until
+# measured: the roofline (Qwen3-30B-A3B's experts, H100: 1.2 GB of bf16 written, then the grouped
+# GEMM reading it, about 0.9 ms a layer) puts it ahead of the tiles from about 2000-4000 pairs.
 MOE_SCHEDULE_BINS = 1024        # the schedule kernel's most expert bins (E + 1 rounded up to a power of two)
 
 

@@ -233,6 +233,29 @@ def vq_mma_kernel(
 
 
 @triton.jit
+def dequant_tile(codes_ptr, cb_ptr, scales_ptr, w_ptr, N, NUM_GROUPS, stride_cn, stride_wn, pid_n, pid_g,
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``W[n, 8g:8g+8] = scale[n] * (C0[c0] + C1[c1])`` for the [BLOCK_N, 8 * BLOCK_G] tile
+    (``pid_n``, ``pid_g``) of one weight: codes uint8 [N, K/8, 2] (row stride ``stride_cn``),
+    codebooks [2, 256, 8], scales [N], W [N, K] (row stride ``stride_wn``)."""
+    # tiles are [BLOCK_G, BLOCK_N, 8] with groups before rows, so that a warp's lanes walk along
+    # a row: 16-byte weight stores and 2-byte code loads of consecutive lanes are adjacent
+    offs_g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, 8)
+    ok = (offs_g[:, None] < NUM_GROUPS) & (offs_n[None, :] < N)
+    c_ptrs = codes_ptr + offs_n[None, :] * stride_cn + offs_g[:, None] * 2
+    c0 = tl.load(c_ptrs, mask=ok, other=0).to(tl.int32)
+    c1 = tl.load(c_ptrs + 1, mask=ok, other=0).to(tl.int32)
+    w = tl.load(cb_ptr + (c0 * 8)[:, :, None] + offs_j[None, None, :]).to(tl.float32)
+    w += tl.load(cb_ptr + (c1 * 8 + 2048)[:, :, None] + offs_j[None, None, :]).to(tl.float32)
+    scale = tl.load(scales_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    w = w * scale[None, :, None]
+    w_ptrs = w_ptr + offs_n[None, :, None] * stride_wn + offs_g[:, None, None] * 8 + offs_j[None, None, :]
+    tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
+
+
+@triton.jit
 def vq_dequant_kernel(
     # pointers
     codes_ptr, cb_ptr, scales_ptr, w_ptr,
@@ -249,20 +272,5 @@ def vq_dequant_kernel(
     fp32 and writes the weight tile once in w's dtype (one rounding per weight). The prefill path
     then runs cuBLAS on it (what AQLM does for prefill), see ``op.launch_dequant``.
     """
-    pid_n = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    # tiles are [BLOCK_G, BLOCK_N, 8] with groups before rows, so that a warp's lanes walk along
-    # a row: 16-byte weight stores and 2-byte code loads of consecutive lanes are adjacent
-    offs_g = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_j = tl.arange(0, 8)
-    ok = (offs_g[:, None] < NUM_GROUPS) & (offs_n[None, :] < N)
-    c_ptrs = codes_ptr + offs_n[None, :] * stride_cn + offs_g[:, None] * 2
-    c0 = tl.load(c_ptrs, mask=ok, other=0).to(tl.int32)
-    c1 = tl.load(c_ptrs + 1, mask=ok, other=0).to(tl.int32)
-    w = tl.load(cb_ptr + (c0 * 8)[:, :, None] + offs_j[None, None, :]).to(tl.float32)
-    w += tl.load(cb_ptr + (c1 * 8 + 2048)[:, :, None] + offs_j[None, None, :]).to(tl.float32)
-    scale = tl.load(scales_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    w = w * scale[None, :, None]
-    w_ptrs = w_ptr + offs_n[None, :, None] * stride_wn + offs_g[:, None, None] * 8 + offs_j[None, None, :]
-    tl.store(w_ptrs, w.to(w_ptr.dtype.element_ty), mask=ok[:, :, None])
+    dequant_tile(codes_ptr, cb_ptr, scales_ptr, w_ptr, N, NUM_GROUPS, stride_cn, stride_wn, tl.program_id(0),
+                 tl.program_id(1), BLOCK_N, BLOCK_G)

@@ -20,7 +20,9 @@ read once per tile instead of once per pair, and scatters its outputs to the pai
   the routing weight ``w[t, j]`` (per column where grouped), writing ``y_p`` (``[T * TOPK, H]`` fp32);
 * :func:`vq_moe_sum_kernel`: ``y[t] = sum_j y_{t*TOPK+j}`` in fp32 in ``j`` order, one rounding;
 * :func:`vq_moe_schedule_kernel` (grouped, first): the tiles and the expert-sorted pairs in one
-  program, bit-identical to ``op.moe_schedule``'s PyTorch ops.
+  program, bit-identical to ``op.moe_schedule``'s PyTorch ops;
+* :func:`vq_moe_dequant_kernel` (the dequantize path at prefill sizes, ``op.launch_moe_dequant``):
+  every expert's weight dequantized into a scratch ``[E, R, K]`` for PyTorch's grouped GEMM.
 
 Nothing is split over programs (no workspace, no atomics): the result's bits do not depend on
 what else runs. A pair whose expert id lies outside ``[0, NUM_EXPERTS)`` (transformers' expert-
@@ -44,6 +46,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from tilefuse.ops.vq.kernels import dequant_tile
 from tilefuse.ops.vq.kernels_small import small_program, tl_small_program
 from tilefuse.ops.vq.kernels_swiglu import swiglu_program, tl_swiglu_program
 
@@ -299,3 +302,19 @@ def vq_moe_schedule_kernel(
         tl.store(sched_ptr + tau, expert, mask=ok)
         tl.store(sched_ptr + NUM_TILES + tau, tl.minimum(tl.maximum(first, 0), P), mask=ok)
         tl.store(sched_ptr + 2 * NUM_TILES + tau, count, mask=ok)
+
+
+@triton.jit
+def vq_moe_dequant_kernel(
+    # codes uint8 [E, N, K/8, 2]; codebooks [E, 2, 256, 1, 8]; scales [E, N]; w [E, N, K] (x's dtype)
+    codes_ptr, cb_ptr, scales_ptr, w_ptr,
+    N, NUM_GROUPS, stride_cn, stride_wn, stride_ce, stride_we,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """Every expert's ``W_e[n, 8g:8g+8] = scale_e[n] * (C0_e[c0] + C1_e[c1])``: the dequantize
+    kernel's tile (``kernels.dequant_tile``: codes streamed once, codebook rows gathered from L1,
+    fp32 sums, one rounding per weight) with the expert's codes, codebooks, scales and output
+    offset by the grid's third axis. Grid: (row blocks, group blocks, experts)."""
+    e = tl.program_id(2).to(tl.int64)
+    dequant_tile(codes_ptr + e * stride_ce, cb_ptr + e * CODEBOOK_VALUES, scales_ptr + e * N, w_ptr + e * stride_we,
+                 N, NUM_GROUPS, stride_cn, stride_wn, tl.program_id(0), tl.program_id(1), BLOCK_N, BLOCK_G)

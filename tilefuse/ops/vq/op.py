@@ -1208,7 +1208,7 @@ class _MoECall:
     the schedule kernel's (``configs.moe_schedule_meta``; None: the PyTorch schedule)."""
 
     __slots__ = ("reference", "t", "k", "e", "h", "i", "impl", "gate_up", "down", "sum_grid", "grouped", "tiles",
-                 "tokens", "schedule")
+                 "tokens", "schedule", "dequant")
 
 
 def _moe_launch(cfg: dict, scalars: tuple, grouped: bool) -> tuple:
@@ -1225,15 +1225,20 @@ def moe_tiles(pairs: int, num_experts: int, tokens: int) -> int:
 
 
 def _moe_plan(t: int, k: int, e: int, h: int, i: int, device: torch.device, impl: str = "auto",
-              gate_up: dict | None = None, down: dict | None = None, grouped: bool | None = None) -> _MoECall:
+              gate_up: dict | None = None, down: dict | None = None, grouped: bool | None = None,
+              dequant: bool | None = None) -> _MoECall:
     """The launches of the three MoE kernels for ``t`` tokens of top-``k`` routing over ``e``
     experts of ``[2I, H]`` gate/up and ``[H, I]`` down weights. ``gate_up``, ``down``: overrides
     of ``configs.moe_config`` (tuning and tests); ``grouped``: tiles of one expert's tokens (None:
-    from ``configs.MOE["group_pairs"]`` pairs on, else a program per pair)."""
+    from ``configs.MOE["group_pairs"]`` pairs on, else a program per pair); ``dequant``: the
+    dequantize + grouped GEMM path instead (None: from ``configs.MOE["dequant_pairs"]`` pairs on
+    where that is set, 0: never)."""
     impl = _gluon_or_tl(impl, device, _moe_kernel("vq_moe_gate_up_kernel", "gluon"), "MoE expert kernels")
     on_gpu, sms, pairs = impl == "gluon", num_sms(device), t * k
     call = _MoECall()
     call.reference, call.t, call.k, call.e, call.h, call.i, call.impl = False, t, k, e, h, i, impl
+    threshold = configs.MOE["dequant_pairs"]
+    call.dequant = bool(threshold) and pairs >= threshold if dequant is None else bool(dequant)
     call.grouped = pairs >= configs.MOE["group_pairs"] if grouped is None else bool(grouped)
     gate_up, down = dict(gate_up or {}), dict(down or {})
     if not call.grouped:      # one token per program
@@ -1296,6 +1301,46 @@ def moe_schedule_launch(top_k_index: torch.Tensor, num_experts: int, tokens: int
         top_k_index.device.index, (top_k_index, schedule, tok_sorted, pair_sorted),
         (pairs, num_experts, top_k_index.shape[1], tokens, num_tiles), meta)
     return schedule, tok_sorted, pair_sorted
+
+
+def launch_moe_dequant(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks,
+                       gate_up_scales, down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
+    """The dequantize path (prefill sizes, ``call.dequant``), the MoE analogue of ``vq_matmul``'s
+    dequantize + cuBLAS: every expert's gate/up and down weight dequantized into scratch
+    ``[E, 2I, H]`` and ``[E, H, I]`` in x's dtype (``vq_moe_dequant_kernel``, one launch each), the
+    pairs sorted by expert on the device (ids outside ``[0, E)`` last, in no group), PyTorch's
+    grouped GEMM over the sorted rows for gate/up, ``silu(g) * u`` in fp32 rounded to x's dtype
+    (as the kernels' h), the grouped GEMM for down, times the routing weight into ``y_p`` (fp32,
+    by pair), then the slot sum (``vq_moe_sum_kernel``, which reads only in-range pairs). No host
+    sync. Scratch: ``E * 3 * I * H`` elements of x's dtype, freed after the call."""
+    (t, h), k, e, i = x.shape, call.k, call.e, call.i
+    device = x.device
+    w_gate_up = torch.empty(e, 2 * i, h, dtype=x.dtype, device=device)
+    w_down = torch.empty(e, h, i, dtype=x.dtype, device=device)
+    meta = dict(BLOCK_N=DEQUANT_LAUNCH["BLOCK_N"], BLOCK_G=DEQUANT_LAUNCH["BLOCK_G"],
+                num_warps=DEQUANT_LAUNCH["num_warps"])
+    for codes, books, scales, w in ((gate_up_codes, gate_up_codebooks, gate_up_scales, w_gate_up),
+                                    (down_codes, down_codebooks, down_scales, w_down)):
+        n, kk = w.shape[1], w.shape[2]
+        codes8 = codes if codes.dtype == torch.uint8 else codes.view(torch.uint8)   # int8 codes: the same bits
+        grid = (*_dequant_grid(n, kk, meta)[:2], e)
+        _kernel("kernels_moe", "vq_moe_dequant_kernel").launch(
+            ("moe dequant", x.dtype, n, kk, e, *(a.data_ptr() % 16 for a in (codes8, books, scales, w))), grid,
+            device.index, (codes8, books, scales, w), (n, kk // 8, kk // 4, kk, n * (kk // 4), n * kk), meta)
+    ids = top_k_index.reshape(-1)
+    key = torch.where((ids >= 0) & (ids < e), ids, e)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(e + 1, dtype=torch.int64, device=device).index_add_(0, key, torch.ones_like(key))
+    offs = counts[:e].cumsum(0).to(torch.int32)                       # rows past offs[-1]: no group
+    gate_up = torch._grouped_mm(x.index_select(0, order // k), w_gate_up.transpose(1, 2), offs=offs)
+    h_sorted = (torch.nn.functional.silu(gate_up[:, :i].float()) * gate_up[:, i:].float()).to(x.dtype)
+    y_sorted = torch._grouped_mm(h_sorted, w_down.transpose(1, 2), offs=offs)
+    y_buf = torch.empty(t * k, h, dtype=torch.float32, device=device)
+    y_buf[order] = y_sorted.float() * top_k_weights.reshape(-1)[order, None].float()
+    _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
+        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index,
+        (y_buf, top_k_index, out), (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
+    return out
 
 
 def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
@@ -1424,6 +1469,8 @@ def _run_moe(call: _MoECall, x, top_k_index, top_k_weights, *weights) -> torch.T
     if call.t * call.k == 0 or call.e == 0 or call.i == 0:     # no pairs, experts or rows: nothing routed
         return torch.zeros(call.t, call.h, dtype=x.dtype, device=x.device)
     out = torch.empty(call.t, call.h, dtype=x.dtype, device=x.device)
+    if call.dequant:
+        return launch_moe_dequant(call, x, top_k_index, top_k_weights, *weights, out)
     return launch_moe(call, x, top_k_index, top_k_weights, *weights, out)
 
 
@@ -1441,10 +1488,11 @@ def explain_vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
                    down_codes: torch.Tensor, down_codebooks: torch.Tensor, down_scales: torch.Tensor,
                    **_) -> _dispatch.Choice:
     """The path ``vq_moe(...)`` runs and why (``tilefuse.explain(tilefuse.vq_moe, ...)``):
-    ``per_pair`` (a program per token-expert pair and row block) or ``grouped`` (tiles of up to
-    ``tokens`` pairs of one expert, their schedule computed on the device), by the measured rule
-    ``configs.MOE["group_pairs"]`` (no cost model yet), with both forms' launch grids; or the
-    reference, or nothing routed."""
+    ``per_pair`` (a program per token-expert pair and row block), ``grouped`` (tiles of up to
+    ``tokens`` pairs of one expert, their schedule computed on the device) or ``dequant`` (every
+    expert dequantized, then PyTorch's grouped GEMM), by the rules ``configs.MOE["group_pairs"]``
+    and ``["dequant_pairs"]`` (no cost model yet), with the forms' launch grids; or the reference,
+    or nothing routed."""
     args = (top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,
             down_codebooks, down_scales)
     call = _plan_moe(x, *args)              # the op's own plan: validated
@@ -1457,15 +1505,20 @@ def explain_vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     pairs, threshold = call.t * call.k, configs.MOE["group_pairs"]
     schedule = ("one launch (vq_moe_schedule_kernel)" if configs.MOE.get("schedule_kernel") and call.e < 1024
                 else "PyTorch's sort, cumsum and searchsorted")
+    dequant_from = configs.MOE["dequant_pairs"]
     candidates = (
         _dispatch.Candidate("per_pair", None, None, f"a program per pair: {pairs} x {call.gate_up[0][1]} gate/up "
                                                     f"and {pairs} x {call.down[0][1]} down programs; below "
                                                     f"{threshold} pairs"),
         _dispatch.Candidate("grouped", None, None, f"tiles of up to {call.tokens} pairs of one expert "
                                                    f"(at most {moe_tiles(pairs, call.e, call.tokens)}), schedule: "
-                                                   f"{schedule}; from {threshold} pairs"))
-    return _dispatch.Choice("vq", problem, "grouped" if call.grouped else "per_pair", call.tokens,
-                            f"measured rule (group_pairs = {threshold})", candidates)
+                                                   f"{schedule}; from {threshold} pairs"),
+        _dispatch.Candidate("dequant", None, None, "every expert dequantized into a scratch weight, then PyTorch's "
+                                                   "grouped GEMM; " + (f"from {dequant_from} pairs" if dequant_from
+                                                                      else "off (configs.MOE dequant_pairs = 0)")))
+    variant = "dequant" if call.dequant else "grouped" if call.grouped else "per_pair"
+    return _dispatch.Choice("vq", problem, variant, call.tokens,
+                            f"measured rule (group_pairs = {threshold}, dequant_pairs = {dequant_from})", candidates)
 
 
 def vq_moe(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, gate_up_codes: torch.Tensor,

@@ -572,13 +572,14 @@ def _launch_prefill(call: _Call, x2d, codes, codebooks, scales, bias, out) -> to
 
 
 def _code_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """codes [N, K/8, 2] (uint8/int8) as int16 [N, K/8], cached per codes tensor like :func:`_code_words`."""
+    """codes [..., N, K/8, 2] (uint8/int8; stacked experts lead with E) as int16 [... * N, K/8],
+    cached per codes tensor like :func:`_code_words`."""
     key = ("pairs", codes.data_ptr(), codes.shape, codes.device)
     pairs = _words_cache.get(key)
     if pairs is None:
         if len(_words_cache) >= 1024:
             _words_cache.clear()
-        pairs = _words_cache[key] = codes.view(torch.int16).view(codes.shape[0], codes.shape[1])
+        pairs = _words_cache[key] = codes.view(torch.int16).view(-1, codes.shape[-2])
     return pairs
 
 
@@ -1343,17 +1344,6 @@ def launch_moe_dequant(call: _MoECall, x, top_k_index, top_k_weights, gate_up_co
     return out
 
 
-def _expert_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """Stacked codes [E, R, G, 2] (uint8/int8) as int16 [E * R, G], cached per codes tensor."""
-    key = ("expert pairs", codes.data_ptr(), codes.shape, codes.device)
-    pairs = _words_cache.get(key)
-    if pairs is None:
-        if len(_words_cache) >= 1024:
-            _words_cache.clear()
-        pairs = _words_cache[key] = codes.view(torch.int16).view(codes.shape[0] * codes.shape[1], codes.shape[2])
-    return pairs
-
-
 def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales,
                down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
     """The MoE launches into ``out`` [T, H] (any contents): grouped calls first compute their
@@ -1371,12 +1361,12 @@ def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gat
         sched, tok_sorted, pair_sorted = moe_schedule(top_k_index, call.e, call.tokens, call.tiles)
     else:
         sched = tok_sorted = pair_sorted = top_k_index      # unread
-    tensors = (x, top_k_index, _expert_pairs(gate_up_codes), gate_up_codebooks, gate_up_scales, h_buf, sched,
+    tensors = (x, top_k_index, _code_pairs(gate_up_codes), gate_up_codebooks, gate_up_scales, h_buf, sched,
                tok_sorted, pair_sorted)
     grid, scalars, meta = call.gate_up
     _moe_kernel("vq_moe_gate_up_kernel", call.impl).launch(
         (call, "gate_up", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
-    tensors = (h_buf, top_k_index, top_k_weights, _expert_pairs(down_codes), down_codebooks, down_scales, y_buf,
+    tensors = (h_buf, top_k_index, top_k_weights, _code_pairs(down_codes), down_codebooks, down_scales, y_buf,
                sched, pair_sorted)
     grid, scalars, meta = call.down
     _moe_kernel("vq_moe_down_kernel", call.impl).launch(

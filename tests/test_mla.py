@@ -14,7 +14,7 @@ import torch
 import tilefuse
 from tilefuse.ops.mla import configs, op
 from tilefuse.ops.mla.reference import dequantize_kv_reference, mla_decode_reference, mla_sparse_decode_reference
-from tilefuse.testing.compare import assert_close, cos_diff
+from tilefuse.testing.compare import assert_close, captured, cos_diff
 from tilefuse.testing.mla import make_case
 
 # (atol, rtol of out; atol of lse). fp32: a logit's rounding error is about eps32 * scale * sum |q_i k_i|
@@ -817,14 +817,7 @@ def test_mla_gpu_graph_replay(h_q):
     s_q, dtype = 1, torch.bfloat16
     inp = make_case([3000] * 6, s_q, h_q, dtype, "cuda")
     lens = inp.cache_seqlens.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _run_gpu(inp, s_q, h_q, True)                       # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = _run_gpu(inp, s_q, h_q, True)
+    graph, (out, lse) = captured(lambda: _run_gpu(inp, s_q, h_q, True))
     for new in ([3000] * 6, [1, 0, 2999, 64, 1500, 2000], [100] * 6):
         inp.cache_seqlens.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
@@ -1919,14 +1912,7 @@ def test_gpu_wgmma_levers_graph_replay_new_lengths(levers):
         def step():
             return _run_gpu(inp, 1, 16, True, "wgmma")
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()                                          # compile outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_lse = step()
+        graph, (g_out, g_lse) = captured(step)
         zipf = [max(1, int(20000 / (i + 1) ** 1.1)) for i in range(48)]
         for lens in (first, zipf, [0] * 24 + [4097] * 24, [3000] * 48):
             inp.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -20,6 +20,7 @@ import torch
 import tilefuse
 from tilefuse.ops.mla import configs, op
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V
+from tilefuse.testing.compare import captured
 from tilefuse.testing.mla import make_case
 from tests.test_mla import _check_gpu
 
@@ -185,14 +186,7 @@ def test_gpu_wgmma_t_runs_of_splits_graph(monkeypatch, h_q, s_q):
         meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
         return tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()                                          # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = step()
+    graph, (g_out, g_lse) = captured(step)
     zipf = [max(1, int(20000 / (i + 1) ** 1.1)) for i in range(48)]
     for lens in (first, zipf, [0] * 24 + [4097] * 24, [rng.randint(0, 70000) for _ in range(48)]):
         inp.cache_seqlens.copy_(torch.tensor(lens, dtype=torch.int32))

@@ -7,7 +7,7 @@ no slots; the fp32 reference; bad inputs; the fake; the Gluon kernels compiled f
 module and ``patch_vq`` on a tiny Qwen3-MoE model. GPU (@gpu): the Gluon kernels at Qwen3-30B-A3B's
 and a held-out expert shape, fp16 and bf16, settings, bit-identical repeats and graph replays.
 
-Tolerance (``tilefuse.testing.vq.moe_bound``), against the spec in fp64 (``vq_moe_reference`` with h unrounded): per
+Tolerance (``tilefuse.testing.vq.moe_bound``, checked by ``check_moe``), against the spec in fp64 (``vq_moe_reference`` with h unrounded): per
 token-expert pair, the gate/up as ``vq_swiglu``'s fused kernel (``tests/test_vq_swiglu.py``: each
 projection within ``s = tolerance(dtype, "small")["scale"]`` times ``|x| @ |W|^T``, SiLU's slope
 below 1.1, one rounding of h to x's dtype: ``e_h``); the down projection of the rounded h moves by
@@ -23,7 +23,6 @@ from tilefuse.ops.vq import op as vq_op
 from tilefuse.testing import poisoned, repeats_and_replays_identical
 from tilefuse.testing.vq import MOE_SHAPES, make_moe_case, moe_reference_fp64
 from tilefuse.testing.vq import check_moe as _check
-from tilefuse.testing.vq import moe_bound as _bound
 
 def _run(case, impl="auto", gate_up=None, down=None, grouped=None):
     """The launches into a NaN-poisoned output (``grouped``: tiles of one expert's tokens, None: the

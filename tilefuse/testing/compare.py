@@ -98,6 +98,23 @@ def run_without_host_sync(fn):
         torch.cuda.set_sync_debug_mode("default")
 
 
+def captured(call):
+    """``(graph, outputs)``: ``call()`` run once on a side stream (compiling its kernels outside the
+    capture), then captured into a CUDA graph whose ``outputs`` are ``call()``'s result; replay the
+    graph after changing the inputs in place."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = call()
+    return graph, outputs
+
+
 def repeats_and_replays_identical(call, repeats: int = 3) -> torch.Tensor:
     """Run ``call()`` (a CUDA op returning one tensor) ``repeats`` more times eagerly and as a CUDA
     graph captured on a side stream and replayed ``repeats`` times; assert every result equals the

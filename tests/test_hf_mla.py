@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from tilefuse.hf import PagedMLACache, patch_mla, patch_swiglu  # noqa: E402
 from tilefuse.hf.mla import MLA_ATTENTION_CLASSES, PagedMLAAttention, mla_softmax_scale  # noqa: E402
-from tilefuse.testing import run_without_host_sync  # noqa: E402
+from tilefuse.testing import captured, run_without_host_sync  # noqa: E402
 
 # transformers renamed the models' cache argument (``past_key_values`` -> ``cache``) after 5.17;
 # pass the one this version's forward takes (the old name still works there, with a warning).
@@ -451,14 +451,7 @@ def test_gpu_decode_step_captured_in_cuda_graph():
             step()
             eager.append(token.clone())
         prefill()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph, _ = captured(step)
         prefill()
         replayed = []
         for _ in range(new):

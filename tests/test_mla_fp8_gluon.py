@@ -14,6 +14,7 @@ import torch
 
 import tilefuse
 from tilefuse.ops.mla import configs, op
+from tilefuse.testing import captured
 from tilefuse.testing.mla import make_case
 from tests.test_mla import _check_gpu, _poison_unused_fp8_slots
 
@@ -132,14 +133,7 @@ def _decode(lens, s_q, h_q, page, causal=True, graph=False):
                               is_fp8_kvcache=True)
     out, lse = call()
     if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            g_out, g_lse = call()
+        g, (g_out, g_lse) = captured(call)
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(g_out, out) and torch.equal(g_lse, lse)

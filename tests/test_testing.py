@@ -52,3 +52,29 @@ def test_assert_close_reports_indices_and_nan():
     assert_close(inf, inf.clone(), atol=0, rtol=0)   # matching infinities (lse of empty rows) pass
     with pytest.raises(AssertionError):
         assert_close(torch.tensor([-math.inf, 1.0]), inf, atol=0, rtol=0)
+
+
+def test_assert_within_names_the_first_output_off():
+    """``assert_within``: passes inside the bound, fails outside it naming the count, the first
+    index, its reference and bound, and fails on a NaN (an output the kernel left poisoned)."""
+    from tilefuse.testing import assert_within
+
+    ref = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    bound = torch.full_like(ref, 0.1)
+    assert_within(ref.float() + 0.05, ref, bound)
+    with pytest.raises(AssertionError, match=r"case: 1 of 4 outputs off; first \(1, 0\): 3\.2 vs 3 \(bound 0\.1\)"):
+        assert_within(ref.float() + torch.tensor([[0.0, 0.0], [0.2, 0.0]]), ref, bound, "case: ")
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_within(torch.tensor([[1.0, float("nan")], [3.0, 4.0]]), ref, bound)
+
+
+@pytest.mark.gpu
+def test_captured_replays_the_call_on_new_inputs():
+    from tilefuse.testing import captured
+
+    x = torch.ones(8, device="cuda")
+    graph, y = captured(lambda: x * 2 + 1)
+    x.fill_(5.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full((8,), 11.0, device="cuda"))

@@ -6,6 +6,7 @@ Per-family input builders live beside them (``tilefuse.testing.swiglu`` etc.), s
 
 from tilefuse.testing.compare import (  # noqa: F401
     assert_close,
+    assert_within,
     captured,
     cos_diff,
     frac_beyond_ulp,

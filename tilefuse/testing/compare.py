@@ -84,6 +84,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: flo
         )
 
 
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    """Elementwise ``|out - ref| <= bound`` (fp64), every output finite (NaN-poisoned outputs left
+    unwritten show); on failure name the count, the first output off, its reference and bound."""
+    assert torch.isfinite(out).all(), f"{what}kernel left unwritten (NaN) or non-finite outputs"
+    err = (out.double() - ref).abs()
+    bad = ~(err <= bound)
+    if bad.any():
+        i = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(f"{what}{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
+                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+
+
 def run_without_host_sync(fn):
     """``fn()`` with CUDA's sync debug mode set to "error": any host synchronization inside (a
     ``.item()``, a ``nonzero``, a device-to-host copy) raises instead of passing unnoticed.

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tilefuse.testing.compare import assert_within
+
 # (N, K) of the benchmark's layers: Llama-2-7B (4096/11008), 70B (8192/28672) projections.
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (8192, 8192), (28672, 8192), (8192, 28672)]
 TOKENS = (1, 2, 4, 8, 16, 64, 512)
@@ -118,14 +120,7 @@ def check(out: torch.Tensor, case: VQCase, variant: str) -> None:
     :func:`tolerance` of the fp64 spec on ``case``, naming the first output off and its bound."""
     ref = reference_fp64(case)
     tol = tolerance(out.dtype, variant)
-    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
-    err = (out.double() - ref).abs()
-    bound = tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case)
-    bad = ~(err <= bound)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{variant}: {int(bad.sum())} of {out.numel()} outputs off; first {i}: "
-                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+    assert_within(out, ref, tol["rtol"] * ref.abs() + tol["scale"] * error_scale(case), f"{variant}: ")
 
 
 # ----------------------------------------------------------------------------- MoE experts
@@ -234,10 +229,4 @@ def check_moe(out: torch.Tensor, case: MoECase, variant: str = "small") -> None:
     want = moe_reference_fp64(case)
     assert torch.allclose(want, ref, rtol=1e-12, atol=1e-12), "the spec and the bound's fp64 y differ"
     assert out.shape == ref.shape and out.dtype == case.x.dtype, (out.shape, out.dtype)
-    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) or non-finite outputs"
-    err = (out.double() - ref).abs()
-    bad = ~(err <= bound)
-    if bad.any():
-        i = tuple(bad.nonzero()[0].tolist())
-        raise AssertionError(f"{int(bad.sum())} of {out.numel()} outputs off; first {i}: "
-                             f"{out[i].item():.6g} vs {ref[i].item():.6g} (bound {bound[i].item():.3g})")
+    assert_within(out, ref, bound)

@@ -52,17 +52,8 @@ from triton.experimental.gluon import language as gl
 from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier,
                                        warpgroup_mma, warpgroup_mma_wait)
 from tilefuse.ops.mla.kernels_gluon import _ws_store_lse
-from tilefuse.ops.mla.kernels_gluon_fp8_ws import fp8_ws_producer, load_q_rows, split_work
-from tilefuse.ops.mla.reference import FP8_GROUP, HEAD_DIM, HEAD_DIM_V
-
-D_NOPE = gl.constexpr(HEAD_DIM_V)
-D_ROPE = gl.constexpr(HEAD_DIM - HEAD_DIM_V)
-BLOCK_N = gl.constexpr(64)                      # cached tokens per tile: WGMMA's M of S^T, K of P V
-CODE_BOX = gl.constexpr(FP8_GROUP)              # codes per box: one scale group, one 128-byte row
-CODE_BOXES = gl.constexpr(HEAD_DIM_V // FP8_GROUP)
-SCALES = gl.constexpr(HEAD_DIM_V // FP8_GROUP)
-FLAT = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-ROPE_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+from tilefuse.ops.mla.kernels_gluon_fp8_ws import (BLOCK_N, CODE_BOX, CODE_BOXES, D_NOPE, D_ROPE, FLAT, ROPE_SMEM,
+                                                  SCALES, fp8_ws_producer, load_q_rows, split_work)
 
 
 @gluon.jit

@@ -225,8 +225,10 @@ def vq_moe_sum_kernel(y_ptr, idx_ptr, out_ptr, NUM_EXPERTS, H, TOPK: tl.constexp
         # the pair's expert id (device memory), then its weighted down projection (L2 -> registers)
         p = t * TOPK + j
         e = tl.load(idx_ptr + p)
-        valid = (e >= 0) & (e < NUM_EXPERTS)
-        acc += tl.load(y_ptr + p.to(tl.int64) * H + cols, mask=ok & valid, other=0.0)
+        valid = ((e >= 0) & (e < NUM_EXPERTS)).to(tl.int32)
+        # (the id's test broadcast over the columns: Triton 3.9's interpreter takes no scalar in a mask)
+        keep = ok & ((cols * 0 + valid) != 0)
+        acc += tl.load(y_ptr + p.to(tl.int64) * H + cols, mask=keep, other=0.0)
     tl.store(out_ptr + t.to(tl.int64) * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

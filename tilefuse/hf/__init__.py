@@ -462,8 +462,9 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
     spec_path = folder / VQ_FILE
     if not spec_path.exists():
         raise ValueError(f"path: expected a directory written by tilefuse.hf.save_vq ({VQ_FILE} in it), got {folder}")
-    modules = _vq_spec(spec_path)
-    experts = _experts_spec(spec_path)
+    spec = read_json(spec_path)
+    modules = _vq_spec(spec, spec_path)
+    experts = _experts_spec(spec, spec_path)
     names = set(modules)
     layers = {name: mod for name, mod in model.named_modules() if name in names}
     stacks = {name: mod for name, mod in model.named_modules() if name in experts}
@@ -499,7 +500,7 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
                                                device=gate_up.device))
     weights = folder / VQ_WEIGHTS
     state = _read_tensors(weights)
-    for key, source in read_json(spec_path).get("tied", {}).items():    # written once by save_vq
+    for key, source in spec.get("tied", {}).items():    # written once by save_vq
         if source in state:
             state.setdefault(key, state[source])
     for name in names:                      # the codes, checked here so that an error names the file
@@ -521,10 +522,18 @@ def load_vq(model: nn.Module, path, *, fuse_gate_up: bool = True) -> nn.Module:
 CODES_DTYPES = ("int8", "uint8")
 
 
-def _vq_spec(spec_path: Path) -> dict:
-    """The ``modules`` of ``tilefuse_vq.json``: name -> in_features, out_features, bias, codes_dtype
-    (``"int8"`` when absent), validated; a malformed file raises ValueError naming it."""
-    spec = read_json(spec_path)
+def _codes_dtype(entry: dict, where: str, default: str) -> str:
+    """An entry's ``codes_dtype`` (``default`` when absent), one of :data:`CODES_DTYPES`."""
+    codes_dtype = entry.get("codes_dtype", default)
+    if codes_dtype not in CODES_DTYPES:
+        raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
+    return codes_dtype
+
+
+def _vq_spec(spec, spec_path: Path) -> dict:
+    """The ``modules`` of ``tilefuse_vq.json`` (``spec``, read from ``spec_path``): name ->
+    in_features, out_features, bias, codes_dtype (``"int8"`` when absent), validated; a malformed
+    file raises ValueError naming it."""
     if not isinstance(spec, dict) or "modules" not in spec:
         raise ValueError(f"path: {spec_path} has no \"modules\" key (the 2-bit modules save_vq lists), got "
                          f"{sorted(spec) if isinstance(spec, dict) else type(spec).__name__}")
@@ -546,18 +555,15 @@ def _vq_spec(spec_path: Path) -> dict:
                              f"got {k!r} and {n!r}")
         if not isinstance(bias, bool):
             raise ValueError(f"{where}: expected bias true or false, got {bias!r}")
-        codes_dtype = entry.get("codes_dtype", "int8")
-        if codes_dtype not in CODES_DTYPES:
-            raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
-        out[name] = dict(in_features=k, out_features=n, bias=bias, codes_dtype=codes_dtype)
+        out[name] = dict(in_features=k, out_features=n, bias=bias, codes_dtype=_codes_dtype(entry, where, "int8"))
     return out
 
 
-def _experts_spec(spec_path: Path) -> dict:
-    """The ``experts`` of ``tilefuse_vq.json`` (absent in files without 2-bit experts): name ->
-    num_experts, hidden_dim, intermediate_dim, codes_dtype, validated; a malformed entry raises
-    ValueError naming the file."""
-    experts = read_json(spec_path).get("experts", {})
+def _experts_spec(spec: dict, spec_path: Path) -> dict:
+    """The ``experts`` of ``tilefuse_vq.json`` (``spec``, checked by :func:`_vq_spec` first; absent
+    in files without 2-bit experts): name -> num_experts, hidden_dim, intermediate_dim,
+    codes_dtype, validated; a malformed entry raises ValueError naming the file."""
+    experts = spec.get("experts", {})
     if not isinstance(experts, dict):
         raise ValueError(f"path: {spec_path}: \"experts\" must map module names to their shapes, got "
                          f"{type(experts).__name__}")
@@ -571,10 +577,8 @@ def _experts_spec(spec_path: Path) -> dict:
         if (not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (e, h, i)) or h % 8 or i % 8):
             raise ValueError(f"{where}: expected num_experts > 0 and hidden_dim, intermediate_dim positive "
                              f"multiples of 8, got {e!r}, {h!r}, {i!r}")
-        codes_dtype = entry.get("codes_dtype", "uint8")
-        if codes_dtype not in CODES_DTYPES:
-            raise ValueError(f"{where}: codes_dtype must be one of {CODES_DTYPES}, got {codes_dtype!r}")
-        out[name] = dict(num_experts=e, hidden_dim=h, intermediate_dim=i, codes_dtype=codes_dtype)
+        out[name] = dict(num_experts=e, hidden_dim=h, intermediate_dim=i,
+                         codes_dtype=_codes_dtype(entry, where, "uint8"))
     return out
 
 

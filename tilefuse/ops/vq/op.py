@@ -1304,6 +1304,15 @@ def moe_schedule_launch(top_k_index: torch.Tensor, num_experts: int, tokens: int
     return schedule, tok_sorted, pair_sorted
 
 
+def _moe_sum(call: _MoECall, y_buf, top_k_index, out) -> torch.Tensor:
+    """``out[t] = sum_j y_buf[t * k + j]`` over the in-range pairs, in slot order
+    (``vq_moe_sum_kernel``): the last launch of both MoE paths."""
+    _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
+        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, out.device.index,
+        (y_buf, top_k_index, out), (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
+    return out
+
+
 def launch_moe_dequant(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks,
                        gate_up_scales, down_codes, down_codebooks, down_scales, out) -> torch.Tensor:
     """The dequantize path (prefill sizes, ``call.dequant``), the MoE analogue of ``vq_matmul``'s
@@ -1338,10 +1347,7 @@ def launch_moe_dequant(call: _MoECall, x, top_k_index, top_k_weights, gate_up_co
     y_sorted = torch._grouped_mm(h_sorted, w_down.transpose(1, 2), offs=offs)
     y_buf = torch.empty(t * k, h, dtype=torch.float32, device=device)
     y_buf[order] = y_sorted.float() * top_k_weights.reshape(-1)[order, None].float()
-    _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
-        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index,
-        (y_buf, top_k_index, out), (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
-    return out
+    return _moe_sum(call, y_buf, top_k_index, out)
 
 
 def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales,
@@ -1371,10 +1377,7 @@ def launch_moe(call: _MoECall, x, top_k_index, top_k_weights, gate_up_codes, gat
     grid, scalars, meta = call.down
     _moe_kernel("vq_moe_down_kernel", call.impl).launch(
         (call, "down", *(t.data_ptr() % 16 for t in tensors)), grid, device.index, tensors, scalars, meta)
-    _kernel("kernels_moe", "vq_moe_sum_kernel").launch(
-        (call, "sum", top_k_index.data_ptr() % 16, out.data_ptr() % 16), call.sum_grid, device.index,
-        (y_buf, top_k_index, out), (call.e, call.h), dict(TOPK=call.k, BLOCK=MOE_SUM_BLOCK, num_warps=4))
-    return out
+    return _moe_sum(call, y_buf, top_k_index, out)
 
 
 def _validate_moe(x, top_k_index, top_k_weights, gate_up_codes, gate_up_codebooks, gate_up_scales, down_codes,

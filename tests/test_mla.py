@@ -708,7 +708,10 @@ def test_gpu_fp8_dense_default(page, h_q, s_q, causal):
     dequantized cache."""
     inp, out, lse, choice = _fp8_dense_as_dispatched(s_q, h_q, page, causal)
     if op.wgmma_usable(inp.q.device):
-        assert choice.variant == ("wgmma_fp8" if s_q * h_q <= configs.FP8_GLUON_MAX_ROWS else "standard"), choice
+        rows = s_q * h_q
+        expected = ("wgmma_fp8_wide" if rows >= configs.FP8_WIDE_FROM_ROWS
+                    else "wgmma_fp8" if rows <= configs.FP8_GLUON_MAX_ROWS else "standard")
+        assert choice.variant == expected, choice
     _check_gpu(out, lse, inp, causal)
 
 
@@ -721,6 +724,7 @@ def test_gpu_fp8_gluon_head_tiles(monkeypatch, h_q, s_q):
     if not op.wgmma_usable(torch.device("cuda")):
         pytest.skip("the Gluon FP8 kernel runs on Hopper")
     monkeypatch.setattr(configs, "FP8_GLUON_MAX_ROWS", 128)
+    monkeypatch.setattr(configs, "FP8_WIDE_FROM_ROWS", 1 << 30)      # (its 64-row tiles out of the way)
     configs.launch_config.cache_clear()
     op._plans.clear()
     inp, out, lse, choice = _fp8_dense_as_dispatched(s_q, h_q, 64, True)

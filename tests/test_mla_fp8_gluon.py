@@ -225,3 +225,79 @@ def test_gpu_fp8_gluon_scale_spread(monkeypatch, form):
                                                causal=True, is_fp8_kvcache=True)
     inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
     _check_gpu(out, lse, inp, True)
+
+
+def _use_wide(monkeypatch, from_rows: int = 1) -> None:
+    """The 64-row FP8 tiles (kernels_gluon_fp8_wide) from ``from_rows`` query rows."""
+    monkeypatch.setattr(configs, "FP8_WIDE_FROM_ROWS", from_rows)
+    configs.launch_config.cache_clear()
+    op._plans.clear()
+
+
+def test_fp8_wide_dispatch():
+    """A bf16 q on the Gluon path takes the 64-row FP8 tiles from FP8_WIDE_FROM_ROWS rows and the
+    transposed FP8 kernel below; an fp16 q never takes them (the cache's bf16 RoPE values and
+    dequantized codes can exceed fp16's range); a pinned tl kernel stays pinned."""
+    bf16 = torch.zeros(1, 1, 1, 576, dtype=torch.bfloat16)
+    fp16 = bf16.half()
+    wide = op._kernels().get("wgmma_fp8_wide") is not None
+    for rows in (1, 32, 64, 65, 128, 512):
+        got = op._fp8_variant("wgmma", rows, 256, bf16)
+        if wide and rows >= configs.FP8_WIDE_FROM_ROWS:
+            assert got == "wgmma_fp8_wide", rows
+        else:
+            assert got != "wgmma_fp8_wide", rows
+        assert op._fp8_variant("wgmma", rows, 256, fp16) != "wgmma_fp8_wide", rows
+    with tilefuse.force(variant="standard"):
+        assert op._fp8_variant("standard", 128, 256, bf16) == "standard"
+    cfg, fused, per_slot, _ = configs.launch_config("wgmma_fp8_wide", 128, 256)
+    assert cfg == configs.FP8_GLUON_WIDE and not fused and per_slot == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("h_q,s_q,causal", [(128, 1, True), (64, 2, True), (16, 1, True), (5, 3, False),
+                                            (128, 2, False), (1, 1, True)])
+def test_gpu_fp8_wide(monkeypatch, page, h_q, s_q, causal):
+    """The 64-row FP8 tiles at 1-256 query rows (one to four head tiles, partial ones included),
+    pages shorter than, equal to and longer than the 64-token K tile, lengths ending at every
+    boundary, NaN bytes in every unused slot: the fp64 reference on the dequantized cache."""
+    _need_hopper()
+    _use_wide(monkeypatch)
+    inp, out, lse, choice = _decode(EDGES, s_q, h_q, page, causal)
+    assert choice.variant == "wgmma_fp8_wide", choice
+    _check_gpu(out, lse, inp, causal)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_wide_runs_of_splits_graph(monkeypatch):
+    """An uneven batch of 40 at 128 heads: programs run several splits each, the K slots carried
+    from one split to the next; a CUDA graph replay equals the eager call; the fp64 reference."""
+    _need_hopper()
+    _use_wide(monkeypatch)
+    rng = random.Random(11)
+    lens = [rng.choice([0, 1, 65, 300, 2000, 9000]) + rng.randint(0, 70) * (i % 3) for i in range(40)]
+    inp, out, lse, choice = _decode(lens, 1, 128, 64, graph=True)
+    assert choice.variant == "wgmma_fp8_wide", choice
+    _check_gpu(out, lse, inp, True)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_wide_scale_spread(monkeypatch):
+    """Group scales that differ by up to 2^18 within a tile and between groups: each code times its
+    own scale in fp32 before the one rounding; the fp64 reference."""
+    _need_hopper()
+    _use_wide(monkeypatch)
+    lens = [1000, 64, 4097, 333]
+    inp = make_case(lens, 1, 128, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    spread = torch.exp2(torch.randint(-12, 7, inp.k_cache.shape[:-1] + (4,), generator=gen, device="cuda").float())
+    latent = inp.k_cache.float()
+    latent[..., :512] = (latent[..., :512].unflatten(-1, (4, 128)) * spread[..., None]).flatten(-2)
+    inp.k_cache = latent.to(torch.bfloat16)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 128, 1)
+    out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+                                               causal=True, is_fp8_kvcache=True)
+    inp.k_cache = tilefuse.mla_dequantize_kv(packed, torch.bfloat16)
+    _check_gpu(out, lse, inp, True)

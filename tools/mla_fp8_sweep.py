@@ -1,5 +1,6 @@
-"""A/B of the Gluon dense FP8 MLA kernel's forms on a GPU, in one run: the serial form
-(``configs.FP8_GLUON_SERIAL``), the warp-specialized one (``configs.FP8_GLUON_WS``) and variants of
+"""A/B of the Gluon dense FP8 MLA kernel's forms on a GPU, in one run: the 64-row tiles
+(``wide``, ``configs.FP8_GLUON_WIDE``), the serial form (``configs.FP8_GLUON_SERIAL``), the
+warp-specialized one (``configs.FP8_GLUON_WS``) and variants of
 it (converter warps, ring slot size), beside the ``tl`` FP8 kernels, the bf16 decode of the
 dequantized cache and the copy bandwidth measured now. Each launch is timed as CUDA-graph
 replays of ``flash_mla_with_kvcache(..., is_fp8_kvcache=True)`` (cold L2); its output is checked
@@ -63,15 +64,27 @@ CASES = [
     ("b64 h16 s3 8K (48 rows)", [8192] * 64, 16, 3),
     ("b32 h32 s2 16K (64 rows)", [16384] * 32, 32, 2),
     ("b16 h128 s1 32K (128 rows)", [32768] * 16, 128, 1),
+    ("b64 h128 s1 8K (128 rows)", [8192] * 64, 128, 1),
+    ("held-out b24 h64 s2 uneven 2K-40K (128 rows)", _uneven(24, 2048, 40960, 5), 64, 2),
+    ("held-out b32 h128 s1 uneven 1K-20K (128 rows)", _uneven(32, 1024, 20480, 6), 128, 1),
     ("held-out b40 h16 s1 uneven 2K-48K", _uneven(40, 2048, 49152, 4), 16, 1),
 ]
 ISSUE = {"b32 h16 s1 16K", "b64 h16 s2 8K"}
-A47 = ["b32 h16 s1 16K", "b64 h16 s2 8K", "b16 h128 s1 32K (128 rows)", "held-out b40 h16 s1 uneven 2K-48K"]
+A47 = ["b32 h16 s1 16K", "b64 h16 s2 8K", "b16 h128 s1 32K (128 rows)", "held-out b40 h16 s1 uneven 2K-48K",
+       "b64 h128 s1 8K (128 rows)", "held-out b24 h64 s2 uneven 2K-40K (128 rows)",
+       "held-out b32 h128 s1 uneven 1K-20K (128 rows)", "b32 h32 s2 16K (64 rows)"]
+
+
+# The 64-row tiles of kernels_gluon_fp8_wide (the 16-bit kernel's warpgroups and a converter
+# warpgroup): run at every row count of a case (configs.FP8_WIDE_FROM_ROWS lowered to 1), the
+# other forms with it out of the way. Its config is configs.FP8_GLUON_WIDE, not FP8_GLUON_CONFIGS.
+WIDE = "wide"
 
 
 def _forms() -> dict[str, dict[int, dict]]:
     ws = configs.FP8_GLUON_WS
     return {
+        WIDE: ws,
         "serial": configs.FP8_GLUON_SERIAL,
         "ws": ws,
         "ws-conv4": {k: dict(v, CONVERTERS=4) for k, v in ws.items()},
@@ -128,6 +141,7 @@ def main() -> None:
         timer.gpu_us = timer.graph_us
     shipped = {k: dict(v) for k, v in configs.FP8_GLUON_CONFIGS.items()}
     shipped_max_rows = configs.FP8_GLUON_MAX_ROWS
+    shipped_wide_from = configs.FP8_WIDE_FROM_ROWS
     # copy bandwidth now (read + write of 1 GiB each way), the floor's rate
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
@@ -192,6 +206,7 @@ def main() -> None:
         for form, cfgs in forms.items():
             configs.FP8_GLUON_CONFIGS.clear()
             configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in cfgs.items()})
+            configs.FP8_WIDE_FROM_ROWS = 1 if form == WIDE else 1 << 30
             _reset()
             try:
                 out = call()[0].float()
@@ -209,6 +224,7 @@ def main() -> None:
         configs.FP8_GLUON_CONFIGS.clear()
         configs.FP8_GLUON_CONFIGS.update(shipped)
         configs.FP8_GLUON_MAX_ROWS = shipped_max_rows
+        configs.FP8_WIDE_FROM_ROWS = shipped_wide_from
         _reset()
         bf16 = tilefuse.mla_dequantize_kv(k_cache, torch.bfloat16)
 

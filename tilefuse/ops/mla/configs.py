@@ -147,6 +147,13 @@ FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
 # the H100 (same file: 366 against 437 us at 48 rows, b64 h16 s3 8K; 366 against 387 at 64, b32
 # h32 s2 16K); above 64 rows (not measured with this form) the tl kernel serves.
 FP8_GLUON_MAX_ROWS = 64
+# The Gluon dense FP8 kernel's 64-row head tiles (kernels_gluon_fp8_wide.py: the 16-bit kernel's
+# softmax and PV warpgroups, a converter warpgroup turning the 656-byte rows into its 16-bit K
+# slots; bf16 q, Hopper) from FP8_WIDE_FROM_ROWS query rows per KV head. Registers per thread:
+# the PV warpgroup PV_REGS, the converter CONVERTER_REGS, the softmax warpgroup the rest of 504
+# (168 / 120 / 216: the split with the fewest spills on sm_90, 32 bytes; 160 for PV spills 200+).
+FP8_WIDE_FROM_ROWS = 65
+FP8_GLUON_WIDE = dict(BLOCK_N=64, STAGES=2, PDL=1, PV_REGS=168, CONVERTER_REGS=120, num_warps=4)
 # Above 32 rows, where the Gluon FP8 kernel does not serve (fp16 q, other GPUs, past
 # FP8_GLUON_MAX_ROWS), a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431
@@ -465,6 +472,9 @@ def launch_config(variant: str, rows: int, max_blocks: int, elem_bytes: int = 2)
     (tuning code that edits ``CONFIGS`` calls ``launch_config.cache_clear()``)."""
     if variant == "wgmma_fp8":       # the Gluon FP8 kernel: head tiles of <= 32 rows; one program per part
         cfg = fp8_gluon_config(rows)
+        return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
+    if variant == "wgmma_fp8_wide":  # the Gluon FP8 kernel's 64-row tiles; one program per part
+        cfg = dict(FP8_GLUON_WIDE)
         return cfg, False, 1, (tuple(sorted(cfg.items())), False, 1)
     if variant == "wgmma_t":         # the Gluon 16-bit kernel's transposed form: one head tile of <= 32 rows
         cfg = transposed_gluon_config(rows)

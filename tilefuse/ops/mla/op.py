@@ -130,6 +130,8 @@ def _kernels():
                 transposed=_launch.Kernel(kernels.mla_split_transposed_kernel),
                 wgmma=wgmma,
                 wgmma_fp8=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_fp8", "mla_split_fp8_kernel"),
+                wgmma_fp8_wide=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_fp8_wide",
+                                                       "mla_split_fp8_wide_kernel"),
                 wgmma_t=_launch.optional_kernel("tilefuse.ops.mla.kernels_gluon_t", "mla_split_t_kernel"),
                 combine=_launch.Kernel(kernels.mla_combine_kernel))
 
@@ -346,7 +348,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
     # kernel's: requests of up to FUSED_SPLITS splits; PDL: the combine, and at 2 the split kernel,
     # as programmatic dependent launches)
     fused_splits = cfg.get("FUSED_SPLITS", 0) if call.variant == "wgmma" else 0
-    pdl = cfg.get("PDL", 0) if call.variant == "wgmma" else 0
+    pdl = cfg.get("PDL", 0) if call.variant in ("wgmma", "wgmma_fp8_wide") else 0
     call.counters = (batch * 8, torch.int32) if fused or fused_splits else None
     out_strides = (s_q * h_q * HEAD_DIM_V, h_q * HEAD_DIM_V, HEAD_DIM_V)     # out, lse: fresh, contiguous
     lse_strides = (h_q * s_q, s_q)
@@ -383,8 +385,12 @@ def _launch_attention(call: _Call, q, k_cache, block_table, cache_seqlens, meta,
            cache_seqlens.data_ptr() % 16, meta.data_ptr() % 16, num_splits.data_ptr() % 16)
     (counters,) = _scratch.zeroed(q.device, call.counters) if call.counters else (lse,)
     if call.variant in _GLUON:
-        descriptors = (_fp8_descriptors(k_cache, call.meta.get("SLOT_N", 64)) if call.variant == "wgmma_fp8"
-                       else _kv_descriptors(k_cache, call.meta["BLOCK_N"]))
+        if call.variant == "wgmma_fp8_wide":       # the converter reads the 656-byte rows itself
+            descriptors = (_as_bytes(k_cache),)
+        elif call.variant == "wgmma_fp8":
+            descriptors = _fp8_descriptors(k_cache, call.meta.get("SLOT_N", 64))
+        else:
+            descriptors = _kv_descriptors(k_cache, call.meta["BLOCK_N"])
         tensors = (q, *descriptors, block_table, cache_seqlens, meta, num_splits, out, lse, o_acc, lse_acc)
         if call.variant == "wgmma":
             tensors += (counters,)
@@ -404,7 +410,7 @@ def _as_bytes(cache: torch.Tensor) -> torch.Tensor:
 
 
 # the Gluon kernels (TMA descriptors, one program per head tile and run of slots)
-_GLUON = (*configs.GLUON_VARIANTS, "wgmma_fp8", "wgmma_t")
+_GLUON = (*configs.GLUON_VARIANTS, "wgmma_fp8", "wgmma_fp8_wide", "wgmma_t")
 
 
 def _gluon_form(variant: str, rows: int, fp8: bool) -> str:
@@ -489,10 +495,10 @@ def _plan_call(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, num_spl
     tracing = torch.compiler.is_compiling()
     key = None if tracing else plan_key(q, k_cache, block_table, cache_seqlens, meta, num_splits)
     try:
-        # (the transposed Gluon form's switch and the Gluon kernel's levers too: a run that changes
-        # them re-plans)
+        # (the transposed Gluon form's and the FP8 tiles' switches and the Gluon kernel's levers
+        # too: a run that changes them re-plans)
         key = key + (head_dim_v, softmax_scale, causal, fp8, configs.TRANSPOSED_GLUON_MAX_ROWS,
-                     configs.levers_version) if key is not None else None
+                     configs.FP8_WIDE_FROM_ROWS, configs.levers_version) if key is not None else None
         call = _plans.get(key) if key is not None else None
     except TypeError:       # an unhashable argument: validated (and refused) below
         key = call = None
@@ -726,15 +732,18 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
 
 def _fp8_variant(variant: str, rows: int, max_blocks: int, q: torch.Tensor) -> str:
     """The kernel of a dense FP8 decode: a pinned ``tl`` kernel as pinned; where the Gluon kernel
-    was chosen (Hopper) and q is bf16 (the cache's RoPE part is bf16), the Gluon FP8 kernel up to
-    ``configs.FP8_GLUON_MAX_ROWS`` rows; else the ``tl`` kernels by rows: the unpadded standard
+    was chosen (Hopper) and q is bf16 (the cache's RoPE part is bf16), the 64-row tiles of
+    ``kernels_gluon_fp8_wide`` from ``configs.FP8_WIDE_FROM_ROWS`` rows, the transposed Gluon FP8
+    kernel up to ``configs.FP8_GLUON_MAX_ROWS`` rows; else the ``tl`` kernels by rows: the unpadded standard
     kernel at <= 16 rows, transposed at 17-32 (one head tile), the standard kernel's 64-row tile
     above ``configs.FP8_TRANSPOSED_MAX_ROWS`` (the transposed kernel dequantizes every page once
     per 32-row tile; measured on the H200, so a low-ridge chip keeps the 16-bit rule)."""
     if forced_variant("mla") in ("standard", "transposed"):
         return variant
-    if (variant in configs.GLUON_VARIANTS and q.dtype == torch.bfloat16 and rows <= configs.FP8_GLUON_MAX_ROWS
-            and _kernels().get("wgmma_fp8") is not None):
+    gluon = variant in configs.GLUON_VARIANTS and q.dtype == torch.bfloat16
+    if gluon and rows >= configs.FP8_WIDE_FROM_ROWS and _kernels().get("wgmma_fp8_wide") is not None:
+        return "wgmma_fp8_wide"
+    if gluon and rows <= configs.FP8_GLUON_MAX_ROWS and _kernels().get("wgmma_fp8") is not None:
         return "wgmma_fp8"
     ridge = _chip_ridge(q)
     if rows > configs.FP8_TRANSPOSED_MAX_ROWS and (ridge is None or ridge >= configs.PADDED_FLOP_PER_BYTE):

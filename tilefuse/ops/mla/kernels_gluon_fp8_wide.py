@@ -1,0 +1,192 @@
+"""The Gluon dense FP8 MLA decode in 64-row head tiles: the 16-bit kernel's two MMA warpgroups
+(``kernels_gluon.mla_split_ws_kernel``), fed by a converter warpgroup instead of a TMA warp.
+
+At 64-128 query rows per KV head the decode is bound by the tensor cores, not by HBM: the 16-bit
+kernel's 64-row tiles run the products at their rate, while the transposed FP8 forms
+(``kernels_gluon_fp8``) hold at most 32 rows per tile, so 128 rows stream every page four times.
+This kernel keeps the 16-bit kernel's partitions and products as they are and changes only where
+its K tiles come from:
+
+  softmax warpgroup (default,  per split: Q -> SMEM (cp.async); per tile: ``S = Q K^T``, the
+  4 warps)                     online softmax, ``O[:, :256] += P V[:, :256]``; P and alpha -> SMEM
+  PV warpgroup (4 warps)       per tile: ``O[:, 256:] += P V[:, 256:]`` (P from SMEM)
+  converter warpgroup          per 64-token tile: its 656-byte rows HBM -> registers (16-byte loads,
+  (4 warps)                    issued before it waits for a free K slot, so they fly while the
+                               products run), each code x its group's scale in fp32, rounded once to
+                               q's dtype, and the RoPE values -> K slot ``t % STAGES`` in WGMMA's
+                               layout (rows past the request's length as 0); then the slot is full
+
+No raw-code ring sits in shared memory: the converter's registers are the staging buffer, so Q
+(72 KB) and two 72 KB K slots fit as in the 16-bit kernel, and the tensor cores read the same
+16-bit tiles at the same rate. The conversion (about 6 instructions per 2 codes, 64 x 512 codes per
+tile on 128 threads) runs beside the products of the previous tile.
+
+Accuracy: K's values are the cache's dequantized values rounded to q's dtype (bf16: relative
+2^-9, as a 16-bit cache holding them would store them); P rounds to bf16 as on the 16-bit path.
+Grid, schedule, partials and the combine are the 16-bit kernel's.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier, thread_barrier
+from tilefuse.ops.mla.kernels_gluon import BLOCK_H, _gdc_launch_dependents, _split_range, _ws_pv, _ws_softmax
+from tilefuse.ops.mla.reference import FP8_GROUP, FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V
+
+D_NOPE = gl.constexpr(HEAD_DIM_V)
+D_ROPE = gl.constexpr(HEAD_DIM - HEAD_DIM_V)
+GROUP = gl.constexpr(FP8_GROUP)                  # codes per scale
+ROW_BYTES = gl.constexpr(FP8_KV_BYTES)           # 512 codes, 4 fp32 scales, 64 bf16 RoPE values
+SCALE_BYTE = gl.constexpr(HEAD_DIM_V)
+ROPE_BYTE = gl.constexpr(HEAD_DIM_V + 4 * (HEAD_DIM_V // FP8_GROUP))
+K_SMEM = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+
+
+@gluon.jit
+def _tile_rows(bt_row, start, length, last_page, num_blocks, ROWS_L: gl.constexpr, BLOCK_N: gl.constexpr,
+               KV_PAGE: gl.constexpr):
+    """The cache rows (int64) of tokens ``start .. start + BLOCK_N - 1`` and which of them are the
+    request's (``< length``): pages from the block table, column clamped to the split's last page,
+    entry clamped to the cache."""
+    pos = start + gl.arange(0, BLOCK_N, layout=ROWS_L)
+    page = gl.load(bt_row + gl.minimum(pos // KV_PAGE, last_page))
+    page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+    return page.to(gl.int64) * KV_PAGE + pos % KV_PAGE, pos < length
+
+
+@gluon.jit
+def _load_codes(cache_ptr, rows, keep, g: gl.constexpr, CODES_L: gl.constexpr):
+    """HBM -> registers: group ``g``'s 128 codes of each row (16 contiguous bytes per thread) and
+    its fp32 scale; rows not kept as 0 (no byte read)."""
+    cols = gl.arange(0, GROUP, layout=gl.SliceLayout(0, CODES_L))
+    ptrs = cache_ptr + (rows * ROW_BYTES + g * GROUP)[:, None] + cols[None, :]
+    codes = gl.load(gl.max_contiguous(gl.multiple_of(ptrs, [1, 16]), [1, 16]), mask=keep[:, None], other=0)
+    scale_ptrs = (cache_ptr + rows * ROW_BYTES + SCALE_BYTE + 4 * g).to(gl.pointer_type(gl.float32), bitcast=True)
+    return codes, gl.load(scale_ptrs, mask=keep, other=0.0)
+
+
+@gluon.jit
+def _store_group(kn, codes, scale, g: gl.constexpr):
+    """registers -> SMEM: codes (e4m3 bytes) x their scale, in fp32, rounded once to the K slot's
+    dtype, into columns ``g * 128 ..`` of the slot."""
+    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    kn.slice(g * GROUP, GROUP, dim=1).store(v.to(kn.dtype))
+
+
+@gluon.jit
+def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr, splits_ptr,
+                       seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
+    # Each thread holds 16 codes of a row per load (8 threads walk 8 rows at the same columns:
+    # every 16-byte store of a phase lands in another swizzled bank group, and each warp's loads
+    # cover whole 32-byte sectors); RoPE values 8 per thread the same way.
+    NW: gl.constexpr = gl.num_warps()
+    CODES_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [0, 1])
+    ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [0, 1])
+    ROWS_C: gl.constexpr = gl.SliceLayout(1, CODES_L)
+    ROWS_R: gl.constexpr = gl.SliceLayout(1, ROPE_L)
+    rope_cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE_L))[None, :]
+    t = 0                                  # tiles converted so far (K slot and phases)
+    for slot in range(slot_first, slot_last):
+        valid, req, tok_begin, tok_end, length, n_part, part_idx, first = _split_range(
+            meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
+        if valid:
+            bt_row = bt_ptr + req * stride_btb
+            last_page = gl.maximum(tok_end - 1, 0) // KV_PAGE
+            for start in range(tok_begin, tok_end, BLOCK_N):
+                # ---- HBM -> registers: the tile's rows (4 groups of codes and scales, RoPE),
+                #      issued before the wait for a free slot so that they are in flight while the
+                #      MMA warpgroups finish the tile that holds it.
+                rows, keep = _tile_rows(bt_row, start, length, last_page, num_blocks, ROWS_C, BLOCK_N, KV_PAGE)
+                c0, s0 = _load_codes(cache_ptr, rows, keep, 0, CODES_L)
+                c1, s1 = _load_codes(cache_ptr, rows, keep, 1, CODES_L)
+                c2, s2 = _load_codes(cache_ptr, rows, keep, 2, CODES_L)
+                c3, s3 = _load_codes(cache_ptr, rows, keep, 3, CODES_L)
+                rows_r = gl.convert_layout(rows, ROWS_R)
+                keep_r = gl.convert_layout(keep, ROWS_R)
+                rope_ptrs = (cache_ptr + rows_r * ROW_BYTES + ROPE_BYTE).to(gl.pointer_type(gl.bfloat16),
+                                                                            bitcast=True)[:, None] + rope_cols
+                rope = gl.load(gl.max_contiguous(gl.multiple_of(rope_ptrs, [1, 16]), [1, 8]), mask=keep_r[:, None],
+                               other=0.0)
+                # ---- slot t % STAGES is free once both MMA warpgroups released tile t - STAGES
+                #      (a fresh barrier passes the parity-1 wait: the first round finds all free)
+                stage = t % STAGES
+                mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
+                # ---- registers -> SMEM: the dequantized 16-bit K tile in WGMMA's layout
+                kn = kn_ring.index(stage)
+                _store_group(kn, c0, s0, 0)
+                _store_group(kn, c1, s1, 1)
+                _store_group(kn, c2, s2, 2)
+                _store_group(kn, c3, s3, 3)
+                kr_ring.index(stage).store(rope.to(kr_ring.dtype))
+                # ---- every warp's stores visible to the tensor cores, then the slot is handed over
+                fence_async_shared()
+                thread_barrier()
+                mbarrier.arrive(k_ready.index(stage))
+                t += 1
+
+
+@gluon.jit
+def mla_split_fp8_wide_kernel(
+    q_ptr, cache_ptr, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
+    out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+    batch, h_q, s_q, rows_total, num_slots, num_blocks, max_tokens, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_btb,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr, PDL: gl.constexpr,
+    PV_REGS: gl.constexpr, CONVERTER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Attention of 64 query rows (16-bit q) over the splits of one part of the schedule from an FP8
+    cache (``cache_ptr``: ``[num_blocks * KV_PAGE, 656]`` bytes, rows 16-byte aligned), on the
+    16-bit kernel's softmax warpgroup (the default partition, ``num_warps = 4``) and PV warpgroup
+    (``PV_REGS`` registers per thread) and a converter warpgroup (``CONVERTER_REGS``).
+
+    Arguments otherwise as ``kernels_gluon.mla_split_ws_kernel``'s (grid: (head tiles of 64 rows,
+    metadata rows - 1); scores in the log2 domain); ``PDL`` >= 1: the combine may launch as a
+    programmatic dependent once every program has started."""
+    gl.static_assert(BLOCK_N == 64, "K tiles of 64 tokens, the schedule's page")
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    if PDL >= 1:      # the combine (a dependent launch) may start its programs as these end
+        _gdc_launch_dependents()
+    # head tiles fastest: the tiles of one run start together and share the pages through L2
+    pid_h = gl.program_id(0)
+    run = gl.program_id(1)
+    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
+    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    if slot_first == slot_last:
+        return
+    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], K_SMEM)
+    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], K_SMEM)
+    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_NOPE], K_SMEM)
+    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], K_SMEM)
+    p_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], K_SMEM)
+    alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # p_ready, p_empty, l_ready, l_free, o_stored (the last one unused: no fused combine here)
+    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)       # the converter's arrival
+        mbarrier.init(k_empty.index(i), count=2)       # both MMA warpgroups'
+    for i in gl.static_range(5):
+        mbarrier.init(sync.index(i), count=1)
+    fence_async_shared()
+
+    # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
+    gl.warp_specialize([
+        (_ws_softmax, (q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty,
+                       sync.index(0), sync.index(1), sync.index(2), sync.index(3), sync.index(4), meta_ptr, splits_ptr,
+                       seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
+                       rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob,
+                       stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES, 0, 0)),
+        (_ws_pv, (kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync.index(0), sync.index(1),
+                  sync.index(2), sync.index(3), sync.index(4), meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots,
+                  max_tokens, slot_first, slot_last, pid_h, h_q, rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr,
+                  seqlens_ptr, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, BLOCK_N, STAGES, 0, BLOCK_H,
+                  PDL)),
+        (fp8_wide_converter, (cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr, splits_ptr,
+                              seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last, BLOCK_N,
+                              STAGES, KV_PAGE)),
+    ], [4, 4], [PV_REGS, CONVERTER_REGS])

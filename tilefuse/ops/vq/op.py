@@ -1225,21 +1225,29 @@ def moe_tiles(pairs: int, num_experts: int, tokens: int) -> int:
     return pairs // tokens + min(num_experts, pairs)
 
 
+def _grouped_mm_syncs(dtype: torch.dtype, device: torch.device) -> bool:
+    """PyTorch's grouped GEMM (the MoE dequantize path's) on a GPU takes its fused kernel for
+    bf16 only; with fp16 it loops over the groups with their offsets read on the host (a sync,
+    which a CUDA graph refuses to capture)."""
+    return device.type == "cuda" and dtype != torch.bfloat16
+
+
 def _moe_plan(t: int, k: int, e: int, h: int, i: int, device: torch.device, impl: str = "auto",
               gate_up: dict | None = None, down: dict | None = None, grouped: bool | None = None,
-              dequant: bool | None = None) -> _MoECall:
+              dequant: bool | None = None, dtype: torch.dtype = torch.bfloat16) -> _MoECall:
     """The launches of the three MoE kernels for ``t`` tokens of top-``k`` routing over ``e``
     experts of ``[2I, H]`` gate/up and ``[H, I]`` down weights. ``gate_up``, ``down``: overrides
     of ``configs.moe_config`` (tuning and tests); ``grouped``: tiles of one expert's tokens (None:
     from ``configs.MOE["group_pairs"]`` pairs on, else a program per pair); ``dequant``: the
     dequantize + grouped GEMM path instead (None: from ``configs.MOE["dequant_pairs"]`` pairs on
-    where that is set, 0: never)."""
+    where that is set, 0: never; on a GPU for a bf16 ``dtype`` only: :func:`_grouped_mm_syncs`)."""
     impl = _gluon_or_tl(impl, device, _moe_kernel("vq_moe_gate_up_kernel", "gluon"), "MoE expert kernels")
     on_gpu, sms, pairs = impl == "gluon", num_sms(device), t * k
     call = _MoECall()
     call.reference, call.t, call.k, call.e, call.h, call.i, call.impl = False, t, k, e, h, i, impl
     threshold = configs.MOE["dequant_pairs"]
-    call.dequant = bool(threshold) and pairs >= threshold if dequant is None else bool(dequant)
+    call.dequant = (bool(threshold) and pairs >= threshold and not _grouped_mm_syncs(dtype, device)
+                    if dequant is None else bool(dequant))
     call.grouped = pairs >= configs.MOE["group_pairs"] if grouped is None else bool(grouped)
     gate_up, down = dict(gate_up or {}), dict(down or {})
     if not call.grouped:      # one token per program
@@ -1447,7 +1455,7 @@ def _plan_moe(x, *args) -> _MoECall:
     reference = x.dtype not in KERNEL_DTYPES or choose_backend(x.device) != "triton"
     if not reference and t * k and e and i:
         check_interpretable("x", x.dtype)
-        call = _moe_plan(t, k, e, h, i, x.device)
+        call = _moe_plan(t, k, e, h, i, x.device, dtype=x.dtype)
     else:
         call = _MoECall()
         call.t, call.k, call.e, call.h, call.i = t, k, e, h, i

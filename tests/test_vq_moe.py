@@ -90,12 +90,12 @@ def test_moe_dequant_path_interpreted(interpret, dtype, t, k, e, h, i, distinct)
 
 
 def test_moe_dequant_path_is_picked_from_its_threshold(interpret, monkeypatch):
-    """``configs.MOE["dequant_pairs"]``: 0 (as shipped) never, else from that many pairs on; the
-    op's output then is the dequantize path's."""
+    """``configs.MOE["dequant_pairs"]``: from that many pairs on (0: never); the op's output then
+    is the dequantize path's."""
     from tilefuse.ops.vq import configs
     from tilefuse.testing.vq import check_moe
 
-    assert configs.MOE["dequant_pairs"] == 0
+    monkeypatch.setitem(configs.MOE, "dequant_pairs", 0)
     assert not vq_op._moe_plan(500, 8, 4, 64, 32, torch.device(interpret)).dequant
     monkeypatch.setitem(configs.MOE, "dequant_pairs", 12)
     assert not vq_op._moe_plan(5, 2, 4, 64, 32, torch.device(interpret)).dequant

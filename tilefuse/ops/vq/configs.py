@@ -239,11 +239,16 @@ def _small_slices(programs: int, steps: int, row_tiles: int, copies_bytes: int, 
 # of that kernel, a power of two. Not yet timed on a GPU: group_pairs was measured with the
 # PyTorch schedule and may move lower with the kernel.
 MOE = _with_overrides("moe", dict(copies=4, row_tiles=1, krep=4, group_pairs=160, schedule_kernel=1,
-                                  schedule_block=1024, dequant_pairs=0))
+                                  schedule_block=1024, dequant_pairs=3072))
 # dequant_pairs: from this many token-expert pairs on, vq_moe dequantizes every expert into a
-# scratch weight and runs PyTorch's grouped GEMM (op.launch_moe_dequant), 0: never. Off until
-# measured: the roofline (Qwen3-30B-A3B's experts, H100: 1.2 GB of bf16 written, then the grouped
-# GEMM reading it, about 0.9 ms a layer) puts it ahead of the tiles from about 2000-4000 pairs.
+# scratch weight and runs PyTorch's grouped GEMM (op.launch_moe_dequant; bf16 only), 0: never.
+# Measured on the H100 against the tiles (tools/vq_moe_bench.py --tokens 256,512,1024,2048,
+# bench/results/sweeps/vq-moe-dequant-h100-80gb-hbm3.json, graph replay): Qwen3-30B-A3B's experts
+# (top-8) 1128 against 999 us at 2048 pairs, 1227 against 1697 at 4096, 1987 against 5982 at
+# 16384; a held-out E64 2048 x 1408 top-6 level at 1536 pairs (1030 / 1014), 1134 against 1801 at
+# 3072. The path costs about 1 ms whatever the pairs (all experts' bf16 weights written, then
+# read), the tiles grow with the pairs: the crossover lies at 2000-3000 pairs. It stays 0.55-0.7x
+# the bf16 experts' time there (the dequantization is the difference).
 MOE_SCHEDULE_BINS = 1024        # the schedule kernel's most expert bins (E + 1 rounded up to a power of two)
 
 

@@ -411,9 +411,10 @@ def test_mla_split_fp8_wide_compiles(page):
     """The Gluon dense FP8 kernel's 64-row tiles (``kernels_gluon_fp8_wide``, ``configs.FP8_GLUON_WIDE``)
     compile for sm_90a within the SM's shared memory (Q and two 16-bit K slots, no raw-code ring),
     warp-specialized with the configured register budgets, the converter's loads 16 bytes wide (4
-    groups of codes and the RoPE values: 20 per thread per tile), two codes per conversion (64 x
-    512 codes over 128 threads: 128), the 16-bit kernel's WGMMAs. Spills: at most 32 bytes (the
-    budgets' split with the fewest; every other split of 504 registers spills more)."""
+    groups of codes and the RoPE values: 20 per thread per tile, beside Q's 32), two codes per
+    conversion straight to fp16 (64 x 512 codes over 128 threads: 128; none through fp32), the
+    16-bit kernel's WGMMAs (fp16 codes, bf16 RoPE), the L2 prefetches of a tile ahead. Spills: at most 64 bytes (32-54 measured: the budgets' split with the fewest; every
+    other split of 504 registers spills more)."""
     cfg = dict(mla_configs.FP8_GLUON_WIDE)
     pointers = ["q_ptr", "cache_ptr", "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
                 "oacc_ptr", "lseacc_ptr"]
@@ -424,12 +425,14 @@ def test_mla_split_fp8_wide_compiles(page):
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon_fp8_wide:mla_split_fp8_wide_kernel", signature,
                                     constexprs, num_warps=cfg["num_warps"], aligned=pointers)
-    _check(result, max_spilled=32)
+    _check(result, max_spilled=64)
     ptx = result.ptx
+    assert ("prefetch.global.L2" in ptx) == bool(cfg["PREFETCH"])
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['PV_REGS']};" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['CONVERTER_REGS']};" in ptx
-    assert ptx.count("ld.global.v4.b32") == 20
-    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx            # S = Q K^T
-    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx           # each half of P V
+    assert ptx.count("ld.global.v4.b32") == 20 + 32
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128 and "cvt.f32.f16" not in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx              # S = Q K^T, codes
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx            # S = Q K^T, RoPE
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16" in ptx             # each half of P V
     assert "griddepcontrol.launch_dependents" in ptx                                # PDL for the combine

@@ -77,14 +77,18 @@ A47 = ["b32 h16 s1 16K", "b64 h16 s2 8K", "b16 h128 s1 32K (128 rows)", "held-ou
 
 # The 64-row tiles of kernels_gluon_fp8_wide (the 16-bit kernel's warpgroups and a converter
 # warpgroup): run at every row count of a case (configs.FP8_WIDE_FROM_ROWS lowered to 1), the
-# other forms with it out of the way. Its config is configs.FP8_GLUON_WIDE, not FP8_GLUON_CONFIGS.
-WIDE = "wide"
+# other forms with it out of the way. Their launches are configs.FP8_GLUON_WIDE with these
+# overrides (the L2 prefetch distance in tiles), not FP8_GLUON_CONFIGS.
+WIDE_FORMS = {"wide": {}, "wide-p0": dict(PREFETCH=0), "wide-p2": dict(PREFETCH=2),
+              # stages left out (timing only, outputs not checked): the converter's conversion and
+              # stores, its loads, both (what remains: the MMA warpgroups and the hand-offs)
+              "wide-skip-convert": dict(SKIP=1), "wide-skip-load": dict(SKIP=2), "wide-skip-both": dict(SKIP=3)}
 
 
 def _forms() -> dict[str, dict[int, dict]]:
     ws = configs.FP8_GLUON_WS
     return {
-        WIDE: ws,
+        **{name: ws for name in WIDE_FORMS},
         "serial": configs.FP8_GLUON_SERIAL,
         "ws": ws,
         "ws-conv4": {k: dict(v, CONVERTERS=4) for k, v in ws.items()},
@@ -131,6 +135,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=float, default=25.0, help="graph replays per timing, in ms")
     ap.add_argument("--warm", action="store_true", help="run each launch once, untimed; write nothing")
     ap.add_argument("--shard", default="0/1", help="I/N: only the cases i %% N == I")
+    ap.add_argument("--only", default="", help="only the cases whose name contains this")
     args = ap.parse_args()
     shard, shards = (int(v) for v in args.shard.split("/"))
     require_gpu()
@@ -142,6 +147,7 @@ def main() -> None:
     shipped = {k: dict(v) for k, v in configs.FP8_GLUON_CONFIGS.items()}
     shipped_max_rows = configs.FP8_GLUON_MAX_ROWS
     shipped_wide_from = configs.FP8_WIDE_FROM_ROWS
+    shipped_wide = dict(configs.FP8_GLUON_WIDE)
     # copy bandwidth now (read + write of 1 GiB each way), the floor's rate
     src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device).normal_()
     dst = torch.empty_like(src)
@@ -160,7 +166,8 @@ def main() -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"machine": machine, "copy_gbps": copy_gbps, "forms": _forms(), "shipped": shipped,
                                     "shipped_max_rows": shipped_max_rows, "rows": rows_out}, indent=1))
-    chosen = [c for c in CASES if args.cases == "all" or c[0] in (ISSUE if args.cases == "issue" else A47)]
+    chosen = [c for c in CASES if (args.cases == "all" or c[0] in (ISSUE if args.cases == "issue" else A47))
+              and args.only in c[0]]
     wanted = [f for f in args.forms.split(",") if f]
     for i, (name, lens, h_q, s_q) in enumerate(chosen):
         if i % shards != shard:
@@ -206,7 +213,8 @@ def main() -> None:
         for form, cfgs in forms.items():
             configs.FP8_GLUON_CONFIGS.clear()
             configs.FP8_GLUON_CONFIGS.update({k: dict(v) for k, v in cfgs.items()})
-            configs.FP8_WIDE_FROM_ROWS = 1 if form == WIDE else 1 << 30
+            configs.FP8_WIDE_FROM_ROWS = 1 if form in WIDE_FORMS else 1 << 30
+            configs.FP8_GLUON_WIDE = dict(shipped_wide, **WIDE_FORMS.get(form, {}))
             _reset()
             try:
                 out = call()[0].float()
@@ -225,6 +233,7 @@ def main() -> None:
         configs.FP8_GLUON_CONFIGS.update(shipped)
         configs.FP8_GLUON_MAX_ROWS = shipped_max_rows
         configs.FP8_WIDE_FROM_ROWS = shipped_wide_from
+        configs.FP8_GLUON_WIDE = shipped_wide
         _reset()
         bf16 = tilefuse.mla_dequantize_kv(k_cache, torch.bfloat16)
 

@@ -148,12 +148,21 @@ FP8_GLUON_CONFIGS = {rows: dict(cfg) for rows, cfg in FP8_GLUON_WS.items()}
 # h32 s2 16K); above 64 rows (not measured with this form) the tl kernel serves.
 FP8_GLUON_MAX_ROWS = 64
 # The Gluon dense FP8 kernel's 64-row head tiles (kernels_gluon_fp8_wide.py: the 16-bit kernel's
-# softmax and PV warpgroups, a converter warpgroup turning the 656-byte rows into its 16-bit K
-# slots; bf16 q, Hopper) from FP8_WIDE_FROM_ROWS query rows per KV head. Registers per thread:
-# the PV warpgroup PV_REGS, the converter CONVERTER_REGS, the softmax warpgroup the rest of 504
-# (168 / 120 / 216: the split with the fewest spills on sm_90, 32 bytes; 160 for PV spills 200+).
-FP8_WIDE_FROM_ROWS = 65
-FP8_GLUON_WIDE = dict(BLOCK_N=64, STAGES=2, PDL=1, PV_REGS=168, CONVERTER_REGS=120, num_warps=4)
+# softmax and PV warpgroups, a converter warpgroup turning the 656-byte rows into fp16 K slots;
+# bf16 q, Hopper) from FP8_WIDE_FROM_ROWS query rows per KV head, the transposed forms below.
+# Measured on the H100 (tools/mla_fp8_sweep.py --cases a47, graph replay, one run:
+# bench/results/sweeps/mla-fp8-wide-nvidia-h100-80gb-hbm3.json): 380-387 against 677-682 us of the
+# warp-specialized 32-row tiles and 675-695 of the tl kernel at 128 rows (b16 h128 32K, b64 h128
+# 8K), 360 against 659 (held-out b24 h64 s_q 2 uneven), 273 against 496 (held-out b32 h128
+# uneven); 211 against 368 at 64 rows (b32 h32 s_q 2); at 16-32 rows the transposed form stays
+# ahead (174 / 197 against 206 / 207). Registers per thread: the PV warpgroup PV_REGS, the
+# converter CONVERTER_REGS, the softmax warpgroup the rest of 504 (168 / 120 / 216: the split with
+# the fewest spills on sm_90, 32 bytes; 160 for PV spills 200+); PREFETCH: the converter asks L2
+# for the rows of the tile this many ahead (1: 4-10 % faster than 0, 2 between); SKIP: stages
+# left out, for timing only.
+FP8_WIDE_FROM_ROWS = 33
+FP8_GLUON_WIDE = dict(BLOCK_N=64, STAGES=2, PDL=1, PV_REGS=168, CONVERTER_REGS=120, PREFETCH=1, SKIP=0,
+                      num_warps=4)
 # Above 32 rows, where the Gluon FP8 kernel does not serve (fp16 q, other GPUs, past
 # FP8_GLUON_MAX_ROWS), a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431

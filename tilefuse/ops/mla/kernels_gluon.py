@@ -243,7 +243,7 @@ def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, s
 def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh):
     """HBM -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0) issued as cp.async
     copies, 64 columns at a time, one commit group (``_wait_q`` waits for it): no registers hold
-    Q on the way. The op passes q with strides in multiples of 8 elements (16 bytes, cp.async's
+    Q on the way, except where ``q_nope`` has another dtype than q (converted in registers). The op passes q with strides in multiples of 8 elements (16 bytes, cp.async's
     widest copy)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
@@ -253,10 +253,12 @@ def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, strid
     for c in gl.static_range(0, D_NOPE + D_ROPE, D_ROPE):
         # each thread's 8 columns: 16 contiguous bytes at a 16-byte aligned address
         src = gl.max_contiguous(gl.multiple_of(q_rows + c + cols, [1, 16]), [1, 8])
-        if c < D_NOPE:
-            cp_async(q_nope.slice(c, D_ROPE, dim=1), src, mask=ok)
-        else:
+        if c >= D_NOPE:
             cp_async(q_rope, src, mask=ok)
+        elif q_nope.dtype == q_ptr.dtype.element_ty:
+            cp_async(q_nope.slice(c, D_ROPE, dim=1), src, mask=ok)
+        else:      # a K tile of another 16-bit type (an FP8 cache's fp16 codes): through registers
+            q_nope.slice(c, D_ROPE, dim=1).store(gl.load(src, mask=ok, other=0.0).to(q_nope.dtype))
     cp_commit()
 
 

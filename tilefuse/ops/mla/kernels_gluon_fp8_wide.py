@@ -7,22 +7,26 @@ kernel's 64-row tiles run the products at their rate, while the transposed FP8 f
 This kernel keeps the 16-bit kernel's partitions and products as they are and changes only where
 its K tiles come from:
 
-  softmax warpgroup (default,  per split: Q -> SMEM (cp.async); per tile: ``S = Q K^T``, the
+  softmax warpgroup (default,  per split: Q -> SMEM (512-wide part as fp16); per tile: ``S = Q K^T``, the
   4 warps)                     online softmax, ``O[:, :256] += P V[:, :256]``; P and alpha -> SMEM
   PV warpgroup (4 warps)       per tile: ``O[:, 256:] += P V[:, 256:]`` (P from SMEM)
   converter warpgroup          per 64-token tile: its 656-byte rows HBM -> registers (16-byte loads,
   (4 warps)                    issued before it waits for a free K slot, so they fly while the
-                               products run), each code x its group's scale in fp32, rounded once to
-                               q's dtype, and the RoPE values -> K slot ``t % STAGES`` in WGMMA's
-                               layout (rows past the request's length as 0); then the slot is full
+                               products run; the rows of the tile ahead asked of L2 first), each
+                               code to fp16 x its group's scale, and the RoPE values -> K slot
+                               ``t % STAGES`` in WGMMA's layout (rows past the request's length as
+                               0); then the slot is full
 
 No raw-code ring sits in shared memory: the converter's registers are the staging buffer, so Q
 (72 KB) and two 72 KB K slots fit as in the 16-bit kernel, and the tensor cores read the same
-16-bit tiles at the same rate. The conversion (about 6 instructions per 2 codes, 64 x 512 codes per
-tile on 128 threads) runs beside the products of the previous tile.
+16-bit tiles at the same rate. The codes' part of K is fp16 (e4m3 -> fp16 is one conversion per two
+codes and exact; the products one HMUL2 per two): through fp32 and a rounding to bf16 it took four
+conversions per two codes, and the converter was bound by Hopper's conversion rate. So Q's 512-wide
+part is converted to fp16 as it is loaded and P is fp16; the RoPE parts stay bf16 (their own WGMMA
+into the same accumulator). Values must lie in fp16's range (65504), as normalized latents do.
 
-Accuracy: K's values are the cache's dequantized values rounded to q's dtype (bf16: relative
-2^-9, as a 16-bit cache holding them would store them); P rounds to bf16 as on the 16-bit path.
+Accuracy: K's codes part is the cache's dequantized values with the scale rounded to fp16 and the
+product rounded once to fp16 (relative 2^-11 each), P rounds to fp16 (the 16-bit path: bf16).
 Grid, schedule, partials and the combine are the 16-bit kernel's.
 """
 
@@ -55,6 +59,24 @@ def _tile_rows(bt_row, start, length, last_page, num_blocks, ROWS_L: gl.constexp
 
 
 @gluon.jit
+def _prefetch_tile(cache_ptr, bt_row, start, tok_end, last_page, num_blocks, BLOCK_N: gl.constexpr,
+                   KV_PAGE: gl.constexpr):
+    """HBM -> L2: the 656-byte rows of tokens ``start ..`` before ``tok_end``, one prefetch per
+    128-byte line (a 16-byte aligned row spans at most 6), so the converter's loads of the tile
+    later meet L2's latency instead of HBM's; no register or shared memory holds anything."""
+    PF_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [gl.num_warps(), 1], [1, 0])
+    pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, PF_L))
+    page = gl.load(bt_row + gl.minimum(pos // KV_PAGE, last_page))
+    page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
+    rows = page.to(gl.int64) * KV_PAGE + pos % KV_PAGE
+    line = gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L))
+    addr = (cache_ptr + (rows * ROW_BYTES)[:, None] + (line * 128)[None, :]).to(gl.int64, bitcast=True)
+    ok = ((pos < tok_end)[:, None] & (line < 6)[None, :]).to(gl.int32)
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+                              "=r,l,r", [addr, ok], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_codes(cache_ptr, rows, keep, g: gl.constexpr, CODES_L: gl.constexpr):
     """HBM -> registers: group ``g``'s 128 codes of each row (16 contiguous bytes per thread) and
     its fp32 scale; rows not kept as 0 (no byte read)."""
@@ -67,16 +89,19 @@ def _load_codes(cache_ptr, rows, keep, g: gl.constexpr, CODES_L: gl.constexpr):
 
 @gluon.jit
 def _store_group(kn, codes, scale, g: gl.constexpr):
-    """registers -> SMEM: codes (e4m3 bytes) x their scale, in fp32, rounded once to the K slot's
-    dtype, into columns ``g * 128 ..`` of the slot."""
-    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-    kn.slice(g * GROUP, GROUP, dim=1).store(v.to(kn.dtype))
+    """registers -> SMEM: codes (e4m3 bytes) to fp16 (exact, one conversion per two codes) x their
+    scale (rounded to fp16), the product rounded once to fp16, into columns ``g * 128 ..`` of the
+    slot. (Through fp32 and a rounding to bf16 it takes four conversions per two codes, and
+    Hopper converts at a fraction of its arithmetic rate: the converter was bound by them.)"""
+    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) * scale.to(gl.float16)[:, None]
+    kn.slice(g * GROUP, GROUP, dim=1).store(v)
 
 
 @gluon.jit
 def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr, splits_ptr,
                        seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr):
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
+                       PREFETCH: gl.constexpr, SKIP: gl.constexpr):
     # Each thread holds 16 codes of a row per load (8 threads walk 8 rows at the same columns:
     # every 16-byte store of a phase lands in another swizzled bank group, and each warp's loads
     # cover whole 32-byte sectors); RoPE values 8 per thread the same way.
@@ -93,11 +118,21 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
         if valid:
             bt_row = bt_ptr + req * stride_btb
             last_page = gl.maximum(tok_end - 1, 0) // KV_PAGE
+            # ---- HBM -> L2: the split's tiles 1 .. PREFETCH - 1 (tile 0 is loaded at once)
+            for ahead in gl.static_range(1, PREFETCH):
+                _prefetch_tile(cache_ptr, bt_row, tok_begin + ahead * BLOCK_N, tok_end, last_page, num_blocks,
+                               BLOCK_N, KV_PAGE)
             for start in range(tok_begin, tok_end, BLOCK_N):
+                # ---- HBM -> L2: the tile PREFETCH ahead, so its rows wait in L2 when they are loaded
+                if PREFETCH > 0:
+                    _prefetch_tile(cache_ptr, bt_row, start + PREFETCH * BLOCK_N, tok_end, last_page, num_blocks,
+                                   BLOCK_N, KV_PAGE)
                 # ---- HBM -> registers: the tile's rows (4 groups of codes and scales, RoPE),
                 #      issued before the wait for a free slot so that they are in flight while the
                 #      MMA warpgroups finish the tile that holds it.
                 rows, keep = _tile_rows(bt_row, start, length, last_page, num_blocks, ROWS_C, BLOCK_N, KV_PAGE)
+                if SKIP >= 2:          # (timing only: no row is read; the conversions stay)
+                    keep = keep & (start < 0)
                 c0, s0 = _load_codes(cache_ptr, rows, keep, 0, CODES_L)
                 c1, s1 = _load_codes(cache_ptr, rows, keep, 1, CODES_L)
                 c2, s2 = _load_codes(cache_ptr, rows, keep, 2, CODES_L)
@@ -114,11 +149,12 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
                 mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
                 # ---- registers -> SMEM: the dequantized 16-bit K tile in WGMMA's layout
                 kn = kn_ring.index(stage)
-                _store_group(kn, c0, s0, 0)
-                _store_group(kn, c1, s1, 1)
-                _store_group(kn, c2, s2, 2)
-                _store_group(kn, c3, s3, 3)
-                kr_ring.index(stage).store(rope.to(kr_ring.dtype))
+                if (SKIP % 2 == 0) | (start < 0):     # (SKIP odd, timing only: loads kept, nothing stored)
+                    _store_group(kn, c0, s0, 0)
+                    _store_group(kn, c1, s1, 1)
+                    _store_group(kn, c2, s2, 2)
+                    _store_group(kn, c3, s3, 3)
+                    kr_ring.index(stage).store(rope.to(kr_ring.dtype))
                 # ---- every warp's stores visible to the tensor cores, then the slot is handed over
                 fence_async_shared()
                 thread_barrier()
@@ -134,7 +170,8 @@ def mla_split_fp8_wide_kernel(
     stride_qb, stride_qs, stride_qh, stride_btb,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr, PDL: gl.constexpr,
-    PV_REGS: gl.constexpr, CONVERTER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    PV_REGS: gl.constexpr, CONVERTER_REGS: gl.constexpr, num_warps: gl.constexpr, PREFETCH: gl.constexpr = 0,
+    SKIP: gl.constexpr = 0,
 ):
     """Attention of 64 query rows (16-bit q) over the splits of one part of the schedule from an FP8
     cache (``cache_ptr``: ``[num_blocks * KV_PAGE, 656]`` bytes, rows 16-byte aligned), on the
@@ -143,9 +180,12 @@ def mla_split_fp8_wide_kernel(
 
     Arguments otherwise as ``kernels_gluon.mla_split_ws_kernel``'s (grid: (head tiles of 64 rows,
     metadata rows - 1); scores in the log2 domain); ``PDL`` >= 1: the combine may launch as a
-    programmatic dependent once every program has started."""
+    programmatic dependent once every program has started; ``PREFETCH`` > 0: the converter asks L2
+    for the rows of the tile that many ahead of the one it loads. ``SKIP`` (timing only, results
+    wrong): 1 leaves out the conversion and stores, 2 the loads, 3 both."""
     gl.static_assert(BLOCK_N == 64, "K tiles of 64 tokens, the schedule's page")
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    dtype: gl.constexpr = q_ptr.dtype.element_ty       # Q's and the RoPE part's (bf16)
+    KDT: gl.constexpr = gl.float16                     # the codes' K tile, Q's 512-wide part and P
     VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if PDL >= 1:      # the combine (a dependent launch) may start its programs as these end
         _gdc_launch_dependents()
@@ -156,11 +196,11 @@ def mla_split_fp8_wide_kernel(
     slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
     if slot_first == slot_last:
         return
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], K_SMEM)
+    q_nope = gl.allocate_shared_memory(KDT, [BLOCK_H, D_NOPE], K_SMEM)
     q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], K_SMEM)
-    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_NOPE], K_SMEM)
+    kn_ring = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_NOPE], K_SMEM)
     kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], K_SMEM)
-    p_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], K_SMEM)
+    p_buf = gl.allocate_shared_memory(KDT, [BLOCK_H, BLOCK_N], K_SMEM)
     alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
     l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -188,5 +228,5 @@ def mla_split_fp8_wide_kernel(
                   PDL)),
         (fp8_wide_converter, (cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr, splits_ptr,
                               seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last, BLOCK_N,
-                              STAGES, KV_PAGE)),
+                              STAGES, KV_PAGE, PREFETCH, SKIP)),
     ], [4, 4], [PV_REGS, CONVERTER_REGS])

@@ -406,8 +406,8 @@ def test_mla_split_fp8_compiles(rows, page, form):
         assert f"wgmma.mma_async.sync.aligned.m64n{cfg['BLOCK_H']}k16.f32.f16.f16" in result.ptx
 
 
-@pytest.mark.parametrize("page", [16, 64, 256])
-def test_mla_split_fp8_wide_compiles(page):
+@pytest.mark.parametrize("page,pipeline", [(16, 0), (64, 0), (256, 0), (64, 1), (16, 1)])
+def test_mla_split_fp8_wide_compiles(page, pipeline):
     """The Gluon dense FP8 kernel's 64-row tiles (``kernels_gluon_fp8_wide``, ``configs.FP8_GLUON_WIDE``)
     compile for sm_90a within the SM's shared memory (Q and two 16-bit K slots, no raw-code ring),
     warp-specialized with the configured register budgets, the converter's loads 16 bytes wide (4
@@ -415,7 +415,7 @@ def test_mla_split_fp8_wide_compiles(page):
     conversion straight to fp16 (64 x 512 codes over 128 threads: 128; none through fp32), the
     16-bit kernel's WGMMAs (fp16 codes, bf16 RoPE), the L2 prefetches of a tile ahead. Spills: at most 64 bytes (32-54 measured: the budgets' split with the fewest; every
     other split of 504 registers spills more)."""
-    cfg = dict(mla_configs.FP8_GLUON_WIDE)
+    cfg = dict(mla_configs.FP8_GLUON_WIDE, PIPELINE=pipeline)
     pointers = ["q_ptr", "cache_ptr", "bt_ptr", "seqlens_ptr", "meta_ptr", "splits_ptr", "out_ptr", "lse_ptr",
                 "oacc_ptr", "lseacc_ptr"]
     types = ["*bf16", "*u8", "*i32", "*i32", "*i32", "*i32", "*bf16", "*fp32", "*fp32", "*fp32"]
@@ -430,7 +430,9 @@ def test_mla_split_fp8_wide_compiles(page):
     assert ("prefetch.global.L2" in ptx) == bool(cfg["PREFETCH"])
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['PV_REGS']};" in ptx
     assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['CONVERTER_REGS']};" in ptx
-    assert ptx.count("ld.global.v4.b32") == 20 + 32
+    # the pipelined form: the split's first tile before the loop, each next one in it (4 scales in
+    # one load each time)
+    assert ptx.count("ld.global.v4.b32") == (20 + 32 if not pipeline else 2 * 21 + 32)
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 128 and "cvt.f32.f16" not in ptx
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in ptx              # S = Q K^T, codes
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx            # S = Q K^T, RoPE

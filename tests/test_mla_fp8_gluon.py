@@ -230,9 +230,12 @@ def test_gpu_fp8_gluon_scale_spread(monkeypatch, form):
     _check_gpu(out, lse, inp, True)
 
 
-def _use_wide(monkeypatch, from_rows: int = 1) -> None:
-    """The 64-row FP8 tiles (kernels_gluon_fp8_wide) from ``from_rows`` query rows."""
+def _use_wide(monkeypatch, from_rows: int = 1, pipeline: int | None = None) -> None:
+    """The 64-row FP8 tiles (kernels_gluon_fp8_wide) from ``from_rows`` query rows (``pipeline``:
+    the converter's form, else as shipped)."""
     monkeypatch.setattr(configs, "FP8_WIDE_FROM_ROWS", from_rows)
+    if pipeline is not None:
+        monkeypatch.setattr(configs, "FP8_GLUON_WIDE", dict(configs.FP8_GLUON_WIDE, PIPELINE=pipeline))
     configs.launch_config.cache_clear()
     op._plans.clear()
 
@@ -258,26 +261,29 @@ def test_fp8_wide_dispatch():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pipeline", [0, 1])
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("h_q,s_q,causal", [(128, 1, True), (64, 2, True), (16, 1, True), (5, 3, False),
                                             (128, 2, False), (1, 1, True)])
-def test_gpu_fp8_wide(monkeypatch, page, h_q, s_q, causal):
+def test_gpu_fp8_wide(monkeypatch, page, h_q, s_q, causal, pipeline):
     """The 64-row FP8 tiles at 1-256 query rows (one to four head tiles, partial ones included),
     pages shorter than, equal to and longer than the 64-token K tile, lengths ending at every
-    boundary, NaN bytes in every unused slot: the fp64 reference on the dequantized cache."""
+    boundary, NaN bytes in every unused slot: the fp64 reference on the dequantized cache. Both
+    converter forms (``PIPELINE``)."""
     _need_hopper()
-    _use_wide(monkeypatch)
+    _use_wide(monkeypatch, pipeline=pipeline)
     inp, out, lse, choice = _decode(EDGES, s_q, h_q, page, causal)
     assert choice.variant == "wgmma_fp8_wide", choice
     _check_gpu(out, lse, inp, causal)
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_wide_runs_of_splits_graph(monkeypatch):
+@pytest.mark.parametrize("pipeline", [0, 1])
+def test_gpu_fp8_wide_runs_of_splits_graph(monkeypatch, pipeline):
     """An uneven batch of 40 at 128 heads: programs run several splits each, the K slots carried
     from one split to the next; a CUDA graph replay equals the eager call; the fp64 reference."""
     _need_hopper()
-    _use_wide(monkeypatch)
+    _use_wide(monkeypatch, pipeline=pipeline)
     rng = random.Random(11)
     lens = [rng.choice([0, 1, 65, 300, 2000, 9000]) + rng.randint(0, 70) * (i % 3) for i in range(40)]
     inp, out, lse, choice = _decode(lens, 1, 128, 64, graph=True)
@@ -286,11 +292,12 @@ def test_gpu_fp8_wide_runs_of_splits_graph(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_wide_scale_spread(monkeypatch):
+@pytest.mark.parametrize("pipeline", [0, 1])
+def test_gpu_fp8_wide_scale_spread(monkeypatch, pipeline):
     """Group scales that differ by up to 2^18 within a tile and between groups: each code times its
-    own scale in fp32 before the one rounding; the fp64 reference."""
+    own scale rounded to fp16; the fp64 reference."""
     _need_hopper()
-    _use_wide(monkeypatch)
+    _use_wide(monkeypatch, pipeline=pipeline)
     lens = [1000, 64, 4097, 333]
     inp = make_case(lens, 1, 128, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -80,6 +80,7 @@ A47 = ["b32 h16 s1 16K", "b64 h16 s2 8K", "b16 h128 s1 32K (128 rows)", "held-ou
 # other forms with it out of the way. Their launches are configs.FP8_GLUON_WIDE with these
 # overrides (the L2 prefetch distance in tiles), not FP8_GLUON_CONFIGS.
 WIDE_FORMS = {"wide": {}, "wide-p0": dict(PREFETCH=0), "wide-p2": dict(PREFETCH=2),
+              "wide-pipe": dict(PIPELINE=1), "wide-pipe-p0": dict(PIPELINE=1, PREFETCH=0),
               # stages left out (timing only, outputs not checked): the converter's conversion and
               # stores, its loads, both (what remains: the MMA warpgroups and the hand-offs)
               "wide-skip-convert": dict(SKIP=1), "wide-skip-load": dict(SKIP=2), "wide-skip-both": dict(SKIP=3)}

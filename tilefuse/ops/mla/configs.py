@@ -158,11 +158,12 @@ FP8_GLUON_MAX_ROWS = 64
 # ahead (174 / 197 against 206 / 207). Registers per thread: the PV warpgroup PV_REGS, the
 # converter CONVERTER_REGS, the softmax warpgroup the rest of 504 (168 / 120 / 216: the split with
 # the fewest spills on sm_90, 32 bytes; 160 for PV spills 200+); PREFETCH: the converter asks L2
-# for the rows of the tile this many ahead (1: 4-10 % faster than 0, 2 between); SKIP: stages
+# for the rows of the tile this many ahead (1: 4-10 % faster than 0, 2 between); PIPELINE: 1 loads
+# the next tile group by group under the current one's conversion (not yet measured); SKIP: stages
 # left out, for timing only.
 FP8_WIDE_FROM_ROWS = 33
 FP8_GLUON_WIDE = dict(BLOCK_N=64, STAGES=2, PDL=1, PV_REGS=168, CONVERTER_REGS=120, PREFETCH=1, SKIP=0,
-                      num_warps=4)
+                      PIPELINE=0, num_warps=4)
 # Above 32 rows, where the Gluon FP8 kernel does not serve (fp16 q, other GPUs, past
 # FP8_GLUON_MAX_ROWS), a dense FP8 decode takes the tl standard kernel's 64-row tile rather than
 # the transposed kernel, which dequantizes every page once per 32-row head tile: at 48 rows 431

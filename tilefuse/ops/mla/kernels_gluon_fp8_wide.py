@@ -163,6 +163,8 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
     CODES_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [0, 1])
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [0, 1])
     ROWS_C: gl.constexpr = gl.SliceLayout(1, CODES_L)
+    ROWS_R: gl.constexpr = gl.SliceLayout(1, ROPE_L)
+    rope_cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE_L))[None, :]
     WORDS_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [0, 1])     # 16 bytes per thread
     ROWS_W: gl.constexpr = gl.SliceLayout(1, WORDS_L)
     t = 0                                  # tiles converted so far (K slot and phases)
@@ -220,29 +222,33 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
                     t += 1
             else:
                 for start in range(tok_begin, tok_end, BLOCK_N):
-                    # ---- HBM -> L2: the tile PREFETCH ahead, so its rows wait in L2 when loaded
+                    # ---- HBM -> L2: the tile PREFETCH ahead, so its rows wait in L2 when they are loaded
                     if PREFETCH > 0:
                         _prefetch_tile(cache_ptr, bt_row, start + PREFETCH * BLOCK_N, tok_end, last_page, num_blocks,
                                        BLOCK_N, KV_PAGE)
                     # ---- HBM -> registers: the tile's rows (4 groups of codes and scales, RoPE),
-                    #      issued before the wait for a free slot so that they are in flight while
-                    #      the MMA warpgroups finish the tile that holds it.
-                    rows, keep = _tile_rows(bt_row, start, tok_end, last_page, num_blocks, ROWS_C, BLOCK_N, KV_PAGE)
+                    #      issued before the wait for a free slot so that they are in flight while the
+                    #      MMA warpgroups finish the tile that holds it.
+                    rows, keep = _tile_rows(bt_row, start, length, last_page, num_blocks, ROWS_C, BLOCK_N, KV_PAGE)
                     if SKIP >= 2:          # (timing only: no row is read; the conversions stay)
                         keep = keep & (start < 0)
                     c0, s0 = _load_codes(cache_ptr, rows, keep, 0, CODES_L)
                     c1, s1 = _load_codes(cache_ptr, rows, keep, 1, CODES_L)
                     c2, s2 = _load_codes(cache_ptr, rows, keep, 2, CODES_L)
                     c3, s3 = _load_codes(cache_ptr, rows, keep, 3, CODES_L)
-                    rope = _load_rope(cache_ptr, rows, keep, ROPE_L)
-                    # ---- slot t % STAGES is free once both MMA warpgroups released tile
-                    #      t - STAGES (a fresh barrier passes the parity-1 wait: the first round
-                    #      finds all free)
+                    rows_r = gl.convert_layout(rows, ROWS_R)
+                    keep_r = gl.convert_layout(keep, ROWS_R)
+                    rope_ptrs = (cache_ptr + rows_r * ROW_BYTES + ROPE_BYTE).to(gl.pointer_type(gl.bfloat16),
+                                                                                bitcast=True)[:, None] + rope_cols
+                    rope = gl.load(gl.max_contiguous(gl.multiple_of(rope_ptrs, [1, 16]), [1, 8]), mask=keep_r[:, None],
+                                   other=0.0)
+                    # ---- slot t % STAGES is free once both MMA warpgroups released tile t - STAGES
+                    #      (a fresh barrier passes the parity-1 wait: the first round finds all free)
                     stage = t % STAGES
                     mbarrier.wait(k_empty.index(stage), ((t // STAGES) & 1) ^ 1)
                     # ---- registers -> SMEM: the dequantized 16-bit K tile in WGMMA's layout
                     kn = kn_ring.index(stage)
-                    if (SKIP % 2 == 0) | (start < 0):     # (SKIP odd, timing only: nothing stored)
+                    if (SKIP % 2 == 0) | (start < 0):     # (SKIP odd, timing only: loads kept, nothing stored)
                         _store_group(kn, c0, s0, 0)
                         _store_group(kn, c1, s1, 1)
                         _store_group(kn, c2, s2, 2)
@@ -253,6 +259,7 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
                     thread_barrier()
                     mbarrier.arrive(k_ready.index(stage))
                     t += 1
+
 
 @gluon.jit
 def mla_split_fp8_wide_kernel(

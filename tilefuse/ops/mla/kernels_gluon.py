@@ -243,8 +243,8 @@ def _ws_producer(kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, s
 def _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh):
     """HBM -> SMEM: a split's 64 query rows (rows past ``s_q * h_q`` as 0) issued as cp.async
     copies, 64 columns at a time, one commit group (``_wait_q`` waits for it): no registers hold
-    Q on the way, except where ``q_nope`` has another dtype than q (converted in registers). The op passes q with strides in multiples of 8 elements (16 bytes, cp.async's
-    widest copy)."""
+    Q on the way, except where ``q_nope`` has another dtype than q (converted in registers). The
+    op passes q with strides in multiples of 8 elements (16 bytes, cp.async's widest copy)."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rows = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD))
     q_rows = (q_ptr + req * stride_qb + (rows // h_q) * stride_qs + (rows % h_q) * stride_qh)[:, None]

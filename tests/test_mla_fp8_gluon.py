@@ -207,6 +207,20 @@ def test_gpu_fp8_gluon_runs_of_splits_graph(monkeypatch, form):
     _check_gpu(out, lse, inp, True)
 
 
+def _spread_case(lens, h_q, seed):
+    """A bf16 case (one query token) whose cached tokens' 128-value groups are scaled by powers of
+    two in 2^-12 .. 2^6 (so group scales differ by up to 2^18 inside a tile and between groups), and
+    its FP8 cache with NaN bytes in every unused slot."""
+    inp = make_case(lens, 1, h_q, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    spread = torch.exp2(torch.randint(-12, 7, inp.k_cache.shape[:-1] + (4,), generator=gen, device="cuda").float())
+    latent = inp.k_cache.float()
+    latent[..., :512] = (latent[..., :512].unflatten(-1, (4, 128)) * spread[..., None]).flatten(-2)
+    inp.k_cache = latent.to(torch.bfloat16)
+    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    return inp, packed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["ws", "rs", "rs2"])
 def test_gpu_fp8_gluon_scale_spread(monkeypatch, form):
@@ -216,13 +230,7 @@ def test_gpu_fp8_gluon_scale_spread(monkeypatch, form):
     _need_hopper()
     _use_form(monkeypatch, form)
     lens = [1000, 64, 4097, 333]
-    inp = make_case(lens, 1, 16, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    spread = torch.exp2(torch.randint(-12, 7, inp.k_cache.shape[:-1] + (4,), generator=gen, device="cuda").float())
-    latent = inp.k_cache.float()
-    latent[..., :512] = (latent[..., :512].unflatten(-1, (4, 128)) * spread[..., None]).flatten(-2)
-    inp.k_cache = latent.to(torch.bfloat16)
-    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    inp, packed = _spread_case(lens, 16, seed=3)
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
     out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
                                                causal=True, is_fp8_kvcache=True)
@@ -299,13 +307,7 @@ def test_gpu_fp8_wide_scale_spread(monkeypatch, pipeline):
     _need_hopper()
     _use_wide(monkeypatch, pipeline=pipeline)
     lens = [1000, 64, 4097, 333]
-    inp = make_case(lens, 1, 128, torch.bfloat16, "cuda", page_size=64, nan_tail=False)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    spread = torch.exp2(torch.randint(-12, 7, inp.k_cache.shape[:-1] + (4,), generator=gen, device="cuda").float())
-    latent = inp.k_cache.float()
-    latent[..., :512] = (latent[..., :512].unflatten(-1, (4, 128)) * spread[..., None]).flatten(-2)
-    inp.k_cache = latent.to(torch.bfloat16)
-    packed = _poison_unused_fp8_slots(tilefuse.mla_quantize_kv(inp.k_cache).cpu(), inp.block_table.cpu(), lens).cuda()
+    inp, packed = _spread_case(lens, 128, seed=5)
     meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 128, 1)
     out, lse = tilefuse.flash_mla_with_kvcache(inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits,
                                                causal=True, is_fp8_kvcache=True)

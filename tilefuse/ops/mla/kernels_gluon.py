@@ -77,6 +77,17 @@ def _split_range(meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens
 
 
 @gluon.jit
+def _program_run(meta_ptr, num_slots):
+    """A split program's place in the grid: its head tile (axis 0) and its run of slots
+    ``meta[p, 7] .. meta[p + 1, 7] - 1`` for ``p`` = axis 1, clamped to the metadata (an empty run
+    when the column is out of order)."""
+    run = gl.program_id(1)
+    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
+    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    return gl.program_id(0), slot_first, slot_last
+
+
+@gluon.jit
 def _issue_tile(kn_desc, kr_desc, kn_ring, kr_ring, bars, bt_row, start, s, last_page, num_blocks,
                 BLOCK_N: gl.constexpr, KV_PAGE: gl.constexpr):
     """HBM -> SMEM: TMA copies of the tile of tokens ``start .. start + BLOCK_N - 1`` into ring
@@ -499,10 +510,7 @@ def mla_split_ws_kernel(
         _gdc_launch_dependents()
     # The head tile is the grid's fastest axis: the tiles of one run start together on
     # neighbouring SMs and stream the same KV pages, so the second reads them from L2.
-    pid_h = gl.program_id(0)
-    run = gl.program_id(1)
-    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
-    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], kn_desc.layout)

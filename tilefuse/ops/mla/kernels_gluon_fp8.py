@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import (fence_async_shared, mbarrier, smem_reinterpret, thread_barrier,
                                        warpgroup_mma, warpgroup_mma_wait)
-from tilefuse.ops.mla.kernels_gluon import _ws_store_lse
+from tilefuse.ops.mla.kernels_gluon import _program_run, _ws_store_lse
 from tilefuse.ops.mla.kernels_gluon_fp8_rs import fp8_rs_body
 from tilefuse.ops.mla.kernels_gluon_fp8_ws import (BLOCK_N, CODE_BOX, CODE_BOXES, D_NOPE, D_ROPE, FLAT, ROPE_SMEM,
                                                   SCALES, _issue_slot, fp8_ws_converter, fp8_ws_mma, fp8_ws_producer,
@@ -203,10 +203,7 @@ def mla_split_fp8_kernel(
     bytes at 528); scales_desc: over the same rows as fp32 from byte 512, ``[rows, 4]`` of stride
     164, boxes of ``[min(KV_PAGE, SLOT_N), 4]``. Scores in the log2 domain (``qk_scale = softmax_scale
     * log2(e)``). Outputs and partials as ``mla_split_ws_kernel``'s."""
-    pid_h = gl.program_id(0)
-    run = gl.program_id(1)
-    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
-    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
     if RS:

@@ -34,7 +34,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier, smem_reinterpret, thread_barrier
-from tilefuse.ops.mla.kernels_gluon import BLOCK_H, _gdc_launch_dependents, _split_range, _ws_pv, _ws_softmax
+from tilefuse.ops.mla.kernels_gluon import (BLOCK_H, _gdc_launch_dependents, _program_run, _split_range, _ws_pv,
+                                           _ws_softmax)
 from tilefuse.ops.mla.reference import FP8_GROUP, FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V
 
 D_NOPE = gl.constexpr(HEAD_DIM_V)
@@ -292,10 +293,7 @@ def mla_split_fp8_wide_kernel(
     if PDL >= 1:      # the combine (a dependent launch) may start its programs as these end
         _gdc_launch_dependents()
     # head tiles fastest: the tiles of one run start together and share the pages through L2
-    pid_h = gl.program_id(0)
-    run = gl.program_id(1)
-    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
-    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
     q_nope = gl.allocate_shared_memory(KDT, [BLOCK_H, D_NOPE], K_SMEM)

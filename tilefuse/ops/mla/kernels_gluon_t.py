@@ -38,7 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier
-from tilefuse.ops.mla.kernels_gluon import _ws_producer
+from tilefuse.ops.mla.kernels_gluon import _program_run, _ws_producer
 from tilefuse.ops.mla.kernels_gluon_fp8_ws import fp8_ws_mma
 from tilefuse.ops.mla.reference import HEAD_DIM, HEAD_DIM_V
 
@@ -66,10 +66,7 @@ def mla_split_t_kernel(
     gl.static_assert(BLOCK_N == 64, "K tiles of 64 tokens: WGMMA's M of S^T")
     gl.static_assert(STAGES == 2, "two K buffers (the MMA warpgroup alternates between them)")
     dtype: gl.constexpr = kn_desc.dtype
-    pid_h = gl.program_id(0)
-    run = gl.program_id(1)
-    slot_first = gl.minimum(gl.maximum(gl.load(meta_ptr + run * 8 + 7), 0), num_slots)
-    slot_last = gl.minimum(gl.maximum(gl.load(meta_ptr + (run + 1) * 8 + 7), slot_first), num_slots)
+    pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
     q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE],

@@ -67,13 +67,10 @@ def _prefetch_tile(cache_ptr, bt_row, start, tok_end, last_page, num_blocks, BLO
     128-byte line (a 16-byte aligned row spans at most 6), so the converter's loads of the tile
     later meet L2's latency instead of HBM's; no register or shared memory holds anything."""
     PF_L: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [gl.num_warps(), 1], [1, 0])
-    pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, PF_L))
-    page = gl.load(bt_row + gl.minimum(pos // KV_PAGE, last_page))
-    page = gl.minimum(gl.maximum(page, 0), num_blocks - 1)
-    rows = page.to(gl.int64) * KV_PAGE + pos % KV_PAGE
+    rows, keep = _tile_rows(bt_row, start, tok_end, last_page, num_blocks, gl.SliceLayout(1, PF_L), BLOCK_N, KV_PAGE)
     line = gl.arange(0, 8, layout=gl.SliceLayout(0, PF_L))
     addr = (cache_ptr + (rows * ROW_BYTES)[:, None] + (line * 128)[None, :]).to(gl.int64, bitcast=True)
-    ok = ((pos < tok_end)[:, None] & (line < 6)[None, :]).to(gl.int32)
+    ok = (keep[:, None] & (line < 6)[None, :]).to(gl.int32)
     gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
                               "=r,l,r", [addr, ok], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -164,8 +161,6 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
     CODES_L: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NW, 1], [0, 1])
     ROPE_L: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [0, 1])
     ROWS_C: gl.constexpr = gl.SliceLayout(1, CODES_L)
-    ROWS_R: gl.constexpr = gl.SliceLayout(1, ROPE_L)
-    rope_cols = gl.arange(0, D_ROPE, layout=gl.SliceLayout(0, ROPE_L))[None, :]
     WORDS_L: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [NW, 1], [0, 1])     # 16 bytes per thread
     ROWS_W: gl.constexpr = gl.SliceLayout(1, WORDS_L)
     t = 0                                  # tiles converted so far (K slot and phases)
@@ -237,12 +232,7 @@ def fp8_wide_converter(cache_ptr, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, st
                     c1, s1 = _load_codes(cache_ptr, rows, keep, 1, CODES_L)
                     c2, s2 = _load_codes(cache_ptr, rows, keep, 2, CODES_L)
                     c3, s3 = _load_codes(cache_ptr, rows, keep, 3, CODES_L)
-                    rows_r = gl.convert_layout(rows, ROWS_R)
-                    keep_r = gl.convert_layout(keep, ROWS_R)
-                    rope_ptrs = (cache_ptr + rows_r * ROW_BYTES + ROPE_BYTE).to(gl.pointer_type(gl.bfloat16),
-                                                                                bitcast=True)[:, None] + rope_cols
-                    rope = gl.load(gl.max_contiguous(gl.multiple_of(rope_ptrs, [1, 16]), [1, 8]), mask=keep_r[:, None],
-                                   other=0.0)
+                    rope = _load_rope(cache_ptr, rows, keep, ROPE_L)
                     # ---- slot t % STAGES is free once both MMA warpgroups released tile t - STAGES
                     #      (a fresh barrier passes the parity-1 wait: the first round finds all free)
                     stage = t % STAGES

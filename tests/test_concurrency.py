@@ -54,6 +54,14 @@ def _calls():
         ref = mla_cases.reference_fp64(inp, causal=True)[0]
         calls[f"mla h{h_q}"] = (lambda inp=inp, meta=meta, splits=splits: tilefuse.flash_mla_with_kvcache(
             *inp.args(), 512, meta, splits, causal=True)[0], ref, True)
+    for h_q in (16, 128):                               # the FP8 cache: 32-row tiles / 64-row tiles
+        inp = mla_cases.make_case([3000, 70, 0, 9000], 1, h_q, DT, "cuda", nan_tail=False)
+        packed = tilefuse.mla_quantize_kv(inp.k_cache)
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, h_q, 1)
+        inp.k_cache = tilefuse.mla_dequantize_kv(packed, DT)     # the reference's cache: the dequantized values
+        fp8_args = (inp.q, packed, inp.block_table, inp.cache_seqlens, 512, meta, splits)
+        calls[f"mla fp8 h{h_q}"] = (lambda a=fp8_args: tilefuse.flash_mla_with_kvcache(
+            *a, causal=True, is_fp8_kvcache=True)[0], mla_cases.reference_fp64(inp, causal=True)[0], True)
     # a serving mix the metadata gives the parts schedule on a 132-SM Hopper (one 70000-token
     # request among 95 of 1-20000): each Gluon program runs a run of splits
     lens = [70000] + torch.randint(1, 20000, (95,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -93,7 +101,7 @@ def _rerun_alone(calls, expected):
 def test_streams_and_threads_eager(calls):
     calls, expected = calls
     names = list(calls)
-    rounds = 420                                  # 2 threads x 2 streams x 7 calls x 420 = 11760 launches
+    rounds = 420                                  # 2 threads x 2 streams x 10 calls x 420 = 16800 launches
     mismatches = []
 
     def work(index):

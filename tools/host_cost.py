@@ -13,6 +13,8 @@ eager ``generate`` pays. Per op, at a decode size (one token; the shapes of Llam
   ``VQLinear``, whose calls after the first take its bound launch; the two linears, SiLU
   and mul for the SwiGLU gate/up projection; ``torch._scaled_mm`` row-wise, SiLU and mul for the
   FP8 one, whose own call also re-quantizes its output to e4m3);
+* MLA decode's metadata and attention calls at a short step (the attention's baseline: itself
+  with the combine launched without PDL);
 * ``top``: the functions with the most own time in ``cProfile`` over the same calls, which names
   the Python that costs.
 
@@ -105,8 +107,43 @@ def main() -> None:
         for entry in row["top"][:6]:
             print("   ", entry, flush=True)
         rows.append(row)
+    rows += _mla_rows(args.calls)
     write_json(sweep_path("host-cost", args.out_dir), {"what": __doc__.split("\n\n")[0], "calls": args.calls,
                                                        "rows": rows})
+
+
+def _mla_rows(calls: int) -> list[dict]:
+    """MLA decode's two eager calls at a short decode step (16 requests of 4096 tokens, 16 heads):
+    the metadata and one attention call (the shipped levers; the baseline: the same call with the
+    combine launched without PDL, which a launch with launch attributes could make dearer)."""
+    import torch
+
+    import tilefuse
+    from tilefuse.ops.mla import configs
+    from tilefuse.testing.mla import make_case
+
+    inp = make_case([4096] * 16, 1, 16, torch.bfloat16, torch.device("cuda"))
+    meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
+
+    def attention():
+        return tilefuse.flash_mla_with_kvcache(*inp.args(), 512, meta, splits, causal=True)
+
+    def metadata():
+        return tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1)
+
+    rows = []
+    with torch.no_grad():
+        with configs.wgmma_levers(PDL=0):
+            plain = round(per_call_us(attention, calls), 2)
+        for name, fn, baseline in (("mla_attention", attention, plain), ("mla_metadata", metadata, None)):
+            row = {"op": name, "us_per_call": round(per_call_us(fn, calls), 2), "baseline_us_per_call": baseline,
+                   "top": top_functions(fn, calls // 4)}
+            print(f"{name}: {row['us_per_call']} us per eager call"
+                  + (f", without PDL {baseline}" if baseline else ""), flush=True)
+            for entry in row["top"][:8]:
+                print("   ", entry, flush=True)
+            rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -313,7 +313,7 @@ def test_tools_configs_file_sections(tmp_path):
 
 GPU_TOOLS = ["tune_swiglu.py", "mla_sweep.py", "vq_decode_sweep.py", "vq_mma_sweep.py", "vq_prefill_sweep.py",
              "vq_layer_probe.py", "sanitize.py", "sync_probe.py", "mla_metadata_time.py", "mla_split_cost_sweep.py",
-             "mla_fp8_sweep.py", "vq_moe_bench.py"]
+             "mla_fp8_sweep.py", "vq_moe_bench.py", "mla_kernel_times.py"]
 
 
 def run_tool(tool: str, *args: str, gpu: bool = True):

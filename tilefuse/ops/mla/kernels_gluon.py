@@ -472,6 +472,35 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
 
 
 @gluon.jit
+def _ws_shared(NOPE_DT: gl.constexpr, ROPE_DT: gl.constexpr, NOPE_LAYOUT: gl.constexpr, ROPE_LAYOUT: gl.constexpr,
+               P_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The shared memory of the split kernels built on ``_ws_softmax`` / ``_ws_pv`` (this one and
+    the FP8 64-row tiles'), allocated and its mbarriers initialised: Q as ``[64, 512]`` in
+    ``NOPE_DT`` and ``[64, 64]`` in ``ROPE_DT``; a ring of ``STAGES`` K tiles in the same two
+    parts; one P tile ``[64, BLOCK_N]`` in ``NOPE_DT``; the rows' alpha and l (fp32); k_ready[s]
+    (count 1: the tile landed), k_empty[s] (count 2: both MMA warpgroups done with it) and ``sync``:
+    p_ready, p_empty, l_ready, l_free, o_stored (count 1 each)."""
+    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_nope = gl.allocate_shared_memory(NOPE_DT, [BLOCK_H, D_NOPE], NOPE_LAYOUT)
+    q_rope = gl.allocate_shared_memory(ROPE_DT, [BLOCK_H, D_ROPE], ROPE_LAYOUT)
+    kn_ring = gl.allocate_shared_memory(NOPE_DT, [STAGES, BLOCK_N, D_NOPE], NOPE_LAYOUT)
+    kr_ring = gl.allocate_shared_memory(ROPE_DT, [STAGES, BLOCK_N, D_ROPE], ROPE_LAYOUT)
+    p_buf = gl.allocate_shared_memory(NOPE_DT, [BLOCK_H, BLOCK_N], P_LAYOUT)
+    alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(5):
+        mbarrier.init(sync.index(i), count=1)
+    fence_async_shared()
+    return q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync
+
+
+@gluon.jit
 def mla_split_ws_kernel(
     q_ptr, kn_desc, kr_desc, bt_ptr, seqlens_ptr, meta_ptr, splits_ptr,
     out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, cnt_ptr,
@@ -502,7 +531,6 @@ def mla_split_ws_kernel(
     once every program has started; 2: this kernel is one too, and every partition waits for the
     previous kernels' end before it touches memory."""
     dtype: gl.constexpr = kn_desc.dtype
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     if PDL >= 2:      # launched as a dependent: nothing of the previous kernels is read before their end
         _gdc_wait()
@@ -513,24 +541,11 @@ def mla_split_ws_kernel(
     pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
-    q_nope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_NOPE], kn_desc.layout)
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], kr_desc.layout)
-    kn_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_NOPE], kn_desc.layout)
-    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], kr_desc.layout)
+    KN_SMEM: gl.constexpr = kn_desc.layout
+    KR_SMEM: gl.constexpr = kr_desc.layout
     P_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, BLOCK_N * 2), element_bitwidth=16, rank=2)
-    p_buf = gl.allocate_shared_memory(dtype, [BLOCK_H, BLOCK_N], P_SMEM)
-    alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
-    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # p_ready, p_empty, l_ready, l_free, o_stored
-    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-    for i in gl.static_range(5):
-        mbarrier.init(sync.index(i), count=1)
-    fence_async_shared()
+    q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync = _ws_shared(
+        dtype, dtype, KN_SMEM, KR_SMEM, P_SMEM, BLOCK_N, STAGES)
 
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([

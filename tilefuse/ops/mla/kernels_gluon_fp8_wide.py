@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 
 from tilefuse.ops.gluon_compat import fence_async_shared, mbarrier, smem_reinterpret, thread_barrier
 from tilefuse.ops.mla.kernels_gluon import (BLOCK_H, _gdc_launch_dependents, _program_run, _split_range, _ws_pv,
-                                           _ws_softmax)
+                                           _ws_shared, _ws_softmax)
 from tilefuse.ops.mla.reference import FP8_GROUP, FP8_KV_BYTES, HEAD_DIM, HEAD_DIM_V
 
 D_NOPE = gl.constexpr(HEAD_DIM_V)
@@ -279,30 +279,16 @@ def mla_split_fp8_wide_kernel(
     gl.static_assert(BLOCK_N == 64, "K tiles of 64 tokens, the schedule's page")
     dtype: gl.constexpr = q_ptr.dtype.element_ty       # Q's and the RoPE part's (bf16)
     KDT: gl.constexpr = gl.float16                     # the codes' K tile, Q's 512-wide part and P
-    VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     if PDL >= 1:      # the combine (a dependent launch) may start its programs as these end
         _gdc_launch_dependents()
     # head tiles fastest: the tiles of one run start together and share the pages through L2
     pid_h, slot_first, slot_last = _program_run(meta_ptr, num_slots)
     if slot_first == slot_last:
         return
-    q_nope = gl.allocate_shared_memory(KDT, [BLOCK_H, D_NOPE], K_SMEM)
-    q_rope = gl.allocate_shared_memory(dtype, [BLOCK_H, D_ROPE], K_SMEM)
-    kn_ring = gl.allocate_shared_memory(KDT, [STAGES, BLOCK_N, D_NOPE], K_SMEM)
-    kr_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D_ROPE], K_SMEM)
-    p_buf = gl.allocate_shared_memory(KDT, [BLOCK_H, BLOCK_N], K_SMEM)
-    alpha_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
-    l_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # p_ready, p_empty, l_ready, l_free, o_stored (the last one unused: no fused combine here)
-    sync = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)       # the converter's arrival
-        mbarrier.init(k_empty.index(i), count=2)       # both MMA warpgroups'
-    for i in gl.static_range(5):
-        mbarrier.init(sync.index(i), count=1)
-    fence_async_shared()
+    # fp16 codes' K tiles, Q's 512-wide part and P; the RoPE parts in q's dtype (k_ready: the
+    # converter's arrival; o_stored unused: no fused combine here)
+    q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync = _ws_shared(
+        KDT, dtype, K_SMEM, K_SMEM, K_SMEM, BLOCK_N, STAGES)
 
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([

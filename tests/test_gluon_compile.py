@@ -81,8 +81,10 @@ def test_swiglu_pingpong_oversized_tile_spills():
 @pytest.mark.parametrize("ring,one_head,page,levers", [
     (None, False, 64, {}), ((32, 4), False, 64, {}), (None, True, 64, {}), (None, False, 16, {}), (None, False, 128, {}),
     (None, False, 64, dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2)), (None, False, 64, dict(FUSED_SPLITS=1 << 20, PDL=1)),
-    (None, False, 64, dict(FUSED_SPLITS=16, rows=16)), (None, False, 64, dict(FUSED_SPLITS=16, rows=32))],
-    ids=["64x2", "32x4", "h1", "page16", "page128", "levers", "fused-all", "fused-16-rows", "fused-32-rows"])
+    (None, False, 64, dict(FUSED_SPLITS=16, rows=16)), (None, False, 64, dict(FUSED_SPLITS=16, rows=32)),
+    (None, False, 64, dict(SEESAW=1)), (None, False, 16, dict(SEESAW=1))],
+    ids=["64x2", "32x4", "h1", "page16", "page128", "levers", "fused-all", "fused-16-rows", "fused-32-rows", "seesaw",
+         "seesaw-page16"])
 def test_mla_split_ws_compiles(ring, one_head, page, levers):
     """``one_head``: h_q = 1, which the launch specializes into a constant; ``page``: the cache's
     page size (below the tile: boxes of a page each; above: one box inside a page); ``levers``:
@@ -108,8 +110,10 @@ def test_mla_split_ws_compiles(ring, one_head, page, levers):
     signature.update({name: CONSTEXPR for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
-    # every lever at once (off as shipped): Triton 3.9 spills 12 bytes there (3.6: none), bounded
-    _check(result, max_spilled=32 if levers.get("Q_AHEAD") else 0)
+    # every lever at once (off as shipped): Triton 3.9 spills 12 bytes there (3.6: none), bounded;
+    # the seesaw form (off, unmeasured) holds a softmax in both MMA warpgroups: Triton 3.6 spills
+    # 612 bytes of scalars there, bounded
+    _check(result, max_spilled=1024 if levers.get("SEESAW") else 32 if levers.get("Q_AHEAD") else 0)
     # the levers are in the code only when on: the fused combine's acq_rel arrival, PDL's grid control
     assert ("atom.global.gpu.acq_rel.add" in result.ptx) == bool(cfg["FUSED_SPLITS"])
     assert ("griddepcontrol.wait" in result.ptx) == (cfg["PDL"] >= 2)

@@ -1753,12 +1753,13 @@ def test_mla_sparse_and_quantizer_on_meta_tensors(fp8):
 
 # ---------------------------------------------------------------------------------------------
 # The Gluon kernel's per-call levers (configs.WGMMA_LEVERS): the fused combine (FUSED_SPLITS),
-# Q issued ahead (Q_AHEAD), programmatic dependent launches (PDL).
+# Q issued ahead (Q_AHEAD), programmatic dependent launches (PDL), the seesaw form (SEESAW).
 
 LEVERS = {
     "fused16": dict(FUSED_SPLITS=16),
     "fusedall_pdl1": dict(FUSED_SPLITS=1 << 20, PDL=1),
     "qahead": dict(Q_AHEAD=True),
+    "seesaw": dict(SEESAW=1),
     "pdl2": dict(PDL=2),
     "every": dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2),
     "combine32x4": dict(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4),
@@ -1797,6 +1798,10 @@ def test_wgmma_levers_plan():
     with pytest.raises(ValueError, match="levers"):
         with configs.wgmma_levers(FUSED=1):
             pass
+    with pytest.raises(ValueError, match="SEESAW"):
+        with configs.wgmma_levers(SEESAW=1, Q_AHEAD=True):
+            pass
+    assert plan(SEESAW=1).meta["SEESAW"] == 1 and plan().meta["SEESAW"] == 0
     # the combine's settings: its grid's third axis, its chunk (every kernel that leaves partials)
     with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):
         call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "standard")
@@ -1902,7 +1907,7 @@ def test_gpu_wgmma_levers(levers, h_q, s_q, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every"])
+@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every", "seesaw"])
 def test_gpu_wgmma_levers_graph_replay_new_lengths(levers):
     """metadata + attention captured once with the levers on, replayed with lengths that change
     every request's split count (one long among short ones: the parts schedule, runs of splits;
@@ -1929,7 +1934,7 @@ def test_gpu_wgmma_levers_graph_replay_new_lengths(levers):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every"])
+@pytest.mark.parametrize("levers", ["fused16", "fusedall_pdl1", "every", "seesaw"])
 def test_gpu_wgmma_levers_two_streams_share_metadata(levers):
     """Two calls with one metadata on two streams at once (eager, then as two graphs replayed on
     two streams together) give what each gives alone: the fused combine's counters are per call

@@ -6,7 +6,7 @@
   1-4, 1-32 query rows per KV head);
 * ``--cases levers`` (candidates: the plain path, ``plain``, and the per-call levers of
   ``configs.WGMMA_LEVERS`` each alone on it: ``pdl1``, ``pdl2``, ``fused16``, ``fused_all``,
-  ``q_ahead``; ``fused16_pdl1`` and ``combine32x4``, the combine launch's candidate settings, on
+  ``q_ahead``; ``seesaw`` (the seesaw form, on the shipped levers); ``fused16_pdl1`` and ``combine32x4``, the combine launch's candidate settings, on
   request): the benchmark's short and uneven cases where a fixed per-call cost shows, held-out
   short and small batches, and two long ones (no loss there).
 
@@ -104,6 +104,8 @@ CANDIDATES = {
     "fused16": {"FUSED_SPLITS": 16, "PDL": 0, "Q_AHEAD": False},
     "fused_all": {"FUSED_SPLITS": 1 << 20, "PDL": 0, "Q_AHEAD": False},
     "q_ahead": {"Q_AHEAD": True, "PDL": 0, "FUSED_SPLITS": 0},
+    # the seesaw form (two MMA warpgroups alternating tiles) on the shipped levers
+    "seesaw": {"SEESAW": 1},
     "fused16_pdl1": {"FUSED_SPLITS": 16, "PDL": 1, "Q_AHEAD": False},
     # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
     "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},

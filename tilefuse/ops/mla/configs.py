@@ -35,7 +35,7 @@ CONFIGS = {
     "transposed": dict(BLOCK_N=64, num_warps=4, num_stages=2, slot_programs=1, fused_combine=False),
     "standard": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, slot_programs=1, fused_combine=True),
     "standard_small": dict(BLOCK_H=0, BLOCK_N=32, num_warps=4, num_stages=3, slot_programs=2, fused_combine=False),
-    "wgmma": dict(BLOCK_N=64, STAGES=2, FUSED_SPLITS=0, Q_AHEAD=False, PDL=1, num_warps=4, slot_programs=1,
+    "wgmma": dict(BLOCK_N=64, STAGES=2, FUSED_SPLITS=0, Q_AHEAD=False, PDL=1, SEESAW=0, num_warps=4, slot_programs=1,
                   fused_combine=False),
 }
 # The Gluon kernel's per-call levers (``"wgmma"`` above, kernels_gluon.mla_split_ws_kernel):
@@ -43,6 +43,10 @@ CONFIGS = {
 #   finish (arrival counters in zeroed scratch) instead of the combine launch, which then merges
 #   only longer ones; at or above the metadata's slot count no combine is launched (0: off);
 # * Q_AHEAD: the next split's Q is issued under the current split's last tile;
+# * SEESAW: 1: the two MMA warpgroups alternate tiles, each with its half of O, so one's softmax
+#   runs under the other's MMAs (kernels_gluon._seesaw_wg; without FUSED_SPLITS and Q_AHEAD);
+#   compiled for sm_90a (spills 612 bytes of scalars with the 240 / 24 register split), not yet
+#   run on a GPU, off;
 # * PDL: 1: the combine is a programmatic dependent launch (its programs start while the split
 #   kernel's last ones run, then wait for its end); 2: the split kernel too, after whatever precedes it.
 # Measured each alone against the plain path in one process on an H100 (tools/mla_wgmma_t_ab.py
@@ -52,7 +56,7 @@ CONFIGS = {
 # FUSED_SPLITS 16 (0.36-0.996x: one warpgroup merging a (request, head tile)'s partials is bound by
 # L2 latency, 64 rows x 16 splits cost more than the launch it saves), Q ahead is level
 # (0.99-1.01), PDL 2 no better than 1.
-WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL")
+WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL", "SEESAW")
 SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # for overrides that omit them
 # The combine launch (kernels.mla_combine_kernel, after every kernel that leaves partials): a
 # program per (request, query row, COL_BLOCKS-th of the 512 columns) reads S_CHUNK partials per load
@@ -77,6 +81,8 @@ def wgmma_levers(**levers):
     if unknown:
         raise ValueError(f"levers: expected names from {WGMMA_LEVERS} or COMBINE_ + {tuple(COMBINE)}, got "
                          f"{sorted(unknown)}")
+    if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD")):
+        raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS and Q_AHEAD, got {levers}")
     if combine.get("COL_BLOCKS", 1) not in (1, 2, 4, 8) or combine.get("S_CHUNK", 8) not in (2, 4, 8, 16, 32, 64):
         raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
                          f"2-64, got {combine}")

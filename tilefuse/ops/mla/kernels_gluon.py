@@ -282,11 +282,12 @@ def _wait_q():
 
 
 @gluon.jit
-def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr):
+def _issue_scores_async(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr):
     """SMEM -> tensor cores: S = Q K^T ([64, 576] x [576, BLOCK_N], both operands in SMEM) for the
     program's tile ``t`` (tokens from ``start``) issued asynchronously, once it has landed in slot
-    ``t % STAGES`` (its rows past the request's end zeroed first)."""
+    ``t % STAGES`` (its rows past the request's end zeroed first). Returns the in-flight
+    accumulator: the caller waits for it."""
     LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     stage = t % STAGES
     kn = kn_ring.index(stage)
@@ -301,7 +302,14 @@ def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, B
                                                        instr_shape=[16, BLOCK_N, 16])
     s = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, S_LAYOUT)
     s = warpgroup_mma(q_nope, kn.permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(q_rope, kr.permute((1, 0)), s, is_async=True)
+
+
+@gluon.jit
+def _issue_scores(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """``_issue_scores_async``, waited for: S in registers."""
+    s = _issue_scores_async(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length, BLOCK_N, STAGES)
     return warpgroup_mma_wait(0, deps=(s,))
 
 
@@ -471,6 +479,145 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
             n_done += 1
 
 
+# ---- the seesaw form (SEESAW = 1, off: not yet measured): two symmetric MMA warpgroups. The
+# split's tiles alternate between them (warpgroup 0 owns tiles 0, 2, ..., warpgroup 1 tiles 1, 3,
+# ...); each keeps its half of O (columns 256 x ME ..) and, for every tile in order, adds that
+# tile's P V half: its own tiles' P from registers, the other's from SMEM. The owner of tile j
+# computes S_j and the softmax from the row max and sum after tile j - 1 (the other's), then
+# publishes P_j, its alpha, max and sum. Each issues S of its next tile before it waits for the
+# other's publication and runs its softmax while the other's P V half is on the tensor cores, so
+# one warpgroup's softmax runs under the other's MMAs. One P tile and one set of row statistics
+# suffice: a warpgroup overwrites them only after its own P V has read the other's (every tile's
+# publication waits for the consumption of the one before it). mbarriers: pub[w] (warpgroup w
+# published a tile), q_ready (warpgroup 0 loaded the split's Q), q_free (warpgroup 1 read it
+# for the last time and consumed every P of the split).
+
+
+@gluon.jit
+def _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N: gl.constexpr):
+    """Online softmax of one tile's scores (registers): ``(p, m_new, l_new, alpha)`` from the row
+    max and sum after the previous tile (log2 domain; keys past ``limit`` score -inf; the row sum
+    from the fp32 probabilities)."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_prev - m_safe)
+    p32 = gl.exp2(s - m_safe[:, None])
+    l_new = l_prev * alpha + gl.sum(p32, axis=1)
+    return p32, m_new, l_new, alpha
+
+
+@gluon.jit
+def _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other, n_other, stage, ME: gl.constexpr,
+                 ROWS_S: gl.constexpr):
+    """The other warpgroup's published tile, issued on this half of O: waits for its publication,
+    reads its row statistics, rescales O by its alpha and issues ``O += P V[:, half]`` (P and V
+    from SMEM) asynchronously. Returns ``(in-flight O, max, sum)``; the caller waits for O, then
+    frees the slot."""
+    mbarrier.wait(pub_other, n_other & 1)
+    m_prev = m_buf.load(ROWS_S)
+    l_prev = l_buf.load(ROWS_S)
+    acc = acc * a_buf.load(ROWS_O)[:, None]
+    v_half = kn_ring.index(stage).slice(ME * (D_NOPE // 2), D_NOPE // 2, dim=1)
+    return warpgroup_mma(p_buf, v_half, acc, is_async=True), m_prev, l_prev
+
+
+@gluon.jit
+def _seesaw_wg(ME: gl.constexpr, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, m_buf, l_buf, a_buf, k_ready,
+               k_empty, pub_mine, pub_other, q_ready, q_free, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots,
+               max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total, out_ptr, lse_ptr, oacc_ptr,
+               lseacc_ptr, stride_qb, stride_qs, stride_qh, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    dtype: gl.constexpr = q_nope.dtype
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    ROWS_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+    rows_s = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_S)
+    t = 0              # the program's tiles so far, both warpgroups' (ring slot and phase)
+    n_other = 0        # the other's tiles this warpgroup consumed (pub_other phases)
+    n_split = 0        # splits so far (q_ready / q_free phases)
+    for slot in range(slot_first, slot_last):
+        valid, req, tok_begin, tok_end, length, n_part, part_idx, first = _split_range(
+            meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, slot)
+        if valid:
+            # ---- the split's Q (HBM -> SMEM), loaded by warpgroup 0 once warpgroup 1 is done
+            # with the last split's Q and P.
+            if ME == 0:
+                mbarrier.wait(q_free, (n_split & 1) ^ 1)
+                _load_q(q_ptr, q_nope, q_rope, req, pid_h, h_q, rows_total, stride_qb, stride_qs, stride_qh)
+                _wait_q()
+                mbarrier.arrive(q_ready)
+            else:
+                mbarrier.wait(q_ready, n_split & 1)
+            limit = length - 1 - gl.where(CAUSAL, s_q - 1 - rows_s // h_q, 0)
+            m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, ROWS_S)
+            l_i = gl.zeros([BLOCK_H], gl.float32, ROWS_S)
+            acc = gl.zeros([BLOCK_H, D_NOPE // 2], gl.float32, O_LAYOUT)
+            n_tiles = (tok_end - tok_begin + BLOCK_N - 1) // BLOCK_N
+            for j in range(0, n_tiles):
+                start = tok_begin + j * BLOCK_N
+                if j % 2 == ME:
+                    # ---- S_j = Q K_j^T issued first (the tensor cores run it while this
+                    # warpgroup waits for the other's tile j - 1).
+                    s_async = _issue_scores_async(q_nope, q_rope, kn_ring, kr_ring, k_ready, start, t, length,
+                                                  BLOCK_N, STAGES)
+                    if j > 0:
+                        # ---- tile j - 1 (the other's): O half += P V from SMEM, in flight under
+                        # this tile's softmax; the groups retire in order, so wait(1) is S_j.
+                        pv, m_prev, l_prev = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other,
+                                                          n_other, (t - 1) % STAGES, ME, ROWS_S)
+                        s = warpgroup_mma_wait(1, deps=(s_async,))
+                        p32, m_i, l_i, alpha = _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N)
+                        acc = warpgroup_mma_wait(0, deps=(pv,))
+                        mbarrier.arrive(k_empty.index((t - 1) % STAGES))
+                        n_other += 1
+                    else:
+                        s = warpgroup_mma_wait(0, deps=(s_async,))
+                        p32, m_i, l_i, alpha = _seesaw_softmax(s, start, limit, m_i, l_i, qk_scale, BLOCK_N)
+                    # ---- publish P_j and the rows' statistics (every warp of this warpgroup is
+                    # past its reads of the last ones).
+                    p = p32.to(dtype)
+                    thread_barrier()
+                    p_buf.store(p)
+                    m_buf.store(m_i)
+                    l_buf.store(l_i)
+                    a_buf.store(alpha)
+                    fence_async_shared()
+                    mbarrier.arrive(pub_mine)
+                    # ---- O half = O half alpha + P_j V_j[:, half] (P from registers).
+                    acc = acc * gl.convert_layout(alpha, ROWS_O)[:, None]
+                    v_half = kn_ring.index(t % STAGES).slice(ME * (D_NOPE // 2), D_NOPE // 2, dim=1)
+                    acc = warpgroup_mma(gl.convert_layout(p, P_OPERAND), v_half, acc, is_async=True)
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                    mbarrier.arrive(k_empty.index(t % STAGES))
+                t += 1
+            # ---- the split's last tile, when it is the other's
+            if (n_tiles > 0) & ((n_tiles - 1) % 2 != ME):
+                pv, m_i, l_i = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other, n_other,
+                                            (t - 1) % STAGES, ME, ROWS_S)
+                acc = warpgroup_mma_wait(0, deps=(pv,))
+                mbarrier.arrive(k_empty.index((t - 1) % STAGES))
+                n_other += 1
+            if ME == 1:
+                thread_barrier()
+                mbarrier.arrive(q_free)
+            # ---- epilogue: this half of the output (both warpgroups hold the final row max and
+            # sum), the lse from warpgroup 0.
+            has_keys = l_i != 0                 # NaN counts as keys: a NaN score reaches out and lse
+            l_safe = gl.where(has_keys, l_i, 1.0)
+            rows_o = pid_h * BLOCK_H + gl.arange(0, BLOCK_H, layout=ROWS_O)
+            cols = ME * (D_NOPE // 2) + gl.arange(0, D_NOPE // 2, layout=gl.SliceLayout(0, O_LAYOUT))
+            _ws_store_half(acc / gl.convert_layout(l_safe, ROWS_O)[:, None], rows_o, cols, req, part_idx, n_part,
+                           rows_total, h_q, out_ptr, oacc_ptr, stride_ob, stride_os, stride_oh)
+            if ME == 0:
+                _ws_store_lse(gl.where(has_keys, m_i + gl.log2(l_safe), float("-inf")), rows_s, req, part_idx,
+                              n_part, rows_total, h_q, lse_ptr, lseacc_ptr, stride_lb, stride_lh)
+            n_split += 1
+
+
 @gluon.jit
 def _ws_shared(NOPE_DT: gl.constexpr, ROPE_DT: gl.constexpr, NOPE_LAYOUT: gl.constexpr, ROPE_LAYOUT: gl.constexpr,
                P_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -509,7 +656,7 @@ def mla_split_ws_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_PAGE: gl.constexpr,
     FUSED_SPLITS: gl.constexpr, MERGE_ROWS: gl.constexpr, Q_AHEAD: gl.constexpr, PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, SEESAW: gl.constexpr = 0,
 ):
     """Attention of 64 query rows over the splits of one part of the schedule, on a producer warp
     and two consumer warpgroups (``num_warps = 4``: the default partition is the softmax
@@ -527,7 +674,8 @@ def mla_split_ws_kernel(
     int32, left zero; a second copy of the partial lse at ``lseacc_ptr + num_slots *
     rows_total``), the rest by the combine kernel; ``MERGE_ROWS``: the head tile's rows that can
     be valid (16, 32, 64). ``Q_AHEAD``: the next split's Q is issued under the current split's last
-    tile. ``PDL`` >= 1: the next kernel (the combine, a programmatic dependent launch) may launch
+    tile. ``SEESAW`` = 1: the two MMA warpgroups alternate tiles (``_seesaw_wg``; neither lever
+    above with it). ``PDL`` >= 1: the next kernel (the combine, a programmatic dependent launch) may launch
     once every program has started; 2: this kernel is one too, and every partition waits for the
     previous kernels' end before it touches memory."""
     dtype: gl.constexpr = kn_desc.dtype
@@ -547,6 +695,27 @@ def mla_split_ws_kernel(
     q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, sync = _ws_shared(
         dtype, dtype, KN_SMEM, KR_SMEM, P_SMEM, BLOCK_N, STAGES)
 
+    if SEESAW:
+        gl.static_assert((FUSED_SPLITS == 0) & (not Q_AHEAD), "the seesaw form has no fused combine or Q ahead")
+        VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        m_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
+        # (sync: pub[0], pub[1], q_ready, q_free)
+        gl.warp_specialize([
+            (_seesaw_wg, (0, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, m_buf, l_buf, alpha_buf, k_ready, k_empty,
+                          sync.index(0), sync.index(1), sync.index(2), sync.index(3), meta_ptr, splits_ptr,
+                          seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
+                          rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh,
+                          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_seesaw_wg, (1, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, m_buf, l_buf, alpha_buf, k_ready, k_empty,
+                          sync.index(1), sync.index(0), sync.index(2), sync.index(3), meta_ptr, splits_ptr,
+                          seqlens_ptr, batch, num_slots, max_tokens, slot_first, slot_last, pid_h, h_q, s_q, qk_scale,
+                          rows_total, out_ptr, lse_ptr, oacc_ptr, lseacc_ptr, stride_qb, stride_qs, stride_qh,
+                          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL, BLOCK_N, STAGES)),
+            (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr,
+                            splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
+                            BLOCK_N, STAGES, KV_PAGE, PDL)),
+        ], [4, 1], [240, 24])      # (sm_90a, Triton 3.6: 612 bytes of scalar spills; 884 at 232 / 40)
+        return
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([
         (_ws_softmax, (q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty,

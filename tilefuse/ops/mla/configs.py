@@ -45,7 +45,7 @@ CONFIGS = {
 # * Q_AHEAD: the next split's Q is issued under the current split's last tile;
 # * SEESAW: 1: the two MMA warpgroups alternate tiles, each with its half of O, so one's softmax
 #   runs under the other's MMAs (kernels_gluon._seesaw_wg; without FUSED_SPLITS and Q_AHEAD);
-#   compiled for sm_90a (spills 612 bytes of scalars with the 240 / 24 register split), not yet
+#   compiled for sm_90a (spills 692 bytes of scalars with the 240 / 24 register split), not yet
 #   run on a GPU, off;
 # * PDL: 1: the combine is a programmatic dependent launch (its programs start while the split
 #   kernel's last ones run, then wait for its end); 2: the split kernel too, after whatever precedes it.

@@ -511,13 +511,16 @@ def _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N: gl.const
 
 
 @gluon.jit
-def _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other, n_other, stage, ME: gl.constexpr,
-                 ROWS_S: gl.constexpr):
-    """The other warpgroup's published tile, issued on this half of O: waits for its publication,
-    reads its row statistics, rescales O by its alpha and issues ``O += P V[:, half]`` (P and V
-    from SMEM) asynchronously. Returns ``(in-flight O, max, sum)``; the caller waits for O, then
-    frees the slot."""
+def _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, k_ready, pub_other, n_other, t, ME: gl.constexpr,
+                 STAGES: gl.constexpr, ROWS_S: gl.constexpr):
+    """The other warpgroup's published tile (the program's tile ``t``), issued on this half of O:
+    waits for its publication (and, as every reader of a slot does, for the slot's TMA bytes: long
+    landed by then), reads its row statistics, rescales O by its alpha and issues ``O += P
+    V[:, half]`` (P and V from SMEM) asynchronously. Returns ``(in-flight O, max, sum)``; the
+    caller waits for O, then frees the slot."""
+    stage = t % STAGES
     mbarrier.wait(pub_other, n_other & 1)
+    mbarrier.wait(k_ready.index(stage), (t // STAGES) & 1)
     m_prev = m_buf.load(ROWS_S)
     l_prev = l_buf.load(ROWS_S)
     acc = acc * a_buf.load(ROWS_O)[:, None]
@@ -567,8 +570,8 @@ def _seesaw_wg(ME: gl.constexpr, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf,
                     if j > 0:
                         # ---- tile j - 1 (the other's): O half += P V from SMEM, in flight under
                         # this tile's softmax; the groups retire in order, so wait(1) is S_j.
-                        pv, m_prev, l_prev = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other,
-                                                          n_other, (t - 1) % STAGES, ME, ROWS_S)
+                        pv, m_prev, l_prev = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, k_ready,
+                                                          pub_other, n_other, t - 1, ME, STAGES, ROWS_S)
                         s = warpgroup_mma_wait(1, deps=(s_async,))
                         p32, m_i, l_i, alpha = _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N)
                         acc = warpgroup_mma_wait(0, deps=(pv,))
@@ -596,8 +599,8 @@ def _seesaw_wg(ME: gl.constexpr, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf,
                 t += 1
             # ---- the split's last tile, when it is the other's
             if (n_tiles > 0) & ((n_tiles - 1) % 2 != ME):
-                pv, m_i, l_i = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, pub_other, n_other,
-                                            (t - 1) % STAGES, ME, ROWS_S)
+                pv, m_i, l_i = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, k_ready, pub_other, n_other,
+                                            t - 1, ME, STAGES, ROWS_S)
                 acc = warpgroup_mma_wait(0, deps=(pv,))
                 mbarrier.arrive(k_empty.index((t - 1) % STAGES))
                 n_other += 1
@@ -714,7 +717,7 @@ def mla_split_ws_kernel(
             (_ws_producer, (kn_desc, kr_desc, kn_ring, kr_ring, k_ready, k_empty, bt_ptr, stride_btb, meta_ptr,
                             splits_ptr, seqlens_ptr, batch, num_slots, max_tokens, num_blocks, slot_first, slot_last,
                             BLOCK_N, STAGES, KV_PAGE, PDL)),
-        ], [4, 1], [240, 24])      # (sm_90a, Triton 3.6: 612 bytes of scalar spills; 884 at 232 / 40)
+        ], [4, 1], [240, 24])      # (sm_90a, Triton 3.6: 692 bytes of scalar spills)
         return
     # (argument tuples written out in the call: a tuple held in a variable loses its constexprs)
     gl.warp_specialize([

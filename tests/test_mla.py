@@ -1798,9 +1798,10 @@ def test_wgmma_levers_plan():
     with pytest.raises(ValueError, match="levers"):
         with configs.wgmma_levers(FUSED=1):
             pass
-    with pytest.raises(ValueError, match="SEESAW"):
-        with configs.wgmma_levers(SEESAW=1, Q_AHEAD=True):
-            pass
+    for other in (dict(Q_AHEAD=True), dict(FUSED_SPLITS=16), dict(PDL=2)):
+        with pytest.raises(ValueError, match="SEESAW"):
+            with configs.wgmma_levers(SEESAW=1, **other):
+                pass
     assert plan(SEESAW=1).meta["SEESAW"] == 1 and plan().meta["SEESAW"] == 0
     # the combine's settings: its grid's third axis, its chunk (every kernel that leaves partials)
     with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):

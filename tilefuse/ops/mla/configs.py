@@ -44,7 +44,7 @@ CONFIGS = {
 #   only longer ones; at or above the metadata's slot count no combine is launched (0: off);
 # * Q_AHEAD: the next split's Q is issued under the current split's last tile;
 # * SEESAW: 1: the two MMA warpgroups alternate tiles, each with its half of O, so one's softmax
-#   runs under the other's MMAs (kernels_gluon._seesaw_wg; without FUSED_SPLITS and Q_AHEAD);
+#   runs under the other's MMAs (kernels_gluon._seesaw_wg; without FUSED_SPLITS, Q_AHEAD and PDL 2);
 #   compiled for sm_90a (spills 692 bytes of scalars with the 240 / 24 register split), not yet
 #   run on a GPU, off;
 # * PDL: 1: the combine is a programmatic dependent launch (its programs start while the split
@@ -81,8 +81,8 @@ def wgmma_levers(**levers):
     if unknown:
         raise ValueError(f"levers: expected names from {WGMMA_LEVERS} or COMBINE_ + {tuple(COMBINE)}, got "
                          f"{sorted(unknown)}")
-    if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD")):
-        raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS and Q_AHEAD, got {levers}")
+    if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD") or levers.get("PDL", 0) >= 2):
+        raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS, Q_AHEAD and PDL 2, got {levers}")
     if combine.get("COL_BLOCKS", 1) not in (1, 2, 4, 8) or combine.get("S_CHUNK", 8) not in (2, 4, 8, 16, 32, 64):
         raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
                          f"2-64, got {combine}")

@@ -678,7 +678,7 @@ def mla_split_ws_kernel(
     rows_total``), the rest by the combine kernel; ``MERGE_ROWS``: the head tile's rows that can
     be valid (16, 32, 64). ``Q_AHEAD``: the next split's Q is issued under the current split's last
     tile. ``SEESAW`` = 1: the two MMA warpgroups alternate tiles (``_seesaw_wg``; neither lever
-    above with it). ``PDL`` >= 1: the next kernel (the combine, a programmatic dependent launch) may launch
+    above with it, nor PDL 2). ``PDL`` >= 1: the next kernel (the combine, a programmatic dependent launch) may launch
     once every program has started; 2: this kernel is one too, and every partition waits for the
     previous kernels' end before it touches memory."""
     dtype: gl.constexpr = kn_desc.dtype
@@ -699,7 +699,8 @@ def mla_split_ws_kernel(
         dtype, dtype, KN_SMEM, KR_SMEM, P_SMEM, BLOCK_N, STAGES)
 
     if SEESAW:
-        gl.static_assert((FUSED_SPLITS == 0) & (not Q_AHEAD), "the seesaw form has no fused combine or Q ahead")
+        gl.static_assert((FUSED_SPLITS == 0) & (not Q_AHEAD) & (PDL < 2),
+                         "the seesaw form has no fused combine, Q ahead or dependent launch of its own")
         VEC: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
         m_buf = gl.allocate_shared_memory(gl.float32, [BLOCK_H], VEC)
         # (sync: pub[0], pub[1], q_ready, q_free)

@@ -338,6 +338,26 @@ def _ws_store_lse(lse2, rows, req, part_idx, n_part, rows_total, h_q, lse_ptr, l
 
 
 @gluon.jit
+def _online_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N: gl.constexpr):
+    """Online softmax of one tile's scores S ([64, BLOCK_N] fp32, WGMMA's accumulator layout; each
+    row within one warp: shuffles, no SMEM): ``(p32, m_new, l_new, alpha)`` from the row max and
+    sum after the previous tile, in the log2 domain (keys past ``limit`` score -inf). The row sum
+    comes from the fp32 probabilities ``p32`` (the lse keeps fp32 accuracy; summing P after its
+    rounding to K's dtype would put up to 2^-11 (fp16) on it); the caller rounds P for the tensor
+    cores."""
+    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_prev - m_safe)
+    p32 = gl.exp2(s - m_safe[:, None])
+    l_new = l_prev * alpha + gl.sum(p32, axis=1)
+    return p32, m_new, l_new, alpha
+
+
+@gluon.jit
 def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty,
                 p_ready, p_empty, l_ready, l_free, o_stored, meta_ptr, splits_ptr, seqlens_ptr, batch, num_slots, max_tokens,
                 slot_first, slot_last, pid_h, h_q, s_q, qk_scale, rows_total, out_ptr, lse_ptr, oacc_ptr,
@@ -384,19 +404,9 @@ def _ws_softmax(q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf, alpha_buf, l_buf
                             _load_q(q_ptr, q_nope, q_rope, n_req, pid_h, h_q, rows_total, stride_qb, stride_qs,
                                     stride_qh)
                             q_req = n_req
-                # ---- online softmax in registers (each row within one warp: shuffles, no SMEM).
-                pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-                s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
-                m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = gl.exp2(m_i - m_safe)
-                # the row sum from the fp32 probabilities (the lse keeps fp32 accuracy; summing P
-                # after its rounding to K's dtype would put up to 2^-11 (fp16) on it), P itself goes
-                # to the tensor cores in K's dtype.
-                p32 = gl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + gl.sum(p32, axis=1)
+                # ---- online softmax in registers; P goes to the tensor cores in K's dtype.
+                p32, m_i, l_i, alpha = _online_softmax(s, start, limit, m_i, l_i, qk_scale, BLOCK_N)
                 p = p32.to(dtype)
-                m_i = m_new
                 # ---- hand P_t and alpha_t to the PV warpgroup (registers -> SMEM), once it took P_{t-1}.
                 mbarrier.wait(p_empty, (t & 1) ^ 1)
                 p_buf.store(p)
@@ -494,23 +504,6 @@ def _ws_pv(kn_ring, p_buf, alpha_buf, l_buf, k_ready, k_empty, p_ready, p_empty,
 
 
 @gluon.jit
-def _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N: gl.constexpr):
-    """Online softmax of one tile's scores (registers): ``(p, m_new, l_new, alpha)`` from the row
-    max and sum after the previous tile (log2 domain; keys past ``limit`` score -inf; the row sum
-    from the fp32 probabilities)."""
-    S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    pos = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-    s = gl.where(pos[None, :] <= limit[:, None], s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_prev, gl.max(s, axis=1))
-    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_prev - m_safe)
-    p32 = gl.exp2(s - m_safe[:, None])
-    l_new = l_prev * alpha + gl.sum(p32, axis=1)
-    return p32, m_new, l_new, alpha
-
-
-@gluon.jit
 def _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, k_ready, pub_other, n_other, t, ME: gl.constexpr,
                  STAGES: gl.constexpr, ROWS_S: gl.constexpr):
     """The other warpgroup's published tile (the program's tile ``t``), issued on this half of O:
@@ -573,13 +566,13 @@ def _seesaw_wg(ME: gl.constexpr, q_ptr, q_nope, q_rope, kn_ring, kr_ring, p_buf,
                         pv, m_prev, l_prev = _seesaw_take(acc, kn_ring, p_buf, m_buf, l_buf, a_buf, k_ready,
                                                           pub_other, n_other, t - 1, ME, STAGES, ROWS_S)
                         s = warpgroup_mma_wait(1, deps=(s_async,))
-                        p32, m_i, l_i, alpha = _seesaw_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N)
+                        p32, m_i, l_i, alpha = _online_softmax(s, start, limit, m_prev, l_prev, qk_scale, BLOCK_N)
                         acc = warpgroup_mma_wait(0, deps=(pv,))
                         mbarrier.arrive(k_empty.index((t - 1) % STAGES))
                         n_other += 1
                     else:
                         s = warpgroup_mma_wait(0, deps=(s_async,))
-                        p32, m_i, l_i, alpha = _seesaw_softmax(s, start, limit, m_i, l_i, qk_scale, BLOCK_N)
+                        p32, m_i, l_i, alpha = _online_softmax(s, start, limit, m_i, l_i, qk_scale, BLOCK_N)
                     # ---- publish P_j and the rows' statistics (every warp of this warpgroup is
                     # past its reads of the last ones).
                     p = p32.to(dtype)

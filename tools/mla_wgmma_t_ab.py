@@ -109,6 +109,11 @@ CANDIDATES = {
     "fused16_pdl1": {"FUSED_SPLITS": 16, "PDL": 1, "Q_AHEAD": False},
     # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
     "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},
+    # each of the combine's two settings alone (the chunk of partials per load; the columns' split)
+    "combine8x4": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 4},
+    "combine8x2": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 2},
+    "combine32x1": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 1},
+    "combine16x1": {"COMBINE_S_CHUNK": 16, "COMBINE_COL_BLOCKS": 1},
 }
 LEVER_CANDIDATES = "plain,pdl1,pdl2,fused16,fused_all,q_ahead"
 MAX_REL_ERR = 1e-2       # two bf16 roundings of out, different products' orders

@@ -45,8 +45,8 @@ CONFIGS = {
 # * Q_AHEAD: the next split's Q is issued under the current split's last tile;
 # * SEESAW: 1: the two MMA warpgroups alternate tiles, each with its half of O, so one's softmax
 #   runs under the other's MMAs (kernels_gluon._seesaw_wg; without FUSED_SPLITS, Q_AHEAD and PDL 2);
-#   compiled for sm_90a (spills 692 bytes of scalars with the 240 / 24 register split), not yet
-#   run on a GPU, off;
+#   correct on the GPU tests, slower than the role split on all 16 lever batches (0.64-0.92x,
+#   geomean 0.80x, H100; sweeps/mla-levers-seesaw-nvidia-h100-80gb-hbm3.json), off;
 # * PDL: 1: the combine is a programmatic dependent launch (its programs start while the split
 #   kernel's last ones run, then wait for its end); 2: the split kernel too, after whatever precedes it.
 # Measured each alone against the plain path in one process on an H100 (tools/mla_wgmma_t_ab.py

@@ -103,13 +103,13 @@ def contents_unreadable(*tensors) -> bool:
     inputs get the outputs' shapes from the ops' fake implementations."""
     if torch.compiler.is_compiling():
         return True
+    functional = torch._is_functional_tensor
     for t in tensors:
         # a plain tensor that is not meta and not a functional wrapper holds real values: the
-        # common case answered without is_fake (it cost ~3 us a tensor on a decode step's path)
-        if not isinstance(t, torch.Tensor) or (type(t) is torch.Tensor and not t.is_meta
-                                               and not torch._is_functional_tensor(t)):
+        # common case answered first, without is_fake (it cost ~3 us a tensor on a decode step's path)
+        if type(t) is torch.Tensor and not t.is_meta and not functional(t):
             continue
-        if t.is_meta or _is_fake(t):
+        if isinstance(t, torch.Tensor) and (t.is_meta or _is_fake(t)):
             return True
     return False
 

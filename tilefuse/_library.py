@@ -54,7 +54,9 @@ def plan_key(*tensors: torch.Tensor | None):
     from tilefuse._backend import forced_state
 
     try:
-        return tuple(None if t is None else (type(t), t.shape, t.dtype, t.device, t.stride()) for t in tensors) + forced_state()
+        # (a list comprehension, not a generator: ~1 us less per call on a decode step's path)
+        return tuple([None if t is None else (type(t), t.shape, t.dtype, t.device, t.stride()) for t in tensors]) \
+            + forced_state()
     except (AttributeError, TypeError):
         return None
 

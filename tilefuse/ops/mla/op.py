@@ -424,16 +424,28 @@ def _gluon_form(variant: str, rows: int, fp8: bool) -> str:
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
 
 
+_kv_pairs: dict = {}     # (cache address, dtype, shape, block_n) -> the pair of descriptors (GPU)
+
+
 def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
     """TMA descriptors of the cache as ``[num_blocks * page, 576]`` rows: columns 0..511 in
     ``[box, 512]`` boxes, columns 512..575 in ``[box, 64]`` boxes, ``box = min(page, block_n)``
-    rows (a tile spans ``block_n / page`` pages where pages are shorter; cached per cache address
-    and shape by ``_launch.descriptor``)."""
-    page = k_cache.shape[1]
-    rows, box = k_cache.shape[0] * page, min(page, block_n)
-    return tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [box, cols], gluon=True,
-                                    offset=offset)
-                 for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
+    rows (a tile spans ``block_n / page`` pages where pages are shorter). Cached per cache address
+    and shape by ``_launch.descriptor``, and the pair here too on a GPU (one lookup per call: the
+    address, dtype and shape fix the geometry, the same argument as ``_launch.descriptor``'s)."""
+    key = (k_cache.data_ptr(), k_cache.dtype, k_cache.shape, block_n) if k_cache.is_cuda else None
+    pair = _kv_pairs.get(key) if key is not None else None
+    if pair is None:
+        page = k_cache.shape[1]
+        rows, box = k_cache.shape[0] * page, min(page, block_n)
+        pair = tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [box, cols], gluon=True,
+                                        offset=offset)
+                     for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
+        if key is not None:
+            if len(_kv_pairs) >= 4096:       # bounded for long-running servers
+                _kv_pairs.clear()
+            _kv_pairs[key] = pair
+    return pair
 
 
 def _fp8_descriptors(k_cache: torch.Tensor, slot_n: int = 64) -> tuple:

@@ -1807,11 +1807,31 @@ def test_wgmma_levers_plan():
     with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):
         call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "standard")
     assert call.combine_grid == (3, 32, 4) and call.combine_meta["S_CHUNK"] == 32
-    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=8, COL_BLOCKS=1)
+    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=None, COL_BLOCKS=None)
     for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=2)):
         with pytest.raises(ValueError, match="COMBINE"):
             with configs.wgmma_levers(**bad):
                 pass
+
+
+def test_combine_settings_by_program_count(monkeypatch):
+    """The combine's settings by its launch's (request, query row) programs against the SMs: at
+    most one per SM: 32 partials per load over a quarter of the columns; more: 8 over all 512
+    (configs.combine_settings); a lever pins either setting; the plan launches what it picks."""
+    assert configs.combine_settings(16, 132) == (32, 4) and configs.combine_settings(132, 132) == (32, 4)
+    assert configs.combine_settings(133, 132) == (8, 1) and configs.combine_settings(4096, 132) == (8, 1)
+    with configs.wgmma_levers(COMBINE_COL_BLOCKS=2):
+        assert configs.combine_settings(16, 132) == (32, 2) and configs.combine_settings(4096, 132) == (8, 2)
+    with configs.wgmma_levers(COMBINE_S_CHUNK=16):
+        assert configs.combine_settings(16, 132) == (16, 4)
+    assert configs.combine_settings(16, 132) == (32, 4)
+    inp = make_case([300, 70, 9000], 1, 16, torch.bfloat16, "cpu")      # 48 programs
+    meta, _ = op._metadata_torch(inp.cache_seqlens, 4)
+    for sms, want in ((48, (32, 4)), (47, (8, 1))):
+        monkeypatch.setattr(op, "num_sms", lambda device, sms=sms: sms)
+        call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "wgmma")
+        assert (call.combine_meta["S_CHUNK"], call.combine_meta["COL_BLOCKS"]) == want
+        assert call.combine_grid == (3, 16, want[1])
 
 
 def test_wgmma_levers_replan_cached_calls(interpret):

@@ -93,6 +93,11 @@ LEVER_CASES = [
     ("b32 h128 s1 2048", [2048] * 32, 128, 1),
     ("long b16 h16 s1 65536", [65536] * 16, 16, 1),
     ("long b64 h128 s1 16384", [16384] * 64, 128, 1),
+    # held out from the combine rule's choice (configs.combine_settings): 96-128 programs
+    ("held b2 h64 s1 8192,30000", [8192, 30000], 64, 1),
+    ("held b1 h128 s1 16384", [16384], 128, 1),
+    ("held b6 h16 s1 uneven 1K-32K", _uneven(6, 1024, 32768, 11), 16, 1),
+    ("held b3 h8 s4 1,300,70000", [1, 300, 70000], 8, 4),
 ]
 # candidate name -> its switches: "wgmma_t_max_rows" (configs.TRANSPOSED_GLUON_MAX_ROWS) or levers
 # (each lever alone on the plain path: PDL 0 where the lever is not PDL)
@@ -110,6 +115,7 @@ CANDIDATES = {
     # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
     "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},
     # each of the combine's two settings alone (the chunk of partials per load; the columns' split)
+    "combine8x1": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 1},     # the fixed form before the rule
     "combine8x4": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 4},
     "combine8x2": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 2},
     "combine32x1": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 1},

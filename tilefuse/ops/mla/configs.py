@@ -61,11 +61,29 @@ SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # 
 # The combine launch (kernels.mla_combine_kernel, after every kernel that leaves partials): a
 # program per (request, query row, COL_BLOCKS-th of the 512 columns) reads S_CHUNK partials per load
 # in two passes (the largest lse, then the weighted sum): 2 ceil(n / S_CHUNK) dependent L2 round
-# trips for a request of n partials. Shipped: S_CHUNK 8, COL_BLOCKS 1 (the measured form); more
-# partials per load over fewer columns (COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4 through
-# wgmma_levers; tools/mla_wgmma_t_ab.py --candidates combine32x4) is the candidate for requests of
-# many splits, not measured yet.
-COMBINE = dict(S_CHUNK=8, COL_BLOCKS=1)
+# trips for a request of n partials, each program's bytes n x 2 KB / COL_BLOCKS. Its time is
+# latency where its programs are fewer than the SMs (each SM holds one program's short chain of
+# round trips) and bytes where they are many. combine_settings picks by that: at most one program
+# per SM (batch x rows <= SMs), a quarter of the columns per program (4x the programs) reading 32
+# partials per load (a quarter of the round trips for the long requests of such batches); else
+# the measured form, 8 partials over all 512 columns. Measured on an H100 in one process against
+# the fixed 8 x 1 (tools/mla_wgmma_t_ab.py --candidates combine32x4, graph replay,
+# bench/results/sweeps/mla-levers-seesaw-nvidia-h100-80gb-hbm3.json): 1.05-1.16x at 16-128
+# programs (b1-b8 at 16-24 heads, 1K-70K tokens), 0.57-0.95x at 256-4096 programs, where the
+# rule keeps 8 x 1. ``None``: by the rule; a number (wgmma_levers' COMBINE_S_CHUNK /
+# COMBINE_COL_BLOCKS) pins it.
+COMBINE = dict(S_CHUNK=None, COL_BLOCKS=None)
+
+
+def combine_settings(programs: int, num_sms: int) -> tuple[int, int]:
+    """(S_CHUNK, COL_BLOCKS) of the combine launch for ``programs`` (request, query row) pairs on a
+    GPU of ``num_sms`` SMs: the rule above, each setting pinned by :data:`COMBINE` where set."""
+    few = programs <= num_sms
+    s_chunk = COMBINE["S_CHUNK"] or (32 if few else 8)
+    col_blocks = COMBINE["COL_BLOCKS"] or (4 if few else 1)
+    return s_chunk, col_blocks
+
+
 levers_version = 0      # bumped by wgmma_levers: the op's call plans include it
 
 
@@ -83,9 +101,10 @@ def wgmma_levers(**levers):
                          f"{sorted(unknown)}")
     if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD") or levers.get("PDL", 0) >= 2):
         raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS, Q_AHEAD and PDL 2, got {levers}")
-    if combine.get("COL_BLOCKS", 1) not in (1, 2, 4, 8) or combine.get("S_CHUNK", 8) not in (2, 4, 8, 16, 32, 64):
+    if combine.get("COL_BLOCKS", 1) not in (None, 1, 2, 4, 8) \
+            or combine.get("S_CHUNK", 8) not in (None, 2, 4, 8, 16, 32, 64):
         raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
-                         f"2-64, got {combine}")
+                         f"2-64 (None: by combine_settings), got {combine}")
     saved, saved_combine = dict(CONFIGS["wgmma"]), dict(COMBINE)
     CONFIGS["wgmma"] = {**saved, **levers}
     COMBINE.update(combine)

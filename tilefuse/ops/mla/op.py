@@ -366,11 +366,11 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
-    combine = configs.COMBINE
-    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, combine["COL_BLOCKS"])
+    s_chunk, col_blocks = configs.combine_settings(batch * rows, num_sms(q.device))
+    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, col_blocks)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
-    call.combine_meta = dict(S_CHUNK=combine["S_CHUNK"], SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits),
-                             GDC=pdl >= 1, COL_BLOCKS=combine["COL_BLOCKS"], num_warps=4,
+    call.combine_meta = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits),
+                             GDC=pdl >= 1, COL_BLOCKS=col_blocks, num_warps=4,
                              **({"launch_pdl": True} if pdl >= 1 else {}))
     return call
 

@@ -1766,13 +1766,11 @@ LEVERS = {
 }
 
 
-def test_wgmma_levers_plan(monkeypatch):
-    """The plan each lever makes (no GPU: planning reads shapes only; an H100's 132 SMs): arrival
-    counters per (request, head tile) only with the fused combine, no combine launch where every
-    request is fused (FUSED_SPLITS at or past the metadata's slot count), the combine told which
-    requests the split kernel merged, PDL launches where asked; the shipped levers: the combine's
-    PDL only."""
-    monkeypatch.setattr(op, "num_sms", lambda device: 132)
+def test_wgmma_levers_plan():
+    """The plan each lever makes (no GPU: planning reads shapes only): arrival counters per
+    (request, head tile) only with the fused combine, no combine launch where every request is
+    fused (FUSED_SPLITS at or past the metadata's slot count), the combine told which requests
+    the split kernel merged, PDL launches where asked; the shipped levers: the combine's PDL only."""
     inp = make_case([300, 70, 9000], 2, 16, torch.bfloat16, "cpu")
     meta, _ = op._metadata_torch(inp.cache_seqlens, 4)
 
@@ -1809,36 +1807,31 @@ def test_wgmma_levers_plan(monkeypatch):
     with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):
         call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "standard")
     assert call.combine_grid == (3, 32, 4) and call.combine_meta["S_CHUNK"] == 32
-    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=None, ROWS=None, COL_BLOCKS=None)
-    for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=3), dict(COMBINE_SPLIT=2)):
+    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=None, COL_BLOCKS=None)
+    for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=2)):
         with pytest.raises(ValueError, match="COMBINE"):
             with configs.wgmma_levers(**bad):
                 pass
 
 
-def test_combine_settings_rule(monkeypatch):
+def test_combine_settings_rule():
     """The combine's settings from shapes (configs.combine_settings): 32 partials per load where
-    the schedule gives a request 12 or more parts, else 8; as many rows per program (up to 8, one
-    with 32 partials) as leave twice as many programs as SMs; all 512 columns per program; a
-    lever pins any of them; the plan launches what it picks."""
+    the schedule gives a request 12 or more parts, else 8; all 512 columns per program; a lever
+    pins either; the plan launches what it picks (the parts read back from the metadata's rows)."""
     rule = configs.combine_settings
-    assert rule(1, 16, 132, 132) == (32, 1, 1) and rule(11, 128, 132, 132) == (32, 1, 1)   # 12 parts a request
-    assert rule(16, 16, 132, 132) == (8, 1, 1)          # 256 programs: not 2 x 132 with 2 rows each
-    assert rule(16, 128, 66, 132) == (8, 4, 1)          # 2048 rows: 512 programs of 4
-    assert rule(128, 128, 66, 132) == (8, 8, 1) and rule(128, 16, 132, 132) == (8, 4, 1)
-    assert rule(17, 16, 132, 132) == (8, 1, 1) and rule(33, 16, 132, 132) == (8, 2, 1)
+    assert rule(1, 132) == (32, 1) and rule(11, 132) == (32, 1) and rule(3, 36) == (32, 1)
+    assert rule(12, 132) == (8, 1) and rule(16, 66) == (8, 1) and rule(128, 132) == (8, 1) and rule(3, 35) == (8, 1)
     with configs.wgmma_levers(COMBINE_COL_BLOCKS=4, COMBINE_S_CHUNK=16):
-        assert rule(1, 16, 132, 132) == (16, 1, 4) and rule(128, 128, 66, 132) == (16, 8, 4)
-    with configs.wgmma_levers(COMBINE_ROWS=2):
-        assert rule(1, 16, 132, 132) == (32, 2, 1) and rule(128, 128, 66, 132) == (8, 2, 1)
-    assert rule(1, 16, 132, 132) == (32, 1, 1)
+        assert rule(1, 132) == (16, 4) and rule(128, 66) == (16, 4)
+    with configs.wgmma_levers(COMBINE_COL_BLOCKS=2):
+        assert rule(1, 132) == (32, 2) and rule(128, 66) == (8, 2)
+    assert rule(1, 132) == (32, 1)
     inp = make_case([300, 70, 9000], 1, 16, torch.bfloat16, "cpu")
-    for parts, sms, want in ((36, 132, (32, 1)), (4, 12, (8, 2)), (4, 132, (8, 1))):
+    for parts, want in ((36, 32), (35, 8), (4, 8)):
         meta, _ = op._metadata_torch(inp.cache_seqlens, parts)
-        monkeypatch.setattr(op, "num_sms", lambda device, sms=sms: sms)
         call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "wgmma")
-        assert (call.combine_meta["S_CHUNK"], call.combine_meta["ROWS"]) == want
-        assert call.combine_grid == (3, 16 // want[1], 1) and call.combine_meta["COL_BLOCKS"] == 1
+        assert call.combine_meta["S_CHUNK"] == want and call.combine_meta["COL_BLOCKS"] == 1
+        assert call.combine_grid == (3, 16, 1)
 
 
 def test_wgmma_levers_replan_cached_calls(interpret):
@@ -1855,12 +1848,11 @@ def test_wgmma_levers_replan_cached_calls(interpret):
     assert op._plan_call(*args) is not inside
 
 
-@pytest.mark.parametrize("s_chunk,col_blocks,per_program", [(8, 1, 1), (2, 4, 1), (4, 2, 1), (8, 1, 2), (2, 1, 4)])
-def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, col_blocks, per_program):
+@pytest.mark.parametrize("s_chunk,col_blocks", [(8, 1), (2, 4), (4, 2), (32, 1)])
+def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, col_blocks):
     """``mla_combine_kernel`` with FUSED_SPLITS = n merges only requests of more than n partials
     (the split kernel wrote the others): their outputs stay as they were. Each chunk of partials
-    per load, split of the columns over programs and number of rows per program (the last
-    program's past the 3 rows: nothing written there) (``configs.COMBINE``) merges the same."""
+    per load and split of the columns over programs (``configs.COMBINE``) merges the same."""
     from tilefuse.ops.mla import kernels
 
     rows, d = 3, 512
@@ -1870,10 +1862,10 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, c
     for fused, merged in ((1, [True, True]), (2, [False, True]), (5, [False, False])):
         out = torch.full((2, 1, rows, d), 7.0, dtype=torch.float16)
         lse = torch.full((2, rows, 1), 7.0)
-        grid = (2, -(-rows // per_program), col_blocks)
-        kernels.mla_combine_kernel[grid](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7, rows * d, rows * d, d,
-                                         rows, 1, S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=fused, GDC=False,
-                                         COL_BLOCKS=col_blocks, ROWS=per_program)
+        kernels.mla_combine_kernel[(2, rows, col_blocks)](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7,
+                                                          rows * d, rows * d, d, rows, 1, S_CHUNK=s_chunk,
+                                                          SLOT_PROGRAMS=1, FUSED_SPLITS=fused, GDC=False,
+                                                          COL_BLOCKS=col_blocks)
         for req, first, n in ((0, 0, 2), (1, 2, 5)):
             part = (first + torch.arange(n))[:, None] * rows + torch.arange(rows)[None, :]     # [n, rows]
             w = torch.softmax(lse_acc[part] * 0.6931471805599453, dim=0)
@@ -1886,9 +1878,8 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, c
                 assert (out[req] == 7).all() and (lse[req] == 7).all()
 
 
-@pytest.mark.parametrize("s_chunk,col_blocks,gdc,per_program", [(8, 1, False, 1), (8, 1, True, 8), (32, 1, True, 1),
-                                                                 (32, 4, True, 1)])
-def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc, per_program):
+@pytest.mark.parametrize("s_chunk,col_blocks,gdc", [(8, 1, False), (8, 1, True), (32, 1, True), (32, 4, True)])
+def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc):
     """The combine launch compiles for sm_90a without spills in the settings its rule picks and
     the candidates, with the grid-dependency wait only where it is a programmatic dependent
     launch; at most 64 registers a thread, 128 where a load is 32 partials x 512 columns (128
@@ -1900,8 +1891,7 @@ def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc, per_program):
                 "lse_ptr": "*fp32"}
     signature = {**pointers, **{n: "i32" for n in ("h_q", "rows_total", "num_slots", "stride_ob", "stride_os",
                                                    "stride_oh", "stride_lb", "stride_lh")}}
-    constexprs = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=1, GDC=gdc, COL_BLOCKS=col_blocks,
-                      ROWS=per_program)
+    constexprs = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=1, GDC=gdc, COL_BLOCKS=col_blocks)
     signature.update({name: "constexpr" for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_combine_kernel", signature, constexprs,
                                     num_warps=4, aligned=list(pointers))

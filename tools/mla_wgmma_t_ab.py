@@ -98,7 +98,7 @@ LEVER_CASES = [
     ("held b1 h128 s1 16384", [16384], 128, 1),
     ("held b6 h16 s1 uneven 1K-32K", _uneven(6, 1024, 32768, 11), 16, 1),
     ("held b3 h8 s4 1,300,70000", [1, 300, 70000], 8, 4),
-    # held out from the rule's second form (partials per load by parts per request, rows per program)
+    # held out from the combine rule (partials per load by the schedule's parts per request)
     ("held2 b5 h128 s1 8192", [8192] * 5, 128, 1),
     ("held2 b10 h16 s1 32768", [32768] * 10, 16, 1),
     ("held2 b24 h16 s1 4096", [4096] * 24, 16, 1),
@@ -122,11 +122,8 @@ CANDIDATES = {
     # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
     "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},
     # each of the combine's two settings alone (the chunk of partials per load; the columns' split)
-    # the combine's rule (configs.combine_settings) against: the fixed form before it (8 partials,
-    # one row, all columns per program), one row per program, 8 partials per load
-    "combine_fixed": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 1, "COMBINE_ROWS": 1},
-    "combine_rows1": {"COMBINE_ROWS": 1},
-    "combine_s8": {"COMBINE_S_CHUNK": 8},
+    # the combine's rule (configs.combine_settings) against the fixed form before it (8 partials
+    # per load over all the columns)
     "combine8x1": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 1},
     "combine8x4": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 4},
     "combine8x2": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 2},

@@ -59,38 +59,28 @@ CONFIGS = {
 WGMMA_LEVERS = ("FUSED_SPLITS", "Q_AHEAD", "PDL", "SEESAW")
 SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # for overrides that omit them
 # The combine launch (kernels.mla_combine_kernel, after every kernel that leaves partials): a
-# program per (request, ROWS query rows, COL_BLOCKS-th of the 512 columns) reads S_CHUNK partials
-# per load in two passes (the largest lse, then the weighted sum): 2 ceil(n / S_CHUNK) dependent L2
-# round trips per row for a request of n partials. combine_settings picks the three from shapes
-# (no host sync):
+# program per (request, query row, COL_BLOCKS-th of the 512 columns) reads S_CHUNK partials per
+# load in two passes (the largest lse, then the weighted sum): 2 ceil(n / S_CHUNK) dependent L2
+# round trips for a request of n partials. combine_settings picks from shapes (no host sync):
 # * S_CHUNK: 32 where the schedule gives a request 12 or more parts on average (few long requests:
 #   a quarter of the round trips), else 8 (most requests of one or a few partials: a [32, 512]
-#   load would be mostly masked);
-# * ROWS: the most rows per program (up to 8; 1 with S_CHUNK 32) that still leaves twice as many
-#   programs as SMs: a request of one split (most of them in a large batch) leaves nothing to
-#   merge, and its programs only read two split counts and end, so fewer of them cost less;
-# * COL_BLOCKS: 1 (a quarter of the columns per program was slower in every case measured).
+#   load would be mostly masked, 128 registers a thread);
+# * COL_BLOCKS: 1 (a quarter of the columns per program: slower with 32 partials per load on 7 of
+#   the 8 batches where both were timed, level on the 8th; with 8, slower on 18 of 20).
 # Measured on an H100 in one process (tools/mla_wgmma_t_ab.py --cases levers, graph replay,
-# bench/results/sweeps/mla-levers-combine-nvidia-h100-80gb-hbm3.json): S_CHUNK 32 over all the
-# columns 1.03-1.23x against 8 at 8-132 parts a request, 0.82-0.98x at 2-4 (128 heads, 16-64
-# requests), level at 8; COL_BLOCKS 4: 0.60-1.00x against 1 on every batch. ``None``: by the
-# rule; a number (wgmma_levers' COMBINE_S_CHUNK / COMBINE_ROWS / COMBINE_COL_BLOCKS) pins it.
-COMBINE = dict(S_CHUNK=None, ROWS=None, COL_BLOCKS=None)
+# bench/results/sweeps/mla-levers-combine-nvidia-h100-80gb-hbm3.json, 20 batches): 32 partials
+# over all the columns 1.03-1.24x against 8 on all 10 batches of 16.5-132 parts a request, 0.82-1.01x
+# on the 10 of 0.8-8.2 (0.82-0.90 at 128 heads, 2-4 parts), where the rule keeps 8; 32 partials
+# over a quarter of the columns (the first rule's pick at up to 132 programs) 0.90-1.00x against
+# 32 over all of them. The threshold was set on those 20 batches (none of 9-15 parts measured). ``None``: by the rule; a number (wgmma_levers' COMBINE_S_CHUNK /
+# COMBINE_COL_BLOCKS) pins it.
+COMBINE = dict(S_CHUNK=None, COL_BLOCKS=None)
 
 
-def combine_settings(batch: int, rows: int, num_parts: int, num_sms: int) -> tuple[int, int, int]:
-    """(S_CHUNK, ROWS, COL_BLOCKS) of the combine launch for ``batch`` requests of ``rows`` query
-    rows scheduled over ``num_parts`` parts on a GPU of ``num_sms`` SMs: the rule above, each
-    setting pinned by :data:`COMBINE` where set."""
-    s_chunk = COMBINE["S_CHUNK"] or (32 if num_parts >= 12 * batch else 8)
-    col_blocks = COMBINE["COL_BLOCKS"] or 1
-    per_program = COMBINE["ROWS"]
-    if per_program is None:
-        per_program = 1
-        while (s_chunk < 32 and per_program < 8
-               and batch * -(-rows // (2 * per_program)) * col_blocks >= 2 * num_sms):
-            per_program *= 2
-    return s_chunk, per_program, col_blocks
+def combine_settings(batch: int, num_parts: int) -> tuple[int, int]:
+    """(S_CHUNK, COL_BLOCKS) of the combine launch for ``batch`` requests scheduled over
+    ``num_parts`` parts: the rule above, each setting pinned by :data:`COMBINE` where set."""
+    return COMBINE["S_CHUNK"] or (32 if num_parts >= 12 * batch else 8), COMBINE["COL_BLOCKS"] or 1
 
 
 levers_version = 0      # bumped by wgmma_levers: the op's call plans include it
@@ -110,9 +100,9 @@ def wgmma_levers(**levers):
                          f"{sorted(unknown)}")
     if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD") or levers.get("PDL", 0) >= 2):
         raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS, Q_AHEAD and PDL 2, got {levers}")
-    if combine.get("COL_BLOCKS", 1) not in (None, 1, 2, 4, 8) or combine.get("ROWS", 1) not in (None, 1, 2, 4, 8) \
+    if combine.get("COL_BLOCKS", 1) not in (None, 1, 2, 4, 8) \
             or combine.get("S_CHUNK", 8) not in (None, 2, 4, 8, 16, 32, 64):
-        raise ValueError(f"levers: expected COMBINE_COL_BLOCKS and COMBINE_ROWS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
+        raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
                          f"2-64 (None: by combine_settings), got {combine}")
     saved, saved_combine = dict(CONFIGS["wgmma"]), dict(COMBINE)
     CONFIGS["wgmma"] = {**saved, **levers}

@@ -1763,6 +1763,7 @@ LEVERS = {
     "pdl2": dict(PDL=2),
     "every": dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2),
     "combine32x4": dict(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4),
+    "combine32": dict(COMBINE_S_CHUNK=32),        # the rule's pick for few long requests, on every batch
 }
 
 

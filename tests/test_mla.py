@@ -1764,6 +1764,7 @@ LEVERS = {
     "every": dict(FUSED_SPLITS=16, Q_AHEAD=True, PDL=2),
     "combine32x4": dict(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4),
     "combine32": dict(COMBINE_S_CHUNK=32),        # the rule's pick for few long requests, on every batch
+    "combine_rows4": dict(COMBINE_ROWS=4),        # 4 query rows per combine program (off)
 }
 
 
@@ -1808,8 +1809,11 @@ def test_wgmma_levers_plan():
     with configs.wgmma_levers(COMBINE_S_CHUNK=32, COMBINE_COL_BLOCKS=4):
         call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "standard")
     assert call.combine_grid == (3, 32, 4) and call.combine_meta["S_CHUNK"] == 32
-    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=None, COL_BLOCKS=None)
-    for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=2)):
+    assert call.combine_meta["COL_BLOCKS"] == 4 and configs.COMBINE == dict(S_CHUNK=None, COL_BLOCKS=None, ROWS=None)
+    with configs.wgmma_levers(COMBINE_ROWS=4):        # 32 rows: 8 programs of 4 per request
+        call = op._attention_call(inp.q, inp.k_cache, inp.block_table, meta, 576 ** -0.5, True, "wgmma")
+    assert call.combine_grid == (3, 8, 1) and call.combine_meta["ROWS"] == 4 and plan().combine_meta["ROWS"] == 1
+    for bad in (dict(COMBINE_COL_BLOCKS=3), dict(COMBINE_S_CHUNK=12), dict(COMBINE_ROWS=3), dict(COMBINE_SPLIT=2)):
         with pytest.raises(ValueError, match="COMBINE"):
             with configs.wgmma_levers(**bad):
                 pass
@@ -1817,16 +1821,18 @@ def test_wgmma_levers_plan():
 
 def test_combine_settings_rule():
     """The combine's settings from shapes (configs.combine_settings): 32 partials per load where
-    the schedule gives a request 12 or more parts, else 8; all 512 columns per program; a lever
-    pins either; the plan launches what it picks (the parts read back from the metadata's rows)."""
+    the schedule gives a request 12 or more parts, else 8; all 512 columns and one row per
+    program; a lever pins any of them; the plan launches what it picks (the parts read back from
+    the metadata's rows)."""
     rule = configs.combine_settings
-    assert rule(1, 132) == (32, 1) and rule(11, 132) == (32, 1) and rule(3, 36) == (32, 1)
-    assert rule(12, 132) == (8, 1) and rule(16, 66) == (8, 1) and rule(128, 132) == (8, 1) and rule(3, 35) == (8, 1)
-    with configs.wgmma_levers(COMBINE_COL_BLOCKS=4, COMBINE_S_CHUNK=16):
-        assert rule(1, 132) == (16, 4) and rule(128, 66) == (16, 4)
+    assert rule(1, 132) == (32, 1, 1) and rule(11, 132) == (32, 1, 1) and rule(3, 36) == (32, 1, 1)
+    assert rule(12, 132) == (8, 1, 1) and rule(16, 66) == (8, 1, 1) and rule(128, 132) == (8, 1, 1)
+    assert rule(3, 35) == (8, 1, 1)
+    with configs.wgmma_levers(COMBINE_COL_BLOCKS=4, COMBINE_S_CHUNK=16, COMBINE_ROWS=8):
+        assert rule(1, 132) == (16, 4, 8) and rule(128, 66) == (16, 4, 8)
     with configs.wgmma_levers(COMBINE_COL_BLOCKS=2):
-        assert rule(1, 132) == (32, 2) and rule(128, 66) == (8, 2)
-    assert rule(1, 132) == (32, 1)
+        assert rule(1, 132) == (32, 2, 1) and rule(128, 66) == (8, 2, 1)
+    assert rule(1, 132) == (32, 1, 1)
     inp = make_case([300, 70, 9000], 1, 16, torch.bfloat16, "cpu")
     for parts, want in ((36, 32), (35, 8), (4, 8)):
         meta, _ = op._metadata_torch(inp.cache_seqlens, parts)
@@ -1849,11 +1855,13 @@ def test_wgmma_levers_replan_cached_calls(interpret):
     assert op._plan_call(*args) is not inside
 
 
-@pytest.mark.parametrize("s_chunk,col_blocks", [(8, 1), (2, 4), (4, 2), (32, 1)])
-def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, col_blocks):
+@pytest.mark.parametrize("s_chunk,col_blocks,per_program", [(8, 1, 1), (2, 4, 1), (4, 2, 1), (32, 1, 1), (8, 1, 2),
+                                                           (2, 2, 4)])
+def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, col_blocks, per_program):
     """``mla_combine_kernel`` with FUSED_SPLITS = n merges only requests of more than n partials
     (the split kernel wrote the others): their outputs stay as they were. Each chunk of partials
-    per load and split of the columns over programs (``configs.COMBINE``) merges the same."""
+    per load, split of the columns over programs and number of rows per program (the last
+    program's rows past the 3: none written) (``configs.COMBINE``) merges the same."""
     from tilefuse.ops.mla import kernels
 
     rows, d = 3, 512
@@ -1863,10 +1871,10 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, c
     for fused, merged in ((1, [True, True]), (2, [False, True]), (5, [False, False])):
         out = torch.full((2, 1, rows, d), 7.0, dtype=torch.float16)
         lse = torch.full((2, rows, 1), 7.0)
-        kernels.mla_combine_kernel[(2, rows, col_blocks)](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7,
-                                                          rows * d, rows * d, d, rows, 1, S_CHUNK=s_chunk,
-                                                          SLOT_PROGRAMS=1, FUSED_SPLITS=fused, GDC=False,
-                                                          COL_BLOCKS=col_blocks)
+        grid = (2, -(-rows // per_program), col_blocks)
+        kernels.mla_combine_kernel[grid](num_splits, o_acc, lse_acc, out, lse, rows, rows, 7, rows * d, rows * d, d,
+                                         rows, 1, S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=fused, GDC=False,
+                                         COL_BLOCKS=col_blocks, ROWS=per_program)
         for req, first, n in ((0, 0, 2), (1, 2, 5)):
             part = (first + torch.arange(n))[:, None] * rows + torch.arange(rows)[None, :]     # [n, rows]
             w = torch.softmax(lse_acc[part] * 0.6931471805599453, dim=0)
@@ -1879,14 +1887,15 @@ def test_combine_leaves_fused_requests_to_the_split_kernel(interpret, s_chunk, c
                 assert (out[req] == 7).all() and (lse[req] == 7).all()
 
 
-@pytest.mark.parametrize("s_chunk,col_blocks,gdc", [(8, 1, False), (8, 1, True), (32, 1, True), (32, 4, True)])
-def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc):
+@pytest.mark.parametrize("s_chunk,col_blocks,gdc,per_program", [(8, 1, False, 1), (8, 1, True, 1), (32, 1, True, 1),
+                                                                 (32, 4, True, 1), (8, 1, True, 8)])
+def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc, per_program):
     """The combine launch compiles for sm_90a without spills in the settings its rule picks and
     the candidates, with the grid-dependency wait only where it is a programmatic dependent
     launch; at most 64 registers a thread where a load is at most 8 partials x 512 columns (the
     rule's pick for most batches); a load of 32 x 512 (128 values a thread, which the rule takes
     for few long requests only) takes 128 with Triton 3.6 and 167 with 3.9, so there only no
-    spills."""
+    spills; several rows per program (their unrolled chains overlap) up to 128 (72 at 8 rows)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from tilefuse.testing.gluon import compile_gluon_isolated
 
@@ -1894,12 +1903,13 @@ def test_mla_combine_compiles_for_sm90(s_chunk, col_blocks, gdc):
                 "lse_ptr": "*fp32"}
     signature = {**pointers, **{n: "i32" for n in ("h_q", "rows_total", "num_slots", "stride_ob", "stride_os",
                                                    "stride_oh", "stride_lb", "stride_lh")}}
-    constexprs = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=1, GDC=gdc, COL_BLOCKS=col_blocks)
+    constexprs = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=1, FUSED_SPLITS=1, GDC=gdc, COL_BLOCKS=col_blocks,
+                      ROWS=per_program)
     signature.update({name: "constexpr" for name in constexprs})
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels:mla_combine_kernel", signature, constexprs,
                                     num_warps=4, aligned=list(pointers))
-    assert result.spilled == 0 and 0 < result.registers <= (255 if s_chunk * 512 // col_blocks > 8192 else 64), \
-        result.ptxas
+    bound = 255 if s_chunk * 512 // col_blocks > 8192 else 64 if per_program == 1 else 128
+    assert result.spilled == 0 and 0 < result.registers <= bound, result.ptxas
     assert ("griddepcontrol.wait" in result.ptx) == gdc
 
 

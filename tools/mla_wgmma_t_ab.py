@@ -125,6 +125,10 @@ CANDIDATES = {
     # the combine's rule (configs.combine_settings) against the fixed form before it (8 partials
     # per load over all the columns)
     "combine8x1": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 1},
+    # several query rows per combine program (the rule's picks otherwise)
+    "combine_rows2": {"COMBINE_ROWS": 2},
+    "combine_rows4": {"COMBINE_ROWS": 4},
+    "combine_rows8": {"COMBINE_ROWS": 8},
     "combine8x4": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 4},
     "combine8x2": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 2},
     "combine32x1": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 1},

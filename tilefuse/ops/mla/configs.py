@@ -66,7 +66,12 @@ SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # 
 #   a quarter of the round trips), else 8 (most requests of one or a few partials: a [32, 512]
 #   load would be mostly masked, 128 registers a thread);
 # * COL_BLOCKS: 1 (a quarter of the columns per program: slower with 32 partials per load on 7 of
-#   the 8 batches where both were timed, level on the 8th; with 8, slower on 18 of 20).
+#   the 8 batches where both were timed, level on the 8th; with 8, slower on 18 of 20);
+# * ROWS (query rows per program, merged one after the other): 1. More is the candidate for large
+#   batches of one-split requests, whose programs only read two split counts and end (16384 of
+#   them at b128 h128, where the combine ends ~11 us after the split kernel and FlashMLA main's
+#   takes 3.2 us; sweeps/mla-kernel-times-h100-80gb-hbm3.json); not yet run on a GPU, off
+#   (wgmma_levers(COMBINE_ROWS=4); tools/mla_wgmma_t_ab.py --candidates combine_rows4).
 # Measured on an H100 in one process (tools/mla_wgmma_t_ab.py --cases levers, graph replay,
 # bench/results/sweeps/mla-levers-combine-nvidia-h100-80gb-hbm3.json, 20 batches): 32 partials
 # over all the columns 1.03-1.24x against 8 on all 10 batches of 16.5-132 parts a request, 0.82-1.01x
@@ -74,13 +79,14 @@ SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # 
 # over a quarter of the columns (the first rule's pick at up to 132 programs) 0.90-1.00x against
 # 32 over all of them. The threshold was set on those 20 batches (none of 9-15 parts measured). ``None``: by the rule; a number (wgmma_levers' COMBINE_S_CHUNK /
 # COMBINE_COL_BLOCKS) pins it.
-COMBINE = dict(S_CHUNK=None, COL_BLOCKS=None)
+COMBINE = dict(S_CHUNK=None, COL_BLOCKS=None, ROWS=None)
 
 
-def combine_settings(batch: int, num_parts: int) -> tuple[int, int]:
-    """(S_CHUNK, COL_BLOCKS) of the combine launch for ``batch`` requests scheduled over
+def combine_settings(batch: int, num_parts: int) -> tuple[int, int, int]:
+    """(S_CHUNK, COL_BLOCKS, ROWS) of the combine launch for ``batch`` requests scheduled over
     ``num_parts`` parts: the rule above, each setting pinned by :data:`COMBINE` where set."""
-    return COMBINE["S_CHUNK"] or (32 if num_parts >= 12 * batch else 8), COMBINE["COL_BLOCKS"] or 1
+    return (COMBINE["S_CHUNK"] or (32 if num_parts >= 12 * batch else 8), COMBINE["COL_BLOCKS"] or 1,
+            COMBINE["ROWS"] or 1)
 
 
 levers_version = 0      # bumped by wgmma_levers: the op's call plans include it
@@ -100,10 +106,10 @@ def wgmma_levers(**levers):
                          f"{sorted(unknown)}")
     if levers.get("SEESAW") and (levers.get("FUSED_SPLITS") or levers.get("Q_AHEAD") or levers.get("PDL", 0) >= 2):
         raise ValueError(f"levers: SEESAW goes without FUSED_SPLITS, Q_AHEAD and PDL 2, got {levers}")
-    if combine.get("COL_BLOCKS", 1) not in (None, 1, 2, 4, 8) \
+    if combine.get("COL_BLOCKS", 1) not in (None, 1, 2, 4, 8) or combine.get("ROWS", 1) not in (None, 1, 2, 4, 8) \
             or combine.get("S_CHUNK", 8) not in (None, 2, 4, 8, 16, 32, 64):
-        raise ValueError(f"levers: expected COMBINE_COL_BLOCKS in 1, 2, 4, 8 and COMBINE_S_CHUNK a power of two "
-                         f"2-64 (None: by combine_settings), got {combine}")
+        raise ValueError(f"levers: expected COMBINE_COL_BLOCKS and COMBINE_ROWS in 1, 2, 4, 8 and COMBINE_S_CHUNK "
+                         f"a power of two 2-64 (None: by combine_settings), got {combine}")
     saved, saved_combine = dict(CONFIGS["wgmma"]), dict(COMBINE)
     CONFIGS["wgmma"] = {**saved, **levers}
     COMBINE.update(combine)

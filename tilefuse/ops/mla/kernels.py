@@ -588,24 +588,44 @@ def _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK: tl
 
 
 @triton.jit
+def _combine_row(oacc_ptr, lseacc_ptr, out_ptr, lse_ptr, req, row, first, n, h_q, rows_total,
+                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, col0, S_CHUNK: tl.constexpr,
+                 COLS: tl.constexpr):
+    """One query row of the combine: its n partials merged (:func:`_merge_partials`), columns
+    ``col0 .. col0 + COLS`` of the output stored, and its lse (natural log, +inf for a row with
+    no visible key) by the columns' first program."""
+    offs_v = col0 + tl.arange(0, COLS)
+    acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK, col0, COLS)
+    t_safe = tl.where(t != 0, t, 1.0)
+    lse2 = tl.where(t != 0, m_safe + tl.log2(t_safe), float("-inf"))
+    tok = row // h_q
+    head = row % h_q
+    tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v,
+             (acc / t_safe).to(out_ptr.dtype.element_ty))
+    if col0 == 0:
+        tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
+                 tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
+
+
+@triton.jit
 def mla_combine_kernel(
     num_splits_ptr, oacc_ptr, lseacc_ptr, out_ptr, lse_ptr,
     h_q, rows_total, num_slots,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     S_CHUNK: tl.constexpr, SLOT_PROGRAMS: tl.constexpr, FUSED_SPLITS: tl.constexpr = 1, GDC: tl.constexpr = False,
-    COL_BLOCKS: tl.constexpr = 1,
+    COL_BLOCKS: tl.constexpr = 1, ROWS: tl.constexpr = 1,
 ):
-    """The unfused combine: one program per (request, query row, ``COL_BLOCKS``-th of the 512
-    columns) merges that row's partials (:func:`_merge_partials`): out = sum_s 2^(lse_s - lse) o_s
-    with lse = log2 sum_s 2^lse_s (written by the columns' first program).
-    ``FUSED_SPLITS`` (>= 1): requests of at most that many partials were written whole by the split
-    kernel (one partial: its output; more: its fused combine), only longer ones are left here.
-    ``GDC``: launched as a programmatic dependent launch after the split kernel: wait for its end
-    before reading anything."""
+    """The unfused combine: one program per (request, ``ROWS`` query rows, ``COL_BLOCKS``-th of
+    the 512 columns) merges each row's partials (:func:`_combine_row`): out = sum_s 2^(lse_s - lse)
+    o_s with lse = log2 sum_s 2^lse_s (written by the columns' first program). ``FUSED_SPLITS``
+    (>= 1): requests of at most that many partials were written whole by the split kernel (one
+    partial: its output; more: its fused combine), only longer ones are left here: a program of
+    such a request ends after reading two split counts, which ``ROWS`` > 1 pays once for several
+    rows (the rows then merged one after the other). ``GDC``: launched as a programmatic dependent
+    launch after the split kernel: wait for its end before reading anything."""
     if GDC:
         gdc_wait()
     req = tl.program_id(0)
-    row = tl.program_id(1)
     COLS: tl.constexpr = D_NOPE // COL_BLOCKS
     col0 = tl.program_id(2) * COLS
     first_slot = tl.load(num_splits_ptr + req)
@@ -617,17 +637,15 @@ def mla_combine_kernel(
     # up to FUSED_SPLITS partials (one: always): the split kernel wrote the result; out-of-range
     # num_splits: nothing was written
     if n > FUSED_SPLITS:
-        offs_v = col0 + tl.arange(0, COLS)
-        acc, t, m_safe = _merge_partials(oacc_ptr, lseacc_ptr, first, n, rows_total, row, S_CHUNK, col0, COLS)
-        t_safe = tl.where(t != 0, t, 1.0)
-        lse2 = tl.where(t != 0, m_safe + tl.log2(t_safe), float("-inf"))
-        tok = row // h_q
-        head = row % h_q
-        tl.store(out_ptr + req * stride_ob + tok * stride_os + head * stride_oh + offs_v,
-                 (acc / t_safe).to(out_ptr.dtype.element_ty))
-        if col0 == 0:
-            tl.store(lse_ptr + req * stride_lb + head * stride_lh + tok,
-                     tl.where(lse2 == float("-inf"), float("inf"), lse2 * LN2))
+        if ROWS == 1:
+            _combine_row(oacc_ptr, lseacc_ptr, out_ptr, lse_ptr, req, tl.program_id(1), first, n, h_q, rows_total,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, col0, S_CHUNK, COLS)
+        else:
+            for r in tl.static_range(ROWS):
+                row = tl.program_id(1) * ROWS + r
+                if row < rows_total:          # the last program's rows past the request's: none
+                    _combine_row(oacc_ptr, lseacc_ptr, out_ptr, lse_ptr, req, row, first, n, h_q, rows_total,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, col0, S_CHUNK, COLS)
 
 
 @triton.jit

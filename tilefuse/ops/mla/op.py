@@ -367,11 +367,11 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
     num_parts = (num_slots - batch) // configs.SLOT_WAVES        # metadata_slots' inverse
-    s_chunk, col_blocks = configs.combine_settings(batch, num_parts)
-    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, rows, col_blocks)
+    s_chunk, col_blocks, per_program = configs.combine_settings(batch, num_parts)
+    call.combine_grid = None if fused or fused_splits >= num_slots else (batch, -(-rows // per_program), col_blocks)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits),
-                             GDC=pdl >= 1, COL_BLOCKS=col_blocks, num_warps=4,
+                             GDC=pdl >= 1, COL_BLOCKS=col_blocks, ROWS=per_program, num_warps=4,
                              **({"launch_pdl": True} if pdl >= 1 else {}))
     return call
 

@@ -948,6 +948,12 @@ def test_explain_names_the_kernel_and_its_settings(interpret):
     with tilefuse.force(variant="transposed"):
         forced = tilefuse.explain("flash_mla_with_kvcache", *inp.args())
     assert (forced.variant, forced.source) == ("transposed", "forced")
+    # with the call's metadata it says what the combine does (configs.combine_settings)
+    for parts, chunk in ((24, 32), (4, 8)):
+        meta, splits = tilefuse.get_mla_metadata(inp.cache_seqlens, 16, 1, num_sm_parts=parts)
+        source = tilefuse.explain(tilefuse.flash_mla_with_kvcache, *inp.args(), 512, meta, splits).source
+        assert f"reads {chunk} partials per load ({parts} parts over 2 requests" in source, source
+        assert "1 query row(s) per program" in source and "combine" not in choice.source
 
 
 # ----------------------------------------------------------------------------- the cache writers

@@ -1077,7 +1077,7 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | 
                "(mla_split_fp8_kernel: pages by TMA, converter warps dequantizing into SMEM beside the MMA "
                "warpgroup, transposed WGMMAs; configs.FP8_GLUON_CONFIGS)" if variant == "wgmma_fp8" else
                "FP8 layout: the tl split kernel dequantizes each tile as it loads (configs.FP8_SPARSE_KERNELS)")
-        return _dispatch.Choice("mla", problem, variant, cfg, why,
+        return _dispatch.Choice("mla", problem, variant, cfg, why + _combine_why(batch, tile_scheduler_metadata),
                                 (_dispatch.Candidate(variant, cfg, None),))
     if indices is not None and fp8_sparse_kernels_run(q) and sparse_gather_dense_runs(q, [indices]):
         cfg = configs.launch_config("wgmma", h_q, 1)[0]
@@ -1110,7 +1110,20 @@ def explain(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | 
                    "configs.TRANSPOSED_GLUON_MAX_ROWS)")
     if forced and forced != chosen:
         source += f"; {forced} cannot run here (the Gluon kernels need a 16-bit q on a Hopper GPU)"
+    source += _combine_why(batch, tile_scheduler_metadata)
     return _dispatch.Choice("mla", problem, variant, cfg, source, (_dispatch.Candidate(variant, cfg, None),))
+
+
+def _combine_why(batch: int, meta: torch.Tensor | None) -> str:
+    """What ``explain`` says of the combine launch for a dense call with its metadata (none
+    without): its partials per load and rows per program (``configs.combine_settings``)."""
+    if meta is None:
+        return ""
+    num_parts = (meta.shape[0] - batch) // configs.SLOT_WAVES
+    s_chunk, _, per_program = configs.combine_settings(batch, num_parts)
+    return (f"; the combine (requests of several splits) reads {s_chunk} partials per load ({num_parts} parts over "
+            f"{batch} requests: {'12 or more' if num_parts >= 12 * batch else 'fewer than 12'} a request), "
+            f"{per_program} query row(s) per program (configs.combine_settings)")
 
 
 # the cache writers (FP8 layout, paged scatter) are part of the family's public surface

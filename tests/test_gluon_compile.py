@@ -111,7 +111,7 @@ def test_mla_split_ws_compiles(ring, one_head, page, levers):
     result = compile_gluon_isolated("tilefuse.ops.mla.kernels_gluon:mla_split_ws_kernel", signature, constexprs,
                                     num_warps=cfg["num_warps"], aligned=[n for n in names if n.endswith("_ptr")])
     # every lever at once (off as shipped): Triton 3.9 spills 12 bytes there (3.6: none), bounded;
-    # the seesaw form (off, unmeasured) holds a softmax in both MMA warpgroups: Triton 3.6 spills
+    # the seesaw form (off: measured slower) holds a softmax in both MMA warpgroups: Triton 3.6 spills
     # 692 bytes of scalars there (3.9: none), bounded
     _check(result, max_spilled=1024 if levers.get("SEESAW") else 32 if levers.get("Q_AHEAD") else 0)
     # the levers are in the code only when on: the fused combine's acq_rel arrival, PDL's grid control

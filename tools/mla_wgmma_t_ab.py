@@ -121,7 +121,6 @@ CANDIDATES = {
     "fused16_pdl1": {"FUSED_SPLITS": 16, "PDL": 1, "Q_AHEAD": False},
     # the combine launch reading 32 partials per load over a quarter of the columns (shipped levers)
     "combine32x4": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 4},
-    # each of the combine's two settings alone (the chunk of partials per load; the columns' split)
     # the combine's rule (configs.combine_settings) against the fixed form before it (8 partials
     # per load over all the columns)
     "combine8x1": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 1},
@@ -129,6 +128,7 @@ CANDIDATES = {
     "combine_rows2": {"COMBINE_ROWS": 2},
     "combine_rows4": {"COMBINE_ROWS": 4},
     "combine_rows8": {"COMBINE_ROWS": 8},
+    # each of the combine's two settings alone (the chunk of partials per load; the columns' split)
     "combine8x4": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 4},
     "combine8x2": {"COMBINE_S_CHUNK": 8, "COMBINE_COL_BLOCKS": 2},
     "combine32x1": {"COMBINE_S_CHUNK": 32, "COMBINE_COL_BLOCKS": 1},

@@ -74,11 +74,12 @@ SHIPPED_LEVERS = {lever: CONFIGS["wgmma"][lever] for lever in WGMMA_LEVERS}   # 
 #   (wgmma_levers(COMBINE_ROWS=4); tools/mla_wgmma_t_ab.py --candidates combine_rows4).
 # Measured on an H100 in one process (tools/mla_wgmma_t_ab.py --cases levers, graph replay,
 # bench/results/sweeps/mla-levers-combine-nvidia-h100-80gb-hbm3.json, 20 batches): 32 partials
-# over all the columns 1.03-1.24x against 8 on all 10 batches of 16.5-132 parts a request, 0.82-1.01x
-# on the 10 of 0.8-8.2 (0.82-0.90 at 128 heads, 2-4 parts), where the rule keeps 8; 32 partials
+# over all the columns 1.03-1.24x against 8 on all 10 batches of 16.5-132 parts a request,
+# 0.82-1.01x on the 10 of 0.8-8.2 (0.82-0.90 at 128 heads, 2-4 parts), where the rule keeps 8; 32 partials
 # over a quarter of the columns (the first rule's pick at up to 132 programs) 0.90-1.00x against
-# 32 over all of them. The threshold was set on those 20 batches (none of 9-15 parts measured). ``None``: by the rule; a number (wgmma_levers' COMBINE_S_CHUNK /
-# COMBINE_COL_BLOCKS) pins it.
+# 32 over all of them. The threshold was set on those 20 batches (none of 9-15 parts measured).
+# ``None``: by the rule; a number (wgmma_levers' COMBINE_S_CHUNK / COMBINE_COL_BLOCKS /
+# COMBINE_ROWS) pins it.
 COMBINE = dict(S_CHUNK=None, COL_BLOCKS=None, ROWS=None)
 
 

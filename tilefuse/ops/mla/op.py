@@ -144,6 +144,12 @@ def metadata_slots(num_parts: int, batch: int) -> int:
     return configs.SLOT_WAVES * num_parts + batch
 
 
+def metadata_parts(num_slots: int, batch: int) -> int:
+    """The parts a metadata of ``num_slots`` rows for ``batch`` requests was made for
+    (:func:`metadata_slots`' inverse)."""
+    return (num_slots - batch) // configs.SLOT_WAVES
+
+
 def _metadata_torch(cache_seqlens: torch.Tensor, num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The metadata kernel's schedule in PyTorch (the reference backend; no host sync either)."""
     batch, dev = cache_seqlens.shape[0], cache_seqlens.device
@@ -366,8 +372,7 @@ def _attention_call(q, k_cache, block_table, meta, scale: float, causal: bool, v
                         *out_strides, *lse_strides)
         call.meta = dict(CAUSAL=causal, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
                          FUSED_COMBINE=fused, SLOT_PROGRAMS=per_slot, KV_PAGE=page, KV_FP8=fp8, **cfg)
-    num_parts = (num_slots - batch) // configs.SLOT_WAVES        # metadata_slots' inverse
-    s_chunk, col_blocks, per_program = configs.combine_settings(batch, num_parts)
+    s_chunk, col_blocks, per_program = configs.combine_settings(batch, metadata_parts(num_slots, batch))
     call.combine_grid = None if fused or fused_splits >= num_slots else (batch, -(-rows // per_program), col_blocks)
     call.combine_scalars = (h_q, rows, num_slots, *out_strides, *lse_strides)
     call.combine_meta = dict(S_CHUNK=s_chunk, SLOT_PROGRAMS=per_slot, FUSED_SPLITS=max(1, fused_splits),
@@ -425,7 +430,7 @@ def _gluon_form(variant: str, rows: int, fp8: bool) -> str:
 LOG2E = 1.4426950408889634    # scores are kept in the log2 domain: qk_scale = softmax_scale * log2(e)
 
 
-_kv_pairs: dict = {}     # (cache address, dtype, shape, block_n) -> the pair of descriptors (GPU)
+_kv_pairs = PlanCache()     # (cache address, dtype, shape, block_n) -> the pair of descriptors (GPU)
 
 
 def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
@@ -442,10 +447,7 @@ def _kv_descriptors(k_cache: torch.Tensor, block_n: int) -> tuple:
         pair = tuple(_launch.descriptor(k_cache, [rows, cols], [HEAD_DIM, 1], [box, cols], gluon=True,
                                         offset=offset)
                      for offset, cols in ((0, HEAD_DIM_V), (HEAD_DIM_V, HEAD_DIM - HEAD_DIM_V)))
-        if key is not None:
-            if len(_kv_pairs) >= 4096:       # bounded for long-running servers
-                _kv_pairs.clear()
-            _kv_pairs[key] = pair
+        _kv_pairs.remember(key, pair)
     return pair
 
 
@@ -1119,7 +1121,7 @@ def _combine_why(batch: int, meta: torch.Tensor | None) -> str:
     without): its partials per load and rows per program (``configs.combine_settings``)."""
     if meta is None:
         return ""
-    num_parts = (meta.shape[0] - batch) // configs.SLOT_WAVES
+    num_parts = metadata_parts(meta.shape[0], batch)
     s_chunk, _, per_program = configs.combine_settings(batch, num_parts)
     return (f"; the combine (requests of several splits) reads {s_chunk} partials per load ({num_parts} parts over "
             f"{batch} requests: {'12 or more' if num_parts >= 12 * batch else 'fewer than 12'} a request), "
